@@ -1,0 +1,28 @@
+"""Every environment variable flotilla reads, in one place.
+
+    FLOTILLA_CACHE_DIR   where the embedded default model and converted tokenizers are cached
+                         (default: $XDG_CACHE_HOME/flotilla, i.e. ~/.cache/flotilla)
+    FLOTILLA_KERNEL      force one dequant-matmul kernel by name (read by flotilla.kernels.registry,
+                         which imports nothing of flotilla's)
+    FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
+    FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FLOTILLA_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "flotilla"
+
+
+def token() -> str | None:
+    return os.environ.get("FLOTILLA_TOKEN") or None
+
+
+def api_key() -> str | None:
+    return os.environ.get("FLOTILLA_API_KEY") or None

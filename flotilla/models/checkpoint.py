@@ -1,0 +1,256 @@
+"""The flotilla checkpoint format: names, the manifest, writing and verifying.
+
+A checkpoint is a Hugging Face-style directory:
+
+    config.json                       model config + quantization_config (GPTQ)
+    generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja
+    model-00001-of-0000N.safetensors  shards cut on layer boundaries
+    model.safetensors.index.json      weight_map: tensor -> shard
+    flotilla.json                     format version, sha256 and size per shard, layer -> shard
+
+Both the writer (`quantize`) and the loader (`runtime`) go through this module. Quantized
+linears use the GPTQ layout of `flotilla.kernels.gptq`.
+
+Writes are atomic: everything is built in a hidden sibling directory, fsynced, then renamed to
+OUT. A crash leaves no directory at OUT (only a hidden `.OUT.tmp-PID` that the next write of the
+same OUT removes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flotilla.errors import FlotillaError
+
+from .config import ModelConfig
+
+FORMAT_NAME = "flotilla"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "flotilla.json"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
+GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+EMBED_KEY = "embed"  # layer key of the embedding (first stage)
+HEAD_KEY = "head"  # layer key of the final norm and lm_head (last stage)
+
+
+def layer_key(name: str) -> str:
+    """The layer a tensor belongs to: 'embed', '0'..'L-1', or 'head'."""
+    if name.startswith("model.layers."):
+        return name.split(".")[2]
+    if name.startswith("model.embed_tokens."):
+        return EMBED_KEY
+    if name.startswith(("model.norm.", "lm_head.")):
+        return HEAD_KEY
+    raise FlotillaError(f"tensor {name!r} belongs to no known layer")
+
+
+def shard_file_name(index: int, total: int) -> str:
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str
+    size: int
+    sha256: str
+    layers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    shards: tuple[ShardInfo, ...]
+
+    @property
+    def layer_to_shard(self) -> dict[str, str]:
+        return {layer: s.file for s in self.shards for layer in s.layers}
+
+    def shard(self, file: str) -> ShardInfo:
+        for s in self.shards:
+            if s.file == file:
+                return s
+        raise FlotillaError(f"{MANIFEST_FILE} does not list shard {file!r}")
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "shards": [{"file": s.file, "size": s.size, "sha256": s.sha256, "layers": list(s.layers)}
+                       for s in self.shards],
+            "layer_to_shard": self.layer_to_shard,
+        }
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        path = directory / MANIFEST_FILE
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != FORMAT_NAME:
+                raise FlotillaError(f"{path}: not a flotilla manifest (format={d.get('format')!r})")
+            if d.get("format_version") != FORMAT_VERSION:
+                raise FlotillaError(f"{path}: format_version {d.get('format_version')!r} is not supported "
+                                    f"(this flotilla reads version {FORMAT_VERSION})")
+            shards = tuple(ShardInfo(s["file"], int(s["size"]), s["sha256"], tuple(s["layers"]))
+                           for s in d["shards"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise FlotillaError(f"{path}: malformed manifest ({e})") from None
+        return cls(FORMAT_VERSION, shards)
+
+    def verify(self, directory: Path, file: str) -> None:
+        """Check one shard's size and sha256; raise naming the file when it does not match."""
+        info = self.shard(file)
+        path = directory / file
+        if not path.is_file():
+            raise FlotillaError(f"{path}: shard is missing")
+        size = path.stat().st_size
+        if size != info.size:
+            raise FlotillaError(f"{path}: shard is {size} bytes, the manifest says {info.size} (truncated or replaced)")
+        digest = sha256_file(path)
+        if digest != info.sha256:
+            raise FlotillaError(f"{path}: sha256 mismatch (file {digest[:12]}…, manifest {info.sha256[:12]}…); "
+                                "the shard is corrupt")
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST_FILE).is_file()
+
+
+class CheckpointWriter:
+    """Streams layers into shards of about `shard_size` bytes, then commits atomically.
+
+        with CheckpointWriter(out, config, shard_size=2 << 30) as w:
+            w.add_layer("embed", {...}); w.add_layer("0", {...}); ...
+            w.copy_files(src_dir, TOKENIZER_FILES)
+            w.commit()
+
+    Leaving the block without commit() (an exception, a kill) removes the temporary directory.
+    """
+
+    def __init__(self, out: str | Path, config: ModelConfig, shard_size: int = 2 << 30, force: bool = False):
+        self.out = Path(out).absolute()
+        self.config = config
+        self.shard_size = shard_size
+        if self.out.exists() and not force:
+            raise FlotillaError(f"{self.out}: already exists; pass --force to replace it")
+        if self.out.exists() and not self.out.is_dir():
+            raise FlotillaError(f"{self.out}: exists and is not a directory")
+        parent = self.out.parent
+        if not parent.is_dir():
+            raise FlotillaError(f"{parent}: output's parent directory does not exist")
+        if not os.access(parent, os.W_OK):
+            raise FlotillaError(f"{parent}: not writable")
+        self._remove_stale_temps()
+        self.tmp = parent / f".{self.out.name}.tmp-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_layers: list[str] = []
+        self._pending_bytes = 0
+        self._written: list[tuple[str, list[str], list[str]]] = []  # (temp file, layers, tensor names)
+        self._committed = False
+        self.total_bytes = 0
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._committed:
+            self.abort()
+
+    def _remove_stale_temps(self) -> None:
+        for p in self.out.parent.glob(f".{self.out.name}.tmp-*"):
+            try:
+                pid = int(p.name.rsplit("-", 1)[1])
+                os.kill(pid, 0)  # still running: leave it alone
+            except ProcessLookupError:
+                shutil.rmtree(p, ignore_errors=True)
+            except (ValueError, PermissionError):
+                pass
+
+    def add_layer(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Add every tensor of one layer; layers are never split across shards."""
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._pending and self._pending_bytes + size > self.shard_size:
+            self._flush()
+        for name, t in tensors.items():
+            self._pending[name] = t.detach().to("cpu").contiguous()
+        self._pending_layers.append(key)
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        temp = f"shard-{len(self._written):05d}.safetensors"
+        save_file(self._pending, str(self.tmp / temp), metadata={"format": "pt"})
+        self._written.append((temp, self._pending_layers, list(self._pending)))
+        self._pending, self._pending_layers, self._pending_bytes = {}, [], 0
+
+    def copy_files(self, src: Path, names=TOKENIZER_FILES) -> None:
+        for name in names:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, self.tmp / name)
+
+    def write_file(self, name: str, data: bytes | str) -> None:
+        (self.tmp / name).write_bytes(data.encode() if isinstance(data, str) else data)
+
+    def commit(self) -> Path:
+        self._flush()
+        total = len(self._written)
+        if total == 0:
+            raise FlotillaError("nothing to write: the checkpoint has no tensors")
+        shards, weight_map = [], {}
+        for i, (temp, layers, names) in enumerate(self._written, start=1):
+            final = shard_file_name(i, total)
+            os.replace(self.tmp / temp, self.tmp / final)
+            path = self.tmp / final
+            shards.append(ShardInfo(final, path.stat().st_size, sha256_file(path), tuple(layers)))
+            weight_map.update({n: final for n in names})
+        self.total_bytes = sum(s.size for s in shards)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        self.write_file(INDEX_FILE, json.dumps(index, indent=2))
+        self.write_file(CONFIG_FILE, json.dumps(self.config.to_hf_dict(), indent=2))
+        self.write_file(MANIFEST_FILE, json.dumps(Manifest(FORMAT_VERSION, tuple(shards)).to_json(), indent=2))
+        for p in self.tmp.iterdir():
+            _fsync_path(p)
+        _fsync_path(self.tmp)
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            os.replace(self.out, old)
+        os.replace(self.tmp, self.out)
+        _fsync_path(self.out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self._committed = True
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

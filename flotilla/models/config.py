@@ -1,0 +1,250 @@
+"""Model and quantization configs, parsed from a Hugging Face config.json or GGUF metadata.
+
+An unknown architecture or an unsupported field value is a FlotillaError naming it; nothing
+falls back to a silent default.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flotilla.errors import FlotillaError
+
+# Hugging Face architecture name -> (family, qkv bias by construction)
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The `quantization_config` of a GPTQ checkpoint (ours or a community one)."""
+
+    bits: int
+    group_size: int
+    sym: bool = True
+    desc_act: bool = False
+    damp_percent: float = 0.01
+    checkpoint_format: str = "gptq"
+    method: str = "gptq"  # how it was made: gptq or rtn (both stored in the GPTQ layout)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "quant_method": "gptq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "sym": self.sym,
+            "desc_act": self.desc_act,
+            "damp_percent": self.damp_percent,
+            "checkpoint_format": self.checkpoint_format,
+            "true_sequential": True,
+            "lm_head": False,
+            "flotilla_method": self.method,
+        }
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "QuantConfig":
+        method = d.get("quant_method")
+        if method != "gptq":
+            raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; only 'gptq' is supported")
+        fmt = d.get("checkpoint_format", "gptq")
+        if fmt != "gptq":
+            raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported (expected 'gptq')")
+        bits = d.get("bits")
+        if bits not in (4, 8):
+            raise FlotillaError(f"{where}: quantization_config.bits is {bits!r}; supported: 4, 8")
+        if d.get("lm_head"):
+            raise FlotillaError(f"{where}: a quantized lm_head is not supported")
+        return cls(bits=bits, group_size=int(d.get("group_size", -1)), sym=bool(d.get("sym", True)),
+                   desc_act=bool(d.get("desc_act", False)), damp_percent=float(d.get("damp_percent", 0.01)),
+                   checkpoint_format=fmt, method=d.get("flotilla_method", "gptq"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # a key of ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Llama: q, k, v and o
+    qkv_bias: bool = False  # Qwen2: q, k and v only
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    quant: QuantConfig | None = None
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def family(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context we serve: sliding-window attention is not implemented, so a model
+        with a window shorter than its context is capped at the window."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def with_quant(self, quant: QuantConfig | None) -> "ModelConfig":
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["quant"] = quant
+        return ModelConfig(**d)
+
+    # ----------------------------------------------------------------- Hugging Face
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FlotillaError(f"{path}: no config.json (expected a Hugging Face model directory, "
+                                "a flotilla checkpoint or a .gguf file)")
+        try:
+            d = json.loads(cfg_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FlotillaError(f"{cfg_file}: not valid JSON ({e})") from None
+        return cls.from_hf_dict(d, where=str(cfg_file))
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        arch = _hf_architecture(d, where)
+        family = ARCHITECTURES[arch]
+
+        def req(key):
+            if key not in d or d[key] is None:
+                raise FlotillaError(f"{where}: missing field {key!r}")
+            return d[key]
+
+        heads = int(req("num_attention_heads"))
+        hidden = int(req("hidden_size"))
+        rope = d.get("rope_parameters") or {}
+        legacy = d.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = _rope_scaling(legacy or rope, where)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = d.get("sliding_window") if (family == "mistral" or d.get("use_sliding_window")) else None
+        quant = QuantConfig.from_hf(d["quantization_config"], where) if d.get("quantization_config") else None
+        head_dim = d.get("head_dim") or hidden // heads
+        if d.get("hidden_act", "silu") != "silu":
+            raise FlotillaError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (expected 'silu')")
+        return cls(
+            architecture=arch,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_hidden_layers=int(req("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)) and family != "qwen2",
+            qkv_bias=family == "qwen2",
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            quant=quant,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json that transformers and vLLM read back as the same model."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.family == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = self.mlp_bias
+        if self.sliding_window:
+            d["sliding_window"] = self.sliding_window
+        if self.family == "qwen2":
+            d["use_sliding_window"] = False
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = asdict(self.rope_scaling)
+            d["rope_scaling"]["type"] = self.rope_scaling.rope_type
+        if self.quant is not None:
+            d["quantization_config"] = self.quant.to_hf()
+        return d
+
+
+def _hf_architecture(d: dict, where: str) -> str:
+    archs = d.get("architectures") or []
+    if archs:
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise FlotillaError(f"{where}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        return arch
+    model_type = d.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise FlotillaError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(_MODEL_TYPES)}")
+    return _MODEL_TYPES[model_type]
+
+
+def _rope_scaling(d: dict, where: str) -> RopeScaling | None:
+    rope_type = d.get("rope_type") or d.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise FlotillaError(f"{where}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(d.get("factor", 1.0)),
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,130 @@
+"""The one factory that builds every linear of the decoder, plain or quantized.
+
+Linears that share an input are merged (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`):
+one matmul instead of three or two. Each merged linear knows its shards — the checkpoint
+tensors it is made of (`q_proj`, `k_proj`, `v_proj`) — and loads each into its slice of the
+output axis, so checkpoints keep Hugging Face's and GPTQ's per-projection names.
+
+The model never sees packing: a `QuantLinear` owns the GPTQ tensors (qweight, qzeros, scales,
+g_idx, bias) and asks the kernel registry for the fastest kernel for its device once its
+weights are loaded.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flotilla.errors import FlotillaError
+from flotilla.kernels import registry
+from flotilla.kernels.gptq import GPTQWeight, num_groups
+
+from .config import QuantConfig
+
+
+class _Shards:
+    """Output-axis slices of a (possibly merged) linear: shard i covers [offsets[i], offsets[i+1])."""
+
+    def _init_shards(self, out_sizes: list[int]) -> None:
+        self.out_sizes = list(out_sizes)
+        self.offsets = [0]
+        for n in out_sizes:
+            self.offsets.append(self.offsets[-1] + n)
+
+    def shard_slice(self, shard: int) -> slice:
+        return slice(self.offsets[shard], self.offsets[shard + 1])
+
+
+class Linear(nn.Linear, _Shards):
+    """A plain (fp) linear, possibly merged from several checkpoint tensors."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        nn.Linear.__init__(self, in_features, sum(out_sizes), bias=bias)
+        self._init_shards(out_sizes)
+        self.weight.requires_grad_(False)
+
+    def tensor_suffixes(self) -> tuple[str, ...]:
+        return ("weight", "bias") if self.bias is not None else ("weight",)
+
+    def load(self, suffix: str, shard: int, value: torch.Tensor) -> None:
+        rows = self.shard_slice(shard)
+        target = getattr(self, suffix)[rows]
+        _check_shape(target, value)
+        target.copy_(value.to(target.dtype))
+
+
+class QuantLinear(nn.Module, _Shards):
+    """A GPTQ-layout linear, possibly merged; see flotilla.kernels.gptq for the layout."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig):
+        super().__init__()
+        self._init_shards(out_sizes)
+        bits, gs = quant.bits, quant.group_size
+        per_word = 32 // bits
+        out_features = sum(out_sizes)
+        if in_features % per_word or any(n % per_word for n in out_sizes):
+            raise FlotillaError(f"a {bits}-bit linear needs in and out features divisible by {per_word}, "
+                                f"got in={in_features}, out={out_sizes}")
+        if gs != -1 and in_features % gs:
+            raise FlotillaError(f"group size {gs} does not divide a linear's input size {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, gs
+        groups = num_groups(in_features, gs)
+        self.register_buffer("qweight", torch.zeros(in_features // per_word, out_features, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(groups, out_features // per_word, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.kernel = None
+        self._g_idx_loaded = False
+
+    def tensor_suffixes(self) -> tuple[str, ...]:
+        base = ("qweight", "qzeros", "scales", "g_idx")
+        return base + ("bias",) if self.bias is not None else base
+
+    def load(self, suffix: str, shard: int, value: torch.Tensor) -> None:
+        cols = self.shard_slice(shard)
+        if suffix == "g_idx":
+            if self._g_idx_loaded:
+                if not torch.equal(self.g_idx, value.to(torch.int32)):
+                    raise FlotillaError("the merged projections have different g_idx (act-order permutations); "
+                                        "this checkpoint cannot be loaded")
+                return
+            target = self.g_idx
+            self._g_idx_loaded = True
+        elif suffix == "bias":
+            target = self.bias[cols]
+        elif suffix == "qzeros":
+            per_word = 32 // self.bits
+            target = self.qzeros[:, cols.start // per_word:cols.stop // per_word]
+        else:
+            target = getattr(self, suffix)[:, cols]
+        _check_shape(target, value)
+        target.copy_(value.to(target.dtype))
+
+    def gptq_weight(self) -> GPTQWeight:
+        return GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size)
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Pick and build the kernel for this device; call after the weights are loaded."""
+        self.kernel = registry.select(self.gptq_weight(), self.qweight.device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            self.prepare(x.dtype)
+        return self.kernel(x, self.bias)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.kernel, "name", None)
+        return (f"in={self.in_features}, out={self.out_sizes}, bits={self.bits}, "
+                f"group_size={self.group_size}, kernel={name}")
+
+
+def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | None) -> nn.Module:
+    if quant is None:
+        return Linear(in_features, out_sizes, bias)
+    return QuantLinear(in_features, out_sizes, bias, quant)
+
+
+def _check_shape(target: torch.Tensor, value: torch.Tensor) -> None:
+    if tuple(target.shape) != tuple(value.shape):
+        raise FlotillaError(f"shape {tuple(value.shape)} where {tuple(target.shape)} was expected")

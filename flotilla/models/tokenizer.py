@@ -1,0 +1,134 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+Loaded from `tokenizer.json` + `tokenizer_config.json` in a model directory, or from the
+metadata of a GGUF file (converted once by transformers and cached next to flotilla's other
+cached files, since the conversion takes seconds). Never touches a model hub.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from flotilla.envs import cache_dir  # noqa: E402
+from flotilla.errors import FlotillaError  # noqa: E402
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...] = ()):
+        self.hf = hf_tokenizer
+        self._fast = getattr(hf_tokenizer, "_tokenizer", None)  # the Rust tokenizers object
+        eos = list(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.append(hf_tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.vocab_size = len(hf_tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise FlotillaError("this model's tokenizer has no chat template; use plain completions")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja errors from a template that rejects the conversation
+            raise FlotillaError(f"the chat template rejected the messages: {e}") from None
+        return self.encode(text, add_special_tokens=False)
+
+    def save(self, directory: Path) -> None:
+        self.hf.save_pretrained(str(directory))
+
+    def detokenizer(self, prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids or [])
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting a UTF-8 character.
+
+    Decodes a small window (from `prefix` to the end) and emits only what the window adds beyond
+    the text already emitted; a window ending in U+FFFD (an incomplete byte sequence) waits."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tok = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full_text = self.tok.decode(self.ids[self.prefix:])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (an incomplete character stays as U+FFFD)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full_text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return full_text[len(prefix_text):]
+
+
+def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+    p = Path(path).expanduser()
+    if p.is_file():
+        return Tokenizer(_gguf_tokenizer(p), eos_token_ids)
+    if not (p / "tokenizer.json").is_file() and not (p / "tokenizer.model").is_file():
+        raise FlotillaError(f"{p}: no tokenizer.json (the model directory needs its tokenizer files)")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:
+        raise FlotillaError(f"{p}: cannot load the tokenizer ({e})") from None
+    return Tokenizer(hf, eos_token_ids + _generation_eos(p))
+
+
+def _generation_eos(directory: Path) -> tuple[int, ...]:
+    f = directory / "generation_config.json"
+    if not f.is_file():
+        return ()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except json.JSONDecodeError:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+
+
+def _gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise FlotillaError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
+    try:
+        tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
+        hf.save_pretrained(str(tmp))
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only cache only costs the conversion next time
+    return hf

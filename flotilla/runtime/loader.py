@@ -1,0 +1,64 @@
+"""Open a model path (flotilla checkpoint, Hugging Face directory or GGUF file) for the runtime."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flotilla.errors import FlotillaError
+from flotilla.models.config import ModelConfig
+from flotilla.models.llama import CausalLM, Stage
+from flotilla.models.sources import open_source
+from flotilla.models.tokenizer import Tokenizer, load_tokenizer
+from flotilla.models.weights import load_stage
+
+from .default_model import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
+def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return default_dtype(device)
+    if name not in DTYPES:
+        raise FlotillaError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise FlotillaError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlotillaError(f"device {name!r} asked for, but no CUDA GPU is available")
+    return device
+
+
+def load_model(model: str | Path | None, device: str | torch.device | None = None, dtype: str | None = None,
+               stage: Stage | None = None, with_tokenizer: bool = True, progress: bool = True) -> LoadedModel:
+    path = resolve_model_path(str(model) if model else None)
+    dev = device if isinstance(device, torch.device) else parse_device(device)
+    dt = parse_dtype(dtype, dev)
+    source = open_source(path)
+    tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None
+    m = load_stage(source, stage, dev, dt, progress=progress)
+    return LoadedModel(path, source.config, m, tok, dev, dt)

@@ -147,8 +147,9 @@ class _TorchPlan:
             self.prefill_mask = (j[None, None, :] <= last_visible[:, :, None])[:, None]  # [Bp, 1, Q, L]
             if meta.num_prefills > 1:  # rows of the padded output that are real queries
                 tp = meta.slot_mapping.shape[0] - meta.num_decodes
-                seq = torch.repeat_interleave(torch.arange(qlens.shape[0], device=device), qlens, output_size=tp)
-                self.prefill_unpad = seq * Q + torch.arange(tp, device=device) - starts[seq]
+                rows = torch.arange(tp, device=device)
+                seq = torch.searchsorted(torch.cumsum(qlens, 0), rows, right=True)  # [Tp] owning sequence
+                self.prefill_unpad = seq * Q + rows - starts[seq]
 
 
 def _gather_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, bs: int):

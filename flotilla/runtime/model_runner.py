@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flotilla.kernels.attention import PagedAttentionMetadata
@@ -52,7 +53,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        positions, meta = self.prepare(step)
+        positions, meta = prepare_step(step, self.block_size, self.device)
         x = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first else hidden
         h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
         if not self.model.stage.is_last:
@@ -70,31 +71,39 @@ class ModelRunner:
             hidden = hidden.index_select(0, torch.tensor(ends, device=hidden.device))
         return self.model.compute_logits(hidden)
 
-    def prepare(self, step: StepInput) -> tuple[torch.Tensor, PagedAttentionMetadata]:
-        """Positions [T] and the attention metadata of a step (built on the host from lists, then
-        moved to the device in one go)."""
-        bs, nd = self.block_size, step.num_decodes
-        starts = torch.tensor(step.starts, dtype=torch.long)
-        qlens = torch.tensor(step.query_lens, dtype=torch.long)
-        seq_lens = starts + qlens
-        width = max(len(t) for t in step.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.long)
-        T = step.num_tokens
-        seq_of_token = torch.repeat_interleave(torch.arange(step.num_seqs), qlens, output_size=T)
-        first_row = torch.cumsum(qlens, 0) - qlens
-        positions = starts[seq_of_token] + torch.arange(T) - first_row[seq_of_token]
+
+def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tuple[torch.Tensor, PagedAttentionMetadata]:
+    """Positions [T] and the attention metadata of a step. Built on the host with numpy (small
+    arrays; torch's threaded CPU ops cost more than they compute here), then moved to the device."""
+    bs, nd, B, T = block_size, step.num_decodes, step.num_seqs, step.num_tokens
+    starts = np.asarray(step.starts, dtype=np.int64)
+    qlens = np.asarray(step.query_lens, dtype=np.int64)
+    tables = np.zeros((B, max(len(t) for t in step.block_tables)), dtype=np.int64)  # [B, W], 0 = null block
+    for b, t in enumerate(step.block_tables):
+        tables[b, :len(t)] = t
+    if nd == T:  # decodes only: one token per sequence
+        positions = starts
+        slots = tables[np.arange(B), starts // bs] * bs + starts % bs
+    else:
+        seq_of_token = np.repeat(np.arange(B), qlens)  # [T]
+        first_row = np.cumsum(qlens) - qlens
+        positions = starts[seq_of_token] + np.arange(T) - first_row[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        dev = self.device
-        seq_list = [s + q for s, q in zip(step.starts, step.query_lens)]
-        meta = PagedAttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=tables.to(dev),
-            seq_lens=seq_lens.to(dev),
-            query_lens=qlens.to(dev),
-            block_size=bs,
-            num_decodes=nd,
-            max_decode_seq_len=max(seq_list[:nd], default=0),
-            max_prefill_query_len=max(step.query_lens[nd:], default=0),
-            max_prefill_seq_len=max(seq_list[nd:], default=0),
-        )
-        return positions.to(dev), meta
+    seq_lens = starts + qlens
+    meta = PagedAttentionMetadata(
+        slot_mapping=_to(slots, device),
+        block_tables=_to(tables, device),
+        seq_lens=_to(seq_lens, device),
+        query_lens=_to(qlens, device),
+        block_size=bs,
+        num_decodes=nd,
+        max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
+        max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
+        max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
+    )
+    return _to(positions, device), meta
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)

@@ -76,3 +76,25 @@ def run_all(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, list[int]]
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     raise AssertionError(f"not finished after {max_steps} steps: {engine.stats()}")
+
+
+class ScriptedExecutor:
+    """Generates a fixed script of tokens per request (for text and stop-string tests)."""
+
+    def __init__(self, scripts: dict[str, list[int]]):
+        self.scripts = scripts
+        self.done: dict[str, int] = {}
+
+    def execute(self, step: StepInput) -> SamplerOutput:
+        out = []
+        for rid, samples in zip(step.request_ids, step.sample):
+            if samples:
+                i = self.done.get(rid, 0)
+                self.done[rid] = i + 1
+                out.append(self.scripts[rid][i])
+        return SamplerOutput(out)
+
+
+def scripted_engine(scripts: dict[str, list[int]], tokenizer, num_blocks: int = 64) -> LLMEngine:
+    config = EngineConfig(num_blocks=num_blocks, block_size=16, max_model_len=4096)
+    return LLMEngine(ScriptedExecutor(scripts), config, tokenizer=tokenizer)

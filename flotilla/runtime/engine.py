@@ -73,10 +73,8 @@ class LLMEngine:
         self._finished: dict[str, int] = {r.value: 0 for r in FinishReason}
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        params = params or SamplingParams()
-        if request_id in self.seqs:
-            raise FlotillaError(f"request id {request_id!r} is already in use")
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise a FlotillaError if the request can never be served (reads only the config)."""
         n, limit = len(prompt_token_ids), self.config.context_len
         if n == 0:
             raise FlotillaError("the prompt is empty: at least one token is needed")
@@ -87,7 +85,13 @@ class LLMEngine:
             raise FlotillaError(f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise FlotillaError("stop strings need a tokenizer; this engine has none")
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, limit)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.seqs:
+            raise FlotillaError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, self.config.context_len)
         self.seqs[request_id] = seq
         self.seeds[request_id] = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.outputs.add(seq)

@@ -74,7 +74,8 @@ class SamplingBatch:
 
     @property
     def any_penalty(self) -> bool:
-        return any(self.output_ids)
+        return (any(r != 1.0 for r in self.repetition_penalty) or any(self.presence_penalty)
+                or any(self.frequency_penalty))
 
     @property
     def any_logprobs(self) -> bool:

@@ -62,3 +62,11 @@ def tiny_llama_dir(tmp_path) -> Path:
 
 def read_json(p: Path) -> dict:
     return json.loads(p.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4(smollm2_gguf) -> Path:
+    """SmolLM2-135M as an RTN INT4 (group 32) GPTQ-layout checkpoint, built once and cached."""
+    from rtn_int4 import smollm2_int4_path
+
+    return smollm2_int4_path(smollm2_gguf)

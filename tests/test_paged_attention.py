@@ -13,13 +13,16 @@ from flotilla.kernels.attention import PagedAttentionMetadata, paged_attention, 
 BS, HKV, G, D = 4, 2, 3, 16
 
 
-def build(seqs, num_blocks=64, seed=0):
+def build(seqs, num_blocks=64, seed=0, consecutive=False):
     """seqs: [(cached_len, query_len)] with decodes (query_len 1) first. Returns the caches
     (with the cached prefixes written), the full per-sequence k/v, this step's q/k/v and meta."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     free = list(range(1, num_blocks))
-    rng.shuffle(free)
+    if not consecutive:
+        rng.shuffle(free)
+    else:
+        free = free[::-1]  # pop() hands out 1, 2, 3, ...
     kc = torch.zeros(num_blocks, BS, HKV, D)
     vc = torch.zeros(num_blocks, BS, HKV, D)
     tables, full_k, full_v, qs, ks, vs, slots = [], [], [], [], [], [], []
@@ -51,6 +54,7 @@ def build(seqs, num_blocks=64, seed=0):
         max_decode_seq_len=max((c + q for c, q in dec), default=0),
         max_prefill_query_len=max((q for _, q in pre), default=0),
         max_prefill_seq_len=max((c + q for c, q in pre), default=0),
+        first_block=tables[0][0] if consecutive and len(seqs) == 1 else -1,
     )
     return kc, vc, full_k, full_v, torch.cat(qs), torch.cat(ks), torch.cat(vs), meta
 
@@ -86,6 +90,17 @@ def test_paged_attention_matches_dense(case):
     want = dense_reference(seqs, full_k, full_v, q)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("case", ["one-decode", "one-prefill", "prefill-after-prefix"])
+def test_one_sequence_in_consecutive_blocks_reads_a_view(case):
+    seqs = CASES[case]
+    kc, vc, full_k, full_v, q, k, v, meta = build(seqs, consecutive=True)
+    assert meta.first_block == 1
+    store_kv(kc, vc, k, v, meta)
+    got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D))
+    assert meta.plan().contiguous is not None and meta.plan().decode_gather is None
+    assert (got - dense_reference(seqs, full_k, full_v, q)).abs().max().item() < 1e-5
 
 
 def test_store_kv_writes_exact_slots_and_nothing_else():

@@ -49,6 +49,7 @@ class PagedAttentionMetadata:
     max_decode_seq_len: int  # max seq_len over the decodes (0 if none)
     max_prefill_query_len: int  # max query_len over the prefills (0 if none)
     max_prefill_seq_len: int  # max seq_len over the prefills (0 if none)
+    first_block: int = -1  # one sequence whose blocks are consecutive ids: the first (no gather needed)
     _plan: "_TorchPlan | None" = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -94,10 +95,8 @@ def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: "
     # One query per sequence; the G query heads that share a kv head become G query rows.
     B, hq, d = q.shape
     hkv = flat_k.shape[1]
-    L = plan.decode_gather.shape[1]
     qg = q.view(B, hkv, hq // hkv, d)  # [B, Hkv, G, D]
-    k = flat_k.index_select(0, plan.decode_gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    v = flat_v.index_select(0, plan.decode_gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)
+    k, v = _keys_values(flat_k, flat_v, plan.decode_gather, plan.contiguous)  # [B, Hkv, L, D]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask, scale=scale)  # [B, Hkv, G, D]
     return out.reshape(B, hq, d)
 
@@ -109,17 +108,27 @@ def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: 
     Bp, Q = plan.prefill_shape
     hq, d = q.shape[1], q.shape[2]
     hkv = flat_k.shape[1]
-    L = plan.prefill_gather.shape[1]
     if plan.prefill_q_index is None:  # one sequence: no padding
         qp = q.view(1, Q, hq, d).transpose(1, 2)
     else:
         qp = q.index_select(0, plan.prefill_q_index.view(-1)).view(Bp, Q, hq, d).transpose(1, 2)  # [Bp, Hq, Q, D]
-    k = flat_k.index_select(0, plan.prefill_gather.view(-1)).view(Bp, L, hkv, d).transpose(1, 2)  # [Bp, Hkv, L, D]
-    v = flat_v.index_select(0, plan.prefill_gather.view(-1)).view(Bp, L, hkv, d).transpose(1, 2)
+    k, v = _keys_values(flat_k, flat_v, plan.prefill_gather, plan.contiguous)  # [Bp, Hkv, L, D]
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, is_causal=plan.prefill_causal,
                                          scale=scale, enable_gqa=hq != hkv)  # [Bp, Hq, Q, D]
     out = out.transpose(1, 2).reshape(Bp * Q, hq, d)
     return out if plan.prefill_unpad is None else out.index_select(0, plan.prefill_unpad)
+
+
+def _keys_values(flat_k: torch.Tensor, flat_v: torch.Tensor, gather: torch.Tensor, contiguous: slice | None):
+    """Each sequence's keys and values [B, Hkv, L, D]: a view of the cache when the batch is one
+    sequence in consecutive blocks, else gathered through the block tables."""
+    if contiguous is not None:
+        return flat_k[contiguous].unsqueeze(0).transpose(1, 2), flat_v[contiguous].unsqueeze(0).transpose(1, 2)
+    B, L = gather.shape
+    hkv, d = flat_k.shape[1], flat_k.shape[2]
+    k = flat_k.index_select(0, gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)
+    v = flat_v.index_select(0, gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)
+    return k, v
 
 
 class _TorchPlan:
@@ -129,10 +138,14 @@ class _TorchPlan:
     def __init__(self, meta: PagedAttentionMetadata, dtype: torch.dtype):
         bs, nd = meta.block_size, meta.num_decodes
         self.dtype = dtype
+        self.contiguous = None  # slots of the lone sequence, when its blocks are consecutive
+        if meta.first_block >= 0:
+            n = max(meta.max_decode_seq_len, meta.max_prefill_seq_len)
+            self.contiguous = slice(meta.first_block * bs, meta.first_block * bs + n)
         self.decode_gather = self.decode_mask = None
         self.prefill_q_index = self.prefill_gather = self.prefill_mask = self.prefill_unpad = None
         self.prefill_causal = False
-        if nd:
+        if nd and self.contiguous is None:
             self.decode_gather, valid = _gather_index(meta.block_tables[:nd], meta.seq_lens[:nd],
                                                       meta.max_decode_seq_len, bs)
             if nd > 1:
@@ -145,7 +158,8 @@ class _TorchPlan:
         qlens, seq_lens = meta.query_lens[nd:], meta.seq_lens[nd:]
         Q, L, device = meta.max_prefill_query_len, meta.max_prefill_seq_len, qlens.device
         self.prefill_shape = (Bp, Q)
-        self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, L, bs)
+        if self.contiguous is None:
+            self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, L, bs)
         if Bp == 1 and Q == L:  # a fresh prompt: plain causal attention
             self.prefill_causal = True
             return

@@ -102,8 +102,14 @@ def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tupl
         max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
         max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
         max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
+        first_block=_first_if_consecutive(step.block_tables[0]) if B == 1 else -1,
     )
     return _to(positions, device), meta
+
+
+def _first_if_consecutive(table: list[int]) -> int:
+    """The first block id of a table of consecutive ids (then attention reads a view), else -1."""
+    return table[0] if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1)) else -1
 
 
 def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:

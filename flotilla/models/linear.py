@@ -11,7 +11,10 @@ weights are loaded.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flotilla.errors import FlotillaError
@@ -44,6 +47,10 @@ class Linear(nn.Linear, _Shards):
 
     def tensor_suffixes(self) -> tuple[str, ...]:
         return ("weight", "bias") if self.bias is not None else ("weight",)
+
+    def fn(self):
+        """This linear as a plain callable x -> y (no module call); see CausalLM.freeze."""
+        return functools.partial(F.linear, weight=self.weight, bias=self.bias)
 
     def load(self, suffix: str, shard: int, value: torch.Tensor) -> None:
         rows = self.shard_slice(shard)
@@ -112,6 +119,12 @@ class QuantLinear(nn.Module, _Shards):
         if self.kernel is None:
             self.prepare(x.dtype)
         return self.kernel(x, self.bias)
+
+    def fn(self):
+        """This linear as a plain callable x -> y (no module call); see CausalLM.freeze."""
+        if self.kernel is None:
+            raise RuntimeError("QuantLinear.fn() before prepare(): its kernel is not chosen yet")
+        return functools.partial(self.kernel, bias=self.bias)
 
     def extra_repr(self) -> str:
         name = getattr(self.kernel, "name", None)

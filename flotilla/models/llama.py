@@ -9,7 +9,7 @@ so a checkpoint's tensor names are this model's state-dict keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -78,16 +78,6 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias, cfg.quant)
         self.o_proj = make_linear(cfg.q_size, [cfg.hidden_size], cfg.attention_bias, cfg.quant)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        T = x.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        # q and k are adjacent in the merged output: rotate them in one go
-        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, d), cos, sin)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)  # [T, Hkv, D]
-        out = attn.attend(self.layer, qk[:, :hq], qk[:, hq:], v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, hq * d))
-
 
 class MLP(nn.Module):
     MERGED = {"gate_up_proj": ("gate_proj", "up_proj")}
@@ -99,10 +89,6 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(h, [i, i], b, q)
         self.down_proj = make_linear(i, [h], b, q)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        return self.down_proj(F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:])
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -112,13 +98,55 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def ops(self, frozen: bool = False) -> "LayerOps":
+        """This layer's weights and linears. Live modules (their hooks run: quantize's calibration
+        uses them) or, `frozen`, plain callables looked up once for the runtime's hot loop."""
+        a, m = self.self_attn, self.mlp
+        linear = (lambda mod: mod.fn()) if frozen else (lambda mod: mod)
+        return LayerOps(a.layer, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                        self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), linear(m.gate_up_proj),
+                        linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `rope_tables` (cos, sin) for `positions`, when the caller
         has gathered them once for all layers."""
         cos, sin = rope_tables if rope_tables is not None else rope.tables(positions, x.dtype)
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return layer_step(self.ops(), x, cos, sin, attn)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """What one decoder layer's step uses."""
+
+    layer: int
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn: AttentionBackend) -> torch.Tensor:
+    """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math)."""
+    T = x.shape[0]
+    hq, hkv, d, inter = ops.num_heads, ops.num_kv_heads, ops.head_dim, ops.intermediate_size
+    qk_size = (hq + hkv) * d
+    h = F.rms_norm(x, ops.input_norm.shape, ops.input_norm, ops.eps)
+    qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
+    qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
+    out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
+    x = x + ops.o(out.reshape(T, hq * d))
+    h = F.rms_norm(x, ops.post_norm.shape, ops.post_norm, ops.eps)
+    gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
+    return x + ops.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
 
 class DecoderStack(nn.Module):
@@ -141,6 +169,13 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(cfg, self.stage)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.stage.is_last else None
         self.rope: RotaryEmbedding | None = None
+        self._frozen: list[LayerOps] | None = None
+
+    def freeze(self) -> None:
+        """Look every layer's weights and kernels up once, so that forward runs a flat loop of
+        tensor ops (no module calls, no attribute chains). Call once the weights and kernels are
+        final (the runtime does, after loading); forward hooks on the linears no longer run."""
+        self._frozen = [layer.ops(frozen=True) for layer in self.model.layers.values()]
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last:
@@ -161,9 +196,10 @@ class CausalLM(nn.Module):
         """x: token ids [T] on the first stage, else hidden states [T, hidden].
         Returns hidden states [T, hidden], final-normed on the last stage."""
         h = self.embed(x) if self.stage.is_first else x
-        tables = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
-        for layer in self.model.layers.values():
-            h = layer(h, positions, self.rope, attn, tables)
+        cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
+        layers = self._frozen or [layer.ops() for layer in self.model.layers.values()]
+        for ops in layers:
+            h = layer_step(ops, h, cos, sin, attn)
         if self.stage.is_last:
             h = self.model.norm(h)
         return h

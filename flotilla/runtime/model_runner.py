@@ -44,6 +44,7 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None):
         self.model = model
+        model.freeze()  # the step loop looks nothing up per layer
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.spec.block_size

@@ -135,6 +135,9 @@ def main(argv=None) -> int:
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
     rows, engine = [], build()
+    ours_throughput(engine, prompts_for(lm.tokenizer, 2), 4)  # warm-up (first-call allocations)
+    if hf is not None:
+        transformers_throughput(hf, hf_tok, prompts_for(lm.tokenizer, 2), 4)
     ours_tag = f"flotilla INT4 ({', '.join(kernel)} kernel)"
     single = None
     for n in streams:

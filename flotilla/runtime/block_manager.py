@@ -82,20 +82,25 @@ class BlockManager:
             hits.append(block)
         return KVBlocks(tuple(hits)), len(hits) * self.block_size
 
+    def free_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> int:
+        """Free blocks that `allocate_slots(seq, num_new_tokens, computed)` would use up
+        (new blocks, plus prefix hits that are now free and would leave the free queue)."""
+        table = self._tables.get(seq.request_id, [])
+        total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = max(0, self.blocks_for(total) - len(table) - len(computed))
+        return need + sum(1 for b in computed.blocks if b.ref_cnt == 0)
+
     # ------------------------------------------------------------------ changes
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> KVBlocks | None:
         """Make room for `num_new_tokens` more tokens after the sequence's computed ones (plus
         the `computed` prefix hit, for a sequence being admitted). Returns the newly taken blocks,
         or None, changing nothing, when the pool cannot provide them."""
-        table = self._tables.get(seq.request_id, [])
-        num_computed = seq.num_computed_tokens + len(computed) * self.block_size
-        total = num_computed + num_new_tokens
-        need = self.blocks_for(total) - len(table) - len(computed)
-        revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)  # hits that leave the free queue
-        if need + revived > self.pool.num_free_blocks:
+        if self.free_blocks_needed(seq, num_new_tokens, computed) > self.pool.num_free_blocks:
             return None
+        table = self._tables.get(seq.request_id, [])
+        total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         self.pool.touch(computed.blocks)
-        new = self.pool.take(max(need, 0))
+        new = self.pool.take(max(0, self.blocks_for(total) - len(table) - len(computed)))
         table = table + list(computed.blocks) + new
         self._tables[seq.request_id] = table
         seq.block_table = [b.block_id for b in table]

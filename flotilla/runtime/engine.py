@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from flotilla.errors import FlotillaError
 from flotilla.models.tokenizer import Tokenizer
@@ -48,15 +49,14 @@ class EngineStats:
     steps_total: int
 
 
-class Executor:
-    """What runs a step: a local ModelRunner, or (later) a pipeline of remote stages."""
+class Executor(Protocol):
+    """What runs a step: a local ModelRunner, or a pipeline of remote stages whose last one samples."""
 
-    def execute(self, step: StepInput) -> SamplerOutput:  # pragma: no cover - interface
-        raise NotImplementedError
+    def execute(self, step: StepInput) -> SamplerOutput: ...
 
 
 class LLMEngine:
-    def __init__(self, executor, config: EngineConfig, tokenizer: Tokenizer | None = None,
+    def __init__(self, executor: Executor, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None):
         self.executor = executor
         self.config = config

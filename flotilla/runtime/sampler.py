@@ -116,8 +116,8 @@ class Sampler:
         dev = logits.device
         out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
         logits = logits.clone()
-        rep = torch.tensor(batch.repetition_penalty, device=dev)
-        if (rep != 1.0).any():
+        if any(r != 1.0 for r in batch.repetition_penalty):  # decided on the host: no device sync
+            rep = torch.tensor(batch.repetition_penalty, device=dev)
             seen = (_counts(batch.prompt_ids, B, V, dev) + out_counts) > 0
             penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
             logits = torch.where(seen, penalised, logits)
@@ -200,8 +200,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     rank = torch.arange(V, device=dev)[None, :]
     k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)[:, None]
     drop = rank >= k
-    p = torch.tensor(top_p, device=dev)[:, None]
-    if (p < 1.0).any():
+    if any(x < 1.0 for x in top_p):
+        p = torch.tensor(top_p, device=dev)[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         drop |= (probs.cumsum(dim=-1) - probs) > p  # keep the smallest prefix whose mass reaches p
     masked = sorted_logits.masked_fill(drop, float("-inf"))

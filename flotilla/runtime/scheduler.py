@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, KVBlocks
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -118,9 +118,8 @@ class Scheduler:
             seq = self.waiting[0]
             computed, num_cached = self.block_manager.get_computed_blocks(seq)
             n = min(seq.num_tokens - num_cached, budget)
-            if not self._room_to_admit(num_cached + n, computed):
+            if not self._room_to_admit(seq, n, computed):
                 break
-            seq.num_computed_tokens = 0
             if self.block_manager.allocate_slots(seq, n, computed) is None:
                 break
             self.waiting.popleft()
@@ -142,11 +141,11 @@ class Scheduler:
                 return seq
         raise AssertionError("no sequence left to preempt")
 
-    def _room_to_admit(self, num_tokens: int, computed) -> bool:
+    def _room_to_admit(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks) -> bool:
+        """Admission keeps a watermark of free blocks for the running sequences' next tokens."""
         bm = self.block_manager
-        need = bm.blocks_for(num_tokens) - len(computed) + sum(1 for b in computed.blocks if b.ref_cnt == 0)
         keep = int(self.config.watermark * bm.num_blocks) if self.running else 0
-        return bm.num_free_blocks - need >= keep
+        return bm.num_free_blocks - bm.free_blocks_needed(seq, num_new_tokens, computed) >= keep
 
     @staticmethod
     def _add(out: SchedulerOutput, seq: Sequence, n: int) -> None:

@@ -1,7 +1,7 @@
 """Single-sequence generation over a contiguous KV cache.
 
-The small, obviously-correct path: one request, no batching. It is the reference that the
-batched engine is checked against, and what `runtime generate` uses with `--engine simple`.
+The small, obviously-correct path: one request, no batching, no paging. It is the reference
+that the batched engine is checked against (tests/test_engine.py).
 """
 from __future__ import annotations
 

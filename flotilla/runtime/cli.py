@@ -83,6 +83,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     add_sampling_args(p, max_tokens=128)
     EngineArgs.add_args(p)
+    p.set_defaults(max_num_seqs=1)  # one request: the KV cache needs room for one context only
     p.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
 
 
@@ -108,6 +109,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="a system prompt")
     add_sampling_args(p, max_tokens=512)
     EngineArgs.add_args(p)
+    p.set_defaults(max_num_seqs=1)
 
 
 def _chat(args: argparse.Namespace) -> int:

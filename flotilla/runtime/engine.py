@@ -56,6 +56,8 @@ class Executor(Protocol):
 
 
 class LLMEngine:
+    """Not thread-safe: one thread drives it (AsyncEngine's engine thread, or a script's loop)."""
+
     def __init__(self, executor: Executor, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None):
         self.executor = executor

@@ -33,12 +33,12 @@ class EngineArgs:
         g.add_argument("--kv-cache-memory", default=None,
                        help="memory for the KV cache, e.g. 2GiB or 512MiB (default: a fraction of free memory)")
         g.add_argument("--kv-cache-fraction", type=float, default=cls.kv_cache_fraction,
-                       help=f"fraction of free memory for the KV cache without --kv-cache-memory (default {cls.kv_cache_fraction})")
-        g.add_argument("--block-size", type=int, default=cls.block_size, help="tokens per KV block (default 16)")
+                       help="fraction of free memory for the KV cache without --kv-cache-memory (default %(default)s)")
+        g.add_argument("--block-size", type=int, default=cls.block_size, help="tokens per KV block (default %(default)s)")
         g.add_argument("--max-num-seqs", type=int, default=cls.max_num_seqs,
-                       help=f"most sequences in one step (default {cls.max_num_seqs})")
+                       help="most sequences in one step (default %(default)s)")
         g.add_argument("--max-num-batched-tokens", type=int, default=cls.max_num_batched_tokens,
-                       help=f"token budget of one step (default {cls.max_num_batched_tokens})")
+                       help="token budget of one step (default %(default)s)")
         g.add_argument("--max-model-len", type=int, default=None, help="longest context served (default: the model's)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn automatic prefix caching off")

@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous engine loop. `step()` = schedule -> run -> sample -> postprocess."""
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,7 +16,6 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import FinishReason, Sequence
 
-log = logging.getLogger("flotilla.runtime")
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,10 @@ class Scheduler:
         return sorted(todo, key=lambda s: s.num_uncomputed_tokens != 1)  # stable: decodes first
 
     def _pick_victim(self, scheduled: set[str]) -> Sequence:
-        for seq in reversed(self.running):  # latest arrival first
-            if seq.request_id not in scheduled:
+        """The latest arrival not scheduled this step and not in flight (a sequence whose last
+        step is still being computed, in a pipeline, has nothing uncomputed and is kept)."""
+        for seq in reversed(self.running):
+            if seq.request_id not in scheduled and seq.num_uncomputed_tokens > 0:
                 return seq
         raise AssertionError("no sequence left to preempt")
 

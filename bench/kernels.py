@@ -220,10 +220,6 @@ def main(argv=None) -> int:
         for f in failures:
             print("  FAIL", f, flush=True)
 
-    extra: list = []
-    if args.sweep:
-        run_sweep(args, extra)
-
     bw = copy_bandwidth()
     print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -250,7 +246,10 @@ def main(argv=None) -> int:
         del peers, ours
         torch.cuda.empty_cache()
     print()
-    print(_table(rows))
+    print(_table(rows), flush=True)
+    extra: list = []
+    if args.sweep:
+        run_sweep(args, extra)
     if args.json:
         for r in extra:
             print(json.dumps(r))

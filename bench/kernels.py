@@ -154,17 +154,18 @@ def correctness_suite(args) -> list[str]:
 
 
 def sweep_configs(m: int, blocks: int, n: int, num_sms: int):
-    """Candidate tile configs for M rows (the tuning grid)."""
+    """Candidate tile configs for M rows (the tuning grid; wider than the kernel's own)."""
     out = []
     if m <= 16:
-        grid = [(16, bn, w, 3, False) for bn in (64, 128, 256) for w in (4, 8)]
+        grid = [(16, bn, w, st, False) for bn in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))]
     elif m <= 64:
-        grid = [(m, bn, 4 if bn <= 128 else 8, 3, sw) for bn in (128, 256) for sw in (False, True)]
+        grid = [(m, bn, w, st, sw) for bn in (64, 128) for w, st in ((4, 3), (4, 4), (8, 3)) for sw in (False, True)]
     else:
-        grid = [(bm, bn, 8, 3, True) for bm in (64, 128) for bn in (128, 256)]
+        grid = [(bm, bn, w, 3, sw) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for sw in (False, True)
+                if not (bm == 128 and bn == 128 and w == 4)]
     for bm, bn, warps, stages, sw in grid:
         tiles = -(-m // bm) * -(-n // bn)
-        for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4, 8)}):
+        for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4)}):
             out.append(GemmConfig("dot", bm, bn, s, warps, stages, sw))
     return out
 
@@ -174,24 +175,53 @@ def run_sweep(args, results: list) -> None:
     for k, n in args.sweep_shapes:
         for bits in (4, 8):
             w = random_gptq(k, n, bits, 128, True, False, "cuda")
-            kern = TritonGPTQKernel(w, torch.float16)
-            blocks = kern.layout.k_padded // kern.layout.block_k
-            for m in (args.sweep_batches if bits == 4 else [b for b in args.sweep_batches if b <= 16]):
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                timed = []
-                for cfg in sweep_configs(m, blocks, n, num_sms):
-                    try:
-                        timed.append((time_us(lambda: kern(x, config=cfg), warmup=5, rep=20), cfg))
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                        print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                timed.sort(key=lambda p: p[0])
-                default = kern.config_for(m)
-                t_default = time_us(lambda: kern(x), warmup=5, rep=20)
-                print(f"sweep {k}x{n} w{bits} m={m}: default {t_default:.1f}us {default}", flush=True)
-                for t, cfg in timed[:4]:
-                    print(f"    {t:7.1f}us {cfg}", flush=True)
-                results.append({"sweep": f"{k}x{n}", "bits": bits, "m": m, "default_us": t_default,
-                                "best": [[t, cfg.__dict__] for t, cfg in timed[:6]]})
+            for block_k in ((128, 256) if bits == 4 else (64, 128)):
+                kern = TritonGPTQKernel(w, torch.float16, block_k=block_k)
+                blocks = kern.layout.k_padded // kern.layout.block_k
+                for m in (args.sweep_batches if bits == 4 else [b for b in args.sweep_batches if b <= 16]):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    timed = []
+                    for cfg in sweep_configs(m, blocks, n, num_sms):
+                        try:
+                            timed.append((time_us(lambda: kern(x, config=cfg), warmup=5, rep=20), cfg))
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                            print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    timed.sort(key=lambda p: p[0])
+                    print(f"sweep {k}x{n} w{bits} block_k={block_k} m={m}:", flush=True)
+                    for t, cfg in timed[:3]:
+                        print(f"    {t:7.1f}us {cfg}", flush=True)
+                    results.append({"sweep": f"{k}x{n}", "bits": bits, "block_k": block_k, "m": m,
+                                    "best": [[t, cfg.__dict__] for t, cfg in timed[:6]]})
+
+
+def check_attention() -> str:
+    """The paged decode kernel against gather + softmax on the GPU, and its time."""
+    from flotilla.kernels.triton_attention import paged_attention_decode
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, block = 16, 32, 8, 128, 16
+    lens = torch.randint(1, 2048, (batch,), device="cuda", dtype=torch.int32)
+    lens[0] = 2048
+    max_blocks = 2048 // block
+    k_cache = torch.randn(batch * max_blocks, block, kv_heads, dim, device="cuda", dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * max_blocks, device="cuda", dtype=torch.int32).view(batch, max_blocks)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.float16)
+    lines = []
+    for splits in (1, 4):
+        out = paged_attention_decode(q, k_cache, v_cache, tables, lens, num_splits=splits)
+        errs = []
+        for b in range(batch):
+            n = int(lens[b])
+            k = k_cache[tables[b].long()].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(4, 1)
+            v = v_cache[tables[b].long()].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(4, 1)
+            p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * dim ** -0.5).softmax(-1)
+            errs.append(rel_err(out[b], torch.einsum("hn,nhd->hd", p, v)))
+        kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
+        t = time_us(lambda: paged_attention_decode(q, k_cache, v_cache, tables, lens, num_splits=splits))
+        lines.append(f"paged decode B={batch} Hq={heads} Hkv={kv_heads} D={dim} splits={splits}: "
+                     f"max rel err {max(errs):.1e}, {t:.1f} us, {kv_bytes / (t * 1e-6) / 1e12:.2f} TB/s of KV")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -200,9 +230,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs (tuning)")
-    ap.add_argument("--sweep-shapes", default="8192x28672,14336x4096")
+    ap.add_argument("--sweep-shapes", default="8192x28672,14336x4096,4096x4096")
     ap.add_argument("--sweep-batches", default="1,16,64,256")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU (none is visible)", file=sys.stderr)
@@ -220,6 +251,7 @@ def main(argv=None) -> int:
         for f in failures:
             print("  FAIL", f, flush=True)
 
+    print(check_attention(), flush=True)
     bw = copy_bandwidth()
     print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -229,6 +261,9 @@ def main(argv=None) -> int:
             print(f"bitsandbytes unavailable: {peers.bnb_error}", flush=True)
         ours = {bits: TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.float16)
                 for bits in (4, 8)}
+        if args.tune:
+            for kern in ours.values():
+                kern.tune(args.batches)
         for m in args.batches:
             row = {"shape": f"{k}x{n}", "batch": m}
             row.update(peers.time(m))

@@ -11,8 +11,8 @@ position t one AND/OR per word turns it into two adjacent input rows of packed 1
 [BLOCK_N, 2R] result feeds one `tl.dot` with the matching [2R, BLOCK_M] activation slice.
 
 Group scales, two ways (constexpr SCALE_W):
-  * accumulator side (a block lies inside one group): part = (q - z) · x on the tensor cores,
-    acc += s * part once per block;
+  * accumulator side: part = (q - z) · x on the tensor cores over the runs of one group,
+    acc += s * part once per group (per block when a group spans several blocks);
   * weight side (several groups per block, or chosen for wide tiles): one packed multiply per
     pair, rounding exactly as the reference dequantization does.
 
@@ -37,15 +37,15 @@ def pair_asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False) -> str:
 
     Operands: $0, $1 the two halves; $2 the word (already shifted); $3 the packed zero constant:
     -(OFFSET + z) for an even pair position, -(OFFSET / 16 + z) for an odd one; $4 the packed
-    scale (read only when scale_w). At 4 bits an odd position reads the second nibble of each
-    half in place (mask 0x00F000F0 gives OFFSET + 16 q), so two of every four positions need no
-    shift; a fused multiply-add by 1/16 takes it back to q - z exactly.
+    scale (read only when scale_w). At 4 bits in fp16 an odd position reads the second nibble of
+    each half in place (mask 0x00F000F0 gives 1024 + 16 q), so two of every four positions need
+    no shift; a fused multiply-add by 1/16 takes it back to q - z exactly.
     """
     if is_bf16 and bits == 8:
         return ""
     magic, kind, sixteenth = _ASM_TYPES[is_bf16]
     if odd:
-        if bits != 4:
+        if bits != 4 or is_bf16:  # bf16 has 7 mantissa bits: bits 4-7 would touch the exponent
             return ""
         body = (f"lop3.b32 p, $2, 0x00F000F0, {magic}, 0xEA; mov.b32 c, {sixteenth}; "
                 f"fma.rn.{kind} p, p, c, $3; ")
@@ -143,6 +143,8 @@ def w_dot_kernel(
 ):
     PAIRS: tl.constexpr = 16 // BITS
     R: tl.constexpr = BLOCK_K * BITS // 32  # words per out-feature per block
+    # Runs of 2R rows per group (at most the PAIRS runs of one block)
+    RUNS_PER_GROUP: tl.constexpr = PAIRS if GROUP_SIZE >= BLOCK_K else GROUP_SIZE // (2 * R)
 
     # Programs that share a weight tile are adjacent, so at large M the tile is read from L2.
     pid_mn = tl.program_id(0)
@@ -163,24 +165,21 @@ def w_dot_kernel(
         else:
             words = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
         k0 = b * BLOCK_K
-        if SCALE_W:
-            for t in tl.static_range(PAIRS):
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for t in tl.static_range(PAIRS):
+            if SCALE_W or t % RUNS_PER_GROUP == 0:  # a new group starts at this run of 2R rows
                 s, s_act, z, zz_e, zz_o, s2 = load_group(s_ptr, z_ptr, (k0 + t * 2 * R) // GROUP_SIZE, offs_n,
                                                          N, n_ok, ZERO_CONST, HAS_ZEROS, BITS, IS_BF16)
-                lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, BITS, IS_BF16, True, ASM, ASM_ODD)
-                w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))  # columns 2r + j
-                xt = _load_xt(x_ptr, perm_ptr, offs_m, k0 + t * 2 * R + offs_2r, M, K, stride_xm, HAS_PERM)
+            lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, BITS, IS_BF16, SCALE_W, ASM, ASM_ODD)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))  # columns 2r + j
+            xt = _load_xt(x_ptr, perm_ptr, offs_m, k0 + t * 2 * R + offs_2r, M, K, stride_xm, HAS_PERM)
+            if SCALE_W:
                 acc = tl.dot(w, xt, acc)
-        else:
-            s, s_act, z, zz_e, zz_o, s2 = load_group(s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, N, n_ok,
-                                                     ZERO_CONST, HAS_ZEROS, BITS, IS_BF16)
-            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for t in tl.static_range(PAIRS):
-                lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, BITS, IS_BF16, False, ASM, ASM_ODD)
-                w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))
-                xt = _load_xt(x_ptr, perm_ptr, offs_m, k0 + t * 2 * R + offs_2r, M, K, stride_xm, HAS_PERM)
+            else:
                 part = tl.dot(w, xt, part)
-            acc += part * s[:, None]
+                if t % RUNS_PER_GROUP == RUNS_PER_GROUP - 1:  # the group ends: scale its sum once
+                    acc += part * s[:, None]
+                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT)
 
 

@@ -63,11 +63,6 @@ class TritonLayout:
     def k_padded(self) -> int:
         return self.words.shape[1] * self.fields_per_word
 
-    @property
-    def scale_in_weight(self) -> bool:
-        """True when a block spans several groups, so the scale is applied per R-row slice."""
-        return self.group_size < self.block_k
-
     def nbytes(self) -> int:
         """Bytes a kernel reads for the weight (codes, scales, zeros)."""
         total = self.words.numel() * 4 + self.scales.numel() * 2
@@ -105,8 +100,9 @@ def interleave_block_rows(q: torch.Tensor, bits: int, block_k: int) -> torch.Ten
 
 
 def default_block_k(bits: int, group_size: int) -> int:
-    """128 rows, halved while a group smaller than the block cannot hold a run of 2R rows."""
-    block_k, fields = 128, 32 // bits
+    """256 rows at 4 bits, 128 at 8 (32 words of each column per block either way: more bytes in
+    flight per load, fewer loop trips), halved while a group cannot hold a run of 2R rows."""
+    block_k, fields = 256 if bits == 4 else 128, 32 // bits
     while 0 < group_size < block_k and group_size % (2 * block_k // fields) and block_k > 8 * fields:
         block_k //= 2
     return block_k
@@ -124,9 +120,10 @@ def repack(w: GPTQWeight, block_k: int | None = None) -> TritonLayout:
     perm, gs = sorted_groups(w)
     k, n = w.in_features, w.out_features
     r = block_k // fields
-    if gs < block_k and (block_k % gs or gs % (2 * r)):
+    one_group = gs >= k  # per-channel: every block reads group 0
+    if not one_group and gs < block_k and (block_k % gs or gs % (2 * r)):
         raise UnsupportedLayout(f"group size {gs} does not tile blocks of {block_k} rows in runs of {2 * r}")
-    if gs > block_k and gs % block_k and gs != k:
+    if not one_group and gs > block_k and gs % block_k:
         raise UnsupportedLayout(f"group size {gs} is not a multiple of the {block_k}-row block")
     k_padded = -(-k // block_k) * block_k
     q = w.codes()  # [k, n]
@@ -135,8 +132,8 @@ def repack(w: GPTQWeight, block_k: int | None = None) -> TritonLayout:
     if k_padded != k:
         q = torch.cat([q, q.new_zeros(k_padded - k, n)])
     words = interleave_block_rows(q, w.bits, block_k)
-    if gs == k:
-        gs = max(k_padded, block_k)  # one group: every block reads group 0
+    if one_group:
+        gs = k_padded
     groups = -(-k_padded // gs)
     scales = _pad_rows(w.scales.to(torch.float16), groups)
     zeros = w.zeros()

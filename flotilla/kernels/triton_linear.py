@@ -51,7 +51,7 @@ def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     tiles = -(-m // block_m) * -(-n // block_n)
     split = split_for(tiles, blocks, 2 * num_sms)
     return GemmConfig("dot", block_m=block_m, block_n=block_n, split_k=split, num_warps=warps,
-                      num_stages=3, scale_w=layout.scale_in_weight or block_m >= 64)
+                      num_stages=3, scale_w=block_m > 64)
 
 
 def split_for(tiles: int, blocks: int, target_programs: int) -> int:
@@ -61,6 +61,26 @@ def split_for(tiles: int, blocks: int, target_programs: int) -> int:
         if blocks % d == 0 and tiles * d <= target_programs:
             best = d
     return best
+
+
+def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmConfig]:
+    """The tile configs `TritonGPTQKernel.tune` times for M rows."""
+    n, blocks = layout.out_features, layout.k_padded // layout.block_k
+    if m >= DENSE_MIN_ROWS:
+        grid = [(128, 128, 8, 3, True)]
+    elif m <= 16:
+        grid = [(16, bn, w, st, False) for bn in (64, 128) for w, st in ((4, 3), (4, 4))] + [(16, 256, 4, 3, False)]
+    elif m <= 64:
+        bm = 32 if m <= 32 else 64
+        grid = [(bm, 64, 4, 3, False), (bm, 128, 4, 3, False), (bm, 128, 4, 4, False), (bm, 128, 8, 3, False)]
+    else:
+        grid = [(64, 128, 4, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True)]
+    out = [GemmConfig("dense")] if m >= 128 else []
+    for bm, bn, warps, stages, sw in grid:
+        tiles = -(-m // bm) * -(-n // bn)
+        for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4)}):
+            out.append(GemmConfig("dot", bm, bn, s, warps, stages, sw))
+    return out
 
 
 class TritonGPTQKernel:
@@ -84,6 +104,23 @@ class TritonGPTQKernel:
         if cfg is None:
             cfg = self._configs[m] = choose_config(m, self.layout, self.num_sms)
         return cfg
+
+    def tune(self, batch_sizes, candidates=None) -> dict[int, tuple[float, GemmConfig]]:
+        """Time the candidate configs for each batch size on this weight and keep the fastest
+        (a warm-up step: call before capturing CUDA graphs). Returns {m: (µs, config)}."""
+        import triton.testing
+
+        chosen = {}
+        for m in batch_sizes:
+            x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
+            timed = []
+            for cfg in candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms):
+                fn = lambda: self(x, config=cfg)  # noqa: E731
+                timed.append((1000 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"), cfg))
+            best = min(timed, key=lambda p: p[0])
+            self._configs[m] = best[1]
+            chosen[m] = best
+        return chosen
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  config: GemmConfig | None = None) -> torch.Tensor:
@@ -127,7 +164,7 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     is_bf16 = x2.dtype == torch.bfloat16
-    scale_w = cfg.scale_w or layout.scale_in_weight
+    scale_w = cfg.scale_w
     w_dot_kernel[grid](
         x2, layout.words, layout.scales, _or(layout.zeros, layout.scales), _or(layout.perm, layout.words),
         _or(bias, out), out, ws, counters, m, n, k, layout.words.shape[1], x2.stride(0), out.stride(0),

@@ -46,7 +46,7 @@ def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     if m >= DENSE_MIN_ROWS:
         return GemmConfig("dense")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128 if m <= 64 else 256
+    block_n = 128
     warps = 4 if block_n * block_m <= 128 * 64 else 8
     tiles = -(-m // block_m) * -(-n // block_n)
     split = split_for(tiles, blocks, 2 * num_sms)
@@ -108,6 +108,7 @@ class TritonGPTQKernel:
     def tune(self, batch_sizes, candidates=None) -> dict[int, tuple[float, GemmConfig]]:
         """Time the candidate configs for each batch size on this weight and keep the fastest
         (a warm-up step: call before capturing CUDA graphs). Returns {m: (µs, config)}."""
+        import triton.runtime.errors
         import triton.testing
 
         chosen = {}
@@ -116,7 +117,10 @@ class TritonGPTQKernel:
             timed = []
             for cfg in candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms):
                 fn = lambda: self(x, config=cfg)  # noqa: E731
-                timed.append((1000 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"), cfg))
+                try:
+                    timed.append((1000 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"), cfg))
+                except triton.runtime.errors.OutOfResources:
+                    continue  # a tile too large for this block_k's shared memory
             best = min(timed, key=lambda p: p[0])
             self._configs[m] = best[1]
             chosen[m] = best

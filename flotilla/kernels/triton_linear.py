@@ -41,17 +41,25 @@ DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
 
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
-    """Tile shape and split count for M rows (tuned on an H200; see bench/NOTES-kernels.md)."""
+    """Tile shape and split count for M rows: the winners of `tune` on an H200 (bench/NOTES-kernels.md),
+    as rules. Decode tiles are narrow (64 out-features) and split until ~4 programs per SM."""
     n, blocks = layout.out_features, layout.k_padded // layout.block_k
     if m >= DENSE_MIN_ROWS:
         return GemmConfig("dense")
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128
-    warps = 4 if block_n * block_m <= 128 * 64 else 8
-    tiles = -(-m // block_m) * -(-n // block_n)
-    split = split_for(tiles, blocks, 2 * num_sms)
-    return GemmConfig("dot", block_m=block_m, block_n=block_n, split_k=split, num_warps=warps,
-                      num_stages=3, scale_w=block_m > 64)
+    if m <= 16:
+        tiles = -(-n // 64)
+        return GemmConfig("dot", 16, 64, split_for(tiles, blocks, 4 * num_sms), num_warps=4, num_stages=3)
+    if m <= 64:
+        block_m = 32 if m <= 32 else 64
+        wide = -(-m // block_m) * -(-n // 128) >= num_sms
+        block_n = 128 if wide else 64
+        tiles = -(-m // block_m) * -(-n // block_n)
+        return GemmConfig("dot", block_m, block_n, split_for(tiles, blocks, 2 * num_sms),
+                          num_warps=8 if wide else 4, num_stages=3)
+    block_m = 128 if -(-m // 128) * -(-n // 128) >= num_sms // 2 else 64
+    tiles = -(-m // block_m) * -(-n // 128)
+    return GemmConfig("dot", block_m, 128, split_for(tiles, blocks, num_sms), num_warps=8, num_stages=3,
+                      scale_w=True)
 
 
 def split_for(tiles: int, blocks: int, target_programs: int) -> int:

@@ -70,7 +70,7 @@ def _load_optional() -> None:
             pass
 
 
-_OPTIONAL_MODULES: list[str] = []
+_OPTIONAL_MODULES: list[str] = ["flotilla.kernels.cpu"]
 
 register(KernelEntry("reference", ReferenceKernel, lambda d, b: True, priority=0))
 register(KernelEntry("dense", DenseKernel, lambda d, b: True, priority=10))

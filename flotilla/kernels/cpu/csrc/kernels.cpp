@@ -78,6 +78,11 @@ const char* kIsa = "avx2";
 constexpr int kTileVecs = kTile / kLanes;
 static_assert(kTileVecs % kBlockVecs == 0 && kWideVecs % kTileVecs == 0, "blocks must tile the columns");
 
+// Weights stream from memory once per call in decode; the hardware prefetcher alone keeps too
+// few lines in flight for a core that also decodes, so each stream is prefetched this far ahead.
+constexpr int kPrefetchBytes = 2048;
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
+
 template <typename F, int... J>
 inline void for_each_nibble(F&& f, std::integer_sequence<int, J...>) {
   (f(std::integral_constant<int, J>{}), ...);
@@ -91,7 +96,11 @@ inline void accumulate_group(const float* const* xr, const void* const* wv, int6
     const W4Decoder dec;
     for (int64_t k = k0; k < k1; k += 8) {
       vi q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = load_w4(static_cast<const int32_t*>(wv[v]) + (k / 8) * kTile);
+      for (int v = 0; v < NV; ++v) {
+        const int32_t* w = static_cast<const int32_t*>(wv[v]) + (k / 8) * kTile;
+        prefetch(w);
+        q[v] = load_w4(w);
+      }
       for_each_nibble([&](auto J) {
         vf c[NV];
         for (int v = 0; v < NV; ++v) c[v] = dec.template decode<J()>(q[v]);
@@ -105,8 +114,15 @@ inline void accumulate_group(const float* const* xr, const void* const* wv, int6
     for (int64_t k = k0; k < k1; ++k) {
       vf c[NV];
       for (int v = 0; v < NV; ++v) {
-        if constexpr (F == Format::W8) c[v] = load_w8(static_cast<const int8_t*>(wv[v]) + k * kTile);
-        else c[v] = load_f16(static_cast<const uint16_t*>(wv[v]) + k * kTile);
+        if constexpr (F == Format::W8) {
+          const int8_t* w = static_cast<const int8_t*>(wv[v]) + k * kTile;
+          if (v % kTileVecs == 0 && k % 2 == 0) prefetch(w);  // one 64-byte line: 2 inputs x 32 columns
+          c[v] = load_w8(w);
+        } else {
+          const uint16_t* w = static_cast<const uint16_t*>(wv[v]) + k * kTile;
+          if (v % kTileVecs == 0) prefetch(w);  // one 64-byte line: 1 input x 32 columns
+          c[v] = load_f16(w);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const vf xv = vset1(xr[r][k]);

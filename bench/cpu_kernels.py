@@ -9,6 +9,7 @@ Per shape (in x out) and batch M:
     ours_w4/w8  flotilla's CPU kernels on a GPTQ weight (group 64, symmetric)
     ours_i8b    flotilla's exact int8 x block-32 scale form (what a Q8_0 lm_head becomes)
     ours_f16    flotilla's fp16-weight form
+    ours_f32    flotilla's fp32-weight form (plain_linear: batch-invariant, unlike MKL)
     torch_int4  torch._weight_int4pack_mm_for_cpu (group 64)
     torch_int8  torch._weight_int8pack_mm (per-channel)
 GB/s is the weight bytes read per call over the time (the bound for decode, M = 1).
@@ -26,13 +27,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flotilla.kernels.cpu import build, cpu_gptq_kernel, half_linear  # noqa: E402
+from flotilla.kernels.cpu import build, cpu_gptq_kernel, half_linear, plain_linear  # noqa: E402
 from flotilla.kernels.cpu.compact import INT8_BLOCK  # noqa: E402
 from flotilla.kernels.cpu.packing import pack_int8_blocks  # noqa: E402
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups  # noqa: E402
 
 SMOLLM2_SHAPES = ("576x576", "576x192", "576x1536", "1536x576", "576x49152")
-KERNELS = ("dense", "ours_w4", "ours_w8", "ours_i8b", "ours_f16", "torch_int4", "torch_int8")
+KERNELS = ("dense", "ours_w4", "ours_w8", "ours_i8b", "ours_f16", "ours_f32", "torch_int4", "torch_int8")
 GROUP = 64  # divides 576 and 1536 (128 does not: SmolLM2 cannot use group 128)
 
 
@@ -58,6 +59,8 @@ def build_kernels(k: int, n: int) -> dict[str, tuple[callable, int]]:
     out["ours_i8b"] = (i8b, i8b.nbytes)
     f16 = half_linear(dense.half().float())
     out["ours_f16"] = (f16, f16.nbytes)
+    f32 = plain_linear(dense)
+    out["ours_f32"] = (f32, f32.nbytes)
     q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
     packed4 = torch._convert_weight_to_int4pack_for_cpu(q4, 2)
     sz = torch.rand(k // GROUP, n, 2) * 0.01

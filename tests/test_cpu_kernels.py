@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flotilla.kernels import registry
-from flotilla.kernels.cpu import build, compact_linear, cpu_gptq_kernel, half_linear
-from flotilla.kernels.cpu.packing import pack_gptq
+from flotilla.kernels.cpu import build, compact_linear, cpu_gptq_kernel, half_linear, plain_linear
+from flotilla.kernels.cpu.packing import pack_float, pack_gptq, pack_half
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups, pack_cols
 from flotilla.kernels.reference import DenseKernel, dequantize, gptq_matmul
 
@@ -122,10 +122,10 @@ def test_avx2_build_gives_the_same_bits_as_avx512():
     avx2 = build.load("avx2")
     assert avx2 is not None and avx2.isa() == "avx2" and build.load("avx512").isa() == "avx512"
     x = torch.randn(11, 200)
-    for bits, sym in ((4, True), (4, False), (8, False)):
-        packed = pack_gptq(random_gptq(200, 72, bits, 32, sym, "perm"))
-        assert torch.equal(packed.build(avx2)(x), packed.build(build.load("avx512"))(x))
-        for m in (1, 3):
+    weight = torch.randn(72, 200)
+    packs = [pack_gptq(random_gptq(200, 72, bits, 32, sym, "perm")) for bits, sym in ((4, True), (4, False), (8, False))]
+    for packed in packs + [pack_half(weight.half().float()), pack_float(weight)]:
+        for m in (1, 3, 11):
             assert torch.equal(packed.build(avx2)(x[:m]), packed.build(build.load("avx512"))(x[:m]))
 
 
@@ -165,6 +165,20 @@ def test_compact_linear_finds_exact_int8_blocks_like_q8_0():
     bad = weight.clone()
     bad[3, 5] += scale[3, 0] * 0.5  # half a step off the grid: not int8 x scale any more
     assert compact_linear(bad) is None or compact_linear(bad).name == "fp16"
+
+
+def test_plain_linear_is_batch_invariant_where_mkl_is_not():
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(1000, 96, generator=gen)  # nothing smaller is exact: fp32 tiles
+    bias = torch.randn(1000, generator=gen)
+    f = plain_linear(weight)
+    assert f.name == "fp32"
+    x = torch.randn(16, 96, generator=gen)
+    y = f(x, bias)
+    assert_close_to_exact(y, x, weight.t(), bias)
+    assert all(torch.equal(f(x[i:i + 1], bias), y[i:i + 1]) for i in range(16))
+    assert plain_linear(weight.half().float()).name == "fp16"
+    assert plain_linear(weight.double()) is None
 
 
 def test_registry_picks_the_cpu_kernel_for_fp32_on_cpu(monkeypatch):

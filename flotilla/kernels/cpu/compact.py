@@ -1,4 +1,4 @@
-"""Plain (unquantized) linears stored in fewer bytes without changing a single weight.
+"""Plain (unquantized) linears: batch-invariant, and in fewer bytes where no weight changes.
 
 A decode step on a CPU reads every weight once, so bytes are time. `compact_linear(weight)`
 looks at an fp32 [out, in] weight and, only when the smaller form reproduces every value
@@ -13,13 +13,18 @@ PackedLinear; `f.name` says the form: "int8-block32" or "fp16"; `f.nbytes` its s
 fp32 (the int8 form sums each block's x * code, then scales: the same real-number weights,
 rounded differently from a BLAS dot product, and batch-invariant). When neither form is
 exact it returns None and the caller keeps its fp32 weight.
+
+`plain_linear(weight)` always gives a kernel (None only when the kernels are unavailable): the
+smallest exact form, else the fp32 weights in the kernels' tiled layout. Unlike MKL's
+F.linear, whose result for a row changes with the batch size, every form is batch-invariant:
+use it for plain linears where batched and single-sequence runs must agree bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
 from . import build
-from .packing import pack_half, pack_int8_blocks
+from .packing import pack_float, pack_half, pack_int8_blocks
 
 INT8_BLOCK = 32
 
@@ -70,6 +75,19 @@ def compact_linear(weight: torch.Tensor):
     if ext is None:
         return None
     return _named(pack_int8_blocks(*found, INT8_BLOCK).build(ext), f"int8-block{INT8_BLOCK}")
+
+
+def plain_linear(weight: torch.Tensor):
+    """A batch-invariant kernel for an fp32 [out, in] weight: compact_linear's exact forms,
+    else fp32 ("fp32"). None only when the kernels are unavailable or weight is not a 2-D fp32
+    CPU tensor."""
+    found = compact_linear(weight)
+    if found is not None or not _check_weight(weight):
+        return found
+    ext = build.load()
+    if ext is None:
+        return None
+    return _named(pack_float(weight.detach()).build(ext), "fp32")
 
 
 def _named(op, name: str):

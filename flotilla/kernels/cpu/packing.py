@@ -29,7 +29,7 @@ TILE = 32  # csrc/kernels.h kTile
 class Packed:
     """Arguments of the extension's PackedLinear constructor."""
 
-    format: int  # 4, 8 or 16
+    format: int  # 4, 8, 16 (fp16) or 32 (fp32)
     in_features: int
     out_features: int
     codes: torch.Tensor
@@ -110,6 +110,13 @@ def pack_half(weight: torch.Tensor) -> Packed:
     n, k = weight.shape
     codes = _tile_major(weight.t().to(torch.float16).view(torch.int16), 0)
     return Packed(16, k, n, codes, None, None, torch.tensor([0, k], dtype=torch.int32), None)
+
+
+def pack_float(weight: torch.Tensor) -> Packed:
+    """An fp32 [out, in] weight as F32 tiles."""
+    n, k = weight.shape
+    codes = _tile_major(weight.t().to(torch.float32), 0.0)
+    return Packed(32, k, n, codes, None, None, torch.tensor([0, k], dtype=torch.int32), None)
 
 
 def pack_int8_blocks(codes_nk: torch.Tensor, scales_ng: torch.Tensor, block: int) -> Packed:

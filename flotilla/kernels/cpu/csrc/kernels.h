@@ -10,6 +10,7 @@
 //                                       XOR 8: read as a signed nibble, a field is code - 8
 //   W8   int8   [tiles, Kp, kTile]      signed codes (for GPTQ: code - 128)
 //   F16  uint16 [tiles, Kp, kTile]      IEEE half bit patterns
+//   F32  float  [tiles, Kp, kTile]      the weights themselves
 //
 // Every output element is computed by the same sequence of fp32 operations whatever the
 // number of rows M, the row block or the column block it falls in, and whatever the thread
@@ -18,7 +19,7 @@
 //   for each group g (inputs [gstart[g], gstart[g+1])):
 //       a = 0;  for k in the group, ascending:  a = fma(x[k], c[k], a)     c: W4 q - 8, W8 the code
 //       t = zoff ? fnma(zoff[g], sx[g], a) : a                            sx[g] = sum of x over g
-//       y = fma(scale[g], t, y)            (F16: y = a, one group, no scale)
+//       y = fma(scale[g], t, y)            (F16, F32: y = a, one group, no scale)
 //   y = y + bias                           (when there is a bias)
 #pragma once
 
@@ -26,7 +27,7 @@
 
 namespace flotilla_cpu {
 
-enum class Format : int { W4 = 4, W8 = 8, F16 = 16 };
+enum class Format : int { W4 = 4, W8 = 8, F16 = 16, F32 = 32 };
 
 constexpr int kTile = 32;  // output columns per packed tile
 
@@ -38,7 +39,7 @@ struct GemmArgs {
   int64_t M, Kp, N, G;    // N: real output columns; the packing covers ceil(N / kTile) tiles
   int64_t Np;             // padded output columns: tiles * kTile (row stride of scales and zoff)
   const void* w;          // packed codes, see above
-  const float* scales;    // [G, Np], or nullptr for F16
+  const float* scales;    // [G, Np], or nullptr for F16 and F32
   const float* zoff;      // [G, Np] zero offsets (zero - offset of the codes), or nullptr
   const int32_t* gstart;  // [G + 1] group boundaries in inputs (multiples of 8 for W4)
   const float* bias;      // [N] or nullptr

@@ -22,13 +22,17 @@ class PackedLinear {
                std::optional<at::Tensor> src)
       : format_(static_cast<Format>(format)), K_(in_features), N_(out_features),
         codes_(std::move(codes)), gstart_(std::move(gstart)) {
-    TORCH_CHECK(format == 4 || format == 8 || format == 16, "format must be 4, 8 or 16, got ", format);
+    TORCH_CHECK(format == 4 || format == 8 || format == 16 || format == 32, "format must be 4, 8, 16 or 32, got ",
+                format);
     TORCH_CHECK(codes_.is_contiguous() && codes_.dim() == 3 && codes_.size(2) == kTile,
                 "codes must be a contiguous [tiles, rows, ", kTile, "] tensor");
     tiles_ = codes_.size(0);
     Np_ = tiles_ * kTile;
     TORCH_CHECK(N_ > 0 && N_ <= Np_ && Np_ - N_ < kTile, "out_features ", N_, " does not match ", tiles_, " tiles");
-    const auto want = format_ == Format::W4 ? at::kInt : format_ == Format::W8 ? at::kChar : at::kShort;
+    const auto want = format_ == Format::W4    ? at::kInt
+                      : format_ == Format::W8  ? at::kChar
+                      : format_ == Format::F16 ? at::kShort
+                                               : at::kFloat;
     TORCH_CHECK(codes_.scalar_type() == want, "codes have the wrong dtype for format ", format);
     Kp_ = format_ == Format::W4 ? codes_.size(1) * 8 : codes_.size(1);
     TORCH_CHECK(gstart_.scalar_type() == at::kInt && gstart_.dim() == 1 && gstart_.is_contiguous() &&
@@ -40,8 +44,8 @@ class PackedLinear {
       TORCH_CHECK(gs[g] <= gs[g + 1], "group starts must not decrease");
       TORCH_CHECK(format_ != Format::W4 || gs[g] % 8 == 0, "4-bit groups must start at multiples of 8");
     }
-    if (format_ == Format::F16) {
-      TORCH_CHECK(G_ == 1 && !scales && !zoff, "fp16 weights take one group and no scales");
+    if (format_ == Format::F16 || format_ == Format::F32) {
+      TORCH_CHECK(G_ == 1 && !scales && !zoff, "fp16 and fp32 weights take one group and no scales");
     } else {
       TORCH_CHECK(scales.has_value(), "quantized weights need scales");
       scales_ = check_group_table(*scales, "scales");
@@ -151,7 +155,7 @@ class PackedLinear {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using flotilla_cpu::PackedLinear;
-  m.doc() = "flotilla CPU dequant-GEMM kernels (fp32 activations; 4-bit, 8-bit and fp16 weights)";
+  m.doc() = "flotilla CPU dequant-GEMM kernels (fp32 activations; 4-bit, 8-bit, fp16 and fp32 weights)";
   m.def("isa", &flotilla_cpu::isa_name, "the instruction set the kernels were compiled for");
   m.attr("TILE") = flotilla_cpu::kTile;
   pybind11::class_<PackedLinear>(m, "PackedLinear")

@@ -19,7 +19,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 GROUPS = [  # (group, op-name substrings), first match wins
     ("linears (dequant-matmul kernels)", ("linear:",)),
@@ -64,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=200, help="tokens in the sequence when profiling")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default=None, help="a model path (default: SmolLM2 RTN INT4, built once)")
+    ap.add_argument("--model", default=None, help="a model path (default: SmolLM2 RTN w4 g64, made once: bench/rtn_checkpoint.py)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -76,9 +75,9 @@ def main(argv=None) -> int:
     from flotilla.runtime.engine_args import EngineArgs, build_engine
     from flotilla.runtime.loader import load_model
     from flotilla.runtime.sampling import SamplingParams
-    from rtn_int4 import smollm2_int4_path
+    from bench.cpu_decode import int4_checkpoint
 
-    lm = load_model(args.model or smollm2_int4_path(default_model_path()), "cpu", "float32", progress=False)
+    lm = load_model(args.model or int4_checkpoint(default_model_path(), 64), "cpu", "float32", progress=False)
     engine = build_engine(lm, EngineArgs(kv_cache_memory="256MiB", max_num_seqs=1))
     prompt = lm.tokenizer.encode("Once upon a time")
     total = args.context + 6 * args.steps + 10

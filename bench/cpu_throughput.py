@@ -25,7 +25,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 TOPICS = ["the ocean", "a robot", "Paris", "mathematics", "a cat", "the moon", "coffee", "winter", "a library",
           "music", "trains", "volcanoes", "bread", "chess", "rain", "the internet", "bicycles", "honey",
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="TTFT repeats")
-    ap.add_argument("--int4", default=None, help="an INT4 checkpoint (default: RTN-quantize the GGUF once, cached)")
+    ap.add_argument("--int4", default=None, help="an INT4 checkpoint (default: RTN w4 g64 of the GGUF, made once: bench/rtn_checkpoint.py)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
@@ -116,10 +115,10 @@ def main(argv=None) -> int:
     from flotilla.runtime.default_model import default_model_path
     from flotilla.runtime.engine_args import EngineArgs, build_engine
     from flotilla.runtime.loader import load_model
-    from rtn_int4 import smollm2_int4_path
+    from bench.cpu_decode import int4_checkpoint
 
     gguf = default_model_path()
-    lm = load_model(Path(args.int4) if args.int4 else smollm2_int4_path(gguf), "cpu", "float32", progress=False)
+    lm = load_model(Path(args.int4) if args.int4 else int4_checkpoint(gguf, 64), "cpu", "float32", progress=False)
     kernel = sorted({getattr(m.kernel, "name", "?") for m in lm.model.modules() if isinstance(m, QuantLinear)})
     streams = [int(s) for s in args.streams.split(",")]
 

@@ -1,7 +1,11 @@
 """Every environment variable flotilla reads, in one place.
 
-    FLOTILLA_CACHE_DIR   where the embedded default model and converted tokenizers are cached
-                         (default: $XDG_CACHE_HOME/flotilla, i.e. ~/.cache/flotilla)
+    FLOTILLA_CACHE_DIR   where the embedded default model, converted tokenizers and the compiled
+                         CPU kernels (torch_extensions/) are cached
+                         (default: $XDG_CACHE_HOME/flotilla, i.e. ~/.cache/flotilla); also read
+                         by flotilla.kernels.cpu.build, which imports nothing of flotilla's
+    TORCH_EXTENSIONS_DIR torch's own variable: when set, the compiled CPU kernels go there instead
+    CXX                  the C++ compiler for the CPU kernels (default: c++; none: dense fallback)
     FLOTILLA_KERNEL      force one dequant-matmul kernel by name (read by flotilla.kernels.registry,
                          which imports nothing of flotilla's)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)

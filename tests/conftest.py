@@ -70,3 +70,77 @@ def smollm2_int4(smollm2_gguf) -> Path:
     from rtn_int4 import smollm2_int4_path
 
     return smollm2_int4_path(smollm2_gguf)
+
+
+def save_byte_tokenizer(directory: Path, chat_template: str | None = None) -> None:
+    """A 256-token byte-level tokenizer (ids 0..255), enough to drive a tiny random model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[2])
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(directory))
+
+
+SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_llama_gguf(hf_model, path: Path, qtype: str = "F32") -> Path:
+    """Write a transformers Llama model as a llama.cpp-style GGUF (q/k permuted, names mapped)."""
+    import gguf
+    import numpy as np
+
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(2)
+
+    def permute(t, n_head):
+        return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    qt = gguf.GGMLQuantizationType[qtype]
+    for name, t in hf_model.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
+            proj = parts[-2]
+            if proj == "q_proj":
+                a = permute(a, cfg.num_attention_heads)
+            elif proj == "k_proj":
+                a = permute(a, cfg.num_key_value_heads)
+            out = f"blk.{parts[2]}.{names[proj]}.{parts[-1]}"
+        if a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(out, gguf.quants.quantize(np.ascontiguousarray(a), qt), raw_dtype=qt)
+        else:
+            w.add_tensor(out, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -70,7 +70,10 @@ def _load_optional() -> None:
             pass
 
 
-_OPTIONAL_MODULES: list[str] = []
+_OPTIONAL_MODULES: list[str] = [
+    f"{__package__}.triton_linear",  # Triton on CUDA
+    f"{__package__}.cpu",  # compiled CPU kernels (AVX2/AVX-512)
+]
 
 register(KernelEntry("reference", ReferenceKernel, lambda d, b: True, priority=0))
 register(KernelEntry("dense", DenseKernel, lambda d, b: True, priority=10))

@@ -170,12 +170,16 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.stage.is_last else None
         self.rope: RotaryEmbedding | None = None
         self._frozen: list[LayerOps] | None = None
+        self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def freeze(self) -> None:
+    def freeze(self, logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Look every layer's weights and kernels up once, so that forward runs a flat loop of
         tensor ops (no module calls, no attribute chains). Call once the weights and kernels are
-        final (the runtime does, after loading); forward hooks on the linears no longer run."""
+        final (the runtime does, after loading); forward hooks on the linears no longer run.
+        `logits`, if given, computes the logits in place of the lm_head module (a faster kernel
+        for the same weights)."""
         self._frozen = [layer.ops(frozen=True) for layer in self.model.layers.values()]
+        self._logits = logits
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last:
@@ -206,4 +210,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return (self._logits or self.lm_head)(hidden).float()

@@ -1,6 +1,7 @@
 """Open a model path (flotilla checkpoint, Hugging Face directory or GGUF file) for the runtime."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +55,14 @@ def parse_device(name: str | None) -> torch.device:
 
 
 def load_model(model: str | Path | None, device: str | torch.device | None = None, dtype: str | None = None,
-               stage: Stage | None = None, with_tokenizer: bool = True, progress: bool = True) -> LoadedModel:
+               stage: Stage | None = None, with_tokenizer: bool = True, progress: bool | None = None) -> LoadedModel:
+    """Load a model for the runtime; a progress bar is shown when stderr is a terminal."""
     path = resolve_model_path(str(model) if model else None)
     dev = device if isinstance(device, torch.device) else parse_device(device)
     dt = parse_dtype(dtype, dev)
     source = open_source(path)
-    tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None
+    if progress is None:
+        progress = sys.stderr.isatty()
     m = load_stage(source, stage, dev, dt, progress=progress)
+    tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None
     return LoadedModel(path, source.config, m, tok, dev, dt)

@@ -44,7 +44,7 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None):
         self.model = model
-        model.freeze()  # the step loop looks nothing up per layer
+        model.freeze(logits_kernel(model, cache.device))  # the step loop looks nothing up per layer
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.spec.block_size
@@ -73,6 +73,19 @@ class ModelRunner:
         if len(ends) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
+
+
+def logits_kernel(model: CausalLM, device: torch.device):
+    """The lm_head in an exact compact form (int8 x block scale, or fp16) where the compiled CPU
+    kernels find one: the same weight values in a quarter or half of the bytes a decode step
+    reads (a GGUF Q8_0 embedding tied to the head qualifies). None: the plain fp32 lm_head."""
+    if device.type != "cpu" or not model.stage.is_last or model.lm_head.weight.dtype != torch.float32:
+        return None
+    try:
+        from flotilla.kernels.cpu import available, compact_linear
+    except ImportError:
+        return None
+    return compact_linear(model.lm_head.weight) if available() else None
 
 
 def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tuple[torch.Tensor, PagedAttentionMetadata]:

@@ -1,0 +1,337 @@
+"""Dequant-matmul on the GPU: flotilla's Triton W4A16 / W8A16 against fp16 and other libraries.
+
+    python bench/kernels.py                 # the table: 4 weight shapes x batches 1..2048
+    python bench/kernels.py --json          # one JSON object per (shape, batch) row
+    python bench/kernels.py --sweep         # also time a grid of tile configs per case (tuning)
+
+Weight shapes are in_features x out_features. Per case: microseconds per call (median of
+triton.testing.do_bench, which clears the L2 cache before every call) for
+  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations;
+  fp16 torch.nn.functional.linear (cuBLAS);
+  tinygemm int4 weight-only (torch.ops.aten._weight_int4pack_mm, what torchao calls; bf16);
+  bitsandbytes nf4 (Linear4bit) and int8 (Linear8bitLt), when bitsandbytes imports;
+plus our effective weight bandwidth (bytes of codes + scales + zeros / time) and the physical
+floor (those bytes / measured device-to-device copy bandwidth). Before timing, every path of
+ours is checked against flotilla.kernels.reference on the same real shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups  # noqa: E402
+from flotilla.kernels.reference import dequantize  # noqa: E402
+from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, split_for  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
+BATCHES = [1, 16, 64, 256, 2048]
+
+
+def random_gptq(k: int, n: int, bits: int, group: int, sym: bool, act_order: bool, device) -> GPTQWeight:
+    """Random codes packed straight into the GPTQ tensors (uniform random words = uniform codes)."""
+    g = num_groups(k, group)
+    qweight = torch.randint(-2**31, 2**31 - 1, (k * bits // 32, n), dtype=torch.int32, device=device)
+    if sym:
+        word = sum(((1 << (bits - 1)) - 1) << (i * bits) for i in range(32 // bits))  # zero - 1 each
+        word = word - 2**32 if word >= 2**31 else word
+        qzeros = torch.full((g, n * bits // 32), word, dtype=torch.int32, device=device)
+    else:  # fields in [0, 2**bits - 2] so that zero = field + 1 stays a valid code
+        fields = torch.randint(0, (1 << bits) - 1, (g, n), dtype=torch.int64, device=device)
+        per = 32 // bits
+        words = (fields.view(g, n // per, per) << (torch.arange(per, device=device) * bits)).sum(-1)
+        qzeros = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    scales = (torch.rand(g, n, device=device) * 0.02 + 0.001).half()
+    g_idx = default_g_idx(k, group, device)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, device=device)]
+    return GPTQWeight(qweight, qzeros, scales, g_idx.to(torch.int32), bits, group)
+
+
+GRAPHS = False  # --graph: time CUDA-graph replays of each call (no Python launch cost)
+
+
+def time_us(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median µs of fn (L2 cleared before every call). With --graph the call is captured once in
+    a CUDA graph and its replay is timed, as a decode step runs; a call that cannot be captured
+    is timed eagerly."""
+    import triton.testing
+
+    if GRAPHS:
+        fn()  # compile, allocate workspaces
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+            fn = graph.replay
+        except Exception:  # noqa: BLE001 - e.g. a library that synchronises inside the call
+            torch.cuda.synchronize()
+    return 1000.0 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the floor's denominator."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    import triton.testing
+
+    t = 1000.0 * triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")  # eager, even with --graph
+    return 2 * src.numel() / (t * 1e-6)
+
+
+class Peers:
+    """The other libraries' kernels for one weight shape, built once."""
+
+    def __init__(self, k: int, n: int):
+        self.k, self.n = k, n
+        self.w16 = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+        self.tiny = None
+        try:
+            packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+            self.tiny_w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+            self.tiny_sz = torch.rand(k // 128, n, 2, device="cuda", dtype=torch.bfloat16)
+            self.tiny = True
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            self.tiny_error = f"{type(e).__name__}: {e}"
+        self.bnb4 = self.bnb8 = None
+        self.bnb_error = ""
+        try:
+            import bitsandbytes as bnb
+
+            lin = torch.nn.Linear(k, n, bias=False, dtype=torch.float16)
+            lin.weight.data.copy_(self.w16.cpu())
+            self.bnb4 = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.float16, quant_type="nf4")
+            self.bnb4.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
+            self.bnb4 = self.bnb4.cuda()
+            self.bnb8 = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=0.0)
+            self.bnb8.weight = bnb.nn.Int8Params(lin.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+            self.bnb8 = self.bnb8.cuda()
+        except Exception as e:  # noqa: BLE001
+            self.bnb4 = self.bnb8 = None
+            self.bnb_error = f"{type(e).__name__}: {e}"[:200]
+
+    def time(self, m: int) -> dict:
+        x16 = torch.randn(m, self.k, device="cuda", dtype=torch.float16)
+        out = {"fp16_us": time_us(lambda: torch.nn.functional.linear(x16, self.w16))}
+        if self.tiny:
+            xb = x16.bfloat16()
+            out["tinygemm_us"] = time_us(lambda: torch.ops.aten._weight_int4pack_mm(xb, self.tiny_w, 128, self.tiny_sz))
+        with torch.no_grad():
+            if self.bnb4 is not None:
+                out["bnb_nf4_us"] = time_us(lambda: self.bnb4(x16))
+                out["bnb_int8_us"] = time_us(lambda: self.bnb8(x16))
+        return out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def check(kernel: TritonGPTQKernel, w: GPTQWeight, batches, dtype, tol: float, w32=None) -> list[str]:
+    """Every batch's path against the reference on this weight; returns failure lines."""
+    failures = []
+    w32 = dequantize(w, torch.float32) if w32 is None else w32
+    for m in batches:
+        x = torch.randn(m, w.in_features, device="cuda", dtype=dtype)
+        bias = torch.randn(w.out_features, device="cuda", dtype=dtype)
+        y = kernel(x, bias)
+        ref = x.float() @ w32 + bias.float()
+        err = rel_err(y, ref)
+        ok = err < tol and bool(torch.isfinite(y).all())
+        if not ok:
+            failures.append(f"{w.in_features}x{w.out_features} bits={w.bits} m={m} {dtype} "
+                            f"{kernel.config_for(m)}: rel err {err:.2e}")
+    return failures
+
+
+def correctness_suite(args) -> list[str]:
+    """Each decode variant (bits, dtype, zeros, act-order, group) on a mid shape through every path
+    (split-K decode tile, 64-row tile, dense), then ours on every real shape and batch."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failures = []
+    for bits in (4, 8):
+        for dtype in (torch.float16, torch.bfloat16):
+            tol = 2e-3 if dtype == torch.float16 else 1.2e-2
+            for group, sym, act in ((128, True, False), (128, False, True), (32, False, False), (-1, True, True)):
+                w = random_gptq(1024, 768, bits, group, sym, act, "cuda")
+                failures += check(TritonGPTQKernel(w, dtype), w, [1, 40, 1100], dtype, tol)
+    for k, n in args.shapes:
+        for bits in (4, 8):
+            w = random_gptq(k, n, bits, 128, True, False, "cuda")
+            w32 = dequantize(w, torch.float32)
+            failures += check(TritonGPTQKernel(w, torch.float16), w, args.batches, torch.float16, 2e-3, w32)
+            del w32
+    return failures
+
+
+def sweep_configs(m: int, blocks: int, n: int, num_sms: int):
+    """Candidate tile configs for M rows (the tuning grid; wider than the kernel's own)."""
+    out = []
+    if m <= 16:
+        grid = [(16, bn, w, st, False) for bn in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))]
+    elif m <= 64:
+        grid = [(m, bn, w, st, sw) for bn in (64, 128) for w, st in ((4, 3), (4, 4), (8, 3)) for sw in (False, True)]
+    else:
+        grid = [(bm, bn, w, 3, sw) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for sw in (False, True)
+                if not (bm == 128 and bn == 128 and w == 4)]
+    for bm, bn, warps, stages, sw in grid:
+        tiles = -(-m // bm) * -(-n // bn)
+        for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4)}):
+            out.append(GemmConfig("dot", bm, bn, s, warps, stages, sw))
+    return out
+
+
+def run_sweep(args, results: list) -> None:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for k, n in args.sweep_shapes:
+        for bits in (4, 8):
+            w = random_gptq(k, n, bits, 128, True, False, "cuda")
+            for block_k in ((128, 256) if bits == 4 else (64, 128)):
+                kern = TritonGPTQKernel(w, torch.float16, block_k=block_k)
+                blocks = kern.layout.k_padded // kern.layout.block_k
+                for m in (args.sweep_batches if bits == 4 else [b for b in args.sweep_batches if b <= 16]):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    timed = []
+                    for cfg in sweep_configs(m, blocks, n, num_sms):
+                        try:
+                            timed.append((time_us(lambda: kern(x, config=cfg), warmup=5, rep=20), cfg))
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                            print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    timed.sort(key=lambda p: p[0])
+                    print(f"sweep {k}x{n} w{bits} block_k={block_k} m={m}:", flush=True)
+                    for t, cfg in timed[:3]:
+                        print(f"    {t:7.1f}us {cfg}", flush=True)
+                    results.append({"sweep": f"{k}x{n}", "bits": bits, "block_k": block_k, "m": m,
+                                    "best": [[t, cfg.__dict__] for t, cfg in timed[:6]]})
+
+
+def check_attention() -> str:
+    """The paged decode kernel against gather + softmax on the GPU, and its time."""
+    from flotilla.kernels.triton_attention import paged_attention_decode
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, block = 16, 32, 8, 128, 16
+    lens = torch.randint(1, 2048, (batch,), device="cuda", dtype=torch.int32)
+    lens[0] = 2048
+    max_blocks = 2048 // block
+    k_cache = torch.randn(batch * max_blocks, block, kv_heads, dim, device="cuda", dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * max_blocks, device="cuda", dtype=torch.int32).view(batch, max_blocks)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.float16)
+    lines = []
+    for splits in (1, 4):
+        out = paged_attention_decode(q, k_cache, v_cache, tables, lens, num_splits=splits)
+        errs = []
+        for b in range(batch):
+            n = int(lens[b])
+            k = k_cache[tables[b].long()].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(4, 1)
+            v = v_cache[tables[b].long()].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(4, 1)
+            p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * dim ** -0.5).softmax(-1)
+            errs.append(rel_err(out[b], torch.einsum("hn,nhd->hd", p, v)))
+        kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
+        t = time_us(lambda: paged_attention_decode(q, k_cache, v_cache, tables, lens, num_splits=splits))
+        lines.append(f"paged decode B={batch} Hq={heads} Hkv={kv_heads} D={dim} splits={splits}: "
+                     f"max rel err {max(errs):.1e}, {t:.1f} us, {kv_bytes / (t * 1e-6) / 1e12:.2f} TB/s of KV")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs (tuning)")
+    ap.add_argument("--sweep-shapes", default="8192x28672,14336x4096,4096x4096")
+    ap.add_argument("--sweep-batches", default="1,16,64,256")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    args = ap.parse_args(argv)
+    global GRAPHS
+    GRAPHS = args.graph
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    parse = lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")]  # noqa: E731
+    args.shapes, args.sweep_shapes = parse(args.shapes), parse(args.sweep_shapes)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.sweep_batches = [int(b) for b in args.sweep_batches.split(",")]
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+
+    if not args.skip_check:
+        failures = correctness_suite(args)
+        print(f"correctness vs reference: {'OK' if not failures else f'{len(failures)} FAILED'}", flush=True)
+        for f in failures:
+            print("  FAIL", f, flush=True)
+
+    print(check_attention(), flush=True)
+    bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for k, n in args.shapes:
+        peers = Peers(k, n)
+        if peers.bnb_error:
+            print(f"bitsandbytes unavailable: {peers.bnb_error}", flush=True)
+        ours = {bits: TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.float16)
+                for bits in (4, 8)}
+        if args.tune:
+            for kern in ours.values():
+                kern.tune(args.batches)
+        for m in args.batches:
+            row = {"shape": f"{k}x{n}", "batch": m}
+            row.update(peers.time(m))
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            for bits, kern in ours.items():
+                t = time_us(lambda: kern(x))
+                nbytes = kern.layout.nbytes()
+                row[f"w{bits}_us"] = t
+                row[f"w{bits}_tbps"] = nbytes / (t * 1e-6) / 1e12
+                row[f"w{bits}_floor_us"] = nbytes / bw * 1e6
+                row[f"w{bits}_config"] = str(kern.config_for(m))
+                row[f"w{bits}_speedup"] = row["fp16_us"] / t
+            rows.append(row)
+            print(("  " + json.dumps(row)) if args.json else _line(row), flush=True)
+        del peers, ours
+        torch.cuda.empty_cache()
+    print()
+    print(_table(rows), flush=True)
+    extra: list = []
+    if args.sweep:
+        run_sweep(args, extra)
+    if args.json:
+        for r in extra:
+            print(json.dumps(r))
+    return 0
+
+
+def _line(r: dict) -> str:
+    return (f"{r['shape']:>11} m={r['batch']:<5} fp16 {r['fp16_us']:8.1f}  w4 {r['w4_us']:8.1f} "
+            f"({r['w4_speedup']:.2f}x, {r['w4_tbps']:.2f} TB/s)  w8 {r['w8_us']:8.1f} ({r['w8_speedup']:.2f}x)")
+
+
+def _table(rows: list) -> str:
+    cols = [("shape", "shape", "{}"), ("batch", "batch", "{}"), ("fp16 µs", "fp16_us", "{:.1f}"),
+            ("W4A16 µs", "w4_us", "{:.1f}"), ("×fp16", "w4_speedup", "{:.2f}"), ("W4 TB/s", "w4_tbps", "{:.2f}"),
+            ("W4 floor µs", "w4_floor_us", "{:.1f}"), ("W8A16 µs", "w8_us", "{:.1f}"),
+            ("×fp16", "w8_speedup", "{:.2f}"), ("W8 TB/s", "w8_tbps", "{:.2f}"),
+            ("tinygemm µs", "tinygemm_us", "{:.1f}"), ("bnb nf4 µs", "bnb_nf4_us", "{:.1f}"),
+            ("bnb int8 µs", "bnb_int8_us", "{:.1f}")]
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "n/a" for _, key, fmt in cols) + " |")
+    if rows:
+        w4 = [r["w4_speedup"] for r in rows]
+        lines.append(f"\nW4A16 speedup over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Compile the C++ kernels once (just in time) and cache the build on disk.
+
+The sources ship as package data (csrc/). The first process that needs them compiles them with
+torch.utils.cpp_extension (g++ and ninja), saying so on stderr; later processes load the cached
+shared library. A build is named after the instruction set and a hash of the sources, the flags,
+torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded.
+
+Where builds go (this package imports nothing of flotilla's, so it reads the variables that
+flotilla/envs.py documents itself):
+
+    TORCH_EXTENSIONS_DIR   if set, builds go there (torch's own convention)
+    FLOTILLA_CACHE_DIR     else $FLOTILLA_CACHE_DIR/torch_extensions
+    XDG_CACHE_HOME         else $XDG_CACHE_HOME/flotilla/torch_extensions (~/.cache/flotilla/…)
+
+When the CPU lacks AVX2/FMA/F16C, or compiling fails (no compiler, no ninja, a read-only
+cache), `load()` prints one warning line and returns None; callers fall back to the dense
+kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("module.cpp", "kernels.cpp")
+HEADERS = ("kernels.h",)
+BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+ISA_FLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+}
+
+_loaded: dict[str, object] = {}
+_failed: dict[str, str] = {}
+
+
+def best_isa() -> str | None:
+    """The widest instruction set of ISA_FLAGS this CPU runs, or None (not x86, or no AVX2)."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", …
+    if capability == "AVX512":
+        return "avx512"
+    if capability == "AVX2":
+        return "avx2"
+    return None
+
+
+def extensions_dir() -> Path:
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("FLOTILLA_CACHE_DIR")
+    if cache:
+        return Path(cache).expanduser() / "torch_extensions"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg).expanduser() / "flotilla" / "torch_extensions"
+
+
+def build_name(isa: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+    h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    return f"flotilla_cpu_{isa}_{h.hexdigest()[:12]}"
+
+
+def load(isa: str | None = None):
+    """The compiled extension module for `isa` (default: the best this CPU runs), or None."""
+    isa = isa or best_isa()
+    if isa is None:
+        return _fail("cpu", "this CPU lacks AVX2/FMA/F16C")
+    if isa in _loaded:
+        return _loaded[isa]
+    if isa in _failed:
+        return None
+    missing = _missing_tool()
+    if missing:
+        return _fail(isa, missing)
+    try:
+        module = _compile(isa)
+    except Exception as e:  # a compile error, an unwritable cache, a broken toolchain
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = lines[0] if lines else type(e).__name__
+        return _fail(isa, why if len(why) <= 160 else why[:157] + "…")
+    _loaded[isa] = module
+    return module
+
+
+def _missing_tool() -> str | None:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} not found (set CXX or install g++)"
+    if not is_ninja_available():
+        return "ninja not found (pip install ninja)"
+    return None
+
+
+def _compile(isa: str):
+    from torch.utils.cpp_extension import load as cpp_load
+
+    name = build_name(isa)
+    directory = extensions_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{name}.so").is_file():
+        print(f"compiling flotilla CPU kernels once ({isa}, into {directory})…", file=sys.stderr, flush=True)
+    flags = list(BASE_FLAGS + ISA_FLAGS[isa])
+    return cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+
+
+def _fail(isa: str, why: str) -> None:
+    if isa not in _failed:
+        _failed[isa] = why
+        print(f"warning: flotilla CPU kernels unavailable ({why}); using the dense kernel", file=sys.stderr)
+    return None

@@ -1,0 +1,247 @@
+"""The Triton dequant-matmul kernel object: repack at load, pick a path per batch size, launch.
+
+    kernel = TritonGPTQKernel(gptq_weight, torch.float16)   # repacks once (triton_layout)
+    y = kernel(x, bias)                                      # x [..., in] -> y [..., out]
+
+Paths, chosen per call from the number of rows M (`choose_config`):
+  * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K: for decode batches this
+              is the split-K GEMV (16-row tile, split until every SM streams weights), for medium
+              batches a tiled GEMM;
+  * "dense" — dequantize to a dense weight, then cuBLAS (torch.nn.functional.linear), large M.
+
+This module imports Triton lazily, so the registry can import it where Triton or CUDA is absent;
+it registers the kernel for CUDA devices only. Under TRITON_INTERPRET=1 the same object runs on
+CPU tensors (with the plain-arithmetic decode instead of inline PTX), which is how the tests
+check it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .gptq import GPTQWeight
+from .triton_layout import TritonLayout, UnsupportedLayout, repack
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    kind: str  # "dot" | "dense"
+    block_m: int = 16
+    block_n: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    scale_w: bool = False  # dot only: apply the group scale to the weights instead of the accumulator
+
+
+DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
+
+
+def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
+    """Tile shape and split count for M rows: the winners of `tune` on an H200 (bench/NOTES-kernels.md),
+    as rules. Decode tiles are narrow (64 out-features) and split until ~4 programs per SM."""
+    n, blocks = layout.out_features, layout.k_padded // layout.block_k
+    if m >= DENSE_MIN_ROWS:
+        return GemmConfig("dense")
+    if m <= 16:
+        tiles = -(-n // 64)
+        return GemmConfig("dot", 16, 64, split_for(tiles, blocks, 4 * num_sms), num_warps=4, num_stages=3)
+    if m <= 64:
+        block_m = 32 if m <= 32 else 64
+        wide = -(-m // block_m) * -(-n // 128) >= num_sms
+        block_n = 128 if wide else 64
+        tiles = -(-m // block_m) * -(-n // block_n)
+        return GemmConfig("dot", block_m, block_n, split_for(tiles, blocks, 2 * num_sms),
+                          num_warps=8 if wide else 4, num_stages=3)
+    block_m = 128 if -(-m // 128) * -(-n // 128) >= num_sms // 2 else 64
+    tiles = -(-m // block_m) * -(-n // 128)
+    return GemmConfig("dot", block_m, 128, split_for(tiles, blocks, num_sms), num_warps=8, num_stages=3,
+                      scale_w=True)
+
+
+def split_for(tiles: int, blocks: int, target_programs: int) -> int:
+    """The divisor of `blocks` that brings tiles * split closest to the target (from below)."""
+    best = 1
+    for d in range(1, blocks + 1):
+        if blocks % d == 0 and tiles * d <= target_programs:
+            best = d
+    return best
+
+
+def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmConfig]:
+    """The tile configs `TritonGPTQKernel.tune` times for M rows."""
+    n, blocks = layout.out_features, layout.k_padded // layout.block_k
+    if m >= DENSE_MIN_ROWS:
+        grid = [(128, 128, 8, 3, True)]
+    elif m <= 16:
+        grid = [(16, bn, w, st, False) for bn in (64, 128) for w, st in ((4, 3), (4, 4))] + [(16, 256, 4, 3, False)]
+    elif m <= 64:
+        bm = 32 if m <= 32 else 64
+        grid = [(bm, 64, 4, 3, False), (bm, 128, 4, 3, False), (bm, 128, 4, 4, False), (bm, 128, 8, 3, False)]
+    else:
+        grid = [(64, 128, 4, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True)]
+    out = [GemmConfig("dense")] if m >= 128 else []
+    for bm, bn, warps, stages, sw in grid:
+        tiles = -(-m // bm) * -(-n // bn)
+        for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4)}):
+            out.append(GemmConfig("dot", bm, bn, s, warps, stages, sw))
+    return out
+
+
+class TritonGPTQKernel:
+    """y = x @ W for one GPTQ linear, in fp16 or bf16, on the GPU (or the Triton interpreter)."""
+
+    name = "triton"
+
+    def __init__(self, w: GPTQWeight, dtype: torch.dtype, block_k: int | None = None):
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the Triton kernel computes in float16 or bfloat16, not {dtype}")
+        self.layout = repack(w, block_k)
+        self.dtype = dtype
+        device = self.layout.words.device
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 4)
+        self._counters = torch.zeros(4096, dtype=torch.int32, device=device)
+        self._configs: dict[int, GemmConfig] = {}
+
+    def config_for(self, m: int) -> GemmConfig:
+        cfg = self._configs.get(m)
+        if cfg is None:
+            cfg = self._configs[m] = choose_config(m, self.layout, self.num_sms)
+        return cfg
+
+    def tune(self, batch_sizes, candidates=None) -> dict[int, tuple[float, GemmConfig]]:
+        """Time the candidate configs for each batch size on this weight and keep the fastest
+        (a warm-up step: call before capturing CUDA graphs). Returns {m: (µs, config)}."""
+        import triton.runtime.errors
+        import triton.testing
+
+        chosen = {}
+        for m in batch_sizes:
+            x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
+            timed = []
+            for cfg in candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms):
+                fn = lambda: self(x, config=cfg)  # noqa: E731
+                try:
+                    timed.append((1000 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"), cfg))
+                except triton.runtime.errors.OutOfResources:
+                    continue  # a tile too large for this block_k's shared memory
+            best = min(timed, key=lambda p: p[0])
+            self._configs[m] = best[1]
+            chosen[m] = best
+        return chosen
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        cfg = config or self.config_for(x2.shape[0])
+        perm = self.layout.perm
+        if cfg.kind == "dense":
+            if perm is not None:
+                x2 = x2.index_select(1, perm)  # the dense weight keeps the sorted row order
+            w_t = dequantize_layout(self.layout, self.dtype)
+            y = torch.nn.functional.linear(x2, w_t, None if bias is None else bias.to(x2.dtype))
+        else:
+            y = matmul_layout(x2, self.layout, cfg, bias, self._counter_buffer(x2.shape[0], cfg))
+        return y.reshape(*lead, self.layout.out_features)
+
+    def _counter_buffer(self, m: int, cfg: GemmConfig) -> torch.Tensor:
+        tiles = -(-m // cfg.block_m) * -(-self.layout.out_features // cfg.block_n)
+        if cfg.split_k > 1 and tiles > self._counters.numel():
+            # Every launch leaves its counters at zero, so a larger zeroed buffer can replace it.
+            self._counters = torch.zeros(tiles, dtype=torch.int32, device=self._counters.device)
+        return self._counters
+
+
+def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias: torch.Tensor | None,
+                  counters: torch.Tensor) -> torch.Tensor:
+    """Launch the tensor-core kernel for x2 [M, in]; returns [M, out] in x2's dtype."""
+    from .triton_gemm import w_dot_kernel
+
+    m, k = x2.shape
+    if k != layout.in_features:
+        raise ValueError(f"activation has {k} input features, the weight expects {layout.in_features}")
+    if cfg.kind != "dot":
+        raise ValueError(f"matmul_layout runs the 'dot' path, not {cfg.kind!r}")
+    n = layout.out_features
+    blocks = layout.k_padded // layout.block_k
+    split = cfg.split_k if blocks % cfg.split_k == 0 else 1
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
+    is_bf16 = x2.dtype == torch.bfloat16
+    scale_w = cfg.scale_w
+    w_dot_kernel[grid](
+        x2, layout.words, layout.scales, _or(layout.zeros, layout.scales), _or(layout.perm, layout.words),
+        _or(bias, out), out, ws, counters, m, n, k, layout.words.shape[1], x2.stride(0), out.stride(0),
+        blocks // split,
+        BITS=layout.bits, BLOCK_K=layout.block_k, GROUP_SIZE=layout.group_size,
+        ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None,
+        HAS_PERM=layout.perm is not None, HAS_BIAS=bias is not None, SCALE_W=scale_w, SPLIT=split > 1,
+        IS_BF16=is_bf16, ASM=_asm(layout.bits, is_bf16, scale_w),
+        ASM_ODD=_asm(layout.bits, is_bf16, scale_w, odd=True), EVEN_N=n % cfg.block_n == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def dequantize_layout(layout: TritonLayout, dtype: torch.dtype, block_n: int = 64) -> torch.Tensor:
+    """The dense weight transposed, W^T [out, in] in `dtype`, in the layout's (sorted) row order."""
+    from .triton_gemm import dequantize_kernel
+
+    k, n = layout.in_features, layout.out_features
+    out = torch.empty((n, k), dtype=dtype, device=layout.words.device)
+    grid = (layout.k_padded // layout.block_k, -(-n // block_n))
+    is_bf16 = dtype == torch.bfloat16
+    dequantize_kernel[grid](
+        layout.words, layout.scales, _or(layout.zeros, layout.scales), out, n, k, layout.words.shape[1],
+        BITS=layout.bits, BLOCK_K=layout.block_k, GROUP_SIZE=layout.group_size,
+        ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None, IS_BF16=is_bf16,
+        ASM=_asm(layout.bits, is_bf16, True), ASM_ODD=_asm(layout.bits, is_bf16, True, odd=True),
+        BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def _asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False) -> str:
+    from .triton_gemm import pair_asm
+
+    return "" if os.environ.get("TRITON_INTERPRET") == "1" else pair_asm(bits, is_bf16, scale_w, odd)
+
+
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """Triton needs a pointer for every argument; constexpr flags keep placeholders unread."""
+    return placeholder if t is None else t
+
+
+def make_kernel(w: GPTQWeight, dtype: torch.dtype):
+    """Registry factory: the Triton kernel, or the dense one where the layout cannot serve."""
+    from .reference import DenseKernel
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        return DenseKernel(w, dtype)
+    try:
+        return TritonGPTQKernel(w, dtype)
+    except UnsupportedLayout:
+        return DenseKernel(w, dtype)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def register_kernels(register) -> None:
+    from .registry import KernelEntry
+
+    def supports(device: torch.device, bits: int) -> bool:
+        return torch.device(device).type == "cuda" and bits in (4, 8) and triton_available()
+
+    register(KernelEntry("triton", make_kernel, supports, priority=20))
+
+
+__all__ = ["GemmConfig", "TritonGPTQKernel", "choose_config", "matmul_layout", "dequantize_layout",
+           "register_kernels"]

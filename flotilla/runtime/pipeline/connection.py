@@ -1,0 +1,190 @@
+"""Authenticated connections between the head and pipeline workers.
+
+Handshake (mutual HMAC-SHA256 challenge-response over the shared token, fresh nonces each side):
+
+    client -> server   Hello(version, nonce_c, name)
+    server -> client   Challenge(version, nonce_s, HMAC(token, "server" | nonce_c | nonce_s))
+    client -> server   Proof(HMAC(token, "client" | nonce_c | nonce_s))
+
+Each side checks the other's proof with a constant-time compare and drops the connection
+silently on a mismatch, so a peer without the token learns nothing and can send nothing. A
+replayed handshake fails: the other side's nonce is fresh. Afterwards every frame carries a tag
+HMAC(direction key, sequence number | body), with keys derived from the token and both nonces,
+so frames cannot be injected, reordered or replayed within or across connections.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import ssl
+import struct
+
+from .wire import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, ProtocolError, decode, encode, frame, message, read_frame
+
+NONCE_BYTES = 32
+TAG_BYTES = 32
+HANDSHAKE_MAX_FRAME = 4096
+MIN_TOKEN_LENGTH = 16
+
+
+class AuthError(ProtocolError):
+    """The peer failed the handshake (wrong token, replay, wrong protocol version)."""
+
+
+@message("hello")
+class Hello:
+    version: int
+    nonce: bytes
+    name: str
+
+
+@message("challenge")
+class Challenge:
+    version: int
+    nonce: bytes
+    proof: bytes
+
+
+@message("proof")
+class Proof:
+    proof: bytes
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
+
+
+def check_token(token: str | bytes) -> bytes:
+    raw = token.encode() if isinstance(token, str) else token
+    if len(raw) < MIN_TOKEN_LENGTH:
+        raise ValueError(f"the pipeline token must be at least {MIN_TOKEN_LENGTH} characters")
+    return raw
+
+
+class Connection:
+    """One authenticated, framed, ordered channel. send()/recv() carry registered messages."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, send_key: bytes,
+                 recv_key: bytes, peer: str, max_frame: int = DEFAULT_MAX_FRAME):
+        self.reader, self.writer = reader, writer
+        self._send_key, self._recv_key = send_key, recv_key
+        self._send_seq = self._recv_seq = 0
+        self.peer = peer
+        self.max_frame = max_frame
+        self.bytes_sent = self.bytes_received = 0
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, msg) -> None:
+        body = encode(msg)
+        async with self._send_lock:
+            tag = _mac(self._send_key, struct.pack(">Q", self._send_seq), body)
+            self._send_seq += 1
+            data = frame(tag + body)
+            self.writer.write(data)
+            self.bytes_sent += len(data)
+            await self.writer.drain()
+
+    async def recv(self):
+        body = await read_frame(self.reader, self.max_frame + TAG_BYTES)
+        self.bytes_received += len(body) + 4
+        tag, payload = body[:TAG_BYTES], body[TAG_BYTES:]
+        expected = _mac(self._recv_key, struct.pack(">Q", self._recv_seq), payload)
+        if not hmac.compare_digest(tag, expected):
+            raise AuthError(f"frame from {self.peer} failed its integrity check")
+        self._recv_seq += 1
+        return decode(payload, self.max_frame)
+
+    def close(self) -> None:
+        if not self.writer.is_closing():
+            self.writer.close()
+
+    async def wait_closed(self) -> None:
+        self.close()
+        try:
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+def _session_keys(token: bytes, nonce_c: bytes, nonce_s: bytes) -> tuple[bytes, bytes]:
+    return _mac(token, b"c2s", nonce_c, nonce_s), _mac(token, b"s2c", nonce_c, nonce_s)
+
+
+async def _read_plain(reader: asyncio.StreamReader, expected: type):
+    msg = decode(await read_frame(reader, HANDSHAKE_MAX_FRAME), HANDSHAKE_MAX_FRAME)
+    if not isinstance(msg, expected):
+        raise AuthError(f"expected {expected.WIRE_NAME} during the handshake, got {msg.WIRE_NAME}")
+    return msg
+
+
+async def client_handshake(reader, writer, token: bytes, name: str, timeout: float = 10.0,
+                           max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
+    async def run() -> Connection:
+        nonce_c = os.urandom(NONCE_BYTES)
+        writer.write(frame(encode(Hello(PROTOCOL_VERSION, nonce_c, name))))
+        await writer.drain()
+        ch = await _read_plain(reader, Challenge)
+        if ch.version != PROTOCOL_VERSION:
+            raise AuthError(f"peer speaks protocol version {ch.version}, this flotilla speaks {PROTOCOL_VERSION}")
+        if len(ch.nonce) != NONCE_BYTES or not hmac.compare_digest(ch.proof, _mac(token, b"server", nonce_c, ch.nonce)):
+            raise AuthError("the peer does not know the token")
+        writer.write(frame(encode(Proof(_mac(token, b"client", nonce_c, ch.nonce)))))
+        await writer.drain()
+        c2s, s2c = _session_keys(token, nonce_c, ch.nonce)
+        peer = "%s:%s" % writer.get_extra_info("peername")[:2]
+        return Connection(reader, writer, c2s, s2c, peer, max_frame)
+
+    return await _closing_on_failure(writer, asyncio.wait_for(run(), timeout))
+
+
+async def server_handshake(reader, writer, token: bytes, timeout: float = 10.0,
+                           max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Connection, str]:
+    """Authenticate an incoming connection; returns it and the client's name."""
+    async def run():
+        hello = await _read_plain(reader, Hello)
+        if hello.version != PROTOCOL_VERSION:
+            raise AuthError(f"peer speaks protocol version {hello.version}, this flotilla speaks {PROTOCOL_VERSION}")
+        if len(hello.nonce) != NONCE_BYTES:
+            raise AuthError("bad nonce")
+        nonce_s = os.urandom(NONCE_BYTES)
+        writer.write(frame(encode(Challenge(PROTOCOL_VERSION, nonce_s, _mac(token, b"server", hello.nonce, nonce_s)))))
+        await writer.drain()
+        proof = await _read_plain(reader, Proof)
+        if not hmac.compare_digest(proof.proof, _mac(token, b"client", hello.nonce, nonce_s)):
+            raise AuthError("the peer does not know the token")
+        c2s, s2c = _session_keys(token, hello.nonce, nonce_s)
+        peer = "%s:%s" % (writer.get_extra_info("peername") or ("?", "?"))[:2]
+        return Connection(reader, writer, s2c, c2s, peer, max_frame), hello.name[:64]
+
+    return await _closing_on_failure(writer, asyncio.wait_for(run(), timeout))
+
+
+async def _closing_on_failure(writer: asyncio.StreamWriter, handshake):
+    """Run a handshake; on any failure drop the connection without a word, then re-raise."""
+    try:
+        return await handshake
+    except BaseException:
+        writer.close()
+        raise
+
+
+def ssl_contexts(cert: str | None, key: str | None, ca: str | None) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(server context, client context) for optional TLS; (None, None) when no cert is given.
+
+    With a CA, each side verifies the other's certificate against it (mutual TLS)."""
+    if not cert:
+        return None, None
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    client.load_cert_chain(cert, key)
+    if ca:
+        server.load_verify_locations(ca)
+        server.verify_mode = ssl.CERT_REQUIRED
+        client.check_hostname = False  # workers are addressed by IP on a LAN; the CA pins identity
+    else:
+        client.check_hostname = False
+        client.verify_mode = ssl.CERT_NONE  # encryption only; the token handshake authenticates
+    return server, client

@@ -21,7 +21,9 @@ with the same signatures:
     paged_attention(query, key_cache, value_cache, meta, scale) -> [T, Hq, D]
 
 Per-step index tensors (gather indices, masks) are built once per step by `meta.plan()` and
-shared by every layer; the per-layer work is a store, two gathers and one SDPA per group.
+shared by every layer; the per-layer work is a store, two gathers and one SDPA per group. On
+CUDA the decodes go to the Triton kernel (flotilla.kernels.triton_attention), which reads the
+blocks in place; prefills stay on SDPA.
 
 This module imports nothing of flotilla's.
 """
@@ -83,7 +85,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     flat_k = key_cache.view(-1, hkv, d)  # [slots, Hkv, D]
     flat_v = value_cache.view(-1, hkv, d)
     parts = []
-    if meta.num_decodes:
+    if meta.num_decodes and plan.triton_decode is not None:
+        parts.append(plan.triton_decode(query[:meta.num_decodes], key_cache, value_cache, scale))
+    elif meta.num_decodes:
         parts.append(_decode(query[:meta.num_decodes], flat_k, flat_v, plan, scale))
     if meta.num_prefills:
         parts.append(_prefill(query[meta.num_decodes:], flat_k, flat_v, plan, scale))
@@ -138,6 +142,7 @@ class _TorchPlan:
     def __init__(self, meta: PagedAttentionMetadata, dtype: torch.dtype):
         bs, nd = meta.block_size, meta.num_decodes
         self.dtype = dtype
+        self.triton_decode = _TritonDecode.for_step(meta) if nd and meta.slot_mapping.is_cuda else None
         self.contiguous = None  # slots of the lone sequence, when its blocks are consecutive
         if meta.first_block >= 0:
             n = max(meta.max_decode_seq_len, meta.max_prefill_seq_len)
@@ -145,7 +150,7 @@ class _TorchPlan:
         self.decode_gather = self.decode_mask = None
         self.prefill_q_index = self.prefill_gather = self.prefill_mask = self.prefill_unpad = None
         self.prefill_causal = False
-        if nd and self.contiguous is None:
+        if nd and self.contiguous is None and self.triton_decode is None:
             self.decode_gather, valid = _gather_index(meta.block_tables[:nd], meta.seq_lens[:nd],
                                                       meta.max_decode_seq_len, bs)
             if nd > 1:
@@ -177,6 +182,31 @@ class _TorchPlan:
             rows = torch.arange(tp, device=device)
             seq = torch.searchsorted(torch.cumsum(qlens, 0), rows, right=True)  # [Tp] owning sequence
             self.prefill_unpad = seq * Q + rows - starts[seq]
+
+
+class _TritonDecode:
+    """The decodes of one step through the Triton paged-attention kernel (int32 tables and
+    lengths converted once per step; split-K over the context when the batch is too small to
+    fill the GPU)."""
+
+    def __init__(self, kernel, tables: torch.Tensor, lens: torch.Tensor, num_splits: int):
+        self.kernel, self.tables, self.lens, self.num_splits = kernel, tables, lens, num_splits
+
+    @classmethod
+    def for_step(cls, meta: PagedAttentionMetadata, sms: int | None = None) -> "_TritonDecode | None":
+        try:
+            from .triton_attention import paged_attention_decode
+        except ImportError:  # no Triton: the torch path
+            return None
+        nd = meta.num_decodes
+        if sms is None:
+            sms = torch.cuda.get_device_properties(meta.slot_mapping.device).multi_processor_count
+        splits = max(1, min(16, meta.max_decode_seq_len // 512, sms // max(1, nd)))
+        return cls(paged_attention_decode, meta.block_tables[:nd].to(torch.int32),
+                   meta.seq_lens[:nd].to(torch.int32), splits)
+
+    def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float):
+        return self.kernel(q, key_cache, value_cache, self.tables, self.lens, scale=scale, num_splits=self.num_splits)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,11 +6,12 @@ all in the same run.
 
 Rows (SmolLM2-135M; greedy, EOS ignored, the same chat prompt token ids everywhere):
 
-    engine dense      INT4 checkpoint, FLOTILLA_KERNEL=dense: dequantized fp32 weights, MKL
+    engine dense      INT4 checkpoint, FLOTILLA_KERNEL=dense: dequantized fp32 weights and the
+                      lm_head through MKL
     engine cpu        INT4 checkpoint, flotilla's compiled W4 kernel (the registry's choice on
-                      x86), lm_head in its exact compact form (what the runtime uses)
-    engine cpu, fp32 head   the same with the lm_head kept in fp32 (MKL)
-    engine fp32       the GGUF dequantized to fp32
+                      x86), lm_head in its exact compact form (what the runtime does by default)
+    engine cpu, fp32 head   the same with the lm_head through MKL
+    engine fp32       the GGUF dequantized to fp32 (MKL layers, compact lm_head)
     transformers      fp32 generate, eager, from the same GGUF
     llama.cpp         llama-cpp-python on the same GGUF (Q4_1 layers, Q8_0 embedding)
 
@@ -61,9 +62,9 @@ def engine_row(name: str, path: Path, kernel: str | None, prompt: list[int], tok
         os.environ[ENV_KERNEL] = kernel
     try:
         lm = load_model(path, "cpu", "float32", progress=False)
+        engine = build_engine(lm, EngineArgs(kv_cache_memory="128MiB", max_num_seqs=1))
     finally:
         os.environ.pop(ENV_KERNEL, None)
-    engine = build_engine(lm, EngineArgs(kv_cache_memory="128MiB", max_num_seqs=1))
     if fp32_head:
         lm.model.freeze()  # no logits kernel: the plain fp32 lm_head
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)

@@ -147,7 +147,7 @@ def llama_cpp_row(gguf: Path, prompt: list[int], tokens: int, repeats: int, thre
     except ImportError:
         return None
     proc = None
-    for no_extra, note in ((False, ""), (True, "; its repack/AMX path crashed here, run without it")):
+    for no_extra, note in ((False, ""), (True, ", no repack: AMX crashed")):
         proc = subprocess.run([sys.executable, "-c", LLAMA_WORKER, str(gguf), str(tokens), str(repeats), str(threads),
                                "1" if no_extra else "0", json.dumps(prompt)], capture_output=True, text=True)
         if proc.returncode == 0:

@@ -102,7 +102,7 @@ class Sampler:
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits, batch)
-        ids = logits.argmax(dim=-1)
+        ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
         if not batch.all_greedy:
             ids = self._sample(logits, ids, batch)
         token_ids = ids.tolist()

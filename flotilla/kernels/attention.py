@@ -123,16 +123,24 @@ def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: 
     return out if plan.prefill_unpad is None else out.index_select(0, plan.prefill_unpad)
 
 
-def _keys_values(flat_k: torch.Tensor, flat_v: torch.Tensor, gather: torch.Tensor, contiguous: slice | None):
+def _keys_values(flat_k: torch.Tensor, flat_v: torch.Tensor, gather: "_Gather", contiguous: slice | None):
     """Each sequence's keys and values [B, Hkv, L, D]: a view of the cache when the batch is one
-    sequence in consecutive blocks, else gathered through the block tables."""
+    sequence in consecutive blocks, else gathered block by block through the block tables."""
     if contiguous is not None:
         return flat_k[contiguous].unsqueeze(0).transpose(1, 2), flat_v[contiguous].unsqueeze(0).transpose(1, 2)
-    B, L = gather.shape
+    B, nb = gather.blocks.shape
     hkv, d = flat_k.shape[1], flat_k.shape[2]
-    k = flat_k.index_select(0, gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)
-    v = flat_v.index_select(0, gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)
-    return k, v
+    bs = gather.block_size
+    k = flat_k.view(-1, bs, hkv, d).index_select(0, gather.blocks.view(-1)).view(B, nb * bs, hkv, d)
+    v = flat_v.view(-1, bs, hkv, d).index_select(0, gather.blocks.view(-1)).view(B, nb * bs, hkv, d)
+    return k[:, :gather.length].transpose(1, 2), v[:, :gather.length].transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class _Gather:
+    blocks: torch.Tensor  # [B, nb] the blocks holding each sequence's first `length` positions
+    length: int  # L: the longest sequence of the group
+    block_size: int
 
 
 class _TorchPlan:
@@ -214,11 +222,11 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, bs: int):
-    """Flat cache slots [B, max_len] of each sequence's tokens 0..max_len-1, and which are valid
-    (< seq_len). Invalid positions point into whatever block the table holds there (the null
-    block for padding), so they are safe to read and masked out."""
+    """What to gather for positions 0..max_len-1 of each sequence (whole blocks), and which
+    positions are valid (< seq_len). Blocks past a sequence's end are the null block or stale
+    ones: safe to read, and masked out."""
+    nb = -(-max_len // bs)
+    blocks = block_tables[:, :nb].contiguous()  # [B, nb]
     pos = torch.arange(max_len, device=block_tables.device)
-    blocks = block_tables.index_select(1, pos // bs)  # [B, max_len]
-    slots = blocks * bs + (pos % bs)[None, :]
-    valid = pos[None, :] < seq_lens[:, None]
-    return slots, valid
+    valid = pos[None, :] < seq_lens[:, None]  # [B, max_len]
+    return _Gather(blocks, max_len, bs), valid

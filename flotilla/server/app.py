@@ -12,13 +12,11 @@ from .state import ServerState
 from .websocket import ChatSocket
 
 STATIC = Path(__file__).resolve().parent / "static"
-MAX_BODY = web.AppKey("max_body", int)
 
 
 def build_app(state: ServerState, manage_engine: bool = True) -> web.Application:
     """`manage_engine`: start the engine with the app and shut it down with it."""
     app = web.Application(middlewares=make_middlewares(state), client_max_size=state.config.max_body_bytes)
-    app[MAX_BODY] = state.config.max_body_bytes
     OpenAIRoutes(state).register(app)
     ChatSocket(state).register(app)
     app.router.add_get("/health", _health(state))

@@ -23,9 +23,10 @@ def parse_json_object(raw: bytes, what: str = "request body") -> dict:
     if not raw.strip():
         raise bad_request(f"the {what} is empty; send a JSON object")
     try:
-        data = json.loads(raw)
-    except UnicodeDecodeError:
-        raise bad_request(f"the {what} is not UTF-8 text; send a JSON object encoded as UTF-8") from None
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the {what} is not UTF-8 text (byte {e.start}); send a JSON object encoded as "
+                          f"UTF-8") from None
     except json.JSONDecodeError as e:
         raise bad_request(f"the {what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                           f"send a JSON object") from None

@@ -1,6 +1,8 @@
 """POST /v1/chat/completions, POST /v1/completions, GET /v1/models — OpenAI's wire format."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from aiohttp import web
@@ -12,6 +14,9 @@ from .responses import Shapes, TokenText, chat_logprobs, completion_logprobs
 from .sse import EventStream
 from .state import ServerState
 
+log = logging.getLogger("flotilla.server")
+
+LARGE_BODY = 32 * 1024  # bytes; larger requests are validated and tokenized off the event loop
 CANCELLED = "the request was cancelled because the server is shutting down; retry it"
 
 
@@ -46,16 +51,21 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         self.state.admission.check_open()
-        body = await self.state.read_json(request)
-        req = parse_chat(body, self.state.engine, self.state.config.max_n)
+        req = await self._parse(request, parse_chat)
         return await self._serve(request, req, new_request_id("chatcmpl"), arrival)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         self.state.admission.check_open()
-        body = await self.state.read_json(request)
-        req = parse_completion(body, self.state.engine, self.state.config.max_n)
+        req = await self._parse(request, parse_completion)
         return await self._serve(request, req, new_request_id("cmpl"), arrival)
+
+    async def _parse(self, request: web.Request, parse) -> GenerationRequest:
+        body = await self.state.read_json(request)
+        args = (body, self.state.engine, self.state.config.max_n)
+        if (request.content_length or 0) > LARGE_BODY:  # tokenizing it would stall every other stream
+            return await asyncio.to_thread(parse, *args)
+        return parse(*args)
 
     async def _serve(self, request: web.Request, req: GenerationRequest, rid: str, arrival: float):
         shapes = Shapes(req.kind, rid, req.model)
@@ -114,4 +124,9 @@ class OpenAIRoutes:
             await stream.done()
         except ConnectionResetError:
             pass  # the client left; leaving the Generation aborts its sequences
+        except Exception:  # a bug past the point where a status code can be sent: end the stream visibly
+            log.exception("stream %s failed", shapes.id)
+            await stream.send(ApiError(500, "internal server error while streaming (the server log has the "
+                                            "traceback)", code="internal_error").body())
+            await stream.done()
         return stream.response

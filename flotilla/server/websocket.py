@@ -29,6 +29,7 @@ from .generation import Generation, new_request_id
 from .protocol import parse_chat
 from .state import ServerState
 
+LARGE_FRAME = 32 * 1024  # characters; larger chat frames are tokenized off the event loop
 EXAMPLE = '{"type": "chat", "messages": [{"role": "user", "content": "Hi"}]}'
 
 
@@ -95,7 +96,7 @@ class _Conversation:
             return await self.error(bad_request(f"the frame must be a JSON object like {EXAMPLE}, got {describe(data)}"))
         kind = data.get("type")
         if kind == "chat":
-            return await self.on_chat(data)
+            return await self.on_chat(data, text)
         if kind == "cancel":
             return self.cancel()
         if kind == "ping":
@@ -103,7 +104,7 @@ class _Conversation:
         await self.error(bad_request(f"unknown frame type {describe(kind)}; use \"chat\", \"cancel\" or \"ping\"",
                                      param="type"))
 
-    async def on_chat(self, data: dict) -> None:
+    async def on_chat(self, data: dict, text: str) -> None:
         if self.reply is not None and not self.reply.done():
             return await self.error(ApiError(409, "a reply is still streaming; send {\"type\": \"cancel\"} or wait for "
                                                   "its \"done\" frame"))
@@ -115,7 +116,11 @@ class _Conversation:
             if data.get("stream") is False:
                 raise bad_request("the websocket always streams; leave out 'stream'", param="stream")
             fields = {k: v for k, v in data.items() if k not in ("type", "stream", "stream_options")}
-            req = parse_chat(fields, self.state.engine, 1, require_model=False)
+            args = (fields, self.state.engine, 1)
+            if len(text) > LARGE_FRAME:  # tokenizing it would stall every other stream
+                req = await asyncio.to_thread(parse_chat, *args, require_model=False)
+            else:
+                req = parse_chat(*args, require_model=False)
         except ApiError as e:
             return await self.error(e)
         self.cancelled = False

@@ -78,8 +78,9 @@ class LiveServer:
         return self.engine.stats()
 
 
-def start_server(model_path: Path, **config) -> LiveServer:
-    engine_kw = {k: config.pop(k) for k in ("max_model_len", "served_model_name") if k in config}
-    engine = EngineClient.from_loaded(loaded_model(model_path), **engine_kw)
+def start_server(model_path: Path, engine: dict | None = None, **config) -> LiveServer:
+    """A live server on a free loopback port; `engine`: options for EngineClient.from_loaded,
+    `config`: ServerConfig fields."""
+    engine = EngineClient.from_loaded(loaded_model(model_path), **(engine or {}))
     config.setdefault("port", 0)
     return LiveServer(engine, ServerConfig(**config)).__enter__()

@@ -26,7 +26,12 @@ from flotilla.runtime.loader import LoadedModel, load_model
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.runtime.simple import ContiguousKVCache, sample_next
 
-__all__ = ["EngineClient", "EngineStats", "SamplingParams", "StepOutput", "TokenLogprob", "add_engine_args"]
+__all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StepOutput", "TokenLogprob",
+           "add_engine_args"]
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve (its loop died, or it is shut down): a 503, not the user's fault."""
 
 
 @dataclass(frozen=True)
@@ -113,12 +118,13 @@ class EngineClient:
                 yield out
         finally:
             if not finished:
-                self.abort(request_id)
+                self._backend.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request. A no-op for a finished request."""
         self._backend.abort(request_id)
 
-    def abort_all(self) -> None:
+    async def abort_all(self) -> None:
         self._backend.abort_all()
 
     def stats(self) -> EngineStats:

@@ -109,10 +109,10 @@ class Generation:
         jobs = self.request.choices()
         return [self.request_id] if len(jobs) == 1 else [f"{self.request_id}-{i}" for i, _, _ in jobs]
 
-    def abort(self) -> None:
-        """Stop generating now (the KV blocks are freed at once); the outputs end with "abort"."""
+    async def abort(self) -> None:
+        """Stop generating now; returns once the KV blocks are free. The outputs end with "abort"."""
         for rid in self.engine_ids():
-            self.engine.abort(rid)  # a no-op for a finished request
+            await self.engine.abort(rid)  # a no-op for a finished request
 
     async def close(self) -> None:
         """Abort whatever has not finished; safe to call twice."""

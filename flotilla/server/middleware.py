@@ -7,6 +7,9 @@ import logging
 
 from aiohttp import web
 
+from flotilla.errors import FlotillaError
+
+from .engine_client import EngineUnavailable
 from .errors import ApiError
 from .state import ServerState
 
@@ -49,6 +52,12 @@ def make_middlewares(state: ServerState) -> list:
         except ApiError as e:
             status = e.status
             return e.response()
+        except EngineUnavailable as e:
+            status = 503
+            return ApiError(503, f"the engine cannot serve: {e}", code="engine_unavailable").response()
+        except FlotillaError as e:  # a request the engine refuses that validation let through
+            status = 400
+            return ApiError(400, str(e)).response()
         except web.HTTPException as e:
             if e.status < 400:
                 status = e.status

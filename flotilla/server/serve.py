@@ -49,7 +49,7 @@ class Server:
         for site in list(self.runner.sites):
             await site.stop()  # closes the listening socket: no new connections
         if not await admission.wait_idle(self.state.config.grace_period):
-            self.state.engine.abort_all()
+            await self.state.engine.abort_all()
             await admission.wait_idle(5.0)
         await self.runner.cleanup()
 

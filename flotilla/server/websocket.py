@@ -23,6 +23,9 @@ import time
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from flotilla.errors import FlotillaError
+
+from .engine_client import EngineUnavailable
 from .errors import ApiError, bad_request
 from .fields import describe
 from .generation import Generation, new_request_id
@@ -98,7 +101,7 @@ class _Conversation:
         if kind == "chat":
             return await self.on_chat(data, text)
         if kind == "cancel":
-            return self.cancel()
+            return await self.cancel()
         if kind == "ping":
             return await self.ws.send_json({"type": "pong"})
         await self.error(bad_request(f"unknown frame type {describe(kind)}; use \"chat\", \"cancel\" or \"ping\"",
@@ -126,10 +129,10 @@ class _Conversation:
         self.cancelled = False
         self.reply = asyncio.create_task(self.run(req, arrival))
 
-    def cancel(self) -> None:
+    async def cancel(self) -> None:
         if self.generation is not None:
             self.cancelled = True
-            self.generation.abort()
+            await self.generation.abort()
 
     async def run(self, req, arrival: float) -> None:
         rid = new_request_id("chat")
@@ -157,6 +160,10 @@ class _Conversation:
                                         "timing": timing})
         except ApiError as e:
             await self.error(e)
+        except EngineUnavailable as e:
+            await self.error(ApiError(503, f"the engine cannot serve: {e}", code="engine_unavailable"))
+        except FlotillaError as e:  # a request the engine refuses that validation let through
+            await self.error(bad_request(str(e)))
         except ConnectionResetError:
             pass  # the socket closed; leaving the Generation aborted the request
         finally:

@@ -44,10 +44,17 @@ class Server:
         self.port = self.runner.addresses[0][1]
 
     async def drain(self) -> None:
-        admission = self.state.admission
-        admission.draining = True
+        await self.stop_accepting()
+        await self.finish()
+
+    async def stop_accepting(self) -> None:
+        self.state.admission.draining = True  # open connections get 503 for new requests
         for site in list(self.runner.sites):
             await site.stop()  # closes the listening socket: no new connections
+
+    async def finish(self) -> None:
+        """In-flight requests get the grace period; then the rest are cancelled and all is closed."""
+        admission = self.state.admission
         if not await admission.wait_idle(self.state.config.grace_period):
             await self.state.engine.abort_all()
             await admission.wait_idle(5.0)
@@ -66,8 +73,10 @@ async def serve(state: ServerState, announce: Callable[[str], None] | None = Non
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        _announce(f"flotilla: shutting down (in-flight requests get {state.config.grace_period:g}s to finish)")
-        await server.drain()
+        await server.stop_accepting()
+        _announce(f"flotilla: shutting down: no new connections; in-flight requests get "
+                  f"{state.config.grace_period:g}s to finish")
+        await server.finish()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

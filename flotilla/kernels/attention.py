@@ -1,0 +1,163 @@
+"""Paged attention over a block-table KV cache: the torch reference (runs on any device).
+
+Cache layout, one pair per layer:
+
+    key_cache, value_cache   [num_blocks, block_size, Hkv, D]
+
+Token p of a sequence lives in block `block_table[p // block_size]` at offset `p % block_size`,
+i.e. at flat slot `block_table[p // block_size] * block_size + p % block_size`. Block 0 is the
+null block: padding entries of a block table point at it and nothing is ever written there.
+
+A step's batch is B sequences. Sequence b brings `query_lens[b]` new tokens, flattened in batch
+order into T = sum(query_lens) rows, at positions `seq_lens[b] - query_lens[b] … seq_lens[b] - 1`
+(so `seq_lens[b]` counts the tokens in the cache once this step's keys are stored). The first
+`num_decodes` sequences are decodes (one new token each); the rest are prefills or prefill
+chunks, which may follow a cached prefix.
+
+Two functions make the interface that other backends (a Triton decode kernel on GPU) implement
+with the same signatures:
+
+    store_kv(key_cache, value_cache, key, value, meta)      write this step's keys and values
+    paged_attention(query, key_cache, value_cache, meta, scale) -> [T, Hq, D]
+
+Per-step index tensors (gather indices, masks) are built once per step by `meta.plan()` and
+shared by every layer; the per-layer work is a store, two gathers and one SDPA per group.
+
+This module imports nothing of flotilla's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """What attention needs to know about one step's batch (built once per step, shared by layers).
+
+    The Python ints are given by the caller, who knows them on the host, so nothing here syncs
+    with the device."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0 (the null block)
+    seq_lens: torch.Tensor  # [B] int64: tokens in the cache after this step
+    query_lens: torch.Tensor  # [B] int64: new tokens of each sequence this step
+    block_size: int
+    num_decodes: int  # the first num_decodes sequences have query_len == 1
+    max_decode_seq_len: int  # max seq_len over the decodes (0 if none)
+    max_prefill_query_len: int  # max query_len over the prefills (0 if none)
+    max_prefill_seq_len: int  # max seq_len over the prefills (0 if none)
+    _plan: "_TorchPlan | None" = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
+
+    def plan(self) -> "_TorchPlan":
+        if self._plan is None:
+            self._plan = _TorchPlan(self)
+        return self._plan
+
+
+def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             meta: PagedAttentionMetadata) -> None:
+    """Write key/value [T, Hkv, D] into the caches at `meta.slot_mapping`."""
+    hkv, d = key.shape[1], key.shape[2]
+    key_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, key)
+    value_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached tokens (this step's
+    included, so call `store_kv` first). query [T, Hq, D] -> [T, Hq, D]."""
+    plan = meta.plan()
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    flat_k = key_cache.view(-1, hkv, d)  # [slots, Hkv, D]
+    flat_v = value_cache.view(-1, hkv, d)
+    parts = []
+    if meta.num_decodes:
+        parts.append(_decode(query[:meta.num_decodes], flat_k, flat_v, plan, scale))
+    if meta.num_prefills:
+        parts.append(_prefill(query[meta.num_decodes:], flat_k, flat_v, plan, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: "_TorchPlan",
+            scale: float) -> torch.Tensor:
+    # One query per sequence; the G query heads that share a kv head become G query rows.
+    B, hq, d = q.shape
+    hkv = flat_k.shape[1]
+    L = plan.decode_gather.shape[1]
+    qg = q.view(B, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    k = flat_k.index_select(0, plan.decode_gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = flat_v.index_select(0, plan.decode_gather.view(-1)).view(B, L, hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask, scale=scale)  # [B, Hkv, G, D]
+    return out.reshape(B, hq, d)
+
+
+def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: "_TorchPlan",
+             scale: float) -> torch.Tensor:
+    # Queries padded to [Bp, Qmax]; key j is visible to query i of sequence b iff
+    # j <= start_b + i, where start_b is the number of tokens cached before this step.
+    Bp, Q = plan.prefill_q_index.shape
+    hq, d = q.shape[1], q.shape[2]
+    hkv = flat_k.shape[1]
+    L = plan.prefill_gather.shape[1]
+    qp = q.index_select(0, plan.prefill_q_index.view(-1)).view(Bp, Q, hq, d).transpose(1, 2)  # [Bp, Hq, Q, D]
+    k = flat_k.index_select(0, plan.prefill_gather.view(-1)).view(Bp, L, hkv, d).transpose(1, 2)  # [Bp, Hkv, L, D]
+    v = flat_v.index_select(0, plan.prefill_gather.view(-1)).view(Bp, L, hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale,
+                                         enable_gqa=hq != hkv)  # [Bp, Hq, Q, D]
+    out = out.transpose(1, 2).reshape(Bp * Q, hq, d)
+    return out if plan.prefill_unpad is None else out.index_select(0, plan.prefill_unpad)
+
+
+class _TorchPlan:
+    """Gather indices and masks for one step, shared by all layers."""
+
+    def __init__(self, meta: PagedAttentionMetadata):
+        bs = meta.block_size
+        nd = meta.num_decodes
+        self.decode_gather = self.decode_mask = None
+        self.prefill_q_index = self.prefill_gather = self.prefill_mask = self.prefill_unpad = None
+        if nd:
+            self.decode_gather, valid = _gather_index(meta.block_tables[:nd], meta.seq_lens[:nd],
+                                                      meta.max_decode_seq_len, bs)
+            self.decode_mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        if meta.num_prefills:
+            qlens = meta.query_lens[nd:]
+            seq_lens = meta.seq_lens[nd:]
+            Q, device = meta.max_prefill_query_len, qlens.device
+            self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, meta.max_prefill_seq_len, bs)
+            starts = torch.cumsum(qlens, 0) - qlens  # first row of each sequence among the prefill rows
+            i = torch.arange(Q, device=device)
+            q_valid = i[None, :] < qlens[:, None]  # [Bp, Q]
+            self.prefill_q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
+            # Padding queries see key 0 only, so that no row of the mask is empty (SDPA gives
+            # NaN for a row with no visible key); their outputs are dropped.
+            last_visible = torch.where(q_valid, (seq_lens - qlens)[:, None] + i[None, :], 0)  # [Bp, Q]
+            j = torch.arange(meta.max_prefill_seq_len, device=device)
+            self.prefill_mask = (j[None, None, :] <= last_visible[:, :, None])[:, None]  # [Bp, 1, Q, L]
+            if meta.num_prefills > 1:  # rows of the padded output that are real queries
+                tp = meta.slot_mapping.shape[0] - meta.num_decodes
+                rows = torch.arange(tp, device=device)
+                seq = torch.searchsorted(torch.cumsum(qlens, 0), rows, right=True)  # [Tp] owning sequence
+                self.prefill_unpad = seq * Q + rows - starts[seq]
+
+
+def _gather_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, bs: int):
+    """Flat cache slots [B, max_len] of each sequence's tokens 0..max_len-1, and which are valid
+    (< seq_len). Invalid positions point into whatever block the table holds there (the null
+    block for padding), so they are safe to read and masked out."""
+    pos = torch.arange(max_len, device=block_tables.device)
+    blocks = block_tables.index_select(1, pos // bs)  # [B, max_len]
+    slots = blocks * bs + (pos % bs)[None, :]
+    valid = pos[None, :] < seq_lens[:, None]
+    return slots, valid

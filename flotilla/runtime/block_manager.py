@@ -1,0 +1,125 @@
+"""Per-sequence block tables over a BlockPool, with prefix caching.
+
+A full block of tokens is identified by a hash chained on its prefix: hash(parent hash, its 16
+token ids), so two sequences share a cached block only if everything before it matches too.
+Blocks are cached as soon as a step that fills them is scheduled (their keys and values are
+written by that step's forward, before any later read).
+
+The scheduler sees allocation results only as `KVBlocks`, an opaque value it can count and pass
+back; it never reaches into the pool.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from .block_pool import BlockPool, KVBlock
+from .sequence import Sequence
+
+_ROOT_HASH = b"\0" * 16
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """The chained hash of one full block (16-byte BLAKE2b; collisions are not a practical concern)."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """An allocation result: some blocks, in block-table order."""
+
+    blocks: tuple[KVBlock, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._tables: dict[str, list[KVBlock]] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the sequence's first num_blocks full blocks (computed once)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else _ROOT_HASH, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[KVBlocks, int]:
+        """The longest cached prefix of a sequence that holds no blocks yet, and its length in
+        tokens. At least one token is always left to compute (its logits are needed)."""
+        if not self.pool.enable_caching:
+            return KVBlocks(), 0
+        hits = []
+        for h in self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return KVBlocks(tuple(hits)), len(hits) * self.block_size
+
+    # ------------------------------------------------------------------ changes
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> KVBlocks | None:
+        """Make room for `num_new_tokens` more tokens after the sequence's computed ones (plus
+        the `computed` prefix hit, for a sequence being admitted). Returns the newly taken blocks,
+        or None, changing nothing, when the pool cannot provide them."""
+        table = self._tables.get(seq.request_id, [])
+        num_computed = seq.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        need = self.blocks_for(total) - len(table) - len(computed)
+        revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)  # hits that leave the free queue
+        if need + revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed.blocks)
+        new = self.pool.take(max(need, 0))
+        table = table + list(computed.blocks) + new
+        self._tables[seq.request_id] = table
+        seq.block_table = [b.block_id for b in table]
+        if self.pool.enable_caching:
+            full = total // self.block_size
+            for block, h in zip(table[:full], self.block_hashes(seq, full)):
+                self.pool.cache(block, h)
+        return KVBlocks(tuple(new))
+
+    def free(self, seq: Sequence) -> None:
+        """Return the sequence's blocks; its tail is evicted before its head, which other
+        requests are likelier to share."""
+        table = self._tables.pop(seq.request_id, [])
+        self.pool.release(reversed(table))
+        seq.block_table = []
+
+    def holds(self, seq: Sequence) -> bool:
+        return seq.request_id in self._tables
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, plus: every block's ref_cnt equals the number of block tables
+        that hold it, and each table's ids match its sequence's view."""
+        refs: dict[int, int] = {}
+        for table in self._tables.values():
+            for b in table:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        self.pool.check_integrity(refs)

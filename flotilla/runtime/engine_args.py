@@ -1,0 +1,87 @@
+"""Engine options (one typed config, shared by the CLI and the server) and building an engine
+around a loaded model."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .engine import EngineConfig, LLMEngine
+from .kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from .loader import LoadedModel
+from .model_runner import ModelRunner
+from .scheduler import SchedulerConfig
+
+log = logging.getLogger("flotilla.runtime")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    kv_cache_memory: str | None = None  # e.g. "2GiB"; default: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.3
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # default: the model's
+    enable_prefix_caching: bool = True
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("engine")
+        g.add_argument("--kv-cache-memory", default=None,
+                       help="memory for the KV cache, e.g. 2GiB or 512MiB (default: a fraction of free memory)")
+        g.add_argument("--kv-cache-fraction", type=float, default=cls.kv_cache_fraction,
+                       help=f"fraction of free memory for the KV cache without --kv-cache-memory (default {cls.kv_cache_fraction})")
+        g.add_argument("--block-size", type=int, default=cls.block_size, help="tokens per KV block (default 16)")
+        g.add_argument("--max-num-seqs", type=int, default=cls.max_num_seqs,
+                       help=f"most sequences in one step (default {cls.max_num_seqs})")
+        g.add_argument("--max-num-batched-tokens", type=int, default=cls.max_num_batched_tokens,
+                       help=f"token budget of one step (default {cls.max_num_batched_tokens})")
+        g.add_argument("--max-model-len", type=int, default=None, help="longest context served (default: the model's)")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="turn automatic prefix caching off")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
+                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                   enable_prefix_caching=args.enable_prefix_caching)
+
+
+def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) -> LLMEngine:
+    """An engine over a whole model loaded in this process. `report` (e.g. print to stderr)
+    receives the one-line KV cache report; it is logged either way."""
+    cfg = lm.config
+    max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
+    spec = KVCacheSpec(tuple(lm.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, lm.dtype, args.block_size)
+    # more than max_num_seqs full contexts (plus the null block) would never be used
+    cap = args.max_num_seqs * -(-max_len // args.block_size) + 1
+    num_blocks = plan_num_blocks(spec, lm.device, args.kv_cache_memory, args.kv_cache_fraction, cap)
+    cache = KVCache(spec, num_blocks, lm.device)
+    line = spec.describe(num_blocks)
+    log.info("%s", line)
+    if report is not None:
+        report(line)
+    config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
+                          scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+                          enable_prefix_caching=args.enable_prefix_caching)
+    engine = LLMEngine(ModelRunner(lm.model, cache), config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
+    engine.kv_cache_report = line
+    return engine
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Run prompts to completion (a convenience for scripts and tests): generated ids per prompt."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"gen-{id(engine)}-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, plist):
+        engine.add_request(rid, prompt, p)
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+    return [out[rid] for rid in ids]

@@ -1,0 +1,108 @@
+"""The physical KV cache of one stage, its sizing from a memory budget, and the paged attention
+backend that the model calls.
+
+Every stage of a pipeline uses the same block ids, so the head sizes the pool to the smallest
+stage; a stage holds blocks only for its own layers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from flotilla.errors import FlotillaError
+from flotilla.kernels.attention import PagedAttentionMetadata, paged_attention, store_kv
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise FlotillaError(f"--kv-cache-memory {text!r}: expected a size such as 2GiB, 512MiB or 1.5G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now (CUDA: the driver's count; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise FlotillaError("cannot tell how much memory is free here; pass --kv-cache-memory")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    layers: tuple[int, ...]  # the global indices of this stage's layers
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+    def describe(self, num_blocks: int) -> str:
+        mib = num_blocks * self.bytes_per_block / 2**20
+        return (f"KV cache: {num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} tokens, "
+                f"{mib:.1f} MiB ({self.bytes_per_block / 1024:.1f} KiB a block, {len(self.layers)} layers)")
+
+
+def plan_num_blocks(spec: KVCacheSpec, device: torch.device, memory: str | int | None = None,
+                    fraction: float = 0.3, max_blocks: int | None = None) -> int:
+    """Blocks for a budget of `memory` bytes, or else `fraction` of the device's free memory;
+    capped at `max_blocks` (no point holding more than max_num_seqs full contexts)."""
+    if memory is not None:
+        budget = parse_memory(memory) if isinstance(memory, str) else int(memory)
+        where = f"--kv-cache-memory {memory}"
+    else:
+        if not 0 < fraction <= 1:
+            raise FlotillaError(f"the KV cache memory fraction must be in (0, 1], got {fraction}")
+        budget = int(free_memory(device) * fraction)
+        where = f"{fraction:.0%} of the free memory"
+    n = spec.num_blocks_for(budget)
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    if n < 2:
+        raise FlotillaError(f"{where} gives room for {n} KV blocks of {spec.bytes_per_block} bytes; need at least 2")
+    return n
+
+
+class KVCache:
+    """Per-layer key and value caches [num_blocks, block_size, Hkv, D], zero-filled (padding
+    reads the null block and stale slots; they must hold finite numbers)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+        self.spec, self.num_blocks, self.device = spec, num_blocks, device
+        shape = (len(spec.layers), 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.storage = torch.zeros(shape, dtype=spec.dtype, device=device)
+        index = {layer: i for i, layer in enumerate(spec.layers)}
+        self.key = {layer: self.storage[i, 0] for layer, i in index.items()}
+        self.value = {layer: self.storage[i, 1] for layer, i in index.items()}
+
+
+class PagedAttentionBackend:
+    """The model's attention backend for one step: store this step's keys and values, then attend
+    through the block tables."""
+
+    def __init__(self, cache: KVCache, meta: PagedAttentionMetadata, scale: float):
+        self.cache, self.meta, self.scale = cache, meta, scale
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.cache.key[layer], self.cache.value[layer]
+        store_kv(kc, vc, k, v, self.meta)
+        return paged_attention(q, kc, vc, self.meta, self.scale)

@@ -1,0 +1,109 @@
+"""Turns one scheduled step into tensors and runs a model stage over the paged KV cache.
+
+`StepInput` is plain lists, so the head can build it and send it to a remote stage unchanged
+(issue: pipeline parallel); the runner works for any stage: the first embeds `token_ids`, later
+ones take the previous stage's hidden states, and the last computes logits for the sampling
+rows and samples them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flotilla.kernels.attention import PagedAttentionMetadata
+from flotilla.models.llama import CausalLM
+
+from .kv_cache import KVCache, PagedAttentionBackend
+from .sampler import Sampler, SamplerOutput, SamplingBatch
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step's batch: B sequences, decodes (one new token) first."""
+
+    request_ids: list[str]
+    token_ids: list[int]  # the T new tokens, flattened in batch order
+    starts: list[int]  # position of each sequence's first new token (= tokens already computed)
+    query_lens: list[int]  # new tokens per sequence
+    block_tables: list[list[int]]  # logical -> physical block ids, covering start + query_len tokens
+    num_decodes: int
+    sample: list[bool]  # whether each sequence samples a token this step (reaches its end)
+    sampling: SamplingBatch | None = None  # one row per sampling sequence, in batch order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None):
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.block_size = cache.spec.block_size
+        self.scale = model.config.head_dim ** -0.5
+        self.sampler = sampler or (Sampler(model.config.vocab_size) if model.stage.is_last else None)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
+        """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
+        positions, meta = prepare_step(step, self.block_size, self.device)
+        x = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first else hidden
+        h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
+        if not self.model.stage.is_last:
+            return h
+        return self.sampler(self.compute_logits(step, h), step.sampling)
+
+    def compute_logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of the last new token of each sampling sequence."""
+        ends, end = [], 0
+        for qlen, samples in zip(step.query_lens, step.sample):
+            end += qlen
+            if samples:
+                ends.append(end - 1)
+        if len(ends) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(ends, device=hidden.device))
+        return self.model.compute_logits(hidden)
+
+
+def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tuple[torch.Tensor, PagedAttentionMetadata]:
+    """Positions [T] and the attention metadata of a step. Built on the host with numpy (small
+    arrays; torch's threaded CPU ops cost more than they compute here), then moved to the device."""
+    bs, nd, B, T = block_size, step.num_decodes, step.num_seqs, step.num_tokens
+    starts = np.asarray(step.starts, dtype=np.int64)
+    qlens = np.asarray(step.query_lens, dtype=np.int64)
+    tables = np.zeros((B, max(len(t) for t in step.block_tables)), dtype=np.int64)  # [B, W], 0 = null block
+    for b, t in enumerate(step.block_tables):
+        tables[b, :len(t)] = t
+    if nd == T:  # decodes only: one token per sequence
+        positions = starts
+        slots = tables[np.arange(B), starts // bs] * bs + starts % bs
+    else:
+        seq_of_token = np.repeat(np.arange(B), qlens)  # [T]
+        first_row = np.cumsum(qlens) - qlens
+        positions = starts[seq_of_token] + np.arange(T) - first_row[seq_of_token]
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+    seq_lens = starts + qlens
+    meta = PagedAttentionMetadata(
+        slot_mapping=_to(slots, device),
+        block_tables=_to(tables, device),
+        seq_lens=_to(seq_lens, device),
+        query_lens=_to(qlens, device),
+        block_size=bs,
+        num_decodes=nd,
+        max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
+        max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
+        max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
+    )
+    return _to(positions, device), meta
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)

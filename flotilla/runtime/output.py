@@ -1,0 +1,115 @@
+"""Per-request outputs: token ids, text deltas from an incremental detokenizer, stop strings.
+
+Stop strings are searched in the generated text; the text is cut before the stop string, which is
+never emitted. While a request has stop strings, the last (longest stop string - 1) characters
+are held back, so a stop string split across steps is never half streamed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flotilla.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from .sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """What one step (or an abort) produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the new text (a delta); never splits a UTF-8 character
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[float] | None = None  # per new token, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+class TextState:
+    """The detokenizer and stop-string state of one request."""
+
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence):
+        self.detok: IncrementalDetokenizer = tokenizer.detokenizer(seq.prompt_token_ids)
+        self.stops = tuple(s for s in seq.params.stop if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # generated text so far (cut at a stop string)
+        self.emitted = 0  # characters of self.text already returned
+
+    def add(self, token_id: int, is_stop_token: bool) -> tuple[str, str | None]:
+        """Feed one token; returns (text delta, the stop string found or None)."""
+        if not is_stop_token:  # a stop token's own text is not part of the output
+            start = max(0, len(self.text) - self.hold)
+            self.text += self.detok.add(token_id)
+            hit = self._find_stop(start)
+            if hit is not None:
+                return self._emit(final=True), hit
+        return self._emit(final=False), None
+
+    def finish(self) -> str:
+        self.text += self.detok.flush()
+        return self._emit(final=True)
+
+    def _find_stop(self, start: int) -> str | None:
+        best = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self.text = self.text[:best[0]]
+        return best[1]
+
+    def _emit(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+
+class OutputProcessor:
+    """Turns sampled tokens into RequestOutputs; decides stop-string finishes."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.states: dict[str, TextState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            self.states[seq.request_id] = TextState(self.tokenizer, seq)
+
+    def token(self, seq: Sequence, token_id: int, reason: FinishReason | None,
+              logprob: float | None = None, top: list | None = None) -> tuple[RequestOutput, FinishReason | None]:
+        """The output for one new token of `seq` (already appended); returns it with the finish
+        reason, which a stop string may set."""
+        out = RequestOutput(seq.request_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens)
+        if logprob is not None:
+            out.logprobs, out.top_logprobs = [logprob], [top or []]
+        state = self.states.get(seq.request_id)
+        if reason is FinishReason.STOP:
+            out.stop_reason = token_id
+        if state is not None:
+            out.text, hit = state.add(token_id, token_id in seq.stop_token_ids)
+            if hit is not None:
+                reason, out.stop_reason = FinishReason.STOP, hit
+            elif reason is not None:
+                out.text += state.finish()
+        if reason is not None:
+            self._finish(out, reason)
+        return out, reason
+
+    def aborted(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens)
+        self._finish(out, FinishReason.ABORT)
+        return out
+
+    def _finish(self, out: RequestOutput, reason: FinishReason) -> None:
+        out.finished, out.finish_reason = True, reason.value
+        self.states.pop(out.request_id, None)

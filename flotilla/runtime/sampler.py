@@ -1,0 +1,208 @@
+"""Token sampling for a batch of rows, each with its own parameters.
+
+Self-contained: the `Sampler` is fed a `SamplingBatch` of plain lists (built on the head from the
+scheduled sequences, small enough to ship to the last pipeline stage) and logits; it returns
+token ids (the one host sync) and, where asked, logprobs.
+
+Order of operations per row: penalties (repetition on prompt+output tokens, as transformers
+does; presence and frequency on output tokens, as OpenAI defines them) -> temperature -> top-k ->
+top-p -> min-p -> sample. Greedy rows (temperature 0) take the argmax of the penalised logits.
+
+Sampling draws one exponential variate per vocabulary entry, E ~ Exp(1), and picks
+argmax(p / E), which is an exact draw from p. The variates of a row come from a generator seeded
+by (request seed, index of the token being generated), so a seeded request produces the same
+tokens whatever else is in the batch, and again after a preemption.
+
+Reported logprobs are those of the model's distribution (log-softmax of the raw logits), before
+penalties, temperature and truncation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters (row i samples for the i-th sampling sequence of a step)."""
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    repetition_penalty: list[float]
+    presence_penalty: list[float]
+    frequency_penalty: list[float]
+    seeds: list[int]
+    steps: list[int]  # index of the token being generated (its output position)
+    top_logprobs: list[int]  # -1: no logprobs; k >= 0: the sampled token's logprob and the top k
+    prompt_ids: list[list[int]]  # filled only for rows with a repetition penalty
+    output_ids: list[list[int]]  # filled only for rows with any penalty
+
+    @classmethod
+    def build(cls, rows: list[tuple[SamplingParams, int, list[int], list[int]]]) -> "SamplingBatch":
+        """rows: (params, seed, prompt ids, output ids) per sampling sequence."""
+        ps = [r[0] for r in rows]
+        rep = [p.repetition_penalty != 1.0 for p in ps]
+        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, ps)]
+        return cls(
+            temperature=[p.temperature for p in ps],
+            top_k=[p.top_k for p in ps],
+            top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            seeds=[r[1] for r in rows],
+            steps=[len(r[3]) for r in rows],
+            top_logprobs=[p.top_logprobs if p.logprobs else -1 for p in ps],
+            prompt_ids=[list(r[2]) if use else [] for r, use in zip(rows, rep)],
+            output_ids=[list(r[3]) if use else [] for r, use in zip(rows, pen)],
+        )
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0 or k == 1 for t, k in zip(self.temperature, self.top_k))
+
+    @property
+    def any_penalty(self) -> bool:
+        return (any(r != 1.0 for r in self.repetition_penalty) or any(self.presence_penalty)
+                or any(self.frequency_penalty))
+
+    @property
+    def any_logprobs(self) -> bool:
+        return any(k >= 0 for k in self.top_logprobs)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None] | None = None  # the sampled token's logprob, per row
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
+
+
+class Sampler:
+    def __init__(self, vocab_size: int | None = None):
+        self.vocab_size = vocab_size
+        self._noise: torch.Tensor | None = None  # reused [rows, vocab] buffer
+        self._gen: dict[torch.device, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [B, V] (any float dtype) -> one token per row."""
+        logits = logits.float()
+        raw = logits
+        if batch.any_penalty:
+            logits = self._apply_penalties(logits, batch)
+        ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            ids = self._sample(logits, ids, batch)
+        token_ids = ids.tolist()
+        if not batch.any_logprobs:
+            return SamplerOutput(token_ids)
+        return self._logprobs(raw, ids, token_ids, batch)
+
+    # ------------------------------------------------------------------ penalties
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        B, V = logits.shape
+        dev = logits.device
+        out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
+        logits = logits.clone()
+        rep = torch.tensor(batch.repetition_penalty, device=dev)
+        if (rep != 1.0).any():
+            seen = (_counts(batch.prompt_ids, B, V, dev) + out_counts) > 0
+            penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+            logits = torch.where(seen, penalised, logits)
+        presence = torch.tensor(batch.presence_penalty, device=dev)[:, None]
+        frequency = torch.tensor(batch.frequency_penalty, device=dev)[:, None]
+        return logits - presence * (out_counts > 0) - frequency * out_counts
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, logits: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        B, V = logits.shape
+        dev = logits.device
+        greedy = torch.tensor([t == 0 or k == 1 for t, k in zip(batch.temperature, batch.top_k)], device=dev)
+        temp = torch.tensor([t if t > 0 else 1.0 for t in batch.temperature], device=dev)
+        logits = logits / temp[:, None]
+        if any(0 < k < V for k in batch.top_k) or any(p < 1.0 for p in batch.top_p):
+            logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if any(m > 0 for m in batch.min_p):
+            min_p = torch.tensor(batch.min_p, device=dev)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        sampled = (probs / self._exponentials(B, V, dev, batch, greedy)).argmax(dim=-1)
+        return torch.where(greedy, greedy_ids, sampled)
+
+    def _exponentials(self, B: int, V: int, dev: torch.device, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+        if self._noise is None or self._noise.shape[0] < B or self._noise.shape[1] != V or self._noise.device != dev:
+            self._noise = torch.empty(max(B, 8), V, device=dev)
+        noise = self._noise[:B]
+        gen = self._gen.get(dev)
+        if gen is None:
+            gen = self._gen[dev] = torch.Generator(device=dev)
+        for i, (seed, step) in enumerate(zip(batch.seeds, batch.steps)):
+            if batch.temperature[i] == 0 or batch.top_k[i] == 1:
+                noise[i].fill_(1.0)
+                continue
+            gen.manual_seed(_row_seed(seed, step))
+            noise[i].exponential_(generator=gen)
+        return noise
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, raw: torch.Tensor, ids: torch.Tensor, token_ids: list[int], batch: SamplingBatch) -> SamplerOutput:
+        logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+        k = max(batch.top_logprobs)
+        if k > 0:
+            top_vals, top_ids = logprobs.topk(k, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        else:
+            top_vals = top_ids = [[] for _ in token_ids]
+        lps, tops = [], []
+        for i, want in enumerate(batch.top_logprobs):
+            lps.append(chosen[i] if want >= 0 else None)
+            tops.append(list(zip(top_ids[i][:want], top_vals[i][:want])) if want > 0 else [])
+        return SamplerOutput(token_ids, lps, tops)
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (request seed, token index): splitmix64 of their combination."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _counts(token_lists: list[list[int]], B: int, V: int, dev: torch.device) -> torch.Tensor:
+    """[B, V] occurrence counts of each row's tokens (one scatter, no per-token Python work)."""
+    counts = torch.zeros(B, V, device=dev)
+    lengths = [len(t) for t in token_lists]
+    if sum(lengths):
+        rows = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lengths, device=dev))
+        ids = torch.tensor([t for ts in token_lists for t in ts], device=dev)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what falls outside each row's top-k and top-p nucleus."""
+    B, V = logits.shape
+    dev = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=dev)[None, :]
+    k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)[:, None]
+    drop = rank >= k
+    p = torch.tensor(top_p, device=dev)[:, None]
+    if (p < 1.0).any():
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        drop |= (probs.cumsum(dim=-1) - probs) > p  # keep the smallest prefix whose mass reaches p
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, masked)

@@ -1,0 +1,176 @@
+"""Continuous batching with one token budget per step.
+
+Each step every running sequence's `num_computed_tokens` catches up with its `num_tokens` as far
+as the budget allows: one token for a decode, a chunk of prompt for a prefill (chunked prefill),
+nothing for the tokens a prefix-cache hit already covers. There are no separate prefill and
+decode phases.
+
+Policies, each a small method:
+
+- order: running sequences first (decodes before prefill chunks, each by arrival), then
+  admissions from the waiting queue in arrival order (FCFS; the head is never skipped, so nothing
+  starves behind a later, smaller request).
+- admission: bounded by `max_num_seqs`, the token budget, and free blocks (keeping a small
+  watermark free for the running sequences' next tokens).
+- preemption: when a running sequence needs a block and none is free, the latest-arrived
+  running sequence not yet scheduled this step gives its blocks back and is recomputed later
+  from its tokens (its full blocks usually survive in the prefix cache).
+
+`num_computed_tokens` advances when a step is scheduled, so a sequence whose token is still
+being computed has nothing left to schedule and is skipped (what lets a pipeline keep several
+steps in flight).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    watermark: float = 0.01  # fraction of blocks kept free when admitting
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # num_computed_tokens before this step: position of the first new token
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens (so a token is sampled)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()  # arrival order
+        self.running: list[Sequence] = []  # arrival order
+        self.num_preemptions = 0
+        self.num_cached_tokens_total = 0  # tokens served by the prefix cache at admissions
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: set[str] = set()
+        for seq in self._running_order():
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while self.block_manager.allocate_slots(seq, n) is None:
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add(out, seq, n)
+                scheduled.add(seq.request_id)
+                budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed, num_cached = self.block_manager.get_computed_blocks(seq)
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self._room_to_admit(num_cached + n, computed):
+                break
+            seq.num_computed_tokens = 0
+            if self.block_manager.allocate_slots(seq, n, computed) is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            self.num_cached_tokens_total += num_cached
+            self.running.append(seq)
+            self._add(out, seq, n)
+            budget -= n
+
+    # ------------------------------------------------------------------ policies
+    def _running_order(self) -> list[Sequence]:
+        todo = [s for s in self.running if s.num_uncomputed_tokens > 0]
+        return sorted(todo, key=lambda s: s.num_uncomputed_tokens != 1)  # stable: decodes first
+
+    def _pick_victim(self, scheduled: set[str]) -> Sequence:
+        for seq in reversed(self.running):  # latest arrival first
+            if seq.request_id not in scheduled:
+                return seq
+        raise AssertionError("no sequence left to preempt")
+
+    def _room_to_admit(self, num_tokens: int, computed) -> bool:
+        bm = self.block_manager
+        need = bm.blocks_for(num_tokens) - len(computed) + sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        keep = int(self.config.watermark * bm.num_blocks) if self.running else 0
+        return bm.num_free_blocks - need >= keep
+
+    @staticmethod
+    def _add(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+        seq.num_computed_tokens += n
+
+    # ------------------------------------------------------------------ state changes
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence (stopped, length, or aborted) and return its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

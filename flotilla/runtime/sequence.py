@@ -1,0 +1,101 @@
+"""One request's tokens and progress through the engine."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled each step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token id / stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller
+
+
+_arrivals = itertools.count()
+
+
+class Sequence:
+    """A request as the scheduler sees it.
+
+    `token_ids` is the prompt followed by the generated tokens. Each step the scheduler lets
+    `num_computed_tokens` (tokens whose keys and values sit in the KV cache) catch up with
+    `num_tokens`: a whole or partial prompt (chunked prefill), or the one token sampled last
+    (decode). Preemption throws the KV away (`num_computed_tokens` = 0) and the sequence is
+    recomputed from its tokens later, generated ones included.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.request_id = request_id
+        self.arrival = next(_arrivals)  # FCFS order
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
+        self.block_table: list[int] = []  # logical block i -> physical block id (kept by the BlockManager)
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, grown lazily
+        self.num_preemptions = 0
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(eos_token_ids)
+        self.stop_token_ids = frozenset(stops)
+        self.max_model_len = max_model_len
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, token_id: int) -> FinishReason | None:
+        """The finish reason that the token just appended causes, if any (stop strings are
+        checked by the output processor, which owns the text)."""
+        if token_id in self.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,59 @@
+"""Text deltas from the incremental detokenizer, stop strings and stop tokens (real tokenizer)."""
+from __future__ import annotations
+
+import pytest
+
+from flotilla.models.tokenizer import load_tokenizer
+from flotilla.runtime.sampling import SamplingParams
+
+from fake_executor import scripted_engine
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_gguf):
+    return load_tokenizer(smollm2_gguf)
+
+
+def run(tok, text: str, **params):
+    script = tok.encode(text, add_special_tokens=False)
+    eng = scripted_engine({"r": script}, tok)
+    eng.add_request("r", tok.encode("Say something."), SamplingParams(max_tokens=len(script), temperature=0, **params))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return script, outs
+
+
+def test_deltas_add_up_to_the_decoded_text_and_never_split_a_character(tok):
+    text = "Grüße aus Köln! 🚀🎉 naïve café — 東京タワー."
+    script, outs = run(tok, text)
+    assert "".join(o.text for o in outs) == tok.decode(script) == text
+    assert not any("\ufffd" in o.text for o in outs)
+    assert any(o.text == "" for o in outs[:-1]), "expected a token that ends inside a character (held back)"
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+
+
+def test_a_stop_string_cuts_the_text_and_is_never_streamed(tok):
+    script, outs = run(tok, "The answer is 42. END of the story, and more words.", stop=("END", "zebra"))
+    text = "".join(o.text for o in outs)
+    assert text == "The answer is 42. "
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "stop" and last.stop_reason == "END"
+    assert sum(len(o.new_token_ids) for o in outs) < len(script)  # generation stopped there
+
+
+def test_a_stop_string_split_across_tokens(tok):
+    script, outs = run(tok, "alpha beta gamma delta epsilon", stop=("ta gam",))
+    assert "".join(o.text for o in outs) == "alpha be"
+    assert outs[-1].stop_reason == "ta gam"
+
+
+def test_a_stop_token_ends_the_request_without_its_text(tok):
+    text = "One two three four five"
+    script = tok.encode(text, add_special_tokens=False)
+    stop_id = script[2]
+    _, outs = run(tok, text, stop_token_ids=(stop_id,))
+    assert [t for o in outs for t in o.new_token_ids] == script[:3]
+    assert "".join(o.text for o in outs) == tok.decode(script[:2])
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop_id

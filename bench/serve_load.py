@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(2 x streams, 8))")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args, engine_argv = ap.parse_known_args()
+    if not any(a.startswith("--kv-cache-") for a in engine_argv):  # the same pool on both sides
+        engine_argv += ["--kv-cache-memory", "1GiB"]
 
     from flotilla.server.cli import _serve_args
     from flotilla.server.engine_client import EngineClient

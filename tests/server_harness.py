@@ -15,6 +15,11 @@ from flotilla.server.serve import Server
 from flotilla.server.state import ServerState
 
 
+# a fixed KV budget (not a fraction of free memory) so that several test servers fit side by side;
+# 512 MiB holds ~11k tokens of SmolLM2-135M in fp32: the model's whole 8192-token context
+ENGINE_DEFAULTS = {"kv_cache_memory": "512MiB"}
+
+
 @functools.lru_cache(maxsize=2)
 def loaded_model(path: Path):
     """The model, loaded once per test session and shared by every server built on it."""
@@ -81,6 +86,7 @@ class LiveServer:
 def start_server(model_path: Path, engine: dict | None = None, **config) -> LiveServer:
     """A live server on a free loopback port; `engine`: options for EngineClient.from_loaded,
     `config`: ServerConfig fields."""
-    engine = EngineClient.from_loaded(loaded_model(model_path), **(engine or {}))
+    options = {**ENGINE_DEFAULTS, **(engine or {})}
+    engine = EngineClient.from_loaded(loaded_model(model_path), **options)
     config.setdefault("port", 0)
     return LiveServer(engine, ServerConfig(**config)).__enter__()

@@ -33,7 +33,7 @@ def runtime(*args, **kw) -> subprocess.CompletedProcess:
 class Serve:
     def __init__(self, model: Path, *args: str, **environ):
         self.proc = subprocess.Popen([sys.executable, "-m", "flotilla.server.cli", "serve", str(model), "--port", "0",
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      "--kv-cache-memory", "256MiB", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env(**environ))
         self.lines = []
         while True:

@@ -192,7 +192,7 @@ def parse_exposition(text: str) -> dict:
 
 
 def test_queue_bound_gets_429_with_retry_after(smollm2_gguf):
-    server = start_server(smollm2_gguf, max_queue=2)
+    server = start_server(smollm2_gguf, engine={"max_num_seqs": 2}, max_queue=2)
     capacity = server.engine.max_num_seqs + 2
 
     async def run():

@@ -28,8 +28,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     key.add_argument("--api-key-file", default=None, help="read the API key from this file")
     g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
                    help=f"sequences that may wait for a running slot; beyond: 429 (default {ServerConfig.max_queue})")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length in tokens, prompt + reply (default: the model's)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
     g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help=f"largest request body or websocket frame (default {ServerConfig.max_body_bytes})")

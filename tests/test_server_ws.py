@@ -116,7 +116,8 @@ def test_bad_frames_get_error_frames_and_the_socket_keeps_working(live):
                         json.dumps({"type": "chat", "messages": []}),
                         json.dumps({"type": "chat", "messages": [{"role": "user", "content": 5}]}),
                         json.dumps({**good, "max_tokens": -1}), json.dumps({**good, "temperature": "hot"}),
-                        json.dumps({**good, "model": "gpt-4o"})]:
+                        json.dumps({**good, "model": "gpt-4o"}),
+                        '{"type": "chat", "messages": [{"role": "user", "content": "\\ud800"}]}']:
                 await ws.send_str(bad)
                 f = await recv(ws)
                 assert f["type"] == "error", (bad, f)
@@ -145,6 +146,7 @@ def test_bad_frames_get_error_frames_and_the_socket_keeps_working(live):
     assert "messages[0].content" in messages[5]
     assert "'max_tokens'" in messages[6] and "'temperature'" in messages[7]
     assert errors[8][1]["code"] == 404 and "SmolLM2" in messages[8]
+    assert "unpaired surrogate" in messages[9]
     assert all(400 <= f["code"] < 500 for _, f in errors)
     assert len(busy) == 1 and busy[0]["code"] == 409 and "cancel" in busy[0]["message"]
     assert frames[-1]["usage"]["completion_tokens"] == 8

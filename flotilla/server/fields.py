@@ -19,6 +19,16 @@ def describe(value: Any) -> str:
     return f"{text} ({kind})" if text else kind
 
 
+def text(value: str, param: str) -> str:
+    """A string that can be encoded as UTF-8 (JSON allows lone surrogates like \\ud800; text does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"'{param}' holds an unpaired surrogate ({value[e.start]!a}) at character {e.start}; "
+                          f"send valid Unicode text", param=param) from None
+    return value
+
+
 def parse_json_object(raw: bytes, what: str = "request body") -> dict:
     if not raw.strip():
         raise bad_request(f"the {what} is empty; send a JSON object")
@@ -30,6 +40,8 @@ def parse_json_object(raw: bytes, what: str = "request body") -> dict:
     except json.JSONDecodeError as e:
         raise bad_request(f"the {what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                           f"send a JSON object") from None
+    except RecursionError:
+        raise bad_request(f"the {what} is nested too deeply; send a flat JSON object") from None
     if not isinstance(data, dict):
         raise bad_request(f"the {what} must be a JSON object, got {describe(data)}")
     return data
@@ -115,6 +127,7 @@ class Fields:
         for item in items:
             if not isinstance(item, str) or not item or len(item) > max_len:
                 self._fail(key, expected, item)
+            text(item, self.name(key))
         return tuple(items)
 
     def int_list(self, key: str, lo: int, hi: int, max_items: int) -> tuple[int, ...]:

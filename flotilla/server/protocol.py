@@ -14,7 +14,7 @@ from flotilla.errors import FlotillaError
 
 from .engine_client import SamplingParams
 from .errors import ApiError, bad_request
-from .fields import Fields, describe
+from .fields import Fields, describe, text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
@@ -127,14 +127,14 @@ def _content(m: dict, where: str) -> str:
     if content is None and m.get("role") == "assistant":
         return ""
     if isinstance(content, str):
-        return content
+        return text(content, f"{where}.content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"'{where}.content[{j}]' must be {{\"type\": \"text\", \"text\": ...}}; "
                                   f"only text content is supported", param=f"{where}.content")
-            parts.append(part["text"])
+            parts.append(text(part["text"], f"{where}.content"))
         return "".join(parts)
     raise bad_request(f"'{where}.content' must be a string or an array of text parts, got {describe(content)}",
                       param=f"{where}.content")
@@ -155,7 +155,7 @@ def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
     out = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            ids = model.tokenizer.encode(item)
+            ids = model.tokenizer.encode(text(item, "prompt"))
         elif isinstance(item, list) and _is_ids(item):
             bad = [t for t in item if not 0 <= t < vocab]
             if bad:

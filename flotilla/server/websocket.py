@@ -95,6 +95,8 @@ class _Conversation:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             return await self.error(bad_request(f"the frame is not JSON ({e.msg}); send a JSON object like {EXAMPLE}"))
+        except RecursionError:
+            return await self.error(bad_request(f"the frame is nested too deeply; send a JSON object like {EXAMPLE}"))
         if not isinstance(data, dict):
             return await self.error(bad_request(f"the frame must be a JSON object like {EXAMPLE}, got {describe(data)}"))
         kind = data.get("type")

@@ -158,3 +158,25 @@ def test_client_disconnect_aborts_the_request(live):
         return False
     assert asyncio.run(run())
     assert live.stats().kv_blocks_free == live.stats().kv_blocks_total
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(live):
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": live.engine.model_name, "prompt": "Count to a thousand:", "max_tokens": 2000,
+                    "ignore_eos": True}
+            task = asyncio.create_task(s.post(live.api + "/completions", json=body))
+            for _ in range(400):  # until the engine has it
+                if live.stats().num_running == 1:
+                    break
+                await asyncio.sleep(0.05)
+            task.cancel()  # the client gives up: its connection closes
+            await asyncio.gather(task, return_exceptions=True)
+        for _ in range(200):
+            s = live.stats()
+            if s.num_running + s.num_waiting == 0 and live.state.admission.in_flight == 0:
+                return s
+            await asyncio.sleep(0.05)
+    stats = asyncio.run(run())
+    assert stats is not None and stats.kv_blocks_free == stats.kv_blocks_total
+    assert live.state.metrics.requests.get("/v1/completions", "499") >= 1

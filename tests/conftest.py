@@ -136,3 +136,11 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32") -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4(smollm2_gguf) -> Path:
+    """SmolLM2-135M as an RTN INT4 (group 32) GPTQ-layout checkpoint, built once and cached."""
+    from rtn_int4 import smollm2_int4_path
+
+    return smollm2_int4_path(smollm2_gguf)

@@ -59,9 +59,9 @@ class PagedAttentionMetadata:
     def num_prefills(self) -> int:
         return self.num_seqs - self.num_decodes
 
-    def plan(self) -> "_TorchPlan":
+    def plan(self, dtype: torch.dtype = torch.float32) -> "_TorchPlan":
         if self._plan is None:
-            self._plan = _TorchPlan(self)
+            self._plan = _TorchPlan(self, dtype)
         return self._plan
 
 
@@ -77,7 +77,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached tokens (this step's
     included, so call `store_kv` first). query [T, Hq, D] -> [T, Hq, D]."""
-    plan = meta.plan()
+    plan = meta.plan(query.dtype)
     hkv, d = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, hkv, d)  # [slots, Hkv, D]
     flat_v = value_cache.view(-1, hkv, d)
@@ -106,50 +106,67 @@ def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: 
              scale: float) -> torch.Tensor:
     # Queries padded to [Bp, Qmax]; key j is visible to query i of sequence b iff
     # j <= start_b + i, where start_b is the number of tokens cached before this step.
-    Bp, Q = plan.prefill_q_index.shape
+    Bp, Q = plan.prefill_shape
     hq, d = q.shape[1], q.shape[2]
     hkv = flat_k.shape[1]
     L = plan.prefill_gather.shape[1]
-    qp = q.index_select(0, plan.prefill_q_index.view(-1)).view(Bp, Q, hq, d).transpose(1, 2)  # [Bp, Hq, Q, D]
+    if plan.prefill_q_index is None:  # one sequence: no padding
+        qp = q.view(1, Q, hq, d).transpose(1, 2)
+    else:
+        qp = q.index_select(0, plan.prefill_q_index.view(-1)).view(Bp, Q, hq, d).transpose(1, 2)  # [Bp, Hq, Q, D]
     k = flat_k.index_select(0, plan.prefill_gather.view(-1)).view(Bp, L, hkv, d).transpose(1, 2)  # [Bp, Hkv, L, D]
     v = flat_v.index_select(0, plan.prefill_gather.view(-1)).view(Bp, L, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale,
-                                         enable_gqa=hq != hkv)  # [Bp, Hq, Q, D]
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, is_causal=plan.prefill_causal,
+                                         scale=scale, enable_gqa=hq != hkv)  # [Bp, Hq, Q, D]
     out = out.transpose(1, 2).reshape(Bp * Q, hq, d)
     return out if plan.prefill_unpad is None else out.index_select(0, plan.prefill_unpad)
 
 
 class _TorchPlan:
-    """Gather indices and masks for one step, shared by all layers."""
+    """Gather indices and masks for one step, shared by all layers. Masks are additive (0 or
+    -inf) so SDPA does not convert them per layer; a lone sequence needs none."""
 
-    def __init__(self, meta: PagedAttentionMetadata):
-        bs = meta.block_size
-        nd = meta.num_decodes
+    def __init__(self, meta: PagedAttentionMetadata, dtype: torch.dtype):
+        bs, nd = meta.block_size, meta.num_decodes
+        self.dtype = dtype
         self.decode_gather = self.decode_mask = None
         self.prefill_q_index = self.prefill_gather = self.prefill_mask = self.prefill_unpad = None
+        self.prefill_causal = False
         if nd:
             self.decode_gather, valid = _gather_index(meta.block_tables[:nd], meta.seq_lens[:nd],
                                                       meta.max_decode_seq_len, bs)
-            self.decode_mask = valid[:, None, None, :]  # [B, 1, 1, L]
+            if nd > 1:
+                self.decode_mask = _additive(valid, dtype)[:, None, None, :]  # [B, 1, 1, L]
         if meta.num_prefills:
-            qlens = meta.query_lens[nd:]
-            seq_lens = meta.seq_lens[nd:]
-            Q, device = meta.max_prefill_query_len, qlens.device
-            self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, meta.max_prefill_seq_len, bs)
-            starts = torch.cumsum(qlens, 0) - qlens  # first row of each sequence among the prefill rows
-            i = torch.arange(Q, device=device)
-            q_valid = i[None, :] < qlens[:, None]  # [Bp, Q]
+            self._plan_prefill(meta)
+
+    def _plan_prefill(self, meta: PagedAttentionMetadata) -> None:
+        bs, nd, Bp = meta.block_size, meta.num_decodes, meta.num_prefills
+        qlens, seq_lens = meta.query_lens[nd:], meta.seq_lens[nd:]
+        Q, L, device = meta.max_prefill_query_len, meta.max_prefill_seq_len, qlens.device
+        self.prefill_shape = (Bp, Q)
+        self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, L, bs)
+        if Bp == 1 and Q == L:  # a fresh prompt: plain causal attention
+            self.prefill_causal = True
+            return
+        starts = torch.cumsum(qlens, 0) - qlens  # first row of each sequence among the prefill rows
+        i = torch.arange(Q, device=device)
+        q_valid = i[None, :] < qlens[:, None]  # [Bp, Q]
+        # key j is visible to query i iff j <= (tokens cached before the step) + i. Padding
+        # queries see key 0 only, so that no mask row is empty (SDPA gives NaN for one).
+        last_visible = torch.where(q_valid, (seq_lens - qlens)[:, None] + i[None, :], 0)  # [Bp, Q]
+        j = torch.arange(L, device=device)
+        self.prefill_mask = _additive(j[None, None, :] <= last_visible[:, :, None], self.dtype)[:, None]  # [Bp, 1, Q, L]
+        if Bp > 1:
             self.prefill_q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
-            # Padding queries see key 0 only, so that no row of the mask is empty (SDPA gives
-            # NaN for a row with no visible key); their outputs are dropped.
-            last_visible = torch.where(q_valid, (seq_lens - qlens)[:, None] + i[None, :], 0)  # [Bp, Q]
-            j = torch.arange(meta.max_prefill_seq_len, device=device)
-            self.prefill_mask = (j[None, None, :] <= last_visible[:, :, None])[:, None]  # [Bp, 1, Q, L]
-            if meta.num_prefills > 1:  # rows of the padded output that are real queries
-                tp = meta.slot_mapping.shape[0] - meta.num_decodes
-                rows = torch.arange(tp, device=device)
-                seq = torch.searchsorted(torch.cumsum(qlens, 0), rows, right=True)  # [Tp] owning sequence
-                self.prefill_unpad = seq * Q + rows - starts[seq]
+            tp = meta.slot_mapping.shape[0] - meta.num_decodes  # rows of the padded output that are real queries
+            rows = torch.arange(tp, device=device)
+            seq = torch.searchsorted(torch.cumsum(qlens, 0), rows, right=True)  # [Tp] owning sequence
+            self.prefill_unpad = seq * Q + rows - starts[seq]
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _gather_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, bs: int):

@@ -62,9 +62,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # computed in fp32 for half inputs
 
 
 class Attention(nn.Module):
@@ -80,16 +78,15 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias, cfg.quant)
         self.o_proj = make_linear(cfg.q_size, [cfg.hidden_size], cfg.attention_bias, cfg.quant)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = attn.attend(self.layer, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # q and k are adjacent in the merged output: rotate them in one go
+        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, d), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)  # [T, Hkv, D]
+        out = attn.attend(self.layer, qk[:, :hq], qk[:, hq:], v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, hq * d))
 
 
 class MLP(nn.Module):
@@ -103,8 +100,8 @@ class MLP(nn.Module):
         self.down_proj = make_linear(i, [h], b, q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        return self.down_proj(F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:])
 
 
 class DecoderLayer(nn.Module):
@@ -115,9 +112,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
+                rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. `rope_tables` (cos, sin) for `positions`, when the caller
+        has gathered them once for all layers."""
+        cos, sin = rope_tables if rope_tables is not None else rope.tables(positions, x.dtype)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -161,8 +161,9 @@ class CausalLM(nn.Module):
         """x: token ids [T] on the first stage, else hidden states [T, hidden].
         Returns hidden states [T, hidden], final-normed on the last stage."""
         h = self.embed(x) if self.stage.is_first else x
+        tables = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
         for layer in self.model.layers.values():
-            h = layer(h, positions, self.rope, attn)
+            h = layer(h, positions, self.rope, attn, tables)
         if self.stage.is_last:
             h = self.model.norm(h)
         return h

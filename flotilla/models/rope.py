@@ -38,23 +38,30 @@ def scaled_inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | N
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for every position up to max_positions, applied by position index."""
+    """cos/sin tables for every position up to max_positions, applied by position index.
+
+    The tables are kept full width with the rotate-half sign folded into sin, so that applying
+    them is x * cos + roll(x, D/2) * sin: three element-wise ops for q and k together."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         inv = scaled_inv_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, D/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [P, D]
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)  # [P, D], signed
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D] for the positions [T]: gathered once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, H, D] (rotate-half convention): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q [T, Hq, D], k [T, Hkv, D], positions [T]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        cos, sin = self.tables(positions, q.dtype)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)

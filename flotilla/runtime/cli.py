@@ -5,6 +5,7 @@ User mistakes (bad paths, bad files, bad flags) print one line and exit 2; no tr
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from typing import Callable
@@ -31,70 +32,93 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          stop=tuple(args.stop), seed=args.seed)
+
+
+def _engine(args: argparse.Namespace):
+    """Load the model and build the engine; the KV cache report goes to stderr."""
+    from .engine_args import EngineArgs, build_engine
+    from .loader import load_model
+
+    lm = load_model(args.model, args.device, args.dtype)
+    return build_engine(lm, EngineArgs.from_args(args), report=lambda line: print(line, file=sys.stderr))
+
+
+def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout):
+    """Run one request on the engine, writing text deltas as they come; returns (text, tokens,
+    seconds to the first token, seconds for the rest)."""
+    engine.add_request(request_id, ids, params)
+    start, first, n, parts = time.perf_counter(), None, 0, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            n += len(o.new_token_ids)
+            if first is None and n:
+                first = time.perf_counter()
+            parts.append(o.text)
+            out.write(o.text)
+            out.flush()
+    end = time.perf_counter()
+    return "".join(parts), n, (first or end) - start, end - (first or end)
 
 
 # ------------------------------------------------------------------------------------ generate
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
+    from .engine_args import EngineArgs
+
     add_model_args(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     add_sampling_args(p, max_tokens=128)
+    EngineArgs.add_args(p)
     p.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .loader import load_model
-    from .simple import generate_tokens
-
     params = sampling_from_args(args)
-    lm = load_model(args.model, args.device, args.dtype)
-    tok = lm.tokenizer
+    engine = _engine(args)
+    tok = engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    detok = tok.detokenizer(ids)
-    start, n = time.perf_counter(), 0
-    first = None
-    for token_id in generate_tokens(lm.model, ids, params, tok.eos_token_ids):
-        n += 1
-        first = first or time.perf_counter()
-        if token_id in tok.eos_token_ids:
-            break
-        sys.stdout.write(detok.add(token_id))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    _, n, ttft, rest = _stream(engine, "generate", ids, params)
+    sys.stdout.write("\n")
     if args.stats and n:
-        elapsed = time.perf_counter() - start
-        decode = (n - 1) / (time.perf_counter() - first) if n > 1 else float("nan")
-        print(f"[{n} tokens in {elapsed:.2f}s, decode {decode:.1f} tok/s]", file=sys.stderr)
+        decode = (n - 1) / rest if n > 1 and rest > 0 else float("nan")
+        print(f"[{n} tokens, first after {ttft:.2f}s, decode {decode:.1f} tok/s]", file=sys.stderr)
     return 0
 
 
 # ---------------------------------------------------------------------------------------- chat
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
+    from .engine_args import EngineArgs
+
     add_model_args(p)
     p.add_argument("--system", default=None, help="a system prompt")
     add_sampling_args(p, max_tokens=512)
+    EngineArgs.add_args(p)
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .loader import load_model
-    from .simple import generate_tokens
-
     params = sampling_from_args(args)
-    lm = load_model(args.model, args.device, args.dtype)
-    tok = lm.tokenizer
+    engine = _engine(args)
+    tok = engine.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
         print("flotilla chat — empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
-    while True:
+    for turn in itertools.count():
         if interactive:
             print("> ", end="", flush=True, file=sys.stderr)
         line = sys.stdin.readline()
@@ -104,20 +128,12 @@ def _chat(args: argparse.Namespace) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tok.apply_chat_template(messages)
-        detok, reply = tok.detokenizer(ids), []
-        for token_id in generate_tokens(lm.model, ids, params, tok.eos_token_ids):
-            if token_id in tok.eos_token_ids:
-                break
-            delta = detok.add(token_id)
-            reply.append(delta)
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        tail = detok.flush()
-        reply.append(tail)
-        sys.stdout.write(tail + "\n")
+        # earlier turns are usually served from the prefix cache
+        reply, *_ = _stream(engine, f"chat-{turn}", tok.apply_chat_template(messages), params)
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        messages.append({"role": "assistant", "content": reply})
+    return 0
 
 
 COMMANDS: list[Command] = [

@@ -58,6 +58,8 @@ class ModelRunner:
         h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
         if not self.model.stage.is_last:
             return h
+        if not any(step.sample):  # only partial prefill chunks this step
+            return SamplerOutput([])
         return self.sampler(self.compute_logits(step, h), step.sampling)
 
     def compute_logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,7 @@ class ModelRunner:
             if samples:
                 ends.append(end - 1)
         if len(ends) < hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(ends, device=hidden.device))
+            hidden = hidden.index_select(0, torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
 
 

@@ -39,6 +39,10 @@ class Run:
     errors: int = 0
     wall: float = 0.0
 
+    def add(self, other: "Run") -> "Run":
+        return Run(self.ttft + other.ttft, self.itl + other.itl, self.tokens + other.tokens,
+                   self.requests + other.requests, self.errors + other.errors, self.wall + other.wall)
+
     def row(self, side: str, streams: int) -> dict:
         p = lambda xs, q: round(float(np.percentile(xs, q)) * 1000, 2) if xs else None  # noqa: E731
         return {"side": side, "streams": streams, "requests": self.requests, "errors": self.errors,
@@ -123,6 +127,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,128", help="comma-separated stream counts")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(2 x streams, 8))")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each level this many times, alternating which side goes first (a noisy machine)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args, engine_argv = ap.parse_known_args()
     if not any(a.startswith("--kv-cache-") for a in engine_argv):  # the same pool on both sides
@@ -145,8 +151,14 @@ def main() -> None:
             await server_level(url, engine.model_name, 1, 2, 4)
             for c in levels:  # interleaved, so that a drifting machine hits both sides alike
                 total = args.requests or max(2 * c, 8)
-                rows.append(("engine", c, await engine_level(engine, engine.tokenizer, c, total, args.max_tokens)))
-                rows.append(("server", c, await server_level(url, engine.model_name, c, total, args.max_tokens)))
+                runs = {"engine": Run(), "server": Run()}
+                for r in range(args.repeat):
+                    for side in (("engine", "server") if r % 2 == 0 else ("server", "engine")):
+                        run = (await engine_level(engine, engine.tokenizer, c, total, args.max_tokens)
+                               if side == "engine" else
+                               await server_level(url, engine.model_name, c, total, args.max_tokens))
+                        runs[side] = runs[side].add(run)
+                rows.extend([("engine", c, runs["engine"]), ("server", c, runs["server"])])
         finally:
             await engine.shutdown()
 
@@ -168,7 +180,8 @@ def main() -> None:
         return
     cols = ["side", "streams", "requests", "errors", "tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms",
             "itl_p50_ms", "itl_p99_ms", "overhead_pct"]
-    print(f"serve_load: {engine.model_name}, max_tokens={args.max_tokens}, completions streamed over SSE")
+    print(f"serve_load: {engine.model_name}, max_tokens={args.max_tokens}, completions streamed over SSE, "
+          f"repeat={args.repeat}")
     print("  ".join(f"{c:>12}" for c in cols))
     for row in out:
         print("  ".join(f"{str(row.get(c, '')):>12}" for c in cols))

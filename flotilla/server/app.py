@@ -1,0 +1,67 @@
+"""The aiohttp application: routes, middleware, the chat page, /health and /metrics."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiohttp import WSCloseCode, web
+
+from .metrics import CONTENT_TYPE
+from .middleware import make_middlewares
+from .openai_api import OpenAIRoutes
+from .state import ServerState
+from .websocket import ChatSocket
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def build_app(state: ServerState, manage_engine: bool = True) -> web.Application:
+    """`manage_engine`: start the engine with the app and shut it down with it."""
+    app = web.Application(middlewares=make_middlewares(state), client_max_size=state.config.max_body_bytes)
+    OpenAIRoutes(state).register(app)
+    ChatSocket(state).register(app)
+    app.router.add_get("/health", _health(state))
+    app.router.add_get("/metrics", _metrics(state))
+    app.router.add_get("/", _index)
+    app.router.add_static("/static/", STATIC, append_version=False)
+
+    async def close_websockets(_app):
+        for ws in list(state.websockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the server is shutting down")
+
+    app.on_shutdown.append(close_websockets)
+    if manage_engine:
+        async def start(_app):
+            await state.engine.start()
+
+        async def stop(_app):
+            await state.engine.shutdown()
+
+        app.on_startup.append(start)
+        app.on_cleanup.append(stop)
+    return app
+
+
+async def _index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+def _health(state: ServerState):
+    async def health(request: web.Request) -> web.Response:
+        problems = list(state.engine.problems())
+        if state.admission.draining:
+            problems.append("the server is shutting down")
+        stats = state.engine.stats()
+        body = {"status": "ok" if not problems else ("draining" if state.admission.draining else "unhealthy"),
+                "problems": problems, "model": state.engine.model_name, "running": stats.num_running,
+                "waiting": stats.num_waiting, "in_flight": state.admission.in_flight,
+                "kv_cache_usage": round(stats.kv_usage, 4), "kv_cache_free_blocks": stats.kv_blocks_free,
+                "kv_cache_total_blocks": stats.kv_blocks_total, "auth_required": state.config.api_key is not None}
+        return web.json_response(body, status=200 if not problems else 503)
+    return health
+
+
+def _metrics(state: ServerState):
+    async def metrics(request: web.Request) -> web.Response:
+        state.metrics.update_engine(state.engine.stats(), state.admission.in_flight)
+        return web.Response(body=state.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+    return metrics

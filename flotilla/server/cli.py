@@ -1,0 +1,74 @@
+"""The `runtime` console script: runtime's own commands plus `serve`.
+
+`flotilla.runtime` cannot import the server (dependencies point server -> runtime), so the
+console script's entry point lives here and adds `serve` to runtime's command table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from flotilla import envs
+from flotilla.errors import FlotillaError
+from flotilla.runtime.cli import COMMANDS, Command, run
+
+from .config import ServerConfig
+from .engine_client import add_engine_args
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env FLOTILLA_API_KEY)")
+    key.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    g.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
+                   help=f"sequences that may wait for a running slot; beyond: 429 (default {ServerConfig.max_queue})")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help=f"largest request body or websocket frame (default {ServerConfig.max_body_bytes})")
+    g.add_argument("--grace-period", type=float, default=ServerConfig.grace_period,
+                   help=f"seconds in-flight requests get to finish after SIGTERM (default {ServerConfig.grace_period:g})")
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key is not None:
+        return args.api_key
+    if args.api_key_file is not None:
+        path = Path(args.api_key_file).expanduser()
+        try:
+            key = path.read_text().strip()
+        except OSError as e:
+            raise FlotillaError(f"--api-key-file {path}: cannot read it ({e.strerror})") from None
+        if not key:
+            raise FlotillaError(f"--api-key-file {path}: the file is empty; write the key into it")
+        return key
+    return envs.api_key()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .engine_client import EngineClient
+    from .serve import serve
+    from .state import ServerState
+
+    config = ServerConfig(host=args.host, port=args.port, api_key=resolve_api_key(args), max_queue=args.max_queue,
+                          max_body_bytes=args.max_body_bytes, grace_period=args.grace_period)
+    engine = EngineClient.from_args(args)
+    asyncio.run(serve(ServerState(config, engine)))
+    return 0
+
+
+SERVE: Command = ("serve", "serve the model over HTTP: an OpenAI-compatible API, websocket chat and a chat page",
+                  _serve_args, _serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv, COMMANDS + [SERVE])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

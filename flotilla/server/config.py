@@ -1,0 +1,30 @@
+"""The server's settings, fixed at start (the engine's own settings live with the engine)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flotilla.errors import FlotillaError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 512  # sequences allowed to wait for a running slot; beyond it: 429
+    max_body_bytes: int = 2 * 1024 * 1024  # request bodies and websocket frames
+    max_n: int = 8  # choices (n x prompts) one request may ask for
+    grace_period: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    retry_after: int = 1  # seconds, sent with 429
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise FlotillaError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_queue < 0:
+            raise FlotillaError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise FlotillaError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.grace_period < 0:
+            raise FlotillaError(f"--grace-period must be >= 0 seconds, got {self.grace_period}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise FlotillaError("the API key is empty; pass a non-empty --api-key or leave it out")

@@ -1,0 +1,162 @@
+"""Everything the server needs from the engine goes through this module.
+
+`EngineClient` is the server's whole view of the runtime: a tokenizer, the model's name and
+context length, `generate()` (an async iterator of `StepOutput`s per request), `abort()`,
+`stats()` for /metrics and `problems()` for /health. No other server module imports
+`flotilla.runtime`, so reconciling with a changed engine API touches this file only.
+
+The engine is `flotilla.runtime.AsyncEngine` (continuous batching over a paged KV cache) built
+from the same `EngineArgs` as `runtime generate` and `runtime chat`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields
+from typing import AsyncIterator
+
+from flotilla.errors import FlotillaError
+from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError
+from flotilla.runtime.cli import add_model_args
+from flotilla.runtime.engine_args import EngineArgs, build_engine
+from flotilla.runtime.loader import LoadedModel, load_model
+from flotilla.runtime.output import RequestOutput
+from flotilla.runtime.sampling import SamplingParams
+
+__all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StepOutput", "TokenLogprob",
+           "add_engine_args"]
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve (its loop died, or it is shut down): a 503, not the user's fault."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step added to one request."""
+    token_ids: tuple[int, ...]
+    text: str  # the text delta (never splits a UTF-8 character; stop strings cut out)
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    EngineArgs.add_args(p)  # includes --max-model-len
+
+
+def _convert(out: RequestOutput) -> StepOutput:
+    logprobs = ()
+    if out.logprobs is not None:
+        tops = out.top_logprobs or [[] for _ in out.logprobs]
+        logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in zip(out.new_token_ids, out.logprobs, tops))
+    return StepOutput(tuple(out.new_token_ids), out.text, out.finish_reason if out.finished else None, logprobs)
+
+
+class EngineClient:
+    def __init__(self, lm: LoadedModel, engine_args: EngineArgs, model_name: str, report=None):
+        if lm.tokenizer is None:
+            raise FlotillaError(f"{lm.path}: the server needs the model's tokenizer")
+        self.lm = lm
+        self.tokenizer = lm.tokenizer
+        self.model_name = model_name
+        self._llm = build_engine(lm, engine_args, report=report)
+        self.max_model_len = self._llm.config.context_len
+        self.max_num_seqs = self._llm.config.scheduler.max_num_seqs
+        self._engine: AsyncEngine | None = None
+        self._active: set[str] = set()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineClient":
+        lm = load_model(args.model, args.device, args.dtype)
+        report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        return cls(lm, EngineArgs.from_args(args), args.served_model_name or _default_name(lm), report)
+
+    @classmethod
+    def from_loaded(cls, lm: LoadedModel, *, served_model_name: str | None = None, **engine_args) -> "EngineClient":
+        """A new engine over an already loaded model (tests start several servers on one model).
+        `engine_args`: EngineArgs fields, e.g. max_num_seqs=4, kv_cache_memory="64MiB"."""
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = set(engine_args) - known
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(lm, EngineArgs(**engine_args), served_model_name or _default_name(lm))
+
+    async def start(self) -> None:
+        self._engine = AsyncEngine(self._llm)
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            await self._engine.shutdown()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Stream one request's outputs; the last one carries a finish_reason. Leaving early aborts
+        it. An "abort" output comes only once the request's KV blocks are back in the pool."""
+        try:
+            stream = self._engine.add_request(request_id, list(prompt_ids), params)
+        except EngineDeadError as e:
+            raise EngineUnavailable(str(e)) from None
+        self._active.add(request_id)
+        finished = False
+        try:
+            async for out in stream:
+                step = _convert(out)
+                finished = step.finish_reason is not None
+                if step.finish_reason == "abort":
+                    await self._engine.abort(request_id)  # settles: stats() shows the blocks free
+                yield step
+        except EngineDeadError as e:
+            finished = True
+            raise EngineUnavailable(str(e)) from None
+        finally:
+            self._active.discard(request_id)
+            if not finished:
+                await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request; returns once its blocks are free. A no-op for a finished request."""
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    async def abort_all(self) -> None:
+        for rid in list(self._active):
+            await self.abort(rid)
+
+    def stats(self) -> EngineStats:
+        s = self._engine.stats() if self._engine is not None else self._llm.stats()
+        return EngineStats(s.num_running, s.num_waiting, s.num_total_blocks, s.num_free_blocks)
+
+    def problems(self) -> list[str]:
+        if self._engine is not None and not self._engine.is_running:
+            return ["the engine loop has stopped (the server log has the error); restart the server"]
+        return []
+
+
+def _default_name(lm: LoadedModel) -> str:
+    from flotilla.runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    try:
+        if lm.path.resolve() == default_model_path(fetch=False).resolve():
+            return DEFAULT_MODEL_NAME
+    except FlotillaError:
+        pass
+    return lm.path.stem if lm.path.is_file() else lm.path.name

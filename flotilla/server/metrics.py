@@ -1,0 +1,138 @@
+"""Prometheus metrics in the text exposition format (version 0.0.4), written here, no dependency.
+
+Counters and histograms are updated by the request handlers; the engine's gauges (queue depth,
+running sequences, KV usage) are read from `EngineStats` when /metrics is scraped.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# seconds; TTFT on a CPU reaches seconds under load, inter-token latency is milliseconds
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _num(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if not float(v).is_integer() else str(int(v)) if abs(v) < 2**53 else repr(float(v))
+
+
+class Metric:
+    kind = ""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()):
+        self.name = name
+        self.help = help_text
+        self.labelnames = labelnames
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def render(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Counter(Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()):
+        super().__init__(name, help_text, labelnames)
+        self.values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+
+    def inc(self, amount: float = 1.0, *labels: str) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def get(self, *labels: str) -> float:
+        return self.values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}"
+                                for k, v in sorted(self.values.items())]
+
+
+class Gauge(Metric):
+    kind = "gauge"
+
+    def __init__(self, name: str, help_text: str):
+        super().__init__(name, help_text)
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name} {_num(self.value)}"]
+
+
+class Histogram(Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+        super().__init__(name, help_text)
+        self.bounds = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def render(self) -> list[str]:
+        lines, total = self.header(), 0
+        for bound, c in zip(self.bounds + (math.inf,), self.counts):
+            total += c
+            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {total}')
+        return lines + [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.requests = Counter("flotilla_requests_total", "HTTP requests by endpoint and status code",
+                                ("endpoint", "status"))
+        self.prompt_tokens = Counter("flotilla_prompt_tokens_total", "Prompt tokens of admitted requests")
+        self.generation_tokens = Counter("flotilla_generation_tokens_total", "Generated tokens")
+        self.in_flight = Gauge("flotilla_in_flight_sequences", "Sequences admitted and not finished")
+        self.queue_depth = Gauge("flotilla_queue_depth", "Sequences waiting in the engine for a running slot")
+        self.running = Gauge("flotilla_running_sequences", "Sequences the engine is running")
+        self.kv_usage = Gauge("flotilla_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
+        self.kv_free = Gauge("flotilla_kv_cache_free_blocks", "KV cache blocks free")
+        self.kv_total = Gauge("flotilla_kv_cache_total_blocks", "KV cache blocks in the pool")
+        self.ttft = Histogram("flotilla_time_to_first_token_seconds", "Time from arrival to the first token",
+                              TTFT_BUCKETS)
+        self.itl = Histogram("flotilla_inter_token_latency_seconds", "Time between consecutive tokens of a sequence",
+                             ITL_BUCKETS)
+        self.e2e = Histogram("flotilla_request_duration_seconds", "Time from arrival to the last token",
+                             TTFT_BUCKETS)
+
+    def all(self) -> list[Metric]:
+        return [self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
+                self.queue_depth, self.running, self.kv_usage, self.kv_free, self.kv_total, self.ttft, self.itl,
+                self.e2e]
+
+    def update_engine(self, stats, in_flight: int) -> None:
+        self.queue_depth.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_usage.set(round(stats.kv_usage, 6))
+        self.kv_free.set(stats.kv_blocks_free)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.in_flight.set(in_flight)
+
+    def render(self) -> str:
+        return "\n".join(line for m in self.all() for line in m.render()) + "\n"

@@ -1,0 +1,95 @@
+"""Request middleware: OpenAI-shaped errors for everything, request counting, the API key."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from flotilla.errors import FlotillaError
+
+from .engine_client import EngineUnavailable
+from .errors import ApiError
+from .state import ServerState
+
+log = logging.getLogger("flotilla.server")
+
+OPEN_PATHS = ("/health", "/", "/favicon.ico", "/ws")  # /ws checks the key itself (browsers cannot set headers)
+OPEN_PREFIXES = ("/static/",)
+
+
+def _endpoint(request: web.Request) -> str:
+    resource = request.match_info.route.resource  # None for unmatched paths (aiohttp's system route)
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _http_error(request: web.Request, e: web.HTTPException, state: ServerState) -> ApiError:
+    if e.status == 404:
+        return ApiError(404, f"no such endpoint {request.method} {request.path[:200]}; the API serves "
+                             "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /ws, "
+                             "GET /health, GET /metrics", code="not_found")
+    if e.status == 405:
+        allowed = e.headers.get("Allow", "")
+        return ApiError(405, f"{request.method} is not allowed on {request.path[:200]}; use {allowed}",
+                        code="method_not_allowed")
+    if e.status == 413:
+        return ApiError(413, f"the request body is too large; the limit is {state.config.max_body_bytes} bytes",
+                        code="request_too_large")
+    return ApiError(e.status, e.reason or e.text or "bad request")
+
+
+def make_middlewares(state: ServerState) -> list:
+    metrics = state.metrics
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except ApiError as e:
+            status = e.status
+            return e.response()
+        except EngineUnavailable as e:
+            status = 503
+            return ApiError(503, f"the engine cannot serve: {e}", code="engine_unavailable").response()
+        except FlotillaError as e:  # a request the engine refuses that validation let through
+            status = 400
+            return ApiError(400, str(e)).response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                status = e.status
+                raise
+            api = _http_error(request, e, state)
+            status = api.status
+            return api.response()
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        except Exception:
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return ApiError(500, "internal server error (a bug in the server; its log has the traceback)",
+                            code="internal_error").response()
+        finally:
+            metrics.requests.inc(1, _endpoint(request), str(status))
+
+    key = state.config.api_key
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        path = request.path
+        if key is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        if not header:
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'",
+                           code="invalid_api_key")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "wrong API key: check the key you pass in 'Authorization: Bearer ...'",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    return [errors, auth]

@@ -1,0 +1,132 @@
+"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models — OpenAI's wire format."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from .errors import ApiError
+from .generation import Generation, new_request_id
+from .protocol import GenerationRequest, parse_chat, parse_completion
+from .responses import Shapes, TokenText, chat_logprobs, completion_logprobs
+from .sse import EventStream
+from .state import ServerState
+
+log = logging.getLogger("flotilla.server")
+
+LARGE_BODY = 32 * 1024  # bytes; larger requests are validated and tokenized off the event loop
+CANCELLED = "the request was cancelled because the server is shutting down; retry it"
+
+
+class OpenAIRoutes:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.token_text = TokenText(state.engine.tokenizer)
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+
+    # ----------------------------------------------------------------------------- models
+    def _model_card(self) -> dict:
+        engine = self.state.engine
+        return {"id": engine.model_name, "object": "model", "created": self.state.started, "owned_by": "flotilla",
+                "max_model_len": engine.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.state.engine.model_name:
+            raise ApiError(404, f"the model '{name[:100]}' does not exist here; this server serves "
+                                f"'{self.state.engine.model_name}'", param="model", code="model_not_found")
+        return web.json_response(self._model_card())
+
+    # ------------------------------------------------------------------------ generation
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        self.state.admission.check_open()
+        req = await self._parse(request, parse_chat)
+        return await self._serve(request, req, new_request_id("chatcmpl"), arrival)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        self.state.admission.check_open()
+        req = await self._parse(request, parse_completion)
+        return await self._serve(request, req, new_request_id("cmpl"), arrival)
+
+    async def _parse(self, request: web.Request, parse) -> GenerationRequest:
+        body = await self.state.read_json(request)
+        args = (body, self.state.engine, self.state.config.max_n)
+        if (request.content_length or 0) > LARGE_BODY:  # tokenizing it would stall every other stream
+            return await asyncio.to_thread(parse, *args)
+        return parse(*args)
+
+    async def _serve(self, request: web.Request, req: GenerationRequest, rid: str, arrival: float):
+        shapes = Shapes(req.kind, rid, req.model)
+        with self.state.admission.admit(req.num_choices):
+            async with Generation(self.state.engine, self.state.metrics, req, rid, arrival) as gen:
+                if req.stream:
+                    return await self._stream(request, req, gen, shapes)
+                return await self._collect(req, gen, shapes)
+
+    def _logprobs(self, req: GenerationRequest, items, offset: int = 0) -> dict | None:
+        if not req.params[0].logprobs:
+            return None
+        if req.kind == "chat":
+            return chat_logprobs(self.token_text, items)
+        return completion_logprobs(self.token_text, items, offset)
+
+    async def _collect(self, req: GenerationRequest, gen: Generation, shapes: Shapes) -> web.Response:
+        async for choice, out in gen.outputs():
+            if out.finish_reason == "abort":
+                raise ApiError(503, CANCELLED, code="cancelled")
+            choice.text.append(out.text)
+            choice.logprobs.extend(out.logprobs)
+        build = Shapes.chat_choice if req.kind == "chat" else Shapes.completion_choice
+        choices = [build(c.index, "".join(c.text), c.finish_reason, self._logprobs(req, c.logprobs))
+                   for c in sorted(gen.choices.values(), key=lambda c: c.index)]
+        body = (shapes.chat_response if req.kind == "chat" else shapes.completion_response)(choices, gen.usage())
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes):
+        stream = EventStream(request)
+        await stream.open()
+        chat, usage = req.kind == "chat", req.include_usage
+        offsets = dict.fromkeys(gen.choices, 0)
+        try:
+            if chat:
+                await stream.send(*(shapes.chat_chunk(i, {"role": "assistant", "content": ""}, usage=usage)
+                                    for i in sorted(gen.choices)))
+            async for choice, out in gen.outputs():
+                if out.finish_reason == "abort":
+                    await stream.send(ApiError(503, CANCELLED, code="cancelled").body())
+                    await stream.done()
+                    return stream.response
+                chunks = []
+                if out.text or out.logprobs:
+                    lp = self._logprobs(req, out.logprobs, offsets[choice.index])
+                    offsets[choice.index] += len(out.text)
+                    chunks.append(shapes.chat_chunk(choice.index, {"content": out.text}, None, lp, usage) if chat
+                                  else shapes.completion_chunk(choice.index, out.text, None, lp, usage))
+                if out.finish_reason is not None:
+                    chunks.append(shapes.chat_chunk(choice.index, {}, out.finish_reason, usage=usage) if chat
+                                  else shapes.completion_chunk(choice.index, "", out.finish_reason, usage=usage))
+                if chunks:
+                    await stream.send(*chunks)
+            if usage:
+                await stream.send(shapes.usage_chunk(gen.usage()))
+            await stream.done()
+        except ConnectionResetError:
+            pass  # the client left; leaving the Generation aborts its sequences
+        except Exception:  # a bug past the point where a status code can be sent: end the stream visibly
+            log.exception("stream %s failed", shapes.id)
+            await stream.send(ApiError(500, "internal server error while streaming (the server log has the "
+                                            "traceback)", code="internal_error").body())
+            await stream.done()
+        return stream.response

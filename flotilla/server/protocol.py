@@ -1,0 +1,234 @@
+"""OpenAI request bodies (and websocket chat frames) validated into a `GenerationRequest`.
+
+Everything a user can get wrong is checked here, before the engine sees the request: types,
+ranges, the model name, the messages, the prompt length against the context and max_tokens
+against what is left of it. Each mistake is a 4xx `ApiError` whose message says what to fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
+from flotilla.errors import FlotillaError
+
+from .engine_client import SamplingParams
+from .errors import ApiError, bad_request
+from .fields import Fields, describe, text
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+SEED_MAX = 2**63 - 1
+
+
+class ModelInfo(Protocol):
+    model_name: str
+    max_model_len: int
+    tokenizer: object
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated request: prompts (token ids) x n choices, each with its sampling params."""
+    kind: str  # "chat" or "completion"
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    params: tuple[SamplingParams, ...]  # one per prompt (max_tokens may depend on its length)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choices(self) -> list[tuple[int, tuple[int, ...], SamplingParams]]:
+        """(choice index, prompt ids, params) for every sequence; seeds differ across the n choices."""
+        out = []
+        for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
+            for j in range(self.n):
+                p = params
+                if j and params.seed is not None:
+                    p = dataclasses.replace(params, seed=(params.seed + j) % SEED_MAX)
+                out.append((i * self.n + j, prompt, p))
+        return out
+
+
+def parse_chat(data: dict, model: ModelInfo, max_n: int, *, require_model: bool = True) -> GenerationRequest:
+    f = Fields(data)
+    check_model(f, model, require_model)
+    _reject_unsupported(f)
+    messages = parse_messages(f)
+    try:
+        prompt = model.tokenizer.apply_chat_template(messages)
+    except FlotillaError as e:
+        raise bad_request(f"'messages': {e}", param="messages") from None
+    logprobs = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", 0, 0, 20)
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    return _finish(f, "chat", model, [prompt], "messages", key, None, logprobs, top, max_n)
+
+
+def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequest:
+    f = Fields(data)
+    check_model(f, model, True)
+    _reject_unsupported(f)
+    if f.boolean("echo", False):
+        raise bad_request("'echo' is not supported; leave it out or set it to false", param="echo")
+    if f.string("suffix"):
+        raise bad_request("'suffix' (insertion) is not supported; leave it out", param="suffix")
+    prompts = parse_prompts(f, model)
+    top = f.integer("logprobs", None, 0, 20)
+    n = f.integer("n", 1, 1, max_n)
+    best_of = f.integer("best_of", n, 1, max_n)
+    if best_of != n:
+        raise bad_request(f"'best_of' is not supported unless it equals 'n' ({n})", param="best_of")
+    return _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
+
+
+def check_model(f: Fields, model: ModelInfo, required: bool) -> str:
+    name = f.string("model")
+    if name is None:
+        if required:
+            raise bad_request(f"'model' is required; this server serves '{model.model_name}'", param="model")
+        return model.model_name
+    if name != model.model_name:
+        raise ApiError(404, f"the model '{name[:100]}' does not exist here; this server serves "
+                            f"'{model.model_name}' (GET /v1/models lists it)", param="model", code="model_not_found")
+    return name
+
+
+def parse_messages(f: Fields) -> list[dict]:
+    messages = f.raw("messages")
+    if messages is None:
+        raise bad_request("'messages' is required: an array of {\"role\": ..., \"content\": ...} objects",
+                          param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"'messages' must be a non-empty array of {{\"role\", \"content\"}} objects, "
+                          f"got {describe(messages)}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object with 'role' and 'content', got {describe(m)}", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}, got {describe(role)}",
+                              param=f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m, where)})
+    return out
+
+
+def _content(m: dict, where: str) -> str:
+    content = m.get("content")
+    if content is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return text(content, f"{where}.content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}.content[{j}]' must be {{\"type\": \"text\", \"text\": ...}}; "
+                                  f"only text content is supported", param=f"{where}.content")
+            parts.append(text(part["text"], f"{where}.content"))
+        return "".join(parts)
+    raise bad_request(f"'{where}.content' must be a string or an array of text parts, got {describe(content)}",
+                      param=f"{where}.content")
+
+
+def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
+    prompt = f.raw("prompt")
+    expected = "a string, an array of strings, an array of token ids or an array of token-id arrays"
+    if prompt is None:
+        raise bad_request(f"'prompt' is required: {expected}", param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise bad_request(f"'prompt' must be {expected}, got {describe(prompt)}", param="prompt")
+    vocab = model.tokenizer.vocab_size
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = model.tokenizer.encode(text(item, "prompt"))
+        elif isinstance(item, list) and _is_ids(item):
+            bad = [t for t in item if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"'prompt' token id {bad[0]} is out of range; ids must be in 0..{vocab - 1}",
+                                  param="prompt")
+            ids = list(item)
+        else:
+            raise bad_request(f"'prompt[{i}]' must be a string or an array of token ids, got {describe(item)}",
+                              param="prompt")
+        if not ids:
+            raise bad_request("'prompt' is empty; send at least one token of text", param="prompt")
+        out.append(ids)
+    return out
+
+
+def _is_ids(items: list) -> bool:
+    return bool(items) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+
+def _reject_unsupported(f: Fields) -> None:
+    for key in ("tools", "functions", "logit_bias"):
+        if f.raw(key):
+            raise bad_request(f"'{key}' is not supported by this server; leave it out", param=key)
+    fmt = f.obj("response_format")
+    if fmt is not None and fmt.raw("type", "text") != "text":
+        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
+
+
+def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], prompt_field: str,
+            max_tokens_key: str, default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
+            max_n: int) -> GenerationRequest:
+    context = model.max_model_len
+    longest = max(len(p) for p in prompts)
+    if longest >= context:
+        raise bad_request(f"the {prompt_field} is {longest} tokens but the context holds {context} "
+                          f"(including the reply); shorten the {prompt_field}", param=prompt_field,
+                          code="context_length_exceeded")
+    room = context - longest
+    max_tokens = f.integer(max_tokens_key, None, 1, None)
+    if max_tokens is not None and max_tokens > room:
+        raise bad_request(f"'{max_tokens_key}' is {max_tokens} but the {prompt_field} takes {longest} of the "
+                          f"{context}-token context; ask for at most {room}", param=max_tokens_key,
+                          code="context_length_exceeded")
+    n = f.integer("n", 1, 1, max_n)
+    if n * len(prompts) > max_n:
+        raise bad_request(f"{len(prompts)} prompts x n={n} is {n * len(prompts)} choices; at most {max_n} per request",
+                          param="n")
+    stream = f.boolean("stream", False)
+    options = f.obj("stream_options")
+    if options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
+    include_usage = options.boolean("include_usage", False) if options else False
+    common = dict(
+        temperature=f.number("temperature", 1.0, 0, 2),
+        top_p=f.number("top_p", 1.0, 0, 1, lo_open=True),
+        top_k=max(0, f.integer("top_k", 0, -1, None)),
+        min_p=f.number("min_p", 0.0, 0, 1),
+        repetition_penalty=f.number("repetition_penalty", 1.0, 0, 10, lo_open=True),
+        presence_penalty=f.number("presence_penalty", 0.0, -2, 2),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2, 2),
+        seed=f.integer("seed", None, 0, SEED_MAX),
+        stop=f.string_list("stop", MAX_STOP, MAX_STOP_LEN),
+        stop_token_ids=f.int_list("stop_token_ids", 0, model.tokenizer.vocab_size - 1, MAX_STOP),
+        ignore_eos=f.boolean("ignore_eos", False),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    params = []
+    for p in prompts:
+        limit = max_tokens if max_tokens is not None else min(default_max_tokens or context, context - len(p))
+        try:
+            params.append(SamplingParams(max_tokens=limit, **common))
+        except FlotillaError as e:
+            raise bad_request(str(e)) from None
+    return GenerationRequest(kind, model.model_name, tuple(tuple(p) for p in prompts), tuple(params), n,
+                             stream, include_usage)

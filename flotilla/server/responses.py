@@ -1,0 +1,97 @@
+"""OpenAI response bodies and stream chunks for chat and (legacy) completions."""
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+from .engine_client import TokenLogprob
+
+FINGERPRINT = "flotilla"
+
+
+class TokenText:
+    """Token id -> its text, for logprobs (special tokens kept, so every id has a name)."""
+
+    def __init__(self, tokenizer):
+        self.decode = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i], skip_special_tokens=False))
+
+    def entry(self, token_id: int, logprob: float) -> dict:
+        text = self.decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tt: TokenText, items: list[TokenLogprob]) -> dict:
+    return {"content": [{**tt.entry(lp.token_id, lp.logprob), "top_logprobs": [tt.entry(t, v) for t, v in lp.top]}
+                        for lp in items]}
+
+
+def completion_logprobs(tt: TokenText, items: list[TokenLogprob], offset: int = 0, with_top: bool = True) -> dict:
+    tokens, offsets = [], []
+    for lp in items:
+        text = tt.decode(lp.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{tt.decode(t): v for t, v in lp.top} for lp in items] if with_top else None,
+            "text_offset": offsets}
+
+
+class Shapes:
+    """Builders bound to one request's id, creation time and model name."""
+
+    def __init__(self, kind: str, request_id: str, model: str):
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": FINGERPRINT}
+
+    # ------------------------------------------------------------------------------- chat
+    def chat_chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
+                   usage: bool = False) -> dict:
+        body = self._base("chat.completion.chunk")
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if usage:
+            body["usage"] = None
+        return body
+
+    def chat_response(self, choices: list[dict], usage: dict) -> dict:
+        body = self._base("chat.completion")
+        body["choices"] = choices
+        body["usage"] = usage
+        return body
+
+    @staticmethod
+    def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    # ------------------------------------------------------------------------- completions
+    def completion_chunk(self, index: int, text: str, finish_reason: str | None = None,
+                         logprobs: dict | None = None, usage: bool = False) -> dict:
+        body = self._base("text_completion")
+        body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if usage:
+            body["usage"] = None
+        return body
+
+    def completion_response(self, choices: list[dict], usage: dict) -> dict:
+        body = self._base("text_completion")
+        body["choices"] = choices
+        body["usage"] = usage
+        return body
+
+    @staticmethod
+    def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    # ------------------------------------------------------------------------------- both
+    def usage_chunk(self, usage: dict) -> dict:
+        body = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage
+        return body

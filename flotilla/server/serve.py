@@ -1,0 +1,86 @@
+"""Run the server until SIGTERM/SIGINT, then drain: stop accepting, give in-flight requests the
+grace period to finish, cancel what is left, close the websockets, stop the engine."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Callable
+
+from aiohttp import web
+
+from flotilla.errors import FlotillaError
+
+from .app import build_app
+from .state import ServerState
+
+
+def display_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else (
+        f"[{host}]" if ":" in host else host)
+    return f"http://{shown}:{port}"
+
+
+class Server:
+    def __init__(self, state: ServerState, manage_engine: bool = True):
+        self.state = state
+        self.app = build_app(state, manage_engine)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return display_url(self.state.config.host, self.port)
+
+    async def start(self) -> None:
+        cfg = self.state.config
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, cfg.host, cfg.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            await self.runner.cleanup()
+            raise FlotillaError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
+        self.port = self.runner.addresses[0][1]
+
+    async def drain(self) -> None:
+        await self.stop_accepting()
+        await self.finish()
+
+    async def stop_accepting(self) -> None:
+        self.state.admission.draining = True  # open connections get 503 for new requests
+        for site in list(self.runner.sites):
+            await site.stop()  # closes the listening socket: no new connections
+
+    async def finish(self) -> None:
+        """In-flight requests get the grace period; then the rest are cancelled and all is closed."""
+        admission = self.state.admission
+        if not await admission.wait_idle(self.state.config.grace_period):
+            await self.state.engine.abort_all()
+            await admission.wait_idle(5.0)
+        await self.runner.cleanup()
+
+
+async def serve(state: ServerState, announce: Callable[[str], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    server = Server(state)
+    await server.start()
+    (announce or _announce)(f"flotilla: serving '{state.engine.model_name}' — OpenAI API at {server.url}/v1\n"
+                            f"flotilla: chat page: {server.url}/")
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        await server.stop_accepting()
+        _announce(f"flotilla: shutting down: no new connections; in-flight requests get "
+                  f"{state.config.grace_period:g}s to finish")
+        await server.finish()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def _announce(text: str) -> None:
+    print(text, file=sys.stdout, flush=True)

@@ -1,0 +1,208 @@
+// flotilla chat page: one websocket to /ws, replies streamed as "delta" frames.
+(() => {
+  "use strict";
+  const $ = (id) => document.getElementById(id);
+  const els = {
+    model: $("model"), status: $("status"), messages: $("messages"), empty: $("empty"), input: $("input"),
+    form: $("form"), send: $("send"), stop: $("stop"), stats: $("stats"), banner: $("banner"),
+    system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"), apiKey: $("api-key"),
+    keyRow: $("key-row"), settings: $("settings"), settingsToggle: $("settings-toggle"), newChat: $("new-chat"),
+  };
+  const store = window.localStorage;
+  const state = { ws: null, history: [], reply: null, retry: 0 };
+
+  // ---------------------------------------------------------------------- settings
+  for (const [el, key] of [[els.system, "system"], [els.temperature, "temperature"],
+                           [els.maxTokens, "maxTokens"], [els.apiKey, "apiKey"]]) {
+    const saved = store.getItem("flotilla." + key);
+    if (saved !== null) el.value = saved;
+    el.addEventListener("change", () => store.setItem("flotilla." + key, el.value));
+  }
+  if (els.apiKey.value) els.keyRow.hidden = false;
+  els.settingsToggle.addEventListener("click", () => {
+    els.settings.hidden = !els.settings.hidden;
+    els.settingsToggle.setAttribute("aria-expanded", String(!els.settings.hidden));
+  });
+
+  // -------------------------------------------------------------------- connection
+  function connect() {
+    const proto = location.protocol === "https:" ? "wss" : "ws";
+    const key = els.apiKey.value.trim();
+    const url = `${proto}://${location.host}/ws` + (key ? `?api_key=${encodeURIComponent(key)}` : "");
+    const ws = new WebSocket(url);
+    state.ws = ws;
+    setStatus("connecting");
+    ws.onopen = () => { state.retry = 0; };
+    ws.onmessage = (ev) => onFrame(JSON.parse(ev.data));
+    ws.onclose = (ev) => {
+      setStatus("closed");
+      if (state.reply) finishReply({ finish_reason: "disconnected" });
+      if (ev.code === 1008) {
+        els.keyRow.hidden = false;
+        els.settings.hidden = false;
+        showBanner(`${ev.reason || "unauthorized"} — enter the API key in Settings.`);
+        els.apiKey.addEventListener("change", connect, { once: true });
+        return;
+      }
+      const delay = Math.min(8000, 500 * 2 ** state.retry++);
+      setTimeout(connect, delay);
+    };
+  }
+
+  function setStatus(s) {
+    els.status.dataset.state = s;
+    els.status.title = s;
+    updateButtons();
+  }
+
+  function showBanner(text) {
+    els.banner.textContent = text;
+    els.banner.hidden = !text;
+  }
+
+  // ------------------------------------------------------------------------ frames
+  function onFrame(f) {
+    switch (f.type) {
+      case "ready":
+        els.model.textContent = f.model;
+        setStatus("open");
+        showBanner("");
+        break;
+      case "start":
+        if (state.reply) state.reply.id = f.id;
+        break;
+      case "delta":
+        if (!state.reply || state.reply.discard) break;
+        if (state.reply.first === null) state.reply.first = performance.now();
+        state.reply.text += f.text;
+        state.reply.deltas += 1;
+        state.reply.body.textContent = state.reply.text;
+        showLiveStats();
+        scrollDown();
+        break;
+      case "done":
+        finishReply(f);
+        break;
+      case "error":
+        if (state.reply && !state.reply.id) {  // the request itself was refused
+          state.reply.el.classList.add("error");
+          finishReply({ finish_reason: "error" });
+        }
+        showBanner(f.message);
+        break;
+    }
+  }
+
+  // ----------------------------------------------------------------------- replies
+  function addMessage(role, text) {
+    els.empty.hidden = true;
+    const el = document.createElement("div");
+    el.className = `msg ${role}`;
+    const body = document.createElement("span");
+    body.className = "body";
+    body.textContent = text;
+    el.appendChild(body);
+    els.messages.appendChild(el);
+    scrollDown();
+    return { el, body };
+  }
+
+  function send(text) {
+    if (!text.trim() || state.reply || !isOpen()) return;
+    showBanner("");
+    state.history.push({ role: "user", content: text });
+    addMessage("user", text);
+    const { el, body } = addMessage("assistant", "");
+    el.classList.add("streaming");
+    state.reply = { id: null, el, body, text: "", deltas: 0, start: performance.now(), first: null };
+    const messages = [];
+    const system = els.system.value.trim();
+    if (system) messages.push({ role: "system", content: system });
+    messages.push(...state.history);
+    const frame = { type: "chat", messages };
+    const t = parseFloat(els.temperature.value);
+    if (!Number.isNaN(t)) frame.temperature = t;
+    const m = parseInt(els.maxTokens.value, 10);
+    if (!Number.isNaN(m)) frame.max_tokens = m;
+    state.ws.send(JSON.stringify(frame));
+    updateButtons();
+  }
+
+  function finishReply(f) {
+    const r = state.reply;
+    if (!r) return;
+    state.reply = null;
+    if (r.discard) { updateButtons(); return; }
+    r.el.classList.remove("streaming");
+    r.el.dataset.finish = f.finish_reason || "";
+    if (r.text) state.history.push({ role: "assistant", content: r.text });
+    else if (f.finish_reason !== "error") state.history.pop();  // nothing came back: forget the question
+    const meta = document.createElement("span");
+    meta.className = "meta";
+    const tokens = f.usage ? f.usage.completion_tokens : r.deltas;
+    const rate = f.timing && f.timing.tokens_per_second;
+    const label = { stop: "", length: " · hit max tokens", cancelled: " · stopped", abort: " · cancelled by server",
+                    disconnected: " · connection lost", error: " · refused" }[f.finish_reason] ?? "";
+    meta.textContent = `${tokens} tokens` + (rate ? ` · ${rate.toFixed(1)} tok/s` : "") + label;
+    r.el.appendChild(meta);
+    els.stats.textContent = meta.textContent + (f.timing && f.timing.ttft != null
+      ? ` · first token ${(f.timing.ttft * 1000).toFixed(0)} ms` : "");
+    updateButtons();
+  }
+
+  function showLiveStats() {
+    const r = state.reply;
+    const secs = (performance.now() - r.first) / 1000;
+    const rate = r.deltas > 1 && secs > 0 ? (r.deltas - 1) / secs : 0;
+    els.stats.textContent = `${r.deltas} tokens · ${rate.toFixed(1)} tok/s`;
+  }
+
+  function isOpen() { return state.ws && state.ws.readyState === WebSocket.OPEN; }
+
+  function updateButtons() {
+    const streaming = !!state.reply;
+    els.send.hidden = streaming;
+    els.stop.hidden = !streaming;
+    els.send.disabled = !isOpen();
+  }
+
+  function scrollDown() { els.messages.scrollTop = els.messages.scrollHeight; }
+
+  // ------------------------------------------------------------------------ inputs
+  els.form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const text = els.input.value;
+    if (!text.trim() || state.reply || !isOpen()) return;
+    els.input.value = "";
+    autosize();
+    send(text);
+  });
+  els.input.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+      ev.preventDefault();
+      els.form.requestSubmit();
+    }
+  });
+  function autosize() {
+    els.input.style.height = "auto";
+    els.input.style.height = Math.min(200, els.input.scrollHeight) + "px";
+  }
+  els.input.addEventListener("input", autosize);
+  els.stop.addEventListener("click", () => { if (state.reply && isOpen()) state.ws.send('{"type":"cancel"}'); });
+  els.newChat.addEventListener("click", () => {
+    if (state.reply) {  // the old reply ends with its "done" frame; until then Send waits
+      state.reply.discard = true;
+      if (isOpen()) state.ws.send('{"type":"cancel"}');
+    }
+    state.history = [];
+    for (const el of [...els.messages.querySelectorAll(".msg")]) el.remove();
+    els.empty.hidden = false;
+    els.stats.textContent = "";
+    showBanner("");
+    updateButtons();
+    els.input.focus();
+  });
+
+  connect();
+  els.input.focus();
+})();

@@ -1,0 +1,115 @@
+"""Server paths that need a misbehaving engine, with a scripted fake one (no model): /health
+naming the engine's problems, a dead engine as 503, a bug mid-stream ending the stream with an
+error event, and the drain closing websockets with 1001."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from flotilla.server.config import ServerConfig
+from flotilla.server.engine_client import EngineStats, EngineUnavailable, StepOutput
+from flotilla.server.serve import Server
+from flotilla.server.state import ServerState
+from test_server_units import StubTokenizer
+
+
+class FakeEngine:
+    model_name = "fake"
+    max_model_len = 64
+    max_num_seqs = 2
+
+    def __init__(self, fail_start: Exception | None = None, fail_at: int | None = None, problems=()):
+        self.tokenizer = StubTokenizer()
+        self.fail_start, self.fail_at, self._problems = fail_start, fail_at, list(problems)
+
+    async def start(self):
+        pass
+
+    async def shutdown(self):
+        pass
+
+    async def generate(self, request_id, prompt_ids, params):
+        if self.fail_start is not None:
+            raise self.fail_start
+        for i in range(params.max_tokens):
+            if i == self.fail_at:
+                raise RuntimeError("a bug in the engine")
+            await asyncio.sleep(0.01)
+            yield StepOutput((65 + i,), chr(65 + i), "length" if i == params.max_tokens - 1 else None)
+
+    async def abort(self, request_id):
+        pass
+
+    async def abort_all(self):
+        pass
+
+    def stats(self):
+        return EngineStats(0, 0, 10, 10)
+
+    def problems(self):
+        return self._problems
+
+
+def serve(engine, coro_fn):
+    async def run():
+        server = Server(ServerState(ServerConfig(port=0), engine))
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await coro_fn(server, session)
+        finally:
+            if server.runner.server is not None:
+                await server.drain()
+    return asyncio.run(run())
+
+
+BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_health_names_the_engine_problems():
+    async def go(server, s):
+        async with s.get(server.url + "/health") as r:
+            return r.status, await r.json()
+    status, body = serve(FakeEngine(problems=["pipeline stage 2 (host b:7070) is not answering"]), go)
+    assert status == 503 and body["status"] == "unhealthy"
+    assert body["problems"] == ["pipeline stage 2 (host b:7070) is not answering"]
+
+
+def test_a_dead_engine_is_a_503_not_a_500():
+    async def go(server, s):
+        async with s.post(server.url + "/v1/chat/completions", json=BODY) as r:
+            return r.status, await r.json()
+    status, body = serve(FakeEngine(fail_start=EngineUnavailable("the engine loop died")), go)
+    assert status == 503 and body["error"]["code"] == "engine_unavailable"
+    assert "the engine loop died" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bug_mid_request_is_reported_in_openai_shape(stream):
+    async def go(server, s):
+        async with s.post(server.url + "/v1/chat/completions", json={**BODY, "stream": stream}) as r:
+            return r.status, await r.text()
+    status, text = serve(FakeEngine(fail_at=2), go)
+    if not stream:
+        assert status == 500 and json.loads(text)["error"]["code"] == "internal_error"
+        return
+    assert status == 200
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "internal_error"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2]) == "AB"
+
+
+def test_drain_closes_websockets_with_1001():
+    async def go(server, s):
+        ws = await s.ws_connect(server.url + "/ws")
+        assert json.loads((await ws.receive()).data)["type"] == "ready"
+        drain = asyncio.create_task(server.drain())
+        msg = await ws.receive()
+        await drain
+        return msg.type, ws.close_code, msg.extra
+    kind, code, reason = serve(FakeEngine(), go)
+    assert kind == aiohttp.WSMsgType.CLOSE and code == 1001 and "shutting down" in reason

@@ -1,0 +1,182 @@
+"""The official openai client against a live server on loopback: chat and completions, streamed
+and not, equal to the engine's own greedy output; usage, stop strings, logprobs, n, seeds."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from flotilla.runtime.sampling import SamplingParams
+from server_harness import start_server
+
+QUESTION = "Name three colours of the rainbow."
+
+
+@pytest.fixture(scope="module")
+def live(smollm2_gguf):
+    server = start_server(smollm2_gguf)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with openai.OpenAI(base_url=live.api, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat_prompt(live, content=QUESTION):
+    return live.engine.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+
+
+def test_chat_equals_engine_greedy(live, client):
+    expected, ids, reason = live.engine_text(chat_prompt(live), SamplingParams(max_tokens=24, temperature=0))
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=24, temperature=0,
+                                       messages=[{"role": "user", "content": QUESTION}])
+    assert expected.strip()
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == reason
+    assert r.usage.completion_tokens == len(ids)
+    assert r.usage.prompt_tokens == len(chat_prompt(live))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_chat_stream_equals_engine_greedy_with_usage(live, client):
+    expected, ids, reason = live.engine_text(chat_prompt(live), SamplingParams(max_tokens=24, temperature=0))
+    stream = client.chat.completions.create(model=live.engine.model_name, max_completion_tokens=24, temperature=0,
+                                            messages=[{"role": "user", "content": QUESTION}], stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 3  # really streamed
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_equals_engine_greedy_both_ways(live, client):
+    prompt = "The capital of France is"
+    expected, ids, _ = live.engine_text(live.engine.tokenizer.encode(prompt),
+                                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    r = client.completions.create(model=live.engine.model_name, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 == len(ids)
+    chunks = list(client.completions.create(model=live.engine.model_name, prompt=prompt, max_tokens=12,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_of_token_ids_and_default_max_tokens(live, client):
+    ids = live.engine.tokenizer.encode("Once upon a time")
+    r = client.completions.create(model=live.engine.model_name, prompt=ids, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
+
+
+def test_stop_string_cuts_the_text(live, client):
+    full, _, _ = live.engine_text(chat_prompt(live), SamplingParams(max_tokens=24, temperature=0))
+    words = full.split()
+    stop = " " + words[2]
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=24, temperature=0, stop=[stop],
+                                       messages=[{"role": "user", "content": QUESTION}])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(stop)]
+
+
+def test_logprobs_chat_and_completion(live, client):
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=3, messages=[{"role": "user", "content": QUESTION}])
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-5)  # greedy picks the top one
+        assert item.token == item.top_logprobs[0].token
+    assert "".join(i.token for i in content) == r.choices[0].message.content
+    c = client.completions.create(model=live.engine.model_name, prompt="Once upon a time", max_tokens=3,
+                                  temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+
+
+def test_n_choices_and_seeds(live, client):
+    kw = dict(model=live.engine.model_name, max_tokens=8, temperature=1.0, seed=1234,
+              messages=[{"role": "user", "content": "Write a word."}])
+    a = client.chat.completions.create(n=3, **kw)
+    b = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # seeded
+    assert len({c.message.content for c in a.choices}) > 1  # each choice has its own seed
+    assert a.usage.prompt_tokens == len(chat_prompt(live, "Write a word."))  # counted once
+    assert 3 <= a.usage.completion_tokens <= 3 * 8
+    streamed = list(client.chat.completions.create(n=2, stream=True, **kw))
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == {0: a.choices[0].message.content, 1: a.choices[1].message.content}
+
+
+def test_models_list_and_retrieve(live, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [live.engine.model_name]
+    assert client.models.retrieve(live.engine.model_name).id == live.engine.model_name
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-5")
+    assert "SmolLM2" in str(e.value)
+
+
+def test_client_disconnect_aborts_the_request(live):
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": live.engine.model_name, "prompt": "Count to a thousand:", "max_tokens": 2000,
+                    "stream": True, "ignore_eos": True}
+            resp = await s.post(live.api + "/completions", json=body)
+            got = 0
+            async for line in resp.content:
+                got += line.startswith(b"data: ")
+                if got >= 3:
+                    break
+            assert live.stats().num_running + live.stats().num_waiting == 1
+            resp.close()  # drop the connection mid-stream
+        for _ in range(200):
+            s = live.stats()
+            if s.num_running + s.num_waiting == 0 and live.state.admission.in_flight == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+    assert asyncio.run(run())
+    assert live.stats().kv_blocks_free == live.stats().kv_blocks_total
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(live):
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": live.engine.model_name, "prompt": "Count to a thousand:", "max_tokens": 2000,
+                    "ignore_eos": True}
+            task = asyncio.create_task(s.post(live.api + "/completions", json=body))
+            for _ in range(400):  # until the engine has it
+                if live.stats().num_running == 1:
+                    break
+                await asyncio.sleep(0.05)
+            task.cancel()  # the client gives up: its connection closes
+            await asyncio.gather(task, return_exceptions=True)
+        for _ in range(200):
+            s = live.stats()
+            if s.num_running + s.num_waiting == 0 and live.state.admission.in_flight == 0:
+                return s
+            await asyncio.sleep(0.05)
+    stats = asyncio.run(run())
+    assert stats is not None and stats.kv_blocks_free == stats.kv_blocks_total
+    assert live.state.metrics.requests.get("/v1/completions", "499") >= 1

@@ -1,0 +1,154 @@
+"""The server's parts without a model: request validation into SamplingParams, SSE framing,
+the Prometheus exposition, admission bounds."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flotilla.server.admission import Admission
+from flotilla.server.errors import ApiError
+from flotilla.server.fields import Fields, parse_json_object
+from flotilla.server.metrics import Counter, Gauge, Histogram
+from flotilla.server.protocol import parse_chat, parse_completion
+from flotilla.server.sse import DONE, event
+
+
+class StubTokenizer:
+    """Bytes as tokens; the chat template is '<role>content' per message."""
+    vocab_size = 256
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+    def apply_chat_template(self, messages):
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+
+class StubModel:
+    model_name = "stub"
+    max_model_len = 64
+    tokenizer = StubTokenizer()
+
+
+def chat(**body):
+    return parse_chat({"model": "stub", "messages": [{"role": "user", "content": "hi"}], **body}, StubModel(), 8)
+
+
+def test_chat_maps_openai_fields_to_sampling_params():
+    req = chat(temperature=0, top_p=0.5, max_completion_tokens=7, max_tokens=3, stop="END", seed=5,
+               presence_penalty=1, frequency_penalty=-1, logprobs=True, top_logprobs=2, top_k=-1, user="me")
+    (p,) = req.params
+    assert (p.temperature, p.top_p, p.max_tokens, p.stop, p.seed) == (0, 0.5, 7, ("END",), 5)
+    assert (p.presence_penalty, p.frequency_penalty, p.logprobs, p.top_logprobs, p.top_k) == (1, -1, True, 2, 0)
+    assert req.prompts == (tuple(b"<user>hi<assistant>"),)
+
+
+def test_defaults_chat_fills_the_context_completions_take_16():
+    (p,) = chat().params
+    assert p.max_tokens == 64 - len(b"<user>hi<assistant>") and p.temperature == 1.0
+    (q,) = parse_completion({"model": "stub", "prompt": "abc"}, StubModel(), 8).params
+    assert q.max_tokens == 16
+
+
+def test_developer_role_is_system_and_text_parts_join():
+    req = chat(messages=[{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert bytes(req.prompts[0]) == b"<system>be brief<user>ab<assistant>"
+
+
+def test_n_choices_get_distinct_seeds_and_prompt_batches_fan_out():
+    req = chat(n=3, seed=10)
+    assert [(i, p.seed) for i, _, p in req.choices()] == [(0, 10), (1, 11), (2, 12)]
+    req = parse_completion({"model": "stub", "prompt": ["ab", [1, 2, 3]], "n": 2}, StubModel(), 8)
+    assert [(i, len(ids)) for i, ids, _ in req.choices()] == [(0, 2), (1, 2), (2, 3), (3, 3)]
+    with pytest.raises(ApiError, match="at most 8"):
+        parse_completion({"model": "stub", "prompt": ["a"] * 3, "n": 3}, StubModel(), 8)
+
+
+def test_context_bounds():
+    with pytest.raises(ApiError, match="ask for at most 45") as e:
+        chat(max_tokens=46)
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    assert chat(max_tokens=45).params[0].max_tokens == 45
+    with pytest.raises(ApiError, match="65 tokens but the context holds 64"):
+        parse_completion({"model": "stub", "prompt": "x" * 65}, StubModel(), 8)
+
+
+@pytest.mark.parametrize("value,ok", [(3, True), (3.0, True), (True, False), ("3", False), (3.5, False), (0, False)])
+def test_integer_fields_are_strict(value, ok):
+    f = Fields({"max_tokens": value})
+    if ok:
+        assert f.integer("max_tokens", None, 1, 10) == 3
+    else:
+        with pytest.raises(ApiError, match="'max_tokens' must be an integer between 1 and 10") as e:
+            f.integer("max_tokens", None, 1, 10)
+        assert e.value.status == 400 and e.value.param == "max_tokens"
+
+
+def test_number_fields_reject_nan_and_bools():
+    for bad in (float("nan"), True, "1"):
+        with pytest.raises(ApiError):
+            Fields({"t": bad}).number("t", 1.0, 0, 2)
+
+
+def test_json_body_errors():
+    for raw, words in [(b"", "empty"), (b"{", "not valid JSON"), (b"[]", "JSON object"), (b"\xc3\x28", "UTF-8")]:
+        with pytest.raises(ApiError, match=words):
+            parse_json_object(raw)
+    assert parse_json_object(b' {"a": 1} ') == {"a": 1}
+
+
+def test_error_body_is_openai_shaped():
+    e = ApiError(429, "slow down", code="queue_full", headers={"Retry-After": "1"})
+    assert e.body() == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None,
+                                  "code": "queue_full"}}
+    assert e.response().headers["Retry-After"] == "1"
+
+
+def test_sse_framing():
+    assert event({"a": "é\n"}) == 'data: {"a":"é\\n"}\n\n'.encode()
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_exposition_format():
+    c = Counter("reqs_total", "Requests", ("endpoint", "status"))
+    c.inc(1, "/v1/x", "200")
+    c.inc(2, "/v1/x", "200")
+    c.inc(1, 'we"ird\\', "400")
+    assert c.render() == ["# HELP reqs_total Requests", "# TYPE reqs_total counter",
+                          'reqs_total{endpoint="/v1/x",status="200"} 3',
+                          'reqs_total{endpoint="we\\"ird\\\\",status="400"} 1']
+    g = Gauge("usage_ratio", "Usage")
+    g.set(0.25)
+    assert g.render()[-1] == "usage_ratio 0.25"
+    h = Histogram("lat_seconds", "Latency", (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 2.0):  # a value equal to a bound falls in that bucket (le is inclusive)
+        h.observe(v)
+    h.observe(0.5, times=2)
+    assert h.render()[2:] == ['lat_seconds_bucket{le="0.1"} 2', 'lat_seconds_bucket{le="1"} 5',
+                              'lat_seconds_bucket{le="+Inf"} 6', "lat_seconds_sum 3.65", "lat_seconds_count 6"]
+
+
+def test_admission_bound_is_exact_and_released_on_errors():
+    async def run():
+        a = Admission(capacity=2, max_queue=1, retry_after=3)
+        with a.admit(2):
+            with a.admit(1):
+                assert a.in_flight == 3 and a.queued == 1
+                with pytest.raises(ApiError) as e:
+                    with a.admit(1):
+                        pass
+                assert e.value.status == 429 and e.value.headers == {"Retry-After": "3"}
+        with pytest.raises(RuntimeError):
+            with a.admit(3):
+                raise RuntimeError("handler failed")
+        assert a.in_flight == 0 and await a.wait_idle(0.01)
+        with a.admit(1):
+            assert not await a.wait_idle(0.01)
+            a.draining = True
+            with pytest.raises(ApiError, match="shutting down") as e:
+                with a.admit(1):
+                    pass
+            assert e.value.status == 503
+    asyncio.run(run())

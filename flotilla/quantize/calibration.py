@@ -88,7 +88,9 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
     gen = torch.Generator(device=device).manual_seed(seed)
     banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)
     out = []
-    bar = tqdm(total=samples * seq_len, desc="calibration text", unit="tok", disable=not progress, leave=False)
+    prompt_len = min(seq_len, 1 if cfg.bos_token_id is None else 2)
+    bar = tqdm(total=samples * (seq_len - prompt_len), desc="calibration text", unit="tok", disable=not progress,
+               leave=False)
     for start in range(0, samples, GENERATION_BATCH):
         B = min(GENERATION_BATCH, samples - start)
         first = torch.randint(0, cfg.vocab_size, (B, 1), generator=gen, device=device)

@@ -42,7 +42,7 @@ class QuantizeOptions:
     block_size: int = 128  # GPTQ's lazy-update block
     calib_file: Path | None = None  # text or JSONL; None: text sampled from the model itself
     calib_samples: int = 128
-    calib_seq_len: int = 256
+    calib_seq_len: int = 128
     seed: int = 0
     shard_size: int = 2 * 10**9
     device: str = "cpu"

@@ -7,8 +7,9 @@
                     the calibration hidden states through the quantized layer, free it
     final norm (+ lm_head when untied) -> fp16; tokenizer and generation config; commit
 
-Peak memory is one layer's fp32 weights plus the calibration hidden states (plus, while sampling
-calibration text, the model in bf16), never the whole model in fp32.
+Peak memory is one layer's fp32 weights, the calibration hidden states and the shard being
+filled (at most --shard-size of quantized tensors), never the whole model in fp32; sampling
+calibration text from the model comes first and holds the model in bf16 (fp16 on CUDA) meanwhile.
 """
 from __future__ import annotations
 
@@ -70,16 +71,20 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16")
     damp_raised = 0
     with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
-        embed = source.get(EMBED).to(torch.float32)
+        embed = source.get(EMBED)  # in the source's dtype: no fp32 copy of the whole table
         writer.add_layer("embed", {EMBED: _fp16(EMBED, embed)})
         acts = None
         if tokens is not None:
-            acts = CalibrationActivations(F.embedding(tokens, embed).to(device), cfg)  # [N, L, hidden]
+            hidden = F.embedding(tokens, embed).to(device=device, dtype=torch.float32)  # [N, L, hidden]
+            acts = CalibrationActivations(hidden, cfg)
         del embed
         bar = tqdm(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)
-            result = quantize_layer(layer, options, acts)
+            try:
+                result = quantize_layer(layer, options, acts)
+            except ValueError as e:  # degenerate weights or calibration data
+                raise FlotillaError(f"{src}: layer {i}: {e}") from None
             damp_raised += result.damp_raised
             if on_layer is not None:
                 on_layer(i, layer, result)
@@ -157,7 +162,7 @@ def _head_tensors(source, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def _fp16(name: str, t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point() and bool((t.abs() > FP16_MAX).any()):
+    if t.dtype != torch.float16 and t.numel() and max(-float(t.min()), float(t.max())) > FP16_MAX:
         raise FlotillaError(f"tensor {name!r} has values beyond fp16's range; it cannot be stored in fp16")
     return t.to(torch.float16)
 

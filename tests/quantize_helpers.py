@@ -62,7 +62,7 @@ def quantize_cli(*args, **kw) -> subprocess.CompletedProcess:
 
 # ------------------------------------------------------------------ an independent safetensors reader
 
-_DTYPES = {"I32": np.int32, "F16": np.float16, "F32": np.float32, "BF16": None}
+_DTYPES = {"I32": np.int32, "F16": np.float16, "F32": np.float32, "BF16": np.uint16}  # bf16 as raw bits
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ from flotilla.models.sources import open_source
 from flotilla.models.weights import load_stage
 from flotilla.quantize import QuantizeOptions, quantize_model
 
-from quantize_helpers import decode_gptq, read_checkpoint, tiny_model_dir
+from quantize_helpers import decode_gptq, read_checkpoint, read_safetensors, tiny_model_dir
 
 CALIB = dict(calib_samples=4, calib_seq_len=32)
 MATRIX = list(itertools.product((4, 8), (True, False), (32, 128, -1), (False, True)))
@@ -115,3 +115,25 @@ def test_checkpoint_layout(tiny_src, tmp_path):
     assert raw["model.layers.0.self_attn.q_proj.qweight"].shape == (128 * 4 // 32, 128)
     assert raw["model.layers.0.self_attn.k_proj.qzeros"].shape == (1, 64 * 4 // 32)
     assert report.out_bytes == sum(s["size"] for s in shards)
+
+
+def test_concat_safetensors_joins_files_without_loading(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from flotilla.models.safetensors_stream import concat_safetensors
+
+    parts = [{"a.odd": torch.arange(3, dtype=torch.float16), "a.int": torch.arange(6, dtype=torch.int32).view(2, 3)},
+             {"b.f32": torch.randn(5), "b.empty": torch.zeros(0, 4, dtype=torch.int32)},
+             {"c.bf16": torch.randn(7, dtype=torch.bfloat16)}]
+    files = []
+    for i, tensors in enumerate(parts):
+        files.append(tmp_path / f"p{i}.safetensors")
+        save_file(tensors, str(files[-1]))
+    names = concat_safetensors(files, tmp_path / "joined.safetensors")
+    joined = load_file(str(tmp_path / "joined.safetensors"))  # safetensors validates offsets and sizes
+    expected = {k: v for p in parts for k, v in p.items()}
+    assert sorted(names) == sorted(expected) and set(joined) == set(expected)
+    for name, t in expected.items():
+        assert joined[name].dtype == t.dtype and torch.equal(joined[name], t), name
+    raw = read_safetensors(tmp_path / "joined.safetensors")
+    assert np.array_equal(raw["a.int"], parts[0]["a.int"].numpy())

@@ -36,7 +36,10 @@ def test_symmetric_grid(bits):
     scale, zero = find_params(w, GridSpec(bits, sym=True))
     assert torch.equal(zero, torch.full((16,), 2.0 ** (bits - 1)))
     assert torch.equal(scale, scale.half().float())  # exact fp16 values
-    torch.testing.assert_close(scale, (2 * w.abs().amax(1) / (2**bits - 1)).half().float())
+    half = 2 ** (bits - 1)
+    torch.testing.assert_close(scale, torch.maximum(-w.amin(1) / half, w.amax(1) / (half - 1)).half().float())
+    q = rtn_quantize(w, GridSpec(bits, sym=True), 32)
+    assert torch.all((q.dequantize() - w).abs() <= q.scales[0][:, None] * 0.501)  # both ends reached, none clipped
 
 
 @pytest.mark.parametrize("bits", [4, 8])

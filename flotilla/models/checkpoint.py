@@ -31,6 +31,7 @@ from flotilla.errors import FlotillaError
 from flotilla.kernels.gptq import GPTQWeight
 
 from .config import ModelConfig
+from .safetensors_stream import concat_safetensors
 
 FORMAT_NAME = "flotilla"
 FORMAT_VERSION = 1
@@ -169,7 +170,7 @@ class CheckpointWriter:
             self.tmp.mkdir()
         except OSError as e:
             raise FlotillaError(f"{self.out.parent}: cannot create the output there ({e.strerror})") from None
-        self._pending: dict[str, torch.Tensor] = {}
+        self._parts: list[Path] = []  # layers spilled to disk, waiting for their shard to be cut
         self._pending_layers: list[str] = []
         self._pending_bytes = 0
         self._written: list[tuple[str, list[str], list[str]]] = []  # (temp file, layers, tensor names)
@@ -215,23 +216,29 @@ class CheckpointWriter:
                 pass
 
     def add_layer(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Add every tensor of one layer; layers are never split across shards."""
+        """Add every tensor of one layer; layers are never split across shards. The layer goes to
+        disk at once (a part file), so memory holds one layer whatever the shard size."""
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self._pending and self._pending_bytes + size > self.shard_size:
+        if self._parts and self._pending_bytes + size > self.shard_size:
             self._flush()
-        for name, t in tensors.items():
-            self._pending[name] = t.detach().to("cpu").contiguous()
+        part = self.tmp / f"part-{len(self._written):05d}-{len(self._parts):05d}.safetensors"
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, str(part),
+                  metadata={"format": "pt"})
+        self._parts.append(part)
         self._pending_layers.append(key)
         self._pending_bytes += size
 
     def _flush(self) -> None:
-        if not self._pending:
+        """Cut a shard: join the spilled layers into one file."""
+        if not self._parts:
             return
         temp = f"shard-{len(self._written):05d}.safetensors"
-        save_file(self._pending, str(self.tmp / temp), metadata={"format": "pt"})
-        os.chmod(self.tmp / temp, _FILE_MODE)  # safetensors creates 0600; shards are as readable as the rest
-        self._written.append((temp, self._pending_layers, list(self._pending)))
-        self._pending, self._pending_layers, self._pending_bytes = {}, [], 0
+        names = concat_safetensors(self._parts, self.tmp / temp)
+        os.chmod(self.tmp / temp, _FILE_MODE)
+        for part in self._parts:
+            part.unlink()
+        self._written.append((temp, self._pending_layers, names))
+        self._parts, self._pending_layers, self._pending_bytes = [], [], 0
 
     def copy_files(self, src: Path, names=TOKENIZER_FILES) -> None:
         for name in names:

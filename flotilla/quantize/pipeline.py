@@ -92,6 +92,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             if acts is not None and i + 1 < cfg.num_hidden_layers:
                 acts.advance(layer)
             del layer, result
+            source.release()
         writer.add_layer("head", _head_tensors(source, cfg))
         _write_tokenizer(writer, src, tokenizer, cfg)
         writer.commit()

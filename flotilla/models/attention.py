@@ -1,7 +1,9 @@
-"""Cache-free causal attention over equal-length sequences.
+"""Attention backends for equal-length batches, used outside the runtime's engine.
 
-Used where there is no KV cache: checking logits against transformers and running calibration
-batches through layers in `quantize`. The runtime's cached backends live in `flotilla.runtime`.
+`DenseCausalAttention` is cache-free: checking logits against transformers, running calibration
+batches through layers in `quantize`, perplexity windows. `LockstepKVCache` is the smallest cache
+that lets `quantize` sample calibration text from a model, many sequences at once. The runtime's
+paged backends live in `flotilla.runtime`.
 """
 from __future__ import annotations
 
@@ -23,3 +25,40 @@ class DenseCausalAttention:
         vb = v.view(B, L, v.shape[1], D).transpose(1, 2)
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=Hq != kb.shape[1])
         return out.transpose(1, 2).reshape(B * L, Hq, D)  # [T, Hq, D]
+
+
+class LockstepKVCache:
+    """A KV cache for `batch` sequences that all advance together (equal lengths, all starting
+    at position 0), as in batched sampling of calibration text.
+
+    Each step feeds `n` new tokens per sequence, flattened sequence-major ([B * n] tokens);
+    after the model call, `advance(n)` commits them. Storage: per layer k and v [B, max_len, Hkv, D].
+    """
+
+    def __init__(self, layers, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        self.batch, self.max_len = batch, max_len
+        self.length = 0  # tokens per sequence stored before the current step
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, start = self.batch, self.length
+        n = q.shape[0] // B
+        end = start + n
+        if end > self.max_len:
+            raise ValueError(f"lockstep cache holds {self.max_len} tokens per sequence; step would reach {end}")
+        self.k[layer][:, start:end] = k.view(B, n, *k.shape[1:])
+        self.v[layer][:, start:end] = v.view(B, n, *v.shape[1:])
+        keys = self.k[layer][:, :end].transpose(1, 2)  # [B, Hkv, S, D]
+        vals = self.v[layer][:, :end].transpose(1, 2)
+        qb = q.view(B, n, *q.shape[1:]).transpose(1, 2)  # [B, Hq, n, D]
+        mask = None
+        if n > 1:  # query i of the step sees keys up to start + i
+            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, enable_gqa=qb.shape[1] != keys.shape[1])
+        return out.transpose(1, 2).reshape(B * n, *q.shape[1:])  # [T, Hq, D]

@@ -28,8 +28,10 @@ import torch
 from safetensors.torch import save_file
 
 from flotilla.errors import FlotillaError
+from flotilla.kernels.gptq import GPTQWeight
 
 from .config import ModelConfig
+from .safetensors_stream import concat_safetensors
 
 FORMAT_NAME = "flotilla"
 FORMAT_VERSION = 1
@@ -57,6 +59,17 @@ def layer_key(name: str) -> str:
 
 def shard_file_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+def gptq_tensors(prefix: str, w: GPTQWeight, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized linear, named as GPTQ checkpoints name them:
+    `prefix` is the projection (`model.layers.0.self_attn.q_proj`), never a merged linear."""
+    tensors = {f"{prefix}.qweight": w.qweight, f"{prefix}.qzeros": w.qzeros,
+               f"{prefix}.scales": w.scales.to(torch.float16),
+               f"{prefix}.g_idx": w.g_idx.to(torch.int32).clone()}  # own storage: merged projections share one
+    if bias is not None:
+        tensors[f"{prefix}.bias"] = bias.to(torch.float16)
+    return tensors
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -146,29 +159,44 @@ class CheckpointWriter:
     """
 
     def __init__(self, out: str | Path, config: ModelConfig, shard_size: int = 2 << 30, force: bool = False):
-        self.out = Path(out).absolute()
+        self.out = self.check_target(out, force)
         self.config = config
         self.shard_size = shard_size
-        if self.out.exists() and not force:
-            raise FlotillaError(f"{self.out}: already exists; pass --force to replace it")
-        if self.out.exists() and not self.out.is_dir():
-            raise FlotillaError(f"{self.out}: exists and is not a directory")
-        parent = self.out.parent
-        if not parent.is_dir():
-            raise FlotillaError(f"{parent}: output's parent directory does not exist")
-        if not os.access(parent, os.W_OK):
-            raise FlotillaError(f"{parent}: not writable")
         self._remove_stale_temps()
-        self.tmp = parent / f".{self.out.name}.tmp-{os.getpid()}"
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
-        self._pending: dict[str, torch.Tensor] = {}
+        try:
+            self.tmp.mkdir()
+        except OSError as e:
+            raise FlotillaError(f"{self.out.parent}: cannot create the output there ({e.strerror})") from None
+        self._parts: list[Path] = []  # layers spilled to disk, waiting for their shard to be cut
         self._pending_layers: list[str] = []
         self._pending_bytes = 0
         self._written: list[tuple[str, list[str], list[str]]] = []  # (temp file, layers, tensor names)
         self._committed = False
         self.total_bytes = 0
+
+    @staticmethod
+    def check_target(out: str | Path, force: bool = False) -> Path:
+        """Raise unless a checkpoint can be written at `out`; checks by creating (and removing) an
+        empty probe directory next to it, since permission bits do not tell the whole story
+        (root, read-only mounts). Returns the absolute path."""
+        out = Path(out).expanduser().absolute()
+        if out.exists() and not force:
+            raise FlotillaError(f"{out}: already exists; pass --force to replace it")
+        if out.exists() and not out.is_dir():
+            raise FlotillaError(f"{out}: exists and is not a directory")
+        parent = out.parent
+        if not parent.is_dir():
+            raise FlotillaError(f"{parent}: the output's parent directory does not exist")
+        probe = parent / f".{out.name}.probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError as e:
+            raise FlotillaError(f"{parent}: not writable, cannot create the output there ({e.strerror})") from None
+        return out
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -188,27 +216,39 @@ class CheckpointWriter:
                 pass
 
     def add_layer(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Add every tensor of one layer; layers are never split across shards."""
+        """Add every tensor of one layer; layers are never split across shards. The layer goes to
+        disk at once (a part file), so memory holds one layer whatever the shard size."""
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self._pending and self._pending_bytes + size > self.shard_size:
+        if self._parts and self._pending_bytes + size > self.shard_size:
             self._flush()
-        for name, t in tensors.items():
-            self._pending[name] = t.detach().to("cpu").contiguous()
+        part = self.tmp / f"part-{len(self._written):05d}-{len(self._parts):05d}.safetensors"
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, str(part),
+                  metadata={"format": "pt"})
+        self._parts.append(part)
         self._pending_layers.append(key)
         self._pending_bytes += size
 
     def _flush(self) -> None:
-        if not self._pending:
+        """Cut a shard: join the spilled layers into one file."""
+        if not self._parts:
             return
         temp = f"shard-{len(self._written):05d}.safetensors"
-        save_file(self._pending, str(self.tmp / temp), metadata={"format": "pt"})
-        self._written.append((temp, self._pending_layers, list(self._pending)))
-        self._pending, self._pending_layers, self._pending_bytes = {}, [], 0
+        names = concat_safetensors(self._parts, self.tmp / temp)
+        os.chmod(self.tmp / temp, _FILE_MODE)
+        for part in self._parts:
+            part.unlink()
+        self._written.append((temp, self._pending_layers, names))
+        self._parts, self._pending_layers, self._pending_bytes = [], [], 0
 
     def copy_files(self, src: Path, names=TOKENIZER_FILES) -> None:
         for name in names:
             if (src / name).is_file():
                 shutil.copyfile(src / name, self.tmp / name)
+
+    def save_tokenizer(self, tokenizer) -> None:
+        """Write a flotilla.models.tokenizer.Tokenizer's files (tokenizer.json, its config and
+        chat template) into the checkpoint."""
+        tokenizer.save(self.tmp)
 
     def write_file(self, name: str, data: bytes | str) -> None:
         (self.tmp / name).write_bytes(data.encode() if isinstance(data, str) else data)
@@ -246,6 +286,15 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_FILE_MODE = _umask_mode()
 
 
 def _fsync_path(path: Path) -> None:

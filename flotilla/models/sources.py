@@ -7,6 +7,7 @@ checkpoints (`model.layers.3.self_attn.q_proj.weight`, or `...q_proj.qweight` fo
     source.names()           every tensor name
     source.get(name)         one tensor (read on demand; only its shard file is opened)
     source.opened_files      the files opened so far (tests use it)
+    source.release()         close open files between reads of a streaming reader
 
 Loading a layer range asks only for that range's names, so only the shards holding them are
 opened, and for flotilla checkpoints only those are verified.
@@ -34,6 +35,7 @@ class SafetensorsSource:
         self.config = ModelConfig.from_hf_dir(self.path)
         self.manifest = Manifest.read(self.path) if is_checkpoint(self.path) else None
         self._handles: dict[str, object] = {}
+        self._verified: set[str] = set()
         self.opened_files: list[str] = []
         self._weight_map = self._read_weight_map()
 
@@ -60,8 +62,9 @@ class SafetensorsSource:
             from safetensors import safe_open
 
             path = self.path / file
-            if self.manifest is not None:
+            if self.manifest is not None and file not in self._verified:
                 self.manifest.verify(self.path, file)
+                self._verified.add(file)
             if not path.is_file():
                 raise FlotillaError(f"{path}: shard listed in the index is missing")
             try:
@@ -69,8 +72,14 @@ class SafetensorsSource:
             except Exception as e:  # safetensors raises its own error type for bad headers
                 raise FlotillaError(f"{path}: not a readable safetensors file ({e})") from None
             self._handles[file] = handle
-            self.opened_files.append(file)
+            if file not in self.opened_files:
+                self.opened_files.append(file)
         return handle
+
+    def release(self) -> None:
+        """Close the open files (unmapping them); later reads reopen them. A streaming reader
+        calls this between layers so the pages it has read do not pile up in its memory."""
+        self._handles.clear()
 
     def names(self) -> list[str]:
         return list(self._weight_map)
@@ -220,6 +229,9 @@ class GGUFSource:
 
     def names(self) -> list[str]:
         return [n for n in self._tensors if n != "rope_freqs.weight"]
+
+    def release(self) -> None:
+        """Nothing to close: the GGUF reader maps the (already compact) file once."""
 
     def _dequant(self, t) -> np.ndarray:
         import gguf

@@ -12,7 +12,7 @@ from flotilla.kernels.gptq import default_g_idx
 
 from .config import ModelConfig
 from .linear import Linear, QuantLinear
-from .llama import CausalLM, RMSNorm, Stage
+from .llama import CausalLM, DecoderLayer, RMSNorm, Stage
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -28,16 +28,20 @@ class LoadItem:
     shard: int = -1  # >= 0 for a (merged) linear's output slice
 
 
+def _linear_items(root: nn.Module, name: str, mod: nn.Module, prefix: str = "") -> list[LoadItem]:
+    """The checkpoint tensors of the (possibly merged) linear `name` of `root`."""
+    parent_name, leaf = name.rsplit(".", 1)
+    merged = getattr(root.get_submodule(parent_name), "MERGED", {}).get(leaf, (leaf,))
+    return [LoadItem(f"{prefix}{parent_name}.{proj}.{suffix}", mod, suffix, shard)
+            for shard, proj in enumerate(merged) for suffix in mod.tensor_suffixes()]
+
+
 def load_plan(model: CausalLM) -> list[LoadItem]:
     """Every checkpoint tensor this stage needs, with its destination."""
     cfg, plan = model.config, []
     for name, mod in model.named_modules():
         if isinstance(mod, (Linear, QuantLinear)):
-            parent_name, leaf = name.rsplit(".", 1)
-            merged = getattr(model.get_submodule(parent_name), "MERGED", {}).get(leaf, (leaf,))
-            for shard, proj in enumerate(merged):
-                for suffix in mod.tensor_suffixes():
-                    plan.append(LoadItem(f"{parent_name}.{proj}.{suffix}", mod, suffix, shard))
+            plan.extend(_linear_items(model, name, mod))
         elif name == "lm_head":
             if cfg.tie_word_embeddings and model.stage.is_first:
                 continue  # the same Parameter as the embedding
@@ -47,24 +51,75 @@ def load_plan(model: CausalLM) -> list[LoadItem]:
     return plan
 
 
+def layer_prefix(index: int) -> str:
+    return f"model.layers.{index}."
+
+
+def layer_plan(layer: DecoderLayer, index: int) -> list[LoadItem]:
+    """Every checkpoint tensor of decoder layer `index`, with its destination in `layer`."""
+    prefix, plan = layer_prefix(index), []
+    for name, mod in layer.named_modules():
+        if isinstance(mod, (Linear, QuantLinear)):
+            plan.extend(_linear_items(layer, name, mod, prefix))
+        elif isinstance(mod, RMSNorm):
+            plan.append(LoadItem(f"{prefix}{name}.weight", mod, "weight"))
+    return plan
+
+
+def required_tensor_names(config: ModelConfig) -> list[str]:
+    """The names a source must hold for the whole model described by `config`."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    return [item.source_name for item in load_plan(model)]
+
+
+def _materialize(module: nn.Module, device, dtype: torch.dtype) -> None:
+    """Give a meta-built module uninitialised storage on `device`, floating parameters in `dtype`
+    (cast on meta first, so no full-size fp32 copy is ever allocated)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    module.to_empty(device=device)
+
+
 def build_stage(config: ModelConfig, stage: Stage | None, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
     """An uninitialised stage on `device` (no random init: tensors are filled by the loader)."""
     with torch.device("meta"):
         model = CausalLM(config, stage)
-    model.to_empty(device=device)
+    _materialize(model, device, dtype)
     model.tie_weights()
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
     return model.eval().requires_grad_(False)
+
+
+def build_layer(config: ModelConfig, index: int, device: torch.device | str, dtype: torch.dtype) -> DecoderLayer:
+    """One uninitialised decoder layer on `device`."""
+    with torch.device("meta"):
+        layer = DecoderLayer(config, index)
+    _materialize(layer, device, dtype)
+    return layer.eval().requires_grad_(False)
 
 
 def load_stage(source, stage: Stage | None = None, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, progress: bool = False) -> CausalLM:
     """Load the layers of `stage` (default: all) from `source`; only their tensors are read."""
     model = build_stage(source.config, stage, device, dtype)
+    _fill(source, load_plan(model), progress)
+    model.build_rope()
+    _prepare_quant(model, dtype)
+    return model
+
+
+def load_layer(source, index: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DecoderLayer:
+    """Load decoder layer `index` alone (only its tensors are read). The caller supplies rope and
+    attention when running it, as CausalLM does."""
+    layer = build_layer(source.config, index, device, dtype)
+    _fill(source, layer_plan(layer, index))
+    _prepare_quant(layer, dtype)
+    return layer
+
+
+def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
     available = set(source.names())
-    plan = load_plan(model)
     with torch.no_grad():
         for item in tqdm(plan, desc="loading", unit="tensor", disable=not progress, leave=False):
             if item.source_name not in available:
@@ -83,8 +138,9 @@ def load_stage(source, stage: Stage | None = None, device: torch.device | str = 
                     target.copy_(value.to(target.dtype))
             except FlotillaError as e:
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r}: {e}") from None
-    model.build_rope()
-    for mod in model.modules():
+
+
+def _prepare_quant(module: nn.Module, dtype: torch.dtype) -> None:
+    for mod in module.modules():
         if isinstance(mod, QuantLinear):
             mod.prepare(dtype)
-    return model

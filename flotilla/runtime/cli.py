@@ -12,6 +12,7 @@ from typing import Callable
 
 from flotilla.errors import FlotillaError
 
+from . import eval_ppl
 from .sampling import SamplingParams
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -141,6 +142,7 @@ def _chat(args: argparse.Namespace) -> int:
 COMMANDS: list[Command] = [
     ("generate", "generate text from a prompt, streamed to stdout", _generate_args, _generate),
     ("chat", "an interactive chat in the terminal through the model's chat template", _chat_args, _chat),
+    ("eval-ppl", "perplexity of a model over a text file (sliding window)", eval_ppl.add_args, eval_ppl.run),
 ]
 
 

@@ -1,0 +1,127 @@
+"""Calibration token sequences: read from a text/JSONL file, or sampled from the model itself.
+
+Both give a LongTensor [samples, seq_len]: equal lengths, so every batch runs through a layer as
+one dense causal-attention call.
+
+Self-generated calibration needs no dataset: each sequence starts from BOS and one uniformly
+random token, then the model samples (temperature 1, top-p 0.95, seeded, end-of-sequence banned
+so every sequence reaches seq_len). The whole model is loaded for this, in bf16 on CPU (fp16 on
+CUDA) to halve its memory, and freed before quantization begins.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flotilla.errors import FlotillaError
+from flotilla.models.attention import LockstepKVCache
+from flotilla.models.weights import load_stage
+
+TOP_P = 0.95
+GENERATION_BATCH = 32
+
+
+def read_texts(path: Path) -> list[str]:
+    """The documents of a calibration file: JSONL (one object with a "text" field a line) when
+    the name ends in .jsonl/.json, else the whole file as one text."""
+    if not path.is_file():
+        raise FlotillaError(f"--calib {path}: no such file")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FlotillaError(f"--calib {path}: not UTF-8 text ({e})") from None
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        texts = [content] if content.strip() else []
+    else:
+        texts = []
+        for n, line in enumerate(content.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FlotillaError(f"--calib {path}, line {n}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise FlotillaError(f"--calib {path}, line {n}: expected an object with a string \"text\" field")
+            if record["text"].strip():
+                texts.append(record["text"])
+    if not texts:
+        raise FlotillaError(f"--calib {path}: the calibration file holds no text")
+    return texts
+
+
+def tokens_from_file(path: Path, tokenizer, vocab_size: int, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Tokenize the documents, join them (separated by EOS), cut into windows of seq_len and pick
+    `samples` of them at random (seeded). A text shorter than seq_len gives one shorter window."""
+    if tokenizer is None:
+        raise FlotillaError(f"--calib {path}: the source model has no tokenizer to read text with")
+    sep = list(tokenizer.eos_token_ids[:1])
+    ids: list[int] = []
+    for text in read_texts(path):
+        ids.extend(tokenizer.encode(text))
+        ids.extend(sep)
+    ids = ids[:-1] if sep else ids
+    if len(ids) < 2:
+        raise FlotillaError(f"--calib {path}: too little text ({len(ids)} token); need at least 2")
+    if max(ids) >= vocab_size:
+        raise FlotillaError(f"--calib {path}: the tokenizer produced id {max(ids)} outside the model's vocabulary "
+                            f"of {vocab_size}")
+    length = min(seq_len, len(ids))
+    windows = torch.tensor(ids[: len(ids) // length * length]).view(-1, length)  # [W, length]
+    if windows.shape[0] > samples:
+        pick = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(seed))[:samples]
+        windows = windows[pick.sort().values]
+    return windows
+
+
+@torch.inference_mode()
+def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch.device,
+                    progress: bool = True) -> torch.Tensor:
+    """Sample `samples` sequences of `seq_len` tokens from the model of `source`."""
+    cfg = source.config
+    dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
+    model = load_stage(source, device=device, dtype=dtype)
+    model.build_rope(seq_len)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)
+    out = []
+    prompt_len = min(seq_len, 1 if cfg.bos_token_id is None else 2)
+    bar = tqdm(total=samples * (seq_len - prompt_len), desc="calibration text", unit="tok", disable=not progress,
+               leave=False)
+    for start in range(0, samples, GENERATION_BATCH):
+        B = min(GENERATION_BATCH, samples - start)
+        first = torch.randint(0, cfg.vocab_size, (B, 1), generator=gen, device=device)
+        prompt = first if cfg.bos_token_id is None else torch.cat(
+            [torch.full((B, 1), cfg.bos_token_id, device=device), first], dim=1)
+        seqs = torch.empty(B, seq_len, dtype=torch.long, device=device)
+        n = min(prompt.shape[1], seq_len)
+        seqs[:, :n] = prompt[:, :n]
+        cache = LockstepKVCache(model.stage.layers, B, seq_len, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        step = seqs[:, :n]  # [B, n] tokens fed this step
+        while n < seq_len:
+            positions = torch.arange(cache.length, cache.length + step.shape[1], device=device).repeat(B)
+            hidden = model(step.reshape(-1), positions, cache)  # [B * n, hidden]
+            cache.advance(step.shape[1])
+            last = hidden.view(B, step.shape[1], -1)[:, -1]  # [B, hidden]
+            logits = model.compute_logits(last)  # fp32 [B, vocab]
+            logits[:, banned] = float("-inf")
+            seqs[:, n] = _sample_top_p(logits, gen)
+            step = seqs[:, n:n + 1]
+            n += 1
+            bar.update(B)
+        out.append(seqs.cpu())
+    bar.close()
+    del model
+    return torch.cat(out)
+
+
+def _sample_top_p(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits) restricted to the top-p nucleus."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > TOP_P, 0.0)
+    choice = torch.multinomial(sorted_p, 1, generator=gen)  # [B, 1] index into the sorted order
+    return idx.gather(-1, choice).squeeze(-1)

@@ -1,0 +1,88 @@
+"""The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
+
+    quantize SRC -o OUT [--bits 4|8] [--group-size 32|64|128|-1] [--method gptq|rtn] [--sym|--asym]
+             [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
+             [--device cpu|cuda] [--force]
+
+User mistakes print one line (`error: ...`) and exit 2, with nothing written.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from flotilla.errors import FlotillaError
+
+from .options import QuantizeOptions, parse_size
+
+_DEFAULTS = QuantizeOptions()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit 2 like every other user mistake."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see 'quantize --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="quantize", description="Quantize a model to INT4/INT8 (GPTQ or RTN) into a sharded "
+                "GPTQ-layout checkpoint that flotilla, vLLM and transformers load.")
+    p.add_argument("src", help="a Hugging Face model directory or a .gguf file")
+    p.add_argument("-o", "--out", required=True, help="the checkpoint directory to create")
+    p.add_argument("--bits", type=int, default=_DEFAULTS.bits, help="4 or 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=_DEFAULTS.group_size,
+                   help="32, 64, 128, or -1 for one group per output channel (default 128)")
+    p.add_argument("--method", default=_DEFAULTS.method, help="gptq or rtn (default gptq)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
+                     help="symmetric grid, zero point 2^(bits-1) (default)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid, a zero point per group")
+    p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
+                   "energy (recorded in g_idx)")
+    p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent,
+                   help="GPTQ damping as a fraction of the Hessian's mean diagonal (default 0.01; raised "
+                        "automatically when needed)")
+    p.add_argument("--calib", type=Path, default=None, metavar="FILE",
+                   help="calibration text: a text file, or JSONL with a \"text\" field "
+                        "(default: text sampled from the model itself)")
+    p.add_argument("--calib-samples", type=int, default=_DEFAULTS.calib_samples,
+                   help=f"calibration sequences (default {_DEFAULTS.calib_samples})")
+    p.add_argument("--calib-seq-len", type=int, default=_DEFAULTS.calib_seq_len,
+                   help=f"tokens per calibration sequence (default {_DEFAULTS.calib_seq_len})")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of calibration sampling (default 0)")
+    p.add_argument("--shard-size", default="2GB", help="largest shard, cut on layer boundaries (default 2GB)")
+    p.add_argument("--device", default=_DEFAULTS.device, help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
+    return QuantizeOptions(bits=args.bits, group_size=args.group_size, method=args.method, sym=args.sym,
+                           act_order=args.act_order, damp_percent=args.damp_percent, calib_file=args.calib,
+                           calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
+                           shard_size=parse_size(args.shard_size), device=args.device, force=args.force)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        from .pipeline import quantize_model
+
+        report = quantize_model(args.src, args.out, options_from_args(args), progress=not args.quiet)
+    except FlotillaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print("\n".join(report.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""What one `quantize` run is asked to do, validated once at the door."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.errors import FlotillaError
+
+METHODS = ("gptq", "rtn")
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128, -1)
+DEVICES = ("cpu", "cuda")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '4096' -> 4096 (bytes)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise FlotillaError(f"--shard-size {text!r} is not a size; expected a number with an optional unit "
+                            "such as 2GB, 500MB or 1GiB")
+    unit = (m.group(2) or "").lower()
+    unit = unit[:-1] if unit.endswith("b") and unit != "b" else unit
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise FlotillaError(f"--shard-size {text!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    bits: int = 4
+    group_size: int = 128  # -1: one group per output channel (per-channel)
+    method: str = "gptq"
+    sym: bool = True
+    act_order: bool = False
+    damp_percent: float = 0.01  # of the Hessian's mean diagonal; raised if Cholesky fails
+    block_size: int = 128  # GPTQ's lazy-update block
+    calib_file: Path | None = None  # text or JSONL; None: text sampled from the model itself
+    calib_samples: int = 128
+    calib_seq_len: int = 128
+    seed: int = 0
+    shard_size: int = 2 * 10**9
+    device: str = "cpu"
+    force: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.bits in BITS, f"--bits {self.bits} is not supported; choose one of {', '.join(map(str, BITS))}"),
+            (self.group_size in GROUP_SIZES,
+             f"--group-size {self.group_size} is not supported; choose one of {', '.join(map(str, GROUP_SIZES))}"),
+            (self.method in METHODS, f"--method {self.method!r} is not a method; choose one of {', '.join(METHODS)}"),
+            (self.method == "gptq" or not self.act_order, "--act-order needs --method gptq (RTN sees no activations)"),
+            (0 < self.damp_percent < 1, f"--damp-percent {self.damp_percent} must be in (0, 1)"),
+            (self.calib_samples >= 1, f"--calib-samples {self.calib_samples} must be at least 1"),
+            (self.calib_seq_len >= 2, f"--calib-seq-len {self.calib_seq_len} must be at least 2"),
+            (self.shard_size > 0, f"--shard-size {self.shard_size} must be positive"),
+            (self.device.split(":")[0] in DEVICES, f"--device {self.device!r} is not a device; choose cpu or cuda"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise FlotillaError(message)
+        if self.group_size != -1 and self.block_size % self.group_size:
+            raise FlotillaError(f"GPTQ block size {self.block_size} must be a multiple of the group size {self.group_size}")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method == "gptq"
+
+    @property
+    def label(self) -> str:
+        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        extra = " act-order" if self.act_order else ""
+        return f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{extra}"

@@ -1,0 +1,179 @@
+"""Quantize a model into a flotilla/GPTQ checkpoint, one decoder layer at a time.
+
+    check the source and the options (nothing is written before all checks pass)
+    calibration tokens (GPTQ only): from --calib, or sampled from the model itself
+    embeddings -> fp16 into the checkpoint; hidden states = embed(tokens), fp32
+    for each layer: load it alone in fp32, quantize its linears (true-sequential), write it, run
+                    the calibration hidden states through the quantized layer, free it
+    final norm (+ lm_head when untied) -> fp16; tokenizer and generation config; commit
+
+Peak memory is one layer's fp32 weights, the calibration hidden states and the shard being
+filled (at most --shard-size of quantized tensors), never the whole model in fp32; sampling
+calibration text from the model comes first and holds the model in bf16 (fp16 on CUDA) meanwhile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from flotilla.errors import FlotillaError
+from flotilla.models.checkpoint import CheckpointWriter, TOKENIZER_FILES
+from flotilla.models.config import ModelConfig, QuantConfig
+from flotilla.models.llama import CausalLM, DecoderLayer
+from flotilla.models.sources import open_source
+from flotilla.models.tokenizer import load_tokenizer
+from flotilla.models.weights import EMBED, HEAD, load_layer, required_tensor_names
+
+from .activations import CalibrationActivations
+from .calibration import generate_tokens, tokens_from_file
+from .layer import LayerResult, layer_tensors, quantize_layer
+from .options import GROUP_SIZES, QuantizeOptions
+from .report import QuantizeReport, peak_gpu_bytes, peak_rss_bytes, source_bytes
+
+NORM = "model.norm.weight"
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, progress: bool = True,
+                   on_layer: Callable[[int, DecoderLayer, LayerResult], None] | None = None) -> QuantizeReport:
+    """Quantize `src` into a checkpoint at `out`. `on_layer(index, layer, result)` is called after
+    each layer is quantized (tests use it to see the in-memory result)."""
+    start = time.perf_counter()
+    src = Path(src).expanduser()
+    source = open_source(src)
+    cfg = source.config
+    check_model(cfg, options, str(src))
+    check_tensors(source, cfg)
+    out = CheckpointWriter.check_target(out, options.force)
+    device = resolve_device(options.device)
+    tokenizer = _try_tokenizer(src, cfg)
+
+    tokens, calib_from = None, "none"
+    if options.needs_calibration:
+        if options.calib_file is not None:
+            tokens = tokens_from_file(Path(options.calib_file), tokenizer, cfg.vocab_size, options.calib_samples,
+                                      options.calib_seq_len, options.seed)
+            calib_from = str(options.calib_file)
+        else:
+            tokens = generate_tokens(source, options.calib_samples, options.calib_seq_len, options.seed, device,
+                                     progress)
+            calib_from = "model-generated"
+
+    quant = QuantConfig(bits=options.bits, group_size=options.group_size, sym=options.sym,
+                        desc_act=options.act_order, damp_percent=options.damp_percent, method=options.method)
+    out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16")
+    damp_raised = 0
+    with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
+        embed = source.get(EMBED)  # in the source's dtype: no fp32 copy of the whole table
+        writer.add_layer("embed", {EMBED: _fp16(EMBED, embed)})
+        acts = None
+        if tokens is not None:
+            hidden = F.embedding(tokens, embed).to(device=device, dtype=torch.float32)  # [N, L, hidden]
+            acts = CalibrationActivations(hidden, cfg)
+        del embed
+        bar = tqdm(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
+        for i in bar:
+            layer = load_layer(source, i, device, torch.float32)
+            try:
+                result = quantize_layer(layer, options, acts)
+            except ValueError as e:  # degenerate weights or calibration data
+                raise FlotillaError(f"{src}: layer {i}: {e}") from None
+            damp_raised += result.damp_raised
+            if on_layer is not None:
+                on_layer(i, layer, result)
+            writer.add_layer(str(i), layer_tensors(layer, i, result.weights))
+            if acts is not None and i + 1 < cfg.num_hidden_layers:
+                acts.advance(layer)
+            del layer, result
+            source.release()
+        writer.add_layer("head", _head_tensors(source, cfg))
+        _write_tokenizer(writer, src, tokenizer, cfg)
+        writer.commit()
+    return QuantizeReport(
+        out=out, label=options.label, parameters=parameter_count(cfg), source_bytes=source_bytes(src),
+        out_bytes=writer.total_bytes, shards=len(list(out.glob("model-*.safetensors"))),
+        seconds=time.perf_counter() - start, peak_rss=peak_rss_bytes(), peak_gpu=peak_gpu_bytes(device),
+        calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised)
+
+
+def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:
+    """Raise unless every linear of the model can be quantized with these options."""
+    if cfg.quant is not None:
+        raise FlotillaError(f"{where}: already quantized (quantization_config bits={cfg.quant.bits}); "
+                            "quantize needs an unquantized model")
+    per_word = 32 // options.bits
+    linears = [  # (projections, in_features, out sizes)
+        ("q/k/v_proj and gate/up_proj", cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.intermediate_size]),
+        ("o_proj", cfg.q_size, [cfg.hidden_size]),
+        ("down_proj", cfg.intermediate_size, [cfg.hidden_size]),
+    ]
+    inputs = [in_f for _, in_f, _ in linears]
+    for name, in_f, outs in linears:
+        gs = options.group_size
+        if gs != -1 and in_f % gs:
+            fits = [g for g in GROUP_SIZES if g == -1 or all(i % g == 0 for i in inputs)]
+            raise FlotillaError(f"{where}: --group-size {gs} does not divide the input size {in_f} of {name}; "
+                                f"group sizes that fit this model: {', '.join(map(str, fits))}")
+        bad = [n for n in [in_f, *outs] if n % per_word]
+        if bad:
+            raise FlotillaError(f"{where}: {name} has a dimension of {bad[0]}, not a multiple of {per_word}, "
+                                f"which {options.bits}-bit GPTQ packing needs")
+
+
+def check_tensors(source, cfg: ModelConfig) -> None:
+    missing = [n for n in required_tensor_names(cfg) if n not in set(source.names())]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise FlotillaError(f"{source.path}: tensor {missing[0]!r} is missing{more}")
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlotillaError(f"--device {name}: no CUDA GPU is available")
+    return device
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.tie_weights()
+    return sum(p.numel() for p in model.parameters())
+
+
+def _try_tokenizer(src: Path, cfg: ModelConfig):
+    try:
+        return load_tokenizer(src, cfg.eos_token_ids)
+    except FlotillaError:
+        return None  # a weights-only directory: quantizing still works, calibration text cannot
+
+
+def _head_tensors(source, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    tensors = {NORM: _fp16(NORM, source.get(NORM))}
+    if not cfg.tie_word_embeddings:
+        tensors[HEAD] = _fp16(HEAD, source.get(HEAD))
+    return tensors
+
+
+def _fp16(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float16 and t.numel() and max(-float(t.min()), float(t.max())) > FP16_MAX:
+        raise FlotillaError(f"tensor {name!r} has values beyond fp16's range; it cannot be stored in fp16")
+    return t.to(torch.float16)
+
+
+def _write_tokenizer(writer: CheckpointWriter, src: Path, tokenizer, cfg: ModelConfig) -> None:
+    if src.is_dir():
+        writer.copy_files(src, TOKENIZER_FILES + ("tokenizer.model",))
+    elif tokenizer is not None:
+        writer.save_tokenizer(tokenizer)
+    if not (src.is_dir() and (src / "generation_config.json").is_file()):
+        eos = list(cfg.eos_token_ids)
+        gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}
+        writer.write_file("generation_config.json", json.dumps(gen, indent=2))

@@ -1,0 +1,64 @@
+"""What a `quantize` run did: sizes, time, memory; printed as the CLI's final summary."""
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def peak_gpu_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def source_bytes(path: Path) -> int:
+    """Bytes of the source's weights on disk (the .gguf file, or a directory's safetensors)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    out: Path
+    label: str
+    parameters: int
+    source_bytes: int  # on disk
+    out_bytes: int  # the written shards
+    shards: int
+    seconds: float
+    peak_rss: int
+    peak_gpu: int | None
+    calib_tokens: int  # 0 for RTN
+    calib_from: str  # the file, "model-generated" or "none"
+    damp_raised: int  # linears whose GPTQ damping had to be raised
+
+    @property
+    def fp16_bytes(self) -> int:
+        return self.parameters * 2
+
+    def lines(self) -> list[str]:
+        lines = [
+            f"wrote {self.out} ({self.label}, {self.shards} shard{'s' if self.shards != 1 else ''})",
+            f"  size      source {_mb(self.source_bytes)} on disk, fp16 {_mb(self.fp16_bytes)} "
+            f"-> {_mb(self.out_bytes)} ({self.fp16_bytes / self.out_bytes:.2f}x smaller than fp16, "
+            f"{self.source_bytes / self.out_bytes:.2f}x vs source)",
+            f"  time      {self.seconds:.1f} s",
+            f"  memory    peak RSS {_mb(self.peak_rss)}" + (f", peak GPU {_mb(self.peak_gpu)}" if self.peak_gpu else ""),
+            f"  calib     {self.calib_tokens:,} tokens ({self.calib_from})",
+        ]
+        if self.damp_raised:
+            lines.append(f"  note      GPTQ damping was raised for {self.damp_raised} linear(s)")
+        return lines

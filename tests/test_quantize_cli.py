@@ -1,0 +1,170 @@
+"""The `quantize` command end to end: bad input, a kill mid-write, the runtime loading the result."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from flotilla.errors import FlotillaError
+from flotilla.models.sources import open_source
+from flotilla.quantize.cli import main as quantize_main
+
+from quantize_helpers import cli_env, quantize_cli, run_cli, tiny_model_dir
+
+FAST = ["--calib-samples", "2", "--calib-seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("src") / "tiny", seed=5)
+
+
+def listing(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def assert_one_line_error(err: str, *fragments: str, progress: bool = False) -> None:
+    """stderr is one `error: ...` line (after progress-bar redraws, when the command shows them)."""
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    if progress:
+        lines = [line for line in lines if "tensor/s" not in line]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+def _missing_tensor_source(src: Path, tmp: Path) -> Path:
+    broken = tmp / "broken"
+    broken.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    return broken
+
+
+BAD_INPUTS = {
+    # case: (extra args, fragments of the message)
+    "unknown-bits": (["--bits", "3"], ["--bits 3", "4, 8"]),
+    "group-not-dividing": (["--group-size", "128"], ["--group-size 128", "input size 64", "32, 64, -1"]),
+    "empty-calib-text": (["--calib", "{tmp}/empty.txt"], ["holds no text"]),
+    "empty-calib-jsonl": (["--calib", "{tmp}/empty.jsonl"], ["holds no text"]),
+    "missing-tensor": (["--src", "{broken}"], ["model.layers.1.mlp.up_proj.weight", "missing"]),
+    "out-not-writable": (["--out", "/sys/flotilla-quantize-out"], ["not writable"]),
+    "out-exists": (["--out", "{tmp}/exists"], ["already exists", "--force"]),
+    "act-order-rtn": (["--method", "rtn", "--act-order"], ["--act-order needs --method gptq"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_and_writes_nothing(case, src, tmp_path, capsys):
+    narrow = tiny_model_dir(tmp_path / "narrow", tokenizer=False, hidden_size=64, intermediate_size=128)
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n{"text": "   "}\n')
+    (tmp_path / "exists").mkdir()
+    args, fragments = BAD_INPUTS[case]
+    subs = {"tmp": tmp_path, "broken": _missing_tensor_source(src, tmp_path) if case == "missing-tensor" else ""}
+    args = [a.format(**subs) for a in args]
+    source = str(narrow if case == "group-not-dividing" else src)
+    out = str(tmp_path / "out")
+    if "--src" in args:
+        source = args[args.index("--src") + 1]
+        del args[args.index("--src"):args.index("--src") + 2]
+    if "--out" in args:
+        out = args[args.index("--out") + 1]
+        del args[args.index("--out"):args.index("--out") + 2]
+    before = listing(tmp_path)
+    capsys.readouterr()  # drop what building the fixtures printed
+    code = quantize_main([source, "-o", out, "--quiet", *FAST, *args])
+    assert code == 2
+    assert_one_line_error(capsys.readouterr().err, *fragments)
+    assert listing(tmp_path) == before  # no OUT, no temporary or probe directory
+    if case == "out-exists":
+        assert listing(tmp_path / "exists") == set()
+
+
+def test_bad_flag_from_the_shell_is_one_line_exit_2(src, tmp_path):
+    proc = quantize_cli(src, "-o", tmp_path / "out", "--bits", "four")
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "--bits", "four")
+    proc = quantize_cli(src, "-o", tmp_path / "out", "--bits", "3")
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "--bits 3")
+    assert listing(tmp_path) == set()
+
+
+# ------------------------------------------------------------------------------------ kill mid-write
+
+def test_killed_mid_write_leaves_nothing_that_loads(tmp_path):
+    src = tiny_model_dir(tmp_path / "src", seed=7, num_hidden_layers=6, hidden_size=256, intermediate_size=1024)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "flotilla.quantize.cli", str(src), "-o", str(out), "--quiet", "--shard-size", "1",
+           "--calib-samples", "8", "--calib-seq-len", "64"]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    try:
+        while not list(tmp_path.glob(".out.tmp-*/shard-*.safetensors")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no shard appeared"
+            time.sleep(0.005)
+        proc.kill()
+    finally:
+        proc.wait()
+    assert proc.returncode == -9  # killed, not finished
+    assert not out.exists()
+    with pytest.raises(FlotillaError):
+        open_source(out)
+    assert list(tmp_path.glob(".out.tmp-*"))  # the killed run's temporary directory, hidden
+    # the next run into the same OUT succeeds and sweeps the dead run's temporary directory away
+    done = quantize_cli(src, "-o", out, "--quiet", "--method", "rtn")
+    assert done.returncode == 0, done.stderr
+    assert open_source(out).config.quant.method == "rtn"
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+# --------------------------------------------------------------------------------- runtime loading
+
+def test_runtime_generates_from_the_checkpoint_and_names_a_bad_shard(src, tmp_path):
+    out = tmp_path / "q"
+    proc = quantize_cli(src, "-o", out, "--group-size", "32", "--shard-size", "60KB", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stdout and "smaller than fp16" in proc.stdout and "peak RSS" in proc.stdout
+    gen = run_cli("flotilla.runtime.cli", "generate", out, "--prompt", "hello", "--max-tokens", "6",
+                  "--device", "cpu")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.strip()  # six sampled byte tokens, decoded
+
+    shards = json.loads((out / "flotilla.json").read_text())["shards"]
+    assert len(shards) > 1
+    victim = out / shards[1]["file"]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte flipped
+    victim.write_bytes(bytes(data))
+    bad = run_cli("flotilla.runtime.cli", "generate", out, "--prompt", "hello", "--max-tokens", "2")
+    assert bad.returncode == 2
+    assert_one_line_error(bad.stderr, shards[1]["file"], "sha256", progress=True)
+    victim.write_bytes(bytes(data[:-100]))  # truncated
+    bad = run_cli("flotilla.runtime.cli", "generate", out, "--prompt", "hello", "--max-tokens", "2")
+    assert bad.returncode == 2
+    assert_one_line_error(bad.stderr, shards[1]["file"], "truncated", progress=True)
+
+
+def test_force_replaces_an_existing_checkpoint(src, tmp_path):
+    out = tmp_path / "q"
+    assert quantize_main([str(src), "-o", str(out), "--quiet", "--method", "rtn", "--bits", "8"]) == 0
+    assert open_source(out).config.quant.bits == 8
+    assert quantize_main([str(src), "-o", str(out), "--quiet", "--method", "rtn", "--force"]) == 0
+    assert open_source(out).config.quant.bits == 4
+    assert listing(tmp_path) == {"q"}
+    assert os.access(next(out.glob("model-*.safetensors")), os.R_OK)

@@ -1,0 +1,139 @@
+"""What `quantize` writes: bit-exact round trips through the files, an independent GPTQ decoder,
+and the checkpoint's layout (names, config, manifest, index, shards on layer boundaries)."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from flotilla.kernels.gptq import GPTQWeight
+from flotilla.kernels.reference import dequantize
+from flotilla.models.linear import Linear, QuantLinear
+from flotilla.models.sources import open_source
+from flotilla.models.weights import load_stage
+from flotilla.quantize import QuantizeOptions, quantize_model
+
+from quantize_helpers import decode_gptq, read_checkpoint, read_safetensors, tiny_model_dir
+
+CALIB = dict(calib_samples=4, calib_seq_len=32)
+MATRIX = list(itertools.product((4, 8), (True, False), (32, 128, -1), (False, True)))
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("src") / "tiny", seed=3)
+
+
+def quantize_recording(src, out, **options):
+    """Quantize, keeping the quantizer's in-memory dequantized weights per checkpoint projection."""
+    memory: dict[str, torch.Tensor] = {}
+
+    def on_layer(index, layer, result):
+        for name, mod in layer.named_modules():
+            if isinstance(mod, Linear):
+                parent, leaf = name.rsplit(".", 1)
+                projections = getattr(layer.get_submodule(parent), "MERGED", {}).get(leaf, (leaf,))
+                w = result.weights[mod].dequantize()  # [out, in] fp32
+                for shard, proj in enumerate(projections):
+                    memory[f"model.layers.{index}.{parent}.{proj}"] = w[mod.shard_slice(shard)].clone()
+
+    quantize_model(src, out, QuantizeOptions(**options), progress=False, on_layer=on_layer)
+    return memory
+
+
+@pytest.mark.parametrize("bits,sym,group,act_order", MATRIX,
+                         ids=[f"int{b}-{'sym' if s else 'asym'}-g{g}-{'act' if a else 'seq'}" for b, s, g, a in MATRIX])
+def test_round_trip_is_exact(tiny_src, tmp_path, bits, sym, group, act_order):
+    out = tmp_path / "q"
+    memory = quantize_recording(tiny_src, out, bits=bits, sym=sym, group_size=group, act_order=act_order, **CALIB)
+    source = open_source(out)
+    assert source.config.quant.bits == bits and source.config.quant.desc_act == act_order
+    assert len(memory) == 2 * 7
+    for prefix, expected in memory.items():
+        w = GPTQWeight(*(source.get(f"{prefix}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")), bits, group)
+        from_file = dequantize(w).t()  # [out, in]
+        assert torch.equal(from_file, expected), prefix
+        if act_order and group != -1 and prefix.endswith("down_proj"):
+            assert w.has_act_order  # g_idx really carries the permutation
+    # the runtime's merged QuantLinears hold the same weights
+    model = load_stage(source)
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            _, _, index, rel = name.split(".", 3)  # model.layers.N.self_attn.qkv_proj
+            parent, leaf = rel.rsplit(".", 1)
+            merged = getattr(model.model.layers[index].get_submodule(parent), "MERGED", {}).get(leaf, (leaf,))
+            expected = torch.cat([memory[f"model.layers.{index}.{parent}.{p}"] for p in merged])
+            assert torch.equal(dequantize(mod.gptq_weight()).t(), expected), name
+
+
+@pytest.mark.parametrize("bits,sym,act_order", [(4, True, True), (4, False, False), (8, False, True)])
+def test_independent_decoder_agrees_with_reference(tiny_src, tmp_path, bits, sym, act_order):
+    out = tmp_path / "q"
+    quantize_model(tiny_src, out, QuantizeOptions(bits=bits, sym=sym, group_size=32, act_order=act_order, **CALIB),
+                   progress=False)
+    raw = read_checkpoint(out)  # our own parse of the safetensors files
+    source = open_source(out)
+    prefixes = sorted({n.rsplit(".", 1)[0] for n in raw if n.endswith(".qweight")})
+    assert len(prefixes) == 14
+    for prefix in prefixes:
+        ours = decode_gptq(raw[f"{prefix}.qweight"], raw[f"{prefix}.qzeros"], raw[f"{prefix}.scales"],
+                           raw[f"{prefix}.g_idx"], bits)
+        w = GPTQWeight(*(source.get(f"{prefix}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")), bits, 32)
+        np.testing.assert_array_equal(ours, dequantize(w).numpy(), err_msg=prefix)
+
+
+def test_checkpoint_layout(tiny_src, tmp_path):
+    out = tmp_path / "q"
+    report = quantize_model(tiny_src, out, QuantizeOptions(shard_size=40_000, **CALIB), progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False, "damp_percent": 0.01,
+        "checkpoint_format": "gptq", "true_sequential": True, "lm_head": False, "flotilla_method": "gptq"}
+    assert config["torch_dtype"] == "float16"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).is_file(), name
+    manifest = json.loads((out / "flotilla.json").read_text())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = manifest["shards"]
+    assert len(shards) > 1 and report.shards == len(shards)
+    # every layer lives in exactly one shard, in order, and the index agrees with the manifest
+    layers = [layer for s in shards for layer in s["layers"]]
+    assert layers == ["embed", "0", "1", "head"]
+    for name, file in index["weight_map"].items():
+        key = "embed" if "embed_tokens" in name else "head" if name.startswith(("model.norm", "lm_head")) \
+            else name.split(".")[2]
+        assert manifest["layer_to_shard"][key] == file, name
+    names = set(index["weight_map"])
+    assert "model.layers.0.self_attn.q_proj.qweight" in names and "model.layers.1.mlp.up_proj.g_idx" in names
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)  # per-projection names only
+    assert not any(n.startswith("lm_head") for n in names) or not config["tie_word_embeddings"]
+    raw = read_checkpoint(out)
+    assert raw["model.embed_tokens.weight"].dtype == np.float16
+    assert raw["model.layers.0.self_attn.q_proj.qweight"].shape == (128 * 4 // 32, 128)
+    assert raw["model.layers.0.self_attn.k_proj.qzeros"].shape == (1, 64 * 4 // 32)
+    assert report.out_bytes == sum(s["size"] for s in shards)
+
+
+def test_concat_safetensors_joins_files_without_loading(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from flotilla.models.safetensors_stream import concat_safetensors
+
+    parts = [{"a.odd": torch.arange(3, dtype=torch.float16), "a.int": torch.arange(6, dtype=torch.int32).view(2, 3)},
+             {"b.f32": torch.randn(5), "b.empty": torch.zeros(0, 4, dtype=torch.int32)},
+             {"c.bf16": torch.randn(7, dtype=torch.bfloat16)}]
+    files = []
+    for i, tensors in enumerate(parts):
+        files.append(tmp_path / f"p{i}.safetensors")
+        save_file(tensors, str(files[-1]))
+    names = concat_safetensors(files, tmp_path / "joined.safetensors")
+    joined = load_file(str(tmp_path / "joined.safetensors"))  # safetensors validates offsets and sizes
+    expected = {k: v for p in parts for k, v in p.items()}
+    assert sorted(names) == sorted(expected) and set(joined) == set(expected)
+    for name, t in expected.items():
+        assert joined[name].dtype == t.dtype and torch.equal(joined[name], t), name
+    raw = read_safetensors(tmp_path / "joined.safetensors")
+    assert np.array_equal(raw["a.int"], parts[0]["a.int"].numpy())

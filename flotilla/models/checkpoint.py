@@ -148,14 +148,17 @@ def is_checkpoint(path: Path) -> bool:
 
 
 class CheckpointWriter:
-    """Streams layers into shards of about `shard_size` bytes, then commits atomically.
+    """Streams layers into shards of at most `shard_size` bytes (or one layer, if larger), then
+    commits atomically. Each layer is written to disk as it arrives and a shard's layers are
+    joined when the shard is cut, so the writer holds no more than the layer being added.
 
         with CheckpointWriter(out, config, shard_size=2 << 30) as w:
             w.add_layer("embed", {...}); w.add_layer("0", {...}); ...
             w.copy_files(src_dir, TOKENIZER_FILES)
             w.commit()
 
-    Leaving the block without commit() (an exception, a kill) removes the temporary directory.
+    Leaving the block without commit() (an exception) removes the temporary directory; a killed
+    process leaves it hidden (`.OUT.tmp-PID`), and the next writer of OUT removes it.
     """
 
     def __init__(self, out: str | Path, config: ModelConfig, shard_size: int = 2 << 30, force: bool = False):

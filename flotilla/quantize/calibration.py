@@ -84,6 +84,7 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
     cfg = source.config
     dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
     model = load_stage(source, device=device, dtype=dtype)
+    source.release()  # the model holds its own copy; unmap the source files
     model.build_rope(seq_len)
     gen = torch.Generator(device=device).manual_seed(seed)
     banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)

@@ -32,29 +32,31 @@ def build_parser() -> argparse.ArgumentParser:
                 "GPTQ-layout checkpoint that flotilla, vLLM and transformers load.")
     p.add_argument("src", help="a Hugging Face model directory or a .gguf file")
     p.add_argument("-o", "--out", required=True, help="the checkpoint directory to create")
-    p.add_argument("--bits", type=int, default=_DEFAULTS.bits, help="4 or 8 (default 4)")
-    p.add_argument("--group-size", type=int, default=_DEFAULTS.group_size,
+    p.add_argument("--bits", type=int, default=_DEFAULTS.bits, metavar="{4,8}", help="4 or 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=_DEFAULTS.group_size, metavar="{32,64,128,-1}",
                    help="32, 64, 128, or -1 for one group per output channel (default 128)")
-    p.add_argument("--method", default=_DEFAULTS.method, help="gptq or rtn (default gptq)")
+    p.add_argument("--method", default=_DEFAULTS.method, metavar="{gptq,rtn}", help="gptq or rtn (default gptq)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
                      help="symmetric grid, zero point 2^(bits-1) (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid, a zero point per group")
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
-    p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent,
+    p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",
                    help="GPTQ damping as a fraction of the Hessian's mean diagonal (default 0.01; raised "
                         "automatically when needed)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
-    p.add_argument("--calib-samples", type=int, default=_DEFAULTS.calib_samples,
+    p.add_argument("--calib-samples", type=int, default=_DEFAULTS.calib_samples, metavar="N",
                    help=f"calibration sequences (default {_DEFAULTS.calib_samples})")
-    p.add_argument("--calib-seq-len", type=int, default=_DEFAULTS.calib_seq_len,
+    p.add_argument("--calib-seq-len", type=int, default=_DEFAULTS.calib_seq_len, metavar="L",
                    help=f"tokens per calibration sequence (default {_DEFAULTS.calib_seq_len})")
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of calibration sampling (default 0)")
-    p.add_argument("--shard-size", default="2GB", help="largest shard, cut on layer boundaries (default 2GB)")
-    p.add_argument("--device", default=_DEFAULTS.device, help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, metavar="N",
+                   help="seed of calibration sampling (default 0)")
+    p.add_argument("--shard-size", default="2GB", metavar="SIZE",
+                   help="largest shard, cut on layer boundaries (default 2GB)")
+    p.add_argument("--device", default=_DEFAULTS.device, metavar="{cpu,cuda}", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p

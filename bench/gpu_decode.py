@@ -1,0 +1,354 @@
+"""End-to-end decode on one GPU: a llama-3-8b-shaped INT4 g128 model through flotilla's engine,
+against transformers (fp16 eager, and bitsandbytes nf4) and the physical bound, in one run.
+
+    python bench/gpu_decode.py                  # GPU checks, then the table
+    python bench/gpu_decode.py --json           # one JSON object per row
+
+Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
+  flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, Triton kernels, sampler)
+  flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
+  flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
+  flotilla fp16           unquantized linears (cuBLAS) through the same engine and graphs
+  transformers fp16       LlamaForCausalLM from the same config, random weights on the GPU, its own
+                          DynamicCache, a greedy loop of eager forwards (default sdpa attention)
+  transformers nf4        the same model with every decoder linear swapped for bitsandbytes Linear4bit
+  bound                   B / ((weight bytes + the batch's KV bytes) / HBM bandwidth), the bandwidth
+                          measured here (device-to-device copy, read + write bytes)
+All models have random weights of the real shape (no checkpoint, no download). Prompts are
+`--prompt-len` random tokens; the clock covers decode steps only.
+
+Before timing: paged attention on the GPU (Triton decode kernel + SDPA prefill) against the torch
+reference on CPU in fp32, and the decode graphs' logits against the eager runner's on the
+INT4 model. After: one profile of a batch-1 decode step (GPU time per kernel family against the
+step's wall time), which says where the time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flotilla.kernels.attention import paged_attention, store_kv  # noqa: E402
+from flotilla.models.linear import QuantLinear  # noqa: E402
+from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
+from flotilla.runtime.kv_cache import PagedAttentionBackend  # noqa: E402
+from flotilla.runtime.model_runner import StepInput, prepare_step  # noqa: E402
+from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
+from flotilla.runtime.sampler import SamplingBatch  # noqa: E402
+from flotilla.runtime.sampling import SamplingParams  # noqa: E402
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm()).item()
+
+
+def step_input(new_tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> StepInput:
+    rows = [(SamplingParams(temperature=0), 0, [], []) for _ in new_tokens]
+    return StepInput([f"r{i}" for i in range(len(new_tokens))], [t for ts in new_tokens for t in ts], starts,
+                     [len(t) for t in new_tokens], tables, sum(len(t) == 1 for t in new_tokens),
+                     [True] * len(new_tokens), SamplingBatch.build(rows))
+
+
+# ------------------------------------------------------------------------------------- checks
+
+def check_attention(seed: int = 0) -> str:
+    """One mixed step (decodes with contexts 1..2100, a fresh prefill, a prefill after a cached
+    prefix) on llama-3-8b heads: CUDA fp16 (Triton decode, SDPA prefill) vs CPU fp32 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs, nblocks = 32, 8, 128, 16, 600
+    seqs = [(0, 1), (36, 1), (699, 1), (2099, 1), (0, 50), (30, 20)]  # (cached, new) decodes first
+    perm = torch.randperm(nblocks - 1, generator=gen).add(1).tolist()
+    tables, starts, tokens = [], [], []
+    for cached, new in seqs:
+        n = -(-(cached + new) // bs)
+        tables.append([perm.pop() for _ in range(n)])
+        starts.append(cached)
+        tokens.append([0] * new)
+    step = step_input(tokens, starts, tables)
+    kc = torch.randn(nblocks, bs, hkv, d, generator=gen).half()
+    vc = torch.randn(nblocks, bs, hkv, d, generator=gen).half()
+    q = torch.randn(step.num_tokens, hq, d, generator=gen).half()
+    k = torch.randn(step.num_tokens, hkv, d, generator=gen).half()
+    v = torch.randn(step.num_tokens, hkv, d, generator=gen).half()
+    outs = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float16)):
+        dev = torch.device(device)
+        kd, vd = kc.to(dev, dtype), vc.to(dev, dtype)
+        _, meta = prepare_step(step, bs, dev)
+        store_kv(kd, vd, k.to(dev, dtype), v.to(dev, dtype), meta)
+        outs[device] = paged_attention(q.to(dev, dtype), kd, vd, meta, d ** -0.5)
+    nd = step.num_decodes
+    dec = rel_err(outs["cuda"][:nd], outs["cpu"][:nd])
+    pre = rel_err(outs["cuda"][nd:], outs["cpu"][nd:])
+    ok = dec < 5e-3 and pre < 5e-3 and bool(torch.isfinite(outs["cuda"]).all())
+    return (f"paged attention, CUDA fp16 vs CPU fp32 reference: decodes (Triton) rel err {dec:.1e}, "
+            f"prefills (SDPA) rel err {pre:.1e} -> {'OK' if ok else 'FAIL'}")
+
+
+@torch.inference_mode()
+def check_graphs(model, batch: int = 5, prompt_len: int = 40, steps: int = 3) -> str:
+    """Decode steps through the graph of bucket 8 (3 padding rows) against the eager runner's
+    logits on the same cache."""
+    engine = bench_engine(model, batch, prompt_len + steps + 1, batch * prompt_len)
+    runner = engine.executor
+    assert runner.graphs is not None, "no CUDA graphs were captured"
+    bs = runner.block_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    blocks = -(-(prompt_len + steps + 1) // bs)
+    tables = [[1 + b * blocks + i for i in range(blocks)][::-1] for b in range(batch)]  # not consecutive
+
+    def eager(s: StepInput) -> torch.Tensor:
+        positions, meta = prepare_step(s, bs, runner.device)
+        x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
+        return runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
+
+    tokens = eager(step_input(prompts, [0] * batch, tables)).argmax(-1).tolist()
+    errs, agree = [], 0
+    for i in range(steps):
+        s = step_input([[t] for t in tokens], [prompt_len + i] * batch, tables)
+        want = eager(s)  # writes this step's keys and values; the replay writes the same again
+        got = runner.graphs.run(s.token_ids, s.starts, s.block_tables)
+        errs.append(rel_err(got, want))
+        agree += sum(a == b for a, b in zip(got.argmax(-1).tolist(), want.argmax(-1).tolist()))
+        tokens = want.argmax(-1).tolist()
+    ok = max(errs) < 1e-2
+    return (f"decode graphs (batch {batch} in bucket 8) vs eager runner: logits rel err max {max(errs):.1e}, "
+            f"greedy tokens agree {agree}/{batch * steps} -> {'OK' if ok else 'FAIL'}")
+
+
+# ------------------------------------------------------------------------------------- peers
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    import triton.testing
+
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3
+    return 2 * 2 * 2**30 / t
+
+
+def hf_model(name: str, device: str = "cuda"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = shape_config(name, 16).to_hf_dict()
+    d.pop("torch_dtype")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**d))
+    finally:
+        torch.set_default_dtype(default)
+    return model.half().eval().requires_grad_(False)
+
+
+def to_nf4(model) -> None:
+    """Swap every decoder linear for a bitsandbytes nf4 Linear4bit (quantized on the GPU)."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if isinstance(lin, torch.nn.Linear):
+                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                          compute_dtype=torch.float16, quant_type="nf4", device="meta")
+                    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4")
+                    if lin.bias is not None:
+                        q.bias = lin.bias
+                    setattr(parent, name, q.to("cuda"))
+    torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def hf_decode(model, batch: int, prompt_len: int, tokens: int) -> DecodeRun:
+    """Greedy decode with transformers' own cache; the clock covers the decode forwards."""
+    vocab = model.config.vocab_size
+    device = model.lm_head.weight.device
+    ids = torch.randint(0, vocab, (batch, prompt_len), device=device)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(tokens - 1):
+        out = model(input_ids=nxt, past_key_values=past, use_cache=True, logits_to_keep=1)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync()
+    return DecodeRun(batch, prompt_len, batch * (tokens - 1), tokens - 1, time.perf_counter() - start, False)
+
+
+# ------------------------------------------------------------------------------------- profile
+
+def kernel_family(name: str) -> str:
+    if "w_dot" in name or "dequantize_kernel" in name:
+        return "int4 linears (Triton)"
+    if "_decode_kernel" in name or "_combine_kernel" in name:
+        return "paged attention (Triton)"
+    if "gemm" in name.lower() or "gemv" in name.lower() or "cutlass" in name.lower() or "nvjet" in name.lower():
+        return "lm_head (cuBLAS)"
+    return "other (norms, rope, kv store, elementwise, copies)"
+
+
+@torch.inference_mode()
+def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8) -> str:
+    """GPU time per kernel family over `steps` batch-1 decode steps, against their wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs)
+    measure(engine, 1, prompt_len, 8, seed=5)  # warm-up
+    engine.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps + 1, temperature=0,
+                                                                          ignore_eos=True))
+    engine.step()  # the prefill
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        wall = (time.perf_counter() - start) / steps
+    fams: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)  # µs over all steps
+        if not t:
+            continue
+        fam = "copies and memsets" if e.key.startswith(("Memcpy", "Memset")) else kernel_family(e.key)
+        fams[fam] = fams.get(fam, 0.0) + t / steps
+        count[fam] = count.get(fam, 0) + e.count / steps
+    total = sum(fams.values())
+    lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs: wall {wall * 1e3:.2f} ms, "
+             f"GPU busy {total / 1e3:.2f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
+    for fam, t in sorted(fams.items(), key=lambda p: -p[1]):
+        lines.append(f"    {fam:<52} {t / 1e3:7.3f} ms  {count[fam]:6.0f} kernels/step")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- main
+
+def tune_linears(model, batches: list[int]) -> float:
+    """Time each linear shape's candidate tile configs once and give the winners to every linear
+    of that shape. Returns seconds spent."""
+    start = time.perf_counter()
+    winners: dict[tuple, dict] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and hasattr(mod.kernel, "tune"):
+            key = (mod.in_features, mod.out_features, mod.bits)
+            if key not in winners:
+                winners[key] = {m: cfg for m, (_, cfg) in mod.kernel.tune(batches).items()}
+            else:
+                for m, cfg in winners[key].items():  # one candidate: sets it without a search
+                    mod.kernel.tune([m], candidates=lambda _m, c=cfg: [c])
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream, flotilla rows")
+    ap.add_argument("--hf-tokens", type=int, default=32, help="tokens per stream, transformers rows")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--tune", action="store_true", help="also the int4 rows after tuning tile configs on the GPU")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
+                                               "transformers rows), nf4, fp16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gpu_decode.py needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    skip = set(args.skip.split(","))
+    cfg = shape_config(args.shape, 4)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    rows: dict[str, dict[int, DecodeRun]] = {}
+
+    def section(label, fn):
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception:  # noqa: BLE001 - one failing peer is reported; the others still run
+            print(f"[{label}] FAILED:\n{traceback.format_exc()}", flush=True)
+            return None
+        print(f"[{label}] {time.perf_counter() - t0:.1f}s", flush=True)
+        return out
+
+    def hf_rows(label, hf):
+        rows[label] = {}
+        for b in batches:
+            hf_decode(hf, b, args.prompt_len, 3)  # warm-up
+            r = section(f"{label} b{b}", lambda: hf_decode(hf, b, args.prompt_len, args.hf_tokens))
+            if r is not None:
+                rows[label][b] = r
+                print(f"  {label:<22} batch {b:3d}: {r.tok_s:9.1f} tok/s", flush=True)
+
+    def ours(label, model, graphs=True, bs=batches, tokens=args.tokens):
+        rows[label] = {}
+        for r in run_batches(model, bs, args.prompt_len, tokens, graphs):
+            rows[label][r.batch] = r
+            print(f"  {label:<22} batch {r.batch:3d}: {r.tok_s:9.1f} tok/s ({r.tok_s_per_stream:7.1f} per stream, "
+                  f"{r.ms_per_step:6.2f} ms/step)", flush=True)
+
+    print(section("attention check", check_attention), flush=True)
+    bw = section("HBM bandwidth", copy_bandwidth)
+    model = section("build int4", lambda: build_random_model(args.shape, 4, "cuda", torch.float16))
+    wbytes = weight_bytes(model)
+    print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    print(section("graph check", lambda: check_graphs(model)), flush=True)
+    section("flotilla int4", lambda: ours("flotilla int4 g128", model))
+    if "eager" not in skip:
+        section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))
+    if "profile" not in skip:
+        for graphs in (True, False):
+            print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len)), flush=True)
+    if "hf" not in skip:
+        hf = section("build transformers fp16", lambda: hf_model(args.shape))
+        hf_rows("transformers fp16", hf)
+        if "nf4" not in skip and section("convert to nf4", lambda: to_nf4(hf)) is not None:
+            hf_rows("transformers nf4", hf)
+        del hf
+        torch.cuda.empty_cache()
+    if "fp16" not in skip:
+        fp16 = section("build fp16", lambda: build_random_model(args.shape, 16, "cuda", torch.float16))
+        section("flotilla fp16", lambda: ours("flotilla fp16", fp16, tokens=64))
+        del fp16
+        torch.cuda.empty_cache()
+    if args.tune:
+        section("tune", lambda: tune_linears(model, batches))
+        section("flotilla int4 tuned", lambda: ours("flotilla int4 tuned", model))
+    report(rows, batches, cfg, wbytes, bw, args)
+    return 0
+
+
+def report(rows, batches, cfg, wbytes: int, bw: float, args) -> None:
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # fp16 K and V
+    mean_ctx = args.prompt_len + args.tokens / 2
+    bound = {b: b / ((wbytes + b * mean_ctx * kv_per_token) / bw) for b in batches}
+    labels = list(rows)
+    if args.json:
+        for label in labels:
+            for b, r in rows[label].items():
+                print(json.dumps({"engine": label, "shape": args.shape, **r.row(), "bound_tok_s": bound[b],
+                                  "of_bound": r.tok_s / bound[b]}))
+        return
+    head = ["batch"] + [f"{label} tok/s" for label in labels] + ["bound tok/s", "int4 / bound"]
+    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    main_rows = rows.get("flotilla int4 g128", {})
+    for b in batches:
+        cells = [str(b)] + [f"{rows[lbl][b].tok_s:.1f}" if b in rows[lbl] else "n/a" for lbl in labels]
+        ratio = f"{main_rows[b].tok_s / bound[b]:.0%}" if b in main_rows else "n/a"
+        print("| " + " | ".join(cells + [f"{bound[b]:.0f}", ratio]) + " |")
+    for peer in ("transformers fp16", "transformers nf4"):
+        if peer in rows and 1 in rows[peer] and 1 in main_rows:
+            print(f"batch 1: flotilla int4 is {main_rows[1].tok_s / rows[peer][1].tok_s:.1f}x {peer}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -320,10 +320,11 @@ def main(argv=None) -> int:
         section("flotilla fp16", lambda: ours("flotilla fp16", fp16, tokens=64))
         del fp16
         torch.cuda.empty_cache()
+    report(rows, batches, cfg, wbytes, bw, args)
     if args.tune:
         section("tune", lambda: tune_linears(model, batches))
         section("flotilla int4 tuned", lambda: ours("flotilla int4 tuned", model))
-    report(rows, batches, cfg, wbytes, bw, args)
+        report(rows, batches, cfg, wbytes, bw, args)
     return 0
 
 

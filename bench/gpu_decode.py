@@ -151,10 +151,12 @@ def hf_model(name: str, device: str = "cuda"):
     return model.half().eval().requires_grad_(False)
 
 
-def to_nf4(model) -> None:
-    """Swap every decoder linear for a bitsandbytes nf4 Linear4bit (quantized on the GPU)."""
+def to_nf4(model) -> int:
+    """Swap every decoder linear for a bitsandbytes nf4 Linear4bit (quantized on the GPU); returns
+    how many were swapped."""
     import bitsandbytes as bnb
 
+    swapped = 0
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, lin in list(parent.named_children()):
@@ -165,7 +167,9 @@ def to_nf4(model) -> None:
                     if lin.bias is not None:
                         q.bias = lin.bias
                     setattr(parent, name, q.to("cuda"))
+                    swapped += 1
     torch.cuda.empty_cache()
+    return swapped
 
 
 @torch.inference_mode()

@@ -203,8 +203,9 @@ def kernel_family(name: str) -> str:
 
 
 @torch.inference_mode()
-def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8) -> str:
-    """GPU time per kernel family over `steps` batch-1 decode steps, against their wall time."""
+def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8, top: int = 0) -> str:
+    """GPU time per kernel family over `steps` batch-1 decode steps, against their wall time (and
+    the `top` kernels by GPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs)
@@ -220,6 +221,7 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8) -> str:
         wall = (time.perf_counter() - start) / steps
     fams: dict[str, float] = {}
     count: dict[str, int] = {}
+    kernels = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)  # µs over all steps
         if not t:
@@ -227,12 +229,47 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8) -> str:
         fam = "copies and memsets" if e.key.startswith(("Memcpy", "Memset")) else kernel_family(e.key)
         fams[fam] = fams.get(fam, 0.0) + t / steps
         count[fam] = count.get(fam, 0) + e.count / steps
+        kernels.append((t / steps, e.count / steps, e.key))
     total = sum(fams.values())
     lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs: wall {wall * 1e3:.2f} ms, "
              f"GPU busy {total / 1e3:.2f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
     for fam, t in sorted(fams.items(), key=lambda p: -p[1]):
         lines.append(f"    {fam:<52} {t / 1e3:7.3f} ms  {count[fam]:6.0f} kernels/step")
+    if top:
+        lines.append(f"  top {top} kernels (µs/step, calls/step, mean µs):")
+        for t, n, name in sorted(kernels, reverse=True)[:top]:
+            lines.append(f"    {t:8.1f} {n:5.0f} {t / n:7.2f}  {name[:110]}")
     return "\n".join(lines)
+
+
+@torch.inference_mode()
+def check_syncs(model, batch: int = 4, prompt_len: int = 16, steps: int = 8) -> str:
+    """Decode steps through the engine under torch's sync debug mode: every synchronising CUDA
+    call warns; the graph path should make one per step (the sampler reading the token ids)."""
+    import warnings
+
+    engine = bench_engine(model, batch, prompt_len + steps + 8, batch * prompt_len)
+    measure(engine, batch, prompt_len, 4, seed=7)  # warm-up
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"sync-{i}", list(range(1 + i, prompt_len + 1 + i)), params)
+    engine.step()  # the prefill, eager
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            n = 0
+            while engine.has_unfinished():
+                engine.step()
+                n += 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0][:100] for w in caught if "synchroniz" in str(w.message).lower()]
+    kinds = sorted(set(syncs))
+    ok = 0 < len(syncs) <= n
+    return (f"host syncs in {n} graph decode steps at batch {batch}: {len(syncs)} "
+            f"({'; '.join(kinds) or 'none reported'}) -> {'OK' if ok else 'CHECK'}")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -306,12 +343,14 @@ def main(argv=None) -> int:
     wbytes = weight_bytes(model)
     print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     print(section("graph check", lambda: check_graphs(model)), flush=True)
+    print(section("sync check", lambda: check_syncs(model)), flush=True)
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))
     if "profile" not in skip:
         for graphs in (True, False):
-            print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len)), flush=True)
+            print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len, top=16 if graphs else 0)),
+                  flush=True)
     if "hf" not in skip:
         hf = section("build transformers fp16", lambda: hf_model(args.shape))
         hf_rows("transformers fp16", hf)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .fused import store_kv_slots
+
 
 @dataclass
 class PagedAttentionMetadata:
@@ -70,10 +72,8 @@ class PagedAttentionMetadata:
 
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              meta: PagedAttentionMetadata) -> None:
-    """Write key/value [T, Hkv, D] into the caches at `meta.slot_mapping`."""
-    hkv, d = key.shape[1], key.shape[2]
-    key_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, key)
-    value_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, value)
+    """Write key/value [T, Hkv, D] into the caches at `meta.slot_mapping` (one Triton kernel on CUDA)."""
+    store_kv_slots(key_cache, value_cache, key, value, meta.slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from flotilla.kernels.fused import add_rms_norm, rms_norm, silu_mul
 
 from .config import ModelConfig
 from .linear import make_linear
@@ -62,7 +63,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # computed in fp32 for half inputs
+        return rms_norm(x, self.weight, self.eps)  # computed in fp32 for half inputs
 
 
 class Attention(nn.Module):
@@ -137,16 +138,15 @@ def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                attn: AttentionBackend) -> torch.Tensor:
     """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math)."""
     T = x.shape[0]
-    hq, hkv, d, inter = ops.num_heads, ops.num_kv_heads, ops.head_dim, ops.intermediate_size
+    hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
-    h = F.rms_norm(x, ops.input_norm.shape, ops.input_norm, ops.eps)
+    h = rms_norm(x, ops.input_norm, ops.eps)
     qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
-    x = x + ops.o(out.reshape(T, hq * d))
-    h = F.rms_norm(x, ops.post_norm.shape, ops.post_norm, ops.eps)
+    x, h = add_rms_norm(x, ops.o(out.reshape(T, hq * d)), ops.post_norm, ops.eps)  # x + o(out), and its norm
     gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
-    return x + ops.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    return x + ops.down(silu_mul(gate_up))  # silu(gate) * up
 
 
 class DecoderStack(nn.Module):

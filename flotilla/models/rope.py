@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from flotilla.kernels.fused import rope
+
 from .config import RopeScaling
 
 
@@ -58,8 +60,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, D] (rotate-half convention): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+        """Rotate x [T, H, D] (rotate-half convention): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin],
+        i.e. x * cos + roll(x, D/2) * sin (one Triton kernel on CUDA)."""
+        return rope(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q [T, Hq, D], k [T, Hkv, D], positions [T]

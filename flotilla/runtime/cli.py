@@ -12,7 +12,7 @@ from typing import Callable
 
 from flotilla.errors import FlotillaError
 
-from . import eval_ppl
+from . import bench, eval_ppl
 from .sampling import SamplingParams
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -143,6 +143,8 @@ COMMANDS: list[Command] = [
     ("generate", "generate text from a prompt, streamed to stdout", _generate_args, _generate),
     ("chat", "an interactive chat in the terminal through the model's chat template", _chat_args, _chat),
     ("eval-ppl", "perplexity of a model over a text file (sliding window)", eval_ppl.add_args, eval_ppl.run),
+    ("bench", "decode tok/s of the engine at several batch sizes, on a random-weight model of a named shape "
+              "(--random llama-3-8b) or a model path", bench.add_args, bench.run),
 ]
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda_graphs import capture_sizes
 from .engine import EngineConfig, LLMEngine
 from .kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from .loader import LoadedModel
@@ -26,6 +27,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
 
     @classmethod
     def add_args(cls, p: argparse.ArgumentParser) -> None:
@@ -42,13 +44,14 @@ class EngineArgs:
         g.add_argument("--max-model-len", type=int, default=None, help="longest context served (default: the model's)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn automatic prefix caching off")
+        g.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                   enable_prefix_caching=args.enable_prefix_caching)
+                   enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
 
 
 def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) -> LLMEngine:
@@ -68,7 +71,9 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching)
-    engine = LLMEngine(ModelRunner(lm.model, cache), config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
+    graphs = () if args.enforce_eager else capture_sizes(args.max_num_seqs)
+    runner = ModelRunner(lm.model, cache, graph_sizes=graphs, max_model_len=config.context_len)
+    engine = LLMEngine(runner, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
     engine.kv_cache_report = line
     return engine
 

@@ -17,6 +17,7 @@ from flotilla.kernels import registry
 from flotilla.kernels.attention import PagedAttentionMetadata
 from flotilla.models.llama import CausalLM
 
+from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache, PagedAttentionBackend
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 
@@ -44,7 +45,11 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None):
+    def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None,
+                 graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None):
+        """`graph_sizes`: on CUDA, for a whole model, decode steps of up to max(graph_sizes)
+        sequences replay CUDA graphs captured now for these batch buckets (runtime.cuda_graphs),
+        with block tables wide enough for `max_model_len` tokens (default: the model's)."""
         self.model = model
         model.freeze(logits_kernel(model, cache.device))  # the step loop looks nothing up per layer
         self.cache = cache
@@ -52,10 +57,16 @@ class ModelRunner:
         self.block_size = cache.spec.block_size
         self.scale = model.config.head_dim ** -0.5
         self.sampler = sampler or (Sampler(model.config.vocab_size) if model.stage.is_last else None)
+        self.graphs = None
+        if graph_sizes and self.device.type == "cuda" and model.stage.is_first and model.stage.is_last:
+            self.graphs = DecodeGraphRunner(model, cache, graph_sizes, max_model_len or model.config.max_model_len,
+                                            self.scale)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
+        if self._replays(step):
+            return self.sampler(self.graphs.run(step.token_ids, step.starts, step.block_tables), step.sampling)
         positions, meta = prepare_step(step, self.block_size, self.device)
         x = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first else hidden
         h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
@@ -64,6 +75,11 @@ class ModelRunner:
         if not any(step.sample):  # only partial prefill chunks this step
             return SamplerOutput([])
         return self.sampler(self.compute_logits(step, h), step.sampling)
+
+    def _replays(self, step: StepInput) -> bool:
+        """Whether this step is a decode step that a captured CUDA graph serves."""
+        return (self.graphs is not None and all(step.sample)
+                and self.graphs.can_run(step.token_ids, step.num_decodes, step.block_tables))
 
     def compute_logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] of the last new token of each sampling sequence."""

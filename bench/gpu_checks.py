@@ -1,0 +1,173 @@
+"""GPU correctness checks for bench/gpu_decode.py (each returns one line ending in OK or FAIL).
+
+  check_attention  paged attention on CUDA (Triton decode, SDPA prefill) vs the CPU fp32 reference
+  check_fused      the Triton small-op kernels vs torch, and the model's logits with them on and off
+  check_graphs     decode-graph replays vs the eager runner's logits
+  check_syncs      host syncs per graph decode step, under torch's sync debug mode
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flotilla.kernels.attention import paged_attention, store_kv
+from flotilla.runtime.bench import bench_engine, measure
+from flotilla.runtime.kv_cache import PagedAttentionBackend
+from flotilla.runtime.model_runner import StepInput, prepare_step
+from flotilla.runtime.sampler import SamplingBatch
+from flotilla.runtime.sampling import SamplingParams
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm()).item()
+
+
+def step_input(new_tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> StepInput:
+    rows = [(SamplingParams(temperature=0), 0, [], []) for _ in new_tokens]
+    return StepInput([f"r{i}" for i in range(len(new_tokens))], [t for ts in new_tokens for t in ts], starts,
+                     [len(t) for t in new_tokens], tables, sum(len(t) == 1 for t in new_tokens),
+                     [True] * len(new_tokens), SamplingBatch.build(rows))
+
+
+# ------------------------------------------------------------------------------------- checks
+
+def check_attention(seed: int = 0) -> str:
+    """One mixed step (decodes with contexts 1..2100, a fresh prefill, a prefill after a cached
+    prefix) on llama-3-8b heads: CUDA fp16 (Triton decode, SDPA prefill) vs CPU fp32 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs, nblocks = 32, 8, 128, 16, 600
+    seqs = [(0, 1), (36, 1), (699, 1), (2099, 1), (0, 50), (30, 20)]  # (cached, new) decodes first
+    perm = torch.randperm(nblocks - 1, generator=gen).add(1).tolist()
+    tables, starts, tokens = [], [], []
+    for cached, new in seqs:
+        n = -(-(cached + new) // bs)
+        tables.append([perm.pop() for _ in range(n)])
+        starts.append(cached)
+        tokens.append([0] * new)
+    step = step_input(tokens, starts, tables)
+    kc = torch.randn(nblocks, bs, hkv, d, generator=gen).half()
+    vc = torch.randn(nblocks, bs, hkv, d, generator=gen).half()
+    q = torch.randn(step.num_tokens, hq, d, generator=gen).half()
+    k = torch.randn(step.num_tokens, hkv, d, generator=gen).half()
+    v = torch.randn(step.num_tokens, hkv, d, generator=gen).half()
+    outs = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float16)):
+        dev = torch.device(device)
+        kd, vd = kc.to(dev, dtype), vc.to(dev, dtype)
+        _, meta = prepare_step(step, bs, dev)
+        store_kv(kd, vd, k.to(dev, dtype), v.to(dev, dtype), meta)
+        outs[device] = paged_attention(q.to(dev, dtype), kd, vd, meta, d ** -0.5)
+    nd = step.num_decodes
+    dec = rel_err(outs["cuda"][:nd], outs["cpu"][:nd])
+    pre = rel_err(outs["cuda"][nd:], outs["cpu"][nd:])
+    ok = dec < 5e-3 and pre < 5e-3 and bool(torch.isfinite(outs["cuda"]).all())
+    return (f"paged attention, CUDA fp16 vs CPU fp32 reference: decodes (Triton) rel err {dec:.1e}, "
+            f"prefills (SDPA) rel err {pre:.1e} -> {'OK' if ok else 'FAIL'}")
+
+
+@torch.inference_mode()
+def check_fused(model, batch: int = 4, prompt_len: int = 32) -> str:
+    """The Triton kernels of the small per-layer ops against torch on real shapes (the KV store
+    is covered by the attention check), then the whole model's prefill logits with them on and
+    off."""
+    from flotilla.kernels import fused, triton_fused
+
+    errs = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        x = 4 * torch.randn(64, 4096, device="cuda", dtype=dtype)
+        d = torch.randn_like(x)
+        w = 1 + 0.1 * torch.randn(4096, device="cuda", dtype=dtype)
+        s, y = triton_fused.add_rms_norm(x, d, w, 1e-5)
+        ref = F.rms_norm((x + d).float(), (4096,), w.float(), 1e-5)
+        alone = rel_err(triton_fused.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (4096,), w.float(), 1e-5))
+        errs[f"norm {dtype}"] = max(alone, rel_err(y, ref), 0.0 if torch.equal(s, x + d) else 1.0)
+        gu = 2 * torch.randn(64, 2 * 14336, device="cuda", dtype=dtype)
+        want = F.silu(gu[:, :14336].float()) * gu[:, 14336:].float()
+        errs[f"silu_mul {dtype}"] = rel_err(triton_fused.silu_mul(gu), want)
+        qkv = torch.randn(64, 48 * 128, device="cuda", dtype=dtype)
+        q = qkv[:, :40 * 128].view(64, 40, 128)
+        cos, sin = model.rope.tables(torch.arange(0, 6400, 100, device="cuda"), dtype)
+        want = torch.addcmul(q.float() * cos.float(), q.float().roll(64, dims=-1), sin.float())
+        errs[f"rope {dtype}"] = rel_err(triton_fused.rope(q, cos, sin), want)
+    engine = bench_engine(model, batch, prompt_len + 8, batch * prompt_len, graphs=False)
+    runner = engine.executor
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    blocks = -(-prompt_len // runner.block_size)
+    s = step_input(prompts, [0] * batch, [[1 + b * blocks + i for i in range(blocks)] for b in range(batch)])
+    positions, meta = prepare_step(s, runner.block_size, runner.device)
+    x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
+    logits = {}
+    for on in (True, False):
+        fused.ENABLED = on
+        h = model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale))
+        logits[on] = runner.compute_logits(s, h)
+    fused.ENABLED = True
+    errs["model logits, fused vs torch ops"] = rel_err(logits[True], logits[False])
+    worst = max(v for k, v in errs.items() if not k.startswith("model"))
+    ok = worst < 1e-2 and errs["model logits, fused vs torch ops"] < 3e-2
+    return ("fused small ops (Triton) vs torch: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+            + f" -> {'OK' if ok else 'FAIL'}")
+
+
+@torch.inference_mode()
+def check_graphs(model, batch: int = 5, prompt_len: int = 40, steps: int = 3) -> str:
+    """Decode steps through the graph of bucket 8 (3 padding rows) against the eager runner's
+    logits on the same cache."""
+    engine = bench_engine(model, batch, prompt_len + steps + 1, batch * prompt_len)
+    runner = engine.executor
+    assert runner.graphs is not None, "no CUDA graphs were captured"
+    bs = runner.block_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    blocks = -(-(prompt_len + steps + 1) // bs)
+    tables = [[1 + b * blocks + i for i in range(blocks)][::-1] for b in range(batch)]  # not consecutive
+
+    def eager(s: StepInput) -> torch.Tensor:
+        positions, meta = prepare_step(s, bs, runner.device)
+        x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
+        return runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
+
+    tokens = eager(step_input(prompts, [0] * batch, tables)).argmax(-1).tolist()
+    errs, agree = [], 0
+    for i in range(steps):
+        s = step_input([[t] for t in tokens], [prompt_len + i] * batch, tables)
+        want = eager(s)  # writes this step's keys and values; the replay writes the same again
+        got = runner.graphs.run(s.token_ids, s.starts, s.block_tables)
+        errs.append(rel_err(got, want))
+        agree += sum(a == b for a, b in zip(got.argmax(-1).tolist(), want.argmax(-1).tolist()))
+        tokens = want.argmax(-1).tolist()
+    ok = max(errs) < 1e-2
+    return (f"decode graphs (batch {batch} in bucket 8) vs eager runner: logits rel err max {max(errs):.1e}, "
+            f"greedy tokens agree {agree}/{batch * steps} -> {'OK' if ok else 'FAIL'}")
+
+
+@torch.inference_mode()
+def check_syncs(model, batch: int = 4, prompt_len: int = 16, steps: int = 8) -> str:
+    """Decode steps through the engine under torch's sync debug mode: every synchronising CUDA
+    call warns; the graph path should make one per step (the sampler reading the token ids)."""
+    import warnings
+
+    engine = bench_engine(model, batch, prompt_len + steps + 8, batch * prompt_len)
+    measure(engine, batch, prompt_len, 4, seed=7)  # warm-up
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"sync-{i}", list(range(1 + i, prompt_len + 1 + i)), params)
+    engine.step()  # the prefill, eager
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            n = 0
+            while engine.has_unfinished():
+                engine.step()
+                n += 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0][:100] for w in caught
+             if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
+    kinds = sorted(set(syncs))
+    ok = 0 < len(syncs) <= n
+    return (f"host syncs in {n} graph decode steps at batch {batch}: {len(syncs)} "
+            f"({'; '.join(kinds) or 'none reported'}) -> {'OK' if ok else 'CHECK'}")

@@ -1,0 +1,287 @@
+"""End-to-end decode on one GPU: a llama-3-8b-shaped INT4 g128 model through flotilla's engine,
+against transformers (fp16 eager, and bitsandbytes nf4) and the physical bound, in one run.
+
+    python bench/gpu_decode.py                  # GPU checks, then the table
+    python bench/gpu_decode.py --json           # one JSON object per row
+
+Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
+  flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, Triton kernels, sampler)
+  flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
+  flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
+  flotilla fp16           unquantized linears (cuBLAS) through the same engine and graphs
+  transformers fp16       LlamaForCausalLM from the same config, random weights on the GPU, its own
+                          DynamicCache, a greedy loop of eager forwards (default sdpa attention)
+  transformers nf4        the same model with every decoder linear swapped for bitsandbytes Linear4bit
+  bound                   B / ((weight bytes + the batch's KV bytes) / HBM bandwidth), the bandwidth
+                          measured here (device-to-device copy, read + write bytes)
+All models have random weights of the real shape (no checkpoint, no download). Prompts are
+`--prompt-len` random tokens; the clock covers decode steps only.
+
+Before timing: paged attention on the GPU (Triton decode kernel + SDPA prefill) against the torch
+reference on CPU in fp32, and the decode graphs' logits against the eager runner's on the
+INT4 model. After: one profile of a batch-1 decode step (GPU time per kernel family against the
+step's wall time), which says where the time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flotilla.models.linear import QuantLinear  # noqa: E402
+from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
+from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
+from flotilla.runtime.sampling import SamplingParams  # noqa: E402
+from gpu_checks import check_attention, check_fused, check_graphs, check_syncs  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------- peers
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    import triton.testing
+
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3
+    return 2 * 2 * 2**30 / t
+
+
+def hf_model(name: str, device: str = "cuda"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = shape_config(name, 16).to_hf_dict()
+    d.pop("torch_dtype")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**d))
+    finally:
+        torch.set_default_dtype(default)
+    return model.half().eval().requires_grad_(False)
+
+
+def to_nf4(model) -> int:
+    """Swap every decoder linear for a bitsandbytes nf4 Linear4bit (quantized on the GPU); returns
+    how many were swapped."""
+    import bitsandbytes as bnb
+
+    swapped = 0
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if isinstance(lin, torch.nn.Linear):
+                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                          compute_dtype=torch.float16, quant_type="nf4", device="meta")
+                    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4")
+                    if lin.bias is not None:
+                        q.bias = lin.bias
+                    setattr(parent, name, q.to("cuda"))
+                    swapped += 1
+    torch.cuda.empty_cache()
+    return swapped
+
+
+@torch.inference_mode()
+def hf_decode(model, batch: int, prompt_len: int, tokens: int) -> DecodeRun:
+    """Greedy decode with transformers' own cache; the clock covers the decode forwards."""
+    vocab = model.config.vocab_size
+    device = model.lm_head.weight.device
+    ids = torch.randint(0, vocab, (batch, prompt_len), device=device)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(tokens - 1):
+        out = model(input_ids=nxt, past_key_values=past, use_cache=True, logits_to_keep=1)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync()
+    return DecodeRun(batch, prompt_len, batch * (tokens - 1), tokens - 1, time.perf_counter() - start, False)
+
+
+# ------------------------------------------------------------------------------------- profile
+
+def kernel_family(name: str) -> str:
+    if "w_dot" in name or "dequantize_kernel" in name:
+        return "int4 linears (Triton)"
+    if "_decode_kernel" in name or "_combine_kernel" in name:
+        return "paged attention (Triton)"
+    if "gemm" in name.lower() or "gemv" in name.lower() or "cutlass" in name.lower() or "nvjet" in name.lower():
+        return "lm_head (cuBLAS)"
+    return "other (norms, rope, kv store, elementwise, copies)"
+
+
+@torch.inference_mode()
+def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8, top: int = 0) -> str:
+    """GPU time per kernel family over `steps` batch-1 decode steps, against their wall time (and
+    the `top` kernels by GPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs)
+    measure(engine, 1, prompt_len, 8, seed=5)  # warm-up
+    engine.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps + 1, temperature=0,
+                                                                          ignore_eos=True))
+    engine.step()  # the prefill
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        wall = (time.perf_counter() - start) / steps
+    fams: dict[str, float] = {}
+    count: dict[str, int] = {}
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)  # µs over all steps
+        if not t:
+            continue
+        fam = "copies and memsets" if e.key.startswith(("Memcpy", "Memset")) else kernel_family(e.key)
+        fams[fam] = fams.get(fam, 0.0) + t / steps
+        count[fam] = count.get(fam, 0) + e.count / steps
+        kernels.append((t / steps, e.count / steps, e.key))
+    total = sum(fams.values())
+    lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs: wall {wall * 1e3:.2f} ms, "
+             f"GPU busy {total / 1e3:.2f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
+    for fam, t in sorted(fams.items(), key=lambda p: -p[1]):
+        lines.append(f"    {fam:<52} {t / 1e3:7.3f} ms  {count[fam]:6.0f} kernels/step")
+    if top:
+        lines.append(f"  top {top} kernels (µs/step, calls/step, mean µs):")
+        for t, n, name in sorted(kernels, reverse=True)[:top]:
+            lines.append(f"    {t:8.1f} {n:5.0f} {t / n:7.2f}  {name[:110]}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- main
+
+def tune_linears(model, batches: list[int]) -> float:
+    """Time each linear shape's candidate tile configs once and give the winners to every linear
+    of that shape. Returns seconds spent."""
+    start = time.perf_counter()
+    winners: dict[tuple, dict] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and hasattr(mod.kernel, "tune"):
+            key = (mod.in_features, mod.out_features, mod.bits)
+            if key not in winners:
+                winners[key] = {m: cfg for m, (_, cfg) in mod.kernel.tune(batches).items()}
+            else:
+                for m, cfg in winners[key].items():  # one candidate: sets it without a search
+                    mod.kernel.tune([m], candidates=lambda _m, c=cfg: [c])
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream, flotilla rows")
+    ap.add_argument("--hf-tokens", type=int, default=32, help="tokens per stream, transformers rows")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--tune", action="store_true", help="also the int4 rows after tuning tile configs on the GPU")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
+                                               "transformers rows), nf4, fp16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gpu_decode.py needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    skip = set(args.skip.split(","))
+    cfg = shape_config(args.shape, 4)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    rows: dict[str, dict[int, DecodeRun]] = {}
+
+    def section(label, fn):
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception:  # noqa: BLE001 - one failing peer is reported; the others still run
+            print(f"[{label}] FAILED:\n{traceback.format_exc()}", flush=True)
+            return None
+        print(f"[{label}] {time.perf_counter() - t0:.1f}s", flush=True)
+        return out
+
+    def hf_rows(label, hf):
+        rows[label] = {}
+        for b in batches:
+            hf_decode(hf, b, args.prompt_len, 3)  # warm-up
+            r = section(f"{label} b{b}", lambda: hf_decode(hf, b, args.prompt_len, args.hf_tokens))
+            if r is not None:
+                rows[label][b] = r
+                print(f"  {label:<22} batch {b:3d}: {r.tok_s:9.1f} tok/s", flush=True)
+
+    def ours(label, model, graphs=True, bs=batches, tokens=args.tokens):
+        rows[label] = {}
+        for r in run_batches(model, bs, args.prompt_len, tokens, graphs):
+            rows[label][r.batch] = r
+            print(f"  {label:<22} batch {r.batch:3d}: {r.tok_s:9.1f} tok/s ({r.tok_s_per_stream:7.1f} per stream, "
+                  f"{r.ms_per_step:6.2f} ms/step)", flush=True)
+
+    print(section("attention check", check_attention), flush=True)
+    bw = section("HBM bandwidth", copy_bandwidth)
+    model = section("build int4", lambda: build_random_model(args.shape, 4, "cuda", torch.float16))
+    wbytes = weight_bytes(model)
+    print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    print(section("fused ops check", lambda: check_fused(model)), flush=True)
+    print(section("graph check", lambda: check_graphs(model)), flush=True)
+    print(section("sync check", lambda: check_syncs(model)), flush=True)
+    section("flotilla int4", lambda: ours("flotilla int4 g128", model))
+    if "eager" not in skip:
+        section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))
+    if "profile" not in skip:
+        for graphs in (True, False):
+            print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len, top=16 if graphs else 0)),
+                  flush=True)
+    if "hf" not in skip:
+        hf = section("build transformers fp16", lambda: hf_model(args.shape))
+        hf_rows("transformers fp16", hf)
+        if "nf4" not in skip and section("convert to nf4", lambda: to_nf4(hf)) is not None:
+            hf_rows("transformers nf4", hf)
+        del hf
+        torch.cuda.empty_cache()
+    if "fp16" not in skip:
+        fp16 = section("build fp16", lambda: build_random_model(args.shape, 16, "cuda", torch.float16))
+        section("flotilla fp16", lambda: ours("flotilla fp16", fp16, tokens=64))
+        del fp16
+        torch.cuda.empty_cache()
+    report(rows, batches, cfg, wbytes, bw, args)
+    if args.tune:
+        section("tune", lambda: tune_linears(model, batches))
+        section("flotilla int4 tuned", lambda: ours("flotilla int4 tuned", model))
+        report(rows, batches, cfg, wbytes, bw, args)
+    return 0
+
+
+def report(rows, batches, cfg, wbytes: int, bw: float, args) -> None:
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # fp16 K and V
+    mean_ctx = args.prompt_len + args.tokens / 2
+    bound = {b: b / ((wbytes + b * mean_ctx * kv_per_token) / bw) for b in batches}
+    labels = list(rows)
+    if args.json:
+        for label in labels:
+            for b, r in rows[label].items():
+                print(json.dumps({"engine": label, "shape": args.shape, **r.row(), "bound_tok_s": bound[b],
+                                  "of_bound": r.tok_s / bound[b]}))
+        return
+    head = ["batch"] + [f"{label} tok/s" for label in labels] + ["bound tok/s", "int4 / bound"]
+    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    main_rows = rows.get("flotilla int4 g128", {})
+    for b in batches:
+        cells = [str(b)] + [f"{rows[lbl][b].tok_s:.1f}" if b in rows[lbl] else "n/a" for lbl in labels]
+        ratio = f"{main_rows[b].tok_s / bound[b]:.0%}" if b in main_rows else "n/a"
+        print("| " + " | ".join(cells + [f"{bound[b]:.0f}", ratio]) + " |")
+    for peer in ("transformers fp16", "transformers nf4"):
+        if peer in rows and 1 in rows[peer] and 1 in main_rows:
+            print(f"batch 1: flotilla int4 is {main_rows[1].tok_s / rows[peer][1].tok_s:.1f}x {peer}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

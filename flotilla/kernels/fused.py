@@ -1,0 +1,83 @@
+"""The small per-layer ops of a decoder step, each one launch on CUDA:
+
+    rms_norm(x, weight, eps)                  x [T, H] -> [T, H]
+    add_rms_norm(x, delta, weight, eps)       -> (x + delta, rms_norm(x + delta))
+    silu_mul(gate_up)                         [T, 2I] -> silu(first half) * second half
+    rope(x, cos, sin)                         x [T, H, D] -> x * cos + roll(x, D/2) * sin
+    store_kv_slots(key_cache, value_cache, key, value, slot_mapping)
+
+On CUDA (fp16/bf16) they run the Triton kernels of flotilla.kernels.triton_fused. A batch-1
+llama-3-8b decode step spends 0.92 ms of its 3.0 ms of GPU time in ~360 small torch kernels
+(bench/NOTES-gpu-decode.md); torch's layer-norm kernel alone takes ~5.8 µs for one 4096-wide row,
+65 times a step. Elsewhere, and for inputs the kernels do not take, each function is the torch
+expression it stands for, so CPU results are unchanged. `ENABLED = False` turns the Triton path
+off (the GPU benchmark's check compares both).
+
+This module imports nothing of flotilla's.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+ENABLED = importlib.util.find_spec("triton") is not None
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _on_gpu(*tensors: torch.Tensor) -> bool:
+    t = tensors[0]
+    return (ENABLED and t.is_cuda and t.dtype in _HALF and all(u.dtype == t.dtype for u in tensors)
+            and all(u.stride(-1) == 1 for u in tensors))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 2 and _on_gpu(x, weight):
+        from .triton_fused import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 2 and delta.shape == x.shape and _on_gpu(x, delta, weight):
+        from .triton_fused import add_rms_norm as triton_add_rms_norm
+
+        return triton_add_rms_norm(x, delta, weight, eps)
+    x = x + delta
+    return x, F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    if gate_up.dim() == 2 and _on_gpu(gate_up):
+        from .triton_fused import silu_mul as triton_silu_mul
+
+        return triton_silu_mul(gate_up)
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    if (x.dim() == 3 and d & (d - 1) == 0 and cos.shape == sin.shape == (x.shape[0], 1, d)
+            and _on_gpu(x, cos, sin)):
+        from .triton_fused import rope as triton_rope
+
+        return triton_rope(x, cos, sin)
+    return torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
+
+
+def store_kv_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into the caches [..., Hkv, D] at flat slots `slot_mapping` [T]."""
+    hkv, d = key.shape[1], key.shape[2]
+    if (d & (d - 1) == 0 and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and _on_gpu(key, value, key_cache, value_cache)):
+        from .triton_fused import store_kv as triton_store_kv
+
+        triton_store_kv(key_cache, value_cache, key, value, slot_mapping)
+        return
+    key_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value)

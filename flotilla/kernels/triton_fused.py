@@ -1,0 +1,138 @@
+"""Triton kernels for the small per-layer ops of a decode step, each one launch where torch takes
+one to three (flotilla.kernels.fused dispatches to them on CUDA):
+
+    rms_norm(x, weight, eps)               x [T, H] -> [T, H]
+    add_rms_norm(x, delta, weight, eps)    -> (x + delta, rms_norm(x + delta))
+    silu_mul(gate_up)                      [T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:]
+    rope(x, cos, sin)                      x [T, H, D], cos/sin [T, 1, D] (sin signed, full width)
+                                           -> x * cos + roll(x, D/2) * sin
+    store_kv(key_cache, value_cache, key, value, slot_mapping)
+
+Each rounds where the torch expression it replaces rounds (half-precision intermediates where
+torch keeps them, fp32 arithmetic inside one op), so results agree with torch's to the last
+place or one unit of it. No host synchronisation: all can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stride_y, stride_s, n, eps,
+                     BLOCK: tl.constexpr, HAS_ADD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_ADD:  # the residual stream stays in the activation dtype, rounded as torch's add
+        x = (x.to(tl.float32) + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = (a / (1.0 + tl.exp(-a))).to(y_ptr.dtype.element_ty).to(tl.float32)  # torch rounds silu's output
+    tl.store(y_ptr + row * stride_y + offs, (silu * b).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_yt, stride_yh,
+                 heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    mask = (h < heads)[:, None]
+    row = x_ptr + t * stride_xt + h[:, None] * stride_xh
+    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    xr = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)  # torch rounds x * cos, then addcmul
+    out = (a + xr * s[None, :]).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * stride_yt + h[:, None] * stride_yh + d[None, :], out, mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    mask = (h < heads)[:, None]
+    dst = slot * heads * D + h[:, None] * D + d[None, :]  # the caches are contiguous [slots, Hkv, D]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(kc_ptr + dst, k, mask=mask)
+    tl.store(vc_ptr + dst, v, mask=mask)
+
+
+def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    rows, n = x.shape
+    if weight.shape != (n,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} does not match rows of {n} features")
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if delta is not None else y
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](
+        x, delta if delta is not None else x, weight, y, s, x.stride(0),
+        delta.stride(0) if delta is not None else 0, y.stride(0), s.stride(0), n, eps,
+        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)))
+    return s, y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta.shape != x.shape:
+        raise ValueError(f"residual {tuple(x.shape)} and delta {tuple(delta.shape)} differ")
+    return _norm(x, delta, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, width = gate_up.shape
+    inter = width // 2
+    y = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), y.stride(0), inter,
+                                                         BLOCK=block, num_warps=4)
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    T, heads, D = x.shape
+    if D & (D - 1) or cos.shape != (T, 1, D) or sin.shape != (T, 1, D):
+        raise ValueError(f"rope needs a power-of-2 head size and cos/sin [T, 1, D]; got x {tuple(x.shape)}, "
+                         f"cos {tuple(cos.shape)}")
+    y = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    block_h = min(8, triton.next_power_of_2(heads))
+    _rope_kernel[(T, triton.cdiv(heads, block_h))](
+        x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1), heads,
+        D=D, BLOCK_H=block_h, num_warps=4)
+    return y
+
+
+def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    T, heads, D = key.shape
+    if D & (D - 1) or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("store_kv needs contiguous caches and a power-of-2 head size")
+    _store_kv_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
+                           value.stride(0), value.stride(1), heads, D=D, BLOCK_H=triton.next_power_of_2(heads),
+                           num_warps=4)

@@ -1,0 +1,181 @@
+"""`runtime bench`: decode throughput of the engine, on a random-weight model of a named shape
+(no checkpoint needed) or on a model path.
+
+    runtime bench --random llama-3-8b --bits 4 --batch 1,16,64 --tokens 128
+
+For each batch size B: B requests of `--prompt-len` random tokens, each generating `--tokens`
+tokens greedily (EOS ignored), through the whole engine (scheduler, runner, CUDA graphs on a GPU,
+sampler). The prompts are prefilled in one step; the clock runs over the decode steps only, from
+the end of the step that gave every request its first token to the last token. A short round on
+the same engine warms it up first. Prints aggregate tok/s, tok/s per stream and ms per step;
+`--json` prints one JSON object per batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flotilla.errors import FlotillaError
+from flotilla.models.llama import CausalLM
+
+from .cuda_graphs import BUCKETS, bucket_for
+from .engine import EngineConfig, LLMEngine
+from .kv_cache import KVCache, KVCacheSpec
+from .model_runner import ModelRunner
+from .random_model import BITS, SHAPES, build_random_model, weight_bytes
+from .sampling import SamplingParams
+from .scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    batch: int
+    prompt_len: int
+    decode_tokens: int  # tokens generated inside the timed window, all streams together
+    decode_steps: int
+    seconds: float
+    graphs: bool
+
+    @property
+    def tok_s(self) -> float:
+        """Aggregate decode tokens per second over all streams."""
+        return self.decode_tokens / self.seconds
+
+    @property
+    def tok_s_per_stream(self) -> float:
+        return self.tok_s / self.batch
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / max(1, self.decode_steps)
+
+    def row(self) -> dict:
+        return {**asdict(self), "tok_s": self.tok_s, "tok_s_per_stream": self.tok_s_per_stream,
+                "ms_per_step": self.ms_per_step}
+
+
+def bench_engine(model: CausalLM, batch: int, context: int, prefill_tokens: int, graphs: bool = True,
+                 block_size: int = 16) -> LLMEngine:
+    """An engine for `batch` concurrent sequences of up to `context` tokens, whose KV cache holds
+    exactly that, with one CUDA graph for the bucket that serves `batch` (on CUDA, `graphs`)."""
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    device = model.model.embed_tokens.weight.device
+    spec = KVCacheSpec(tuple(model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, block_size)
+    num_blocks = batch * -(-context // block_size) + 1  # + the null block
+    cache = KVCache(spec, num_blocks, device)
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=context,
+                          scheduler=SchedulerConfig(batch, max(prefill_tokens, batch)), enable_prefix_caching=False)
+    bucket = bucket_for(batch, BUCKETS)
+    sizes = (bucket,) if graphs and bucket is not None else ()
+    runner = ModelRunner(model, cache, graph_sizes=sizes, max_model_len=config.context_len)
+    return LLMEngine(runner, config, None, (), cfg.vocab_size)
+
+
+def measure(engine: LLMEngine, batch: int, prompt_len: int, tokens: int, seed: int = 0) -> DecodeRun:
+    """Run `batch` random prompts to `tokens` tokens each; time the decode steps."""
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    ids = [f"bench-{seed}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(vocab) for _ in range(prompt_len)], params)
+    started = set()
+    start = None
+    decode_tokens = steps = 0
+    while engine.has_unfinished():
+        outputs = engine.step()  # returns after the sampled ids are on the host
+        if start is not None:
+            steps += 1
+            decode_tokens += sum(len(o.new_token_ids) for o in outputs)
+            continue
+        started.update(o.request_id for o in outputs if o.new_token_ids)
+        if len(started) == batch:
+            start = time.perf_counter()
+    seconds = time.perf_counter() - (start or time.perf_counter())
+    return DecodeRun(batch, prompt_len, decode_tokens, steps, seconds, engine.executor.graphs is not None)
+
+
+def run_batches(model: CausalLM, batches: list[int], prompt_len: int, tokens: int, graphs: bool = True):
+    """One DecodeRun per batch size, each on its own engine (warmed up first)."""
+    for b in batches:
+        engine = bench_engine(model, b, prompt_len + tokens, b * prompt_len, graphs)
+        measure(engine, b, prompt_len, min(tokens, 8), seed=1)  # warm-up: compile, allocate
+        yield measure(engine, b, prompt_len, tokens, seed=2)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a model path (default: the embedded SmolLM2-135M-Instruct); or use --random")
+    p.add_argument("--random", metavar="SHAPE", default=None,
+                   help=f"a random-weight model of a named shape, built on the device: {', '.join(SHAPES)}")
+    p.add_argument("--bits", type=int, default=4, help="with --random: 4 or 8 (GPTQ, group --group-size), "
+                                                        "16 for unquantized linears (default 4)")
+    p.add_argument("--group-size", type=int, default=128, help="with --random (default 128)")
+    p.add_argument("--layers", type=int, default=None, help="with --random: fewer decoder layers than the shape's")
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto", help="activation dtype (default: float32 on CPU, float16 on GPU)")
+    p.add_argument("--batch", default="1", help="comma-separated concurrent streams, e.g. 1,16,64 (default 1)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated per stream (default 128)")
+    p.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens per stream (default 32)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--json", action="store_true", help="one JSON object per batch size")
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise FlotillaError(f"--batch {text!r}: expected positive integers separated by commas, e.g. 1,16,64")
+    return batches
+
+
+def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
+    from .loader import load_model, parse_device, parse_dtype
+
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    if args.random is None:
+        lm = load_model(args.model, device, args.dtype, with_tokenizer=False)
+        return lm.model, str(lm.path)
+    if args.model is not None:
+        raise FlotillaError(f"give a model path or --random, not both (got {args.model!r} and --random {args.random})")
+    if args.bits not in BITS:
+        raise FlotillaError(f"--bits {args.bits}: expected one of {', '.join(map(str, BITS))}")
+    model = build_random_model(args.random, args.bits, device, dtype, args.group_size, num_layers=args.layers)
+    bits = "fp" if args.bits == 16 else f"int{args.bits} g{args.group_size}"
+    return model, f"random {args.random} ({bits})"
+
+
+def run(args: argparse.Namespace) -> int:
+    batches = _batches(args.batch)
+    if args.tokens < 2 or args.prompt_len < 1:
+        raise FlotillaError("--tokens must be at least 2 and --prompt-len at least 1")
+    model, name = _model(args)
+    device = model.model.embed_tokens.weight.device
+    dtype = model.model.embed_tokens.weight.dtype
+    gib = weight_bytes(model) / 2**30
+    if not args.json:
+        print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {gib:.2f} GiB of weights read per step, "
+              f"prompt {args.prompt_len} + {args.tokens} tokens per stream", flush=True)
+        print(f"{'batch':>5} {'tok/s':>10} {'tok/s/stream':>13} {'ms/step':>8} {'graphs':>6}", flush=True)
+    for r in run_batches(model, batches, args.prompt_len, args.tokens, graphs=not args.enforce_eager):
+        if args.json:
+            print(json.dumps({"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                              **r.row()}), flush=True)
+        else:
+            print(f"{r.batch:>5} {r.tok_s:>10.1f} {r.tok_s_per_stream:>13.1f} {r.ms_per_step:>8.2f} "
+                  f"{'yes' if r.graphs else 'no':>6}", flush=True)
+    return 0

@@ -1,0 +1,179 @@
+"""CUDA graphs for decode steps: one graph per batch bucket, captured when the runner starts.
+
+A decode-only step of B sequences replays the graph of the smallest bucket n >= B; rows B..n-1
+are padding. Each bucket owns its static inputs: one int64 device buffer holding
+
+    token_ids [n] | positions [n] | slot_mapping [n] | seq_lens [n] | block_tables [n, W]
+
+(W = blocks of the longest context served) and a pinned host twin. A step fills the host twin
+with numpy, sends it in one asynchronous copy and replays the graph, which writes fp32 logits
+[n, vocab] into the bucket's static output. Nothing here waits on the device: reading the
+sampled token ids (the sampler's `tolist`) is the step's one sync.
+
+Padding rows hold token 0 at position 0 with one token of context, and a block table of null
+blocks (block 0): their key and value land in slot 0 of the null block, which no real sequence
+reads (the Triton kernel stops at each context length; the torch path masks), and their logits
+are never read.
+
+What the graph bakes in at capture: the decode kernel's split count (from W, as for a context
+of the full W blocks; empty splits cost one tiny program each) and each linear's tile config
+for n rows. `DecodeGraphRunner(..., capture=False)` runs the same static-buffer path eagerly,
+with no CUDA: the CPU tests check the buffers and the padding through it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from flotilla.kernels.attention import PagedAttentionMetadata
+from flotilla.models.llama import CausalLM
+
+from .kv_cache import KVCache, PagedAttentionBackend
+
+log = logging.getLogger("flotilla.runtime")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_FIELDS = 4  # token ids, positions, slot mapping, seq lens (then the block tables)
+
+
+def capture_sizes(max_batch: int, buckets: tuple[int, ...] = BUCKETS) -> tuple[int, ...]:
+    """The buckets that serve batches of 1..max_batch: those below it and the first at or above
+    it (larger batches than the largest bucket run eagerly)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    below = [b for b in buckets if b < max_batch]
+    above = [b for b in buckets if b >= max_batch]
+    return tuple(below + above[:1])
+
+
+def bucket_for(batch: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest captured size that holds `batch` rows, or None."""
+    return min((s for s in sizes if s >= batch), default=None)
+
+
+class DecodeInputs:
+    """The static inputs of one bucket: device views into one int64 buffer, a pinned host twin."""
+
+    def __init__(self, size: int, width: int, block_size: int, device: torch.device):
+        self.size, self.width, self.block_size = size, width, block_size
+        numel = size * (_FIELDS + width)
+        cuda = device.type == "cuda"
+        self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)
+        self.host_buf = torch.zeros(numel, dtype=torch.int64, pin_memory=cuda)
+        self._host = self.host_buf.numpy()
+        self._copied = torch.cuda.Event() if cuda else None
+        n = size
+        fields = self.device_buf[:_FIELDS * n].view(_FIELDS, n)
+        self.token_ids, self.positions, self.slot_mapping, self.seq_lens = fields  # [n] each
+        self.block_tables = self.device_buf[_FIELDS * n:].view(n, width)  # [n, W]
+        self.query_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.fill([], [], [])  # all padding
+
+    def host_views(self) -> tuple[np.ndarray, ...]:
+        """(token_ids, positions, slot_mapping, seq_lens, block_tables) of the host twin."""
+        n = self.size
+        fields = self._host[:_FIELDS * n].reshape(_FIELDS, n)
+        return (*fields, self._host[_FIELDS * n:].reshape(n, self.width))
+
+    def fill(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]]) -> None:
+        """Write one decode step (B <= size sequences; sequence b's new token sits at position
+        starts[b]) and send it to the device."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy from the host twin (long done: its step was sampled)
+        B, bs = len(starts), self.block_size
+        tok, pos, slot, lens, tables = self.host_views()
+        tables.fill(0)
+        for b, t in enumerate(block_tables):
+            tables[b, :len(t)] = t
+        tok[:B], tok[B:] = token_ids, 0
+        pos[:B], pos[B:] = starts, 0
+        s = pos[:B]
+        slot[:B] = tables[np.arange(B), s // bs] * bs + s % bs
+        slot[B:] = 0
+        lens[:B], lens[B:] = s + 1, 1
+        self.device_buf.copy_(self.host_buf, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def metadata(self) -> PagedAttentionMetadata:
+        """Attention metadata over the static buffers, as for contexts of up to W blocks."""
+        return PagedAttentionMetadata(
+            slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_lens=self.query_lens, block_size=self.block_size, num_decodes=self.size,
+            max_decode_seq_len=self.width * self.block_size, max_prefill_query_len=0, max_prefill_seq_len=0)
+
+
+class _Bucket:
+    def __init__(self, inputs: DecodeInputs, forward: Callable[[DecodeInputs], torch.Tensor],
+                 graph: "torch.cuda.CUDAGraph | None", logits: torch.Tensor):
+        self.inputs, self.forward, self.graph, self.logits = inputs, forward, graph, logits
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self.forward(self.inputs)
+        return self.logits
+
+
+class DecodeGraphRunner:
+    """Decode steps of a whole model (first and last stage) through per-bucket CUDA graphs."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, sizes: tuple[int, ...], max_model_len: int,
+                 scale: float, capture: bool = True):
+        if not (model.stage.is_first and model.stage.is_last):
+            raise ValueError("decode graphs run a whole model (token ids in, logits out), not a pipeline stage")
+        self.model, self.cache, self.scale = model, cache, scale
+        self.block_size = cache.spec.block_size
+        self.width = min(-(-max_model_len // self.block_size), cache.num_blocks)  # W: blocks per sequence
+        self.sizes = tuple(sorted(set(sizes)))
+        self.pool = None
+        self.buckets: dict[int, _Bucket] = {}
+        start = time.perf_counter()
+        for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            self.buckets[n] = self._capture(n) if capture else self._eager(n)
+        log.info("decode graphs for batch sizes %s captured in %.1fs", self.sizes, time.perf_counter() - start)
+
+    def can_run(self, token_ids: list[int], num_decodes: int, block_tables: list[list[int]]) -> bool:
+        """A decode-only step that fits a bucket and the table width."""
+        return (num_decodes == len(token_ids) == len(block_tables) and bucket_for(num_decodes, self.sizes) is not None
+                and max(len(t) for t in block_tables) <= self.width)
+
+    def run(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """fp32 logits [B, vocab] of a decode step (a view of the bucket's static output: read it
+        before the next step)."""
+        B = len(starts)
+        bucket = self.buckets[bucket_for(B, self.sizes)]
+        bucket.inputs.fill(token_ids, starts, block_tables)
+        return bucket.replay()[:B]
+
+    def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
+        backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)
+        h = self.model(inputs.token_ids, inputs.positions, backend)  # [n, hidden]
+        return self.model.compute_logits(h)  # [n, vocab] fp32
+
+    @torch.inference_mode()
+    def _eager(self, n: int) -> _Bucket:
+        inputs = DecodeInputs(n, self.width, self.block_size, self.cache.device)
+        return _Bucket(inputs, self._forward, None, self._forward(inputs))
+
+    @torch.inference_mode()
+    def _capture(self, n: int) -> _Bucket:
+        inputs = DecodeInputs(n, self.width, self.block_size, self.cache.device)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture: compile kernels, pick tile configs
+            for _ in range(2):
+                self._forward(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(inputs)
+        self.pool = graph.pool()
+        return _Bucket(inputs, self._forward, graph, logits)

@@ -1,0 +1,115 @@
+"""The decode-graph runner's logic on CPU: bucket choice, static buffer filling and padding, and
+the static-buffer path (what a CUDA graph replays, run eagerly here) against the eager runner."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flotilla.kernels.gptq import GPTQWeight
+from flotilla.models.linear import QuantLinear
+from flotilla.runtime.cuda_graphs import BUCKETS, DecodeGraphRunner, DecodeInputs, bucket_for, capture_sizes
+from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, PagedAttentionBackend
+from flotilla.runtime.model_runner import ModelRunner, StepInput, prepare_step
+from flotilla.runtime.random_model import build_random_model, weight_bytes
+from flotilla.runtime.sampler import SamplingBatch
+from flotilla.runtime.sampling import SamplingParams
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_limit():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(16) == (1, 2, 4, 8, 16)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 32)
+    assert capture_sizes(1000) == BUCKETS  # beyond the largest bucket: eager
+    with pytest.raises(ValueError):
+        capture_sizes(0)
+
+
+def test_bucket_is_the_smallest_that_holds_the_batch():
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    assert [bucket_for(b, sizes) for b in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert bucket_for(65, sizes) is None
+
+
+def test_fill_writes_each_field_and_pads_the_rest():
+    inputs = DecodeInputs(size=4, width=3, block_size=4, device=torch.device("cpu"))
+    inputs.fill([11, 12], [5, 0], [[3, 7], [9]])
+    tok, pos, slot, lens, tables = inputs.host_views()
+    assert tok.tolist() == [11, 12, 0, 0]
+    assert pos.tolist() == [5, 0, 0, 0]
+    assert slot.tolist() == [7 * 4 + 1, 9 * 4 + 0, 0, 0]  # position 5 is in logical block 1 (= 7), offset 1
+    assert lens.tolist() == [6, 1, 1, 1]  # padding rows: one token of context, in the null block
+    assert tables.tolist() == [[3, 7, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0]]
+    # the device views read the same buffer
+    assert inputs.token_ids.tolist() == [11, 12, 0, 0] and inputs.slot_mapping.tolist() == [29, 36, 0, 0]
+    assert inputs.block_tables.tolist() == tables.tolist()
+    inputs.fill([4], [2], [[8]])  # a smaller step leaves nothing stale behind
+    assert inputs.token_ids.tolist() == [4, 0, 0, 0] and inputs.seq_lens.tolist() == [3, 1, 1, 1]
+    assert inputs.block_tables.tolist() == [[8, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    meta = inputs.metadata()
+    assert meta.num_decodes == 4 and meta.max_decode_seq_len == 12 and meta.first_block == -1
+
+
+def test_random_model_has_symmetric_uniform_codes_and_finite_logits():
+    model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, seed=3)
+    lin = model.model.layers["0"].mlp.down_proj
+    assert isinstance(lin, QuantLinear)
+    w = GPTQWeight(lin.qweight, lin.qzeros, lin.scales, lin.g_idx, 4, 128)
+    assert torch.equal(w.zeros(), torch.full_like(w.zeros(), 8))
+    assert set(w.codes().unique().tolist()) == set(range(16))
+    assert bool((lin.scales > 0).all())
+    assert weight_bytes(model) > model.lm_head.weight.numel() * 4
+    cache = KVCache(KVCacheSpec((0, 1), 2, 32, torch.float32, 4), 8, torch.device("cpu"))
+    runner = ModelRunner(model, cache, graph_sizes=(1, 2))
+    assert runner.graphs is None  # CPU: graphs are never captured; the eager path is untouched
+    out = runner.execute(step([[1, 2, 3]], [0], [[1]], sample=True))
+    assert len(out.token_ids) == 1
+
+
+def step(new_tokens, starts, tables, sample=True) -> StepInput:
+    rows = [(SamplingParams(temperature=0), 0, [], []) for _ in new_tokens]
+    decodes = sum(1 for t in new_tokens if len(t) == 1)
+    return StepInput([f"r{i}" for i in range(len(new_tokens))], [t for ts in new_tokens for t in ts], starts,
+                     [len(t) for t in new_tokens], tables, decodes, [sample] * len(new_tokens),
+                     SamplingBatch.build(rows))
+
+
+def eager_logits(runner: ModelRunner, s: StepInput) -> torch.Tensor:
+    positions, meta = prepare_step(s, runner.block_size, runner.device)
+    x = torch.tensor(s.token_ids, dtype=torch.long)
+    return runner.compute_logits(s, runner.model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
+
+
+@torch.inference_mode()
+def test_static_buffer_decode_matches_the_eager_runner_step_after_step():
+    bs = 4
+    model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, seed=1)
+    spec = KVCacheSpec((0, 1), 2, 32, torch.float32, bs)
+    eager = ModelRunner(model, KVCache(spec, 40, torch.device("cpu")))
+    static = ModelRunner(model, KVCache(spec, 40, torch.device("cpu")))
+    graphs = DecodeGraphRunner(model, static.cache, (1, 4), max_model_len=64, scale=static.scale, capture=False)
+    assert graphs.width == 16
+    gen = np.random.default_rng(0)
+    prompts = [gen.integers(0, 512, n).tolist() for n in (5, 17, 9)]
+    tables = [[3, 9], [1, 2, 4, 30, 31], [7, 6, 5]]  # blocks out of order, room for 3 more tokens each
+    prefill = step(prompts, [0, 0, 0], tables)
+    want = eager_logits(eager, prefill)
+    torch.testing.assert_close(eager_logits(static, prefill), want)
+    tokens = want.argmax(-1).tolist()
+    starts = [len(p) for p in prompts]
+    for _ in range(3):  # three decode steps of 3 sequences in a bucket of 4 (one padding row)
+        decode = step([[t] for t in tokens], starts, tables)
+        assert graphs.can_run(decode.token_ids, decode.num_decodes, decode.block_tables)
+        want = eager_logits(eager, decode)
+        got = graphs.run(decode.token_ids, decode.starts, decode.block_tables)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tokens = want.argmax(-1).tolist()
+        starts = [s + 1 for s in starts]
+    # the same keys and values landed in the same slots; only the null block differs (padding)
+    torch.testing.assert_close(static.cache.storage[:, :, 1:], eager.cache.storage[:, :, 1:], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(static.cache.storage[:, :, 0], eager.cache.storage[:, :, 0])
+    # a prefill, too many sequences or a table wider than the graphs' are left to the eager path
+    assert not graphs.can_run(prefill.token_ids, prefill.num_decodes, prefill.block_tables)
+    assert not graphs.can_run([1] * 5, 5, [[1]] * 5)
+    assert not graphs.can_run([1], 1, [list(range(1, 18))])

@@ -1,0 +1,99 @@
+"""The Triton kernels of the per-layer small ops (RMSNorm alone and after the residual add,
+silu * mul, rope, the KV store) against the torch expressions they replace, on CPU tensors
+through TRITON_INTERPRET=1; and the dispatching functions are torch's own off CUDA."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+import test_triton_kernels  # noqa: E402,F401  (patches two Triton 3.6 interpreter bugs on import)
+
+from flotilla.kernels import fused, triton_fused  # noqa: E402
+from flotilla.models.rope import RotaryEmbedding  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> None:
+    """Within two units in the last place of the half type, of the result or of `scale` (the
+    size of the terms summed into it): the interpreter truncates fp32 -> bf16 where the GPU
+    rounds to nearest, and an fma rounds once where torch may round twice."""
+    ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
+    err = (got.float() - want.float()).abs()
+    scale = want.float().abs() if scale is None else scale.float().abs()
+    assert bool((err <= 2 * ulp * scale + 1e-6).all()), f"max err {err.max().item()}"
+
+
+@pytest.mark.parametrize("rows, width", [(1, 4096), (5, 96)])  # a llama row; a width that is not a power of 2
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_alone_and_after_the_residual_add(rows, width, dtype):
+    gen = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
+    delta = torch.randn(rows, width, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    want = F.rms_norm(x.float(), (width,), w.float(), 1e-5)  # the math in fp32
+    torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-5).float(), want, rtol=tol, atol=tol)
+    s, y = triton_fused.add_rms_norm(x, delta, w, 1e-5)
+    close(s, x + delta, dtype)
+    if dtype == torch.float16:
+        assert torch.equal(s, x + delta)  # the residual is rounded exactly as torch's add
+    torch.testing.assert_close(y.float(), F.rms_norm(s.float(), (width,), w.float(), 1e-5), rtol=tol, atol=tol)
+
+
+def test_norm_reads_rows_through_their_stride():
+    x = torch.randn(3, 256).half()[:, :128]  # row stride 256
+    w = torch.ones(128).half()
+    torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-6).float(), F.rms_norm(x.float(), (128,), None, 1e-6),
+                               rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gate_up = (2 * torch.randn(3, 2 * 1100)).to(dtype)  # not a multiple of the block
+    want = F.silu(gate_up[:, :1100]) * gate_up[:, 1100:]
+    close(triton_fused.silu_mul(gate_up), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_torch_on_a_strided_qkv_view(dtype):
+    T, hq, hkv, d = 5, 6, 2, 32
+    qkv = torch.randn(T, (hq + 2 * hkv) * d).to(dtype)
+    x = qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d)  # q and k, rows strided by the whole qkv row
+    rope = RotaryEmbedding(d, 64, 10000.0, None)
+    cos, sin = rope.tables(torch.tensor([0, 3, 9, 20, 63]), dtype)
+    want = torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
+    got = triton_fused.rope(x, cos, sin)
+    assert got.shape == (T, hq + hkv, d) and got.is_contiguous()
+    close(got, want, dtype, scale=(x * cos).abs() + (x.roll(d // 2, dims=-1) * sin).abs())
+
+
+def test_store_kv_writes_each_token_at_its_slot_and_nothing_else():
+    blocks, bs, hkv, d = 6, 4, 2, 16
+    kc = torch.zeros(blocks, bs, hkv, d, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    qkv = torch.randn(3, 5 * hkv * d).half()  # k and v as strided views, as the model hands them over
+    k, v = qkv[:, :hkv * d].view(3, hkv, d), qkv[:, 2 * hkv * d:3 * hkv * d].view(3, hkv, d)
+    slots = torch.tensor([5, 22, 8])
+    triton_fused.store_kv(kc, vc, k, v, slots)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    want_k.view(-1, hkv, d)[slots] = k
+    want_v.view(-1, hkv, d)[slots] = v
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_off_cuda_the_functions_are_torchs():
+    x, d, w = torch.randn(4, 64), torch.randn(4, 64), torch.rand(64)
+    assert torch.equal(fused.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
+    s, y = fused.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(s, x + d) and torch.equal(y, F.rms_norm(x + d, (64,), w, 1e-5))
+    assert torch.equal(fused.silu_mul(x), F.silu(x[:, :32]) * x[:, 32:])
+    q, cos, sin = torch.randn(4, 3, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    assert torch.equal(fused.rope(q, cos, sin), torch.addcmul(q * cos, q.roll(4, dims=-1), sin))

@@ -207,6 +207,7 @@ class VocabParallelEmbedding(VocabParallel, nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup):
         nn.Embedding.__init__(self, _share(vocab_size, group), hidden_size)
         self.group, self.full_vocab, self.vocab_start = group, vocab_size, group.part(vocab_size).start
+        self.weight.requires_grad_(False)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.vocab_start
@@ -219,6 +220,7 @@ class ParallelLMHead(VocabParallel, LMHead):
     def __init__(self, hidden_size: int, vocab_size: int, group: TPGroup):
         LMHead.__init__(self, hidden_size, _share(vocab_size, group))
         self.group, self.full_vocab = group, vocab_size
+        self.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.gather_columns(F.linear(x, self.weight))

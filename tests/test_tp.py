@@ -111,5 +111,11 @@ def test_smollm2_int4_tp3_equals_tp1(smollm2_int4, tmp_path):
     ref = tp1_logits(smollm2_int4, frozen=False)
     for path in ("live", "frozen"):
         err = (got[f"0.{path}"] - ref).abs().max().item()
-        assert err < 1e-3 * ref.abs().max().item(), f"SmolLM2 INT4 TP=3 ({path}) differs from TP=1 by {err}"
+        print(f"SmolLM2 INT4 ({path}): max |TP=3 - TP=1| = {err:.2e} (logits up to {ref.abs().max().item():.1f})")
+        # 30 layers of INT4 products summed in another order, logits up to ~35: measured 6e-5
+        assert err < 2 * ATOL, f"SmolLM2 INT4 TP=3 ({path}) differs from TP=1 by {err}"
     assert torch.equal(got["0.live"].argmax(-1), ref.argmax(-1))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "3", str(smollm2_int4)],
+                          capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])[str(smollm2_int4)] == greedy_tokens(str(smollm2_int4), 1)

@@ -83,6 +83,15 @@ def test_tp2_greedy_tokens_through_the_engine_equal_tp1(models):
         assert tp2[d] == tp1, f"{d}: greedy tokens differ"
 
 
+def test_a_killed_rank_stops_rank_0_at_once(models):
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "kill", str(models["fp32"])],
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # 16 x 240 tokens, 4 at a time: the step in flight fails as soon as the peer is gone
+    assert result["outcome"] in ("RuntimeError", "BrokenPipeError", "DistBackendError"), result
+
+
 def test_runtime_generate_tp2_prints_the_tp1_text(models, capfd):
     from flotilla.runtime.cli import main
 

@@ -137,6 +137,37 @@ def greedy_tokens(model_dir: str, tp: int, max_tokens: int = 12) -> list[list[in
             lm.parallel.close()
 
 
+def kill_a_rank_mid_run(model_dir: str) -> dict:
+    """TP=2 generating; rank 1 is killed while a long run is in flight. What rank 0's step does:
+    it must raise at once (gloo sees the peer gone), never hang."""
+    import signal
+    import threading
+    import time
+
+    from flotilla.runtime.engine_args import EngineArgs, build_engine, generate
+    from flotilla.runtime.sampling import SamplingParams
+    from flotilla.runtime.tp import load_model_parallel
+
+    lm = load_model_parallel(model_dir, "cpu", None, tp=2)
+    engine = build_engine(lm, EngineArgs(kv_cache_memory="8MiB", max_num_seqs=4))
+    params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)  # ~1000 steps in all
+    generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))  # both ranks are up
+    victim = lm.parallel.procs[0]
+    threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        generate(engine, [[4, 5, 6]] * 16, params)
+        outcome = "finished"
+    except Exception as e:  # noqa: BLE001 - what it raises is the result
+        outcome = type(e).__name__
+    result = {"outcome": outcome, "seconds": time.monotonic() - start}
+    lm.parallel.close()
+    return result
+
+
 if __name__ == "__main__":  # python tp_helpers.py TP MODEL_DIR...: greedy tokens per model as JSON
-    tp = int(sys.argv[1])
-    print(json.dumps({d: greedy_tokens(d, tp) for d in sys.argv[2:]}))
+    if sys.argv[1] == "kill":
+        print(json.dumps(kill_a_rank_mid_run(sys.argv[2])))
+    else:
+        tp = int(sys.argv[1])
+        print(json.dumps({d: greedy_tokens(d, tp) for d in sys.argv[2:]}))

@@ -5,6 +5,7 @@ for fp32 and INT4 weights (groups on rank boundaries, groups straddling ranks, a
 one-line error for 2."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -92,17 +93,22 @@ def test_a_killed_rank_stops_rank_0_at_once(models):
     assert result["outcome"] in ("RuntimeError", "BrokenPipeError", "DistBackendError"), result
 
 
-def test_runtime_generate_tp2_prints_the_tp1_text(models, capfd):
-    from flotilla.runtime.cli import main
+def test_runtime_generate_tp2_prints_the_tp1_text(models):
+    from flotilla.runtime.cli import _stream
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+    from flotilla.runtime.sampling import SamplingParams
 
-    args = ["generate", str(models["int4-g32"]), "-p", "tensor parallel", "--max-tokens", "16",
-            "--kv-cache-memory", "4MiB"]
-    assert main(args) == 0
-    tp1 = capfd.readouterr().out
-    proc = subprocess.run([sys.executable, "-m", "flotilla.server.cli", *args, "--tp", "2"], capture_output=True,
+    path, prompt = models["int4-g32"], "tensor parallel"
+    lm = load_model(path, "cpu")
+    engine = build_engine(lm, EngineArgs(kv_cache_memory="4MiB", max_num_seqs=1))
+    out = io.StringIO()  # what `runtime generate` writes, TP=1, in this process
+    _stream(engine, "tp1", lm.tokenizer.encode(prompt), SamplingParams(max_tokens=16, temperature=0.0), out)
+    proc = subprocess.run([sys.executable, "-m", "flotilla.server.cli", "generate", str(path), "-p", prompt,
+                           "--max-tokens", "16", "--kv-cache-memory", "4MiB", "--tp", "2"], capture_output=True,
                           env=cli_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.decode() == tp1 and len(tp1.strip()) > 0
+    assert proc.stdout.decode() == out.getvalue() + "\n" and out.getvalue().strip()
 
 
 def test_smollm2_tp2_is_one_line_naming_the_heads(smollm2_gguf):

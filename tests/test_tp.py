@@ -73,7 +73,7 @@ def test_tp2_logits_equal_tp1(models, tmp_path):
 
 
 def test_tp2_greedy_tokens_through_the_engine_equal_tp1(models):
-    dirs = [str(models[n]) for n in ("fp32", "int4-g128", "int4-act-order")]
+    dirs = [str(models[n]) for n in ("fp32", "int4-g32", "int4-act-order")]
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "2", *dirs], capture_output=True,
                           text=True, env=cli_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

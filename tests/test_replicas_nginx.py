@@ -1,8 +1,9 @@
-"""Replicas behind nginx with the shipped deploy/nginx.conf: two `runtime serve` processes and
-nginx (run as this user, with its own prefix, pid and logs) on loopback. 32 concurrent streams
-through nginx all complete and both replicas serve a share (their own /metrics say so); the
-websocket chat works through it; after one replica is killed, every request sent afterwards
-still succeeds (nginx moves the ones it cannot start to the other replica)."""
+"""Replicas behind nginx with the shipped deploy/nginx.conf: two `runtime serve` processes (one
+of them a TP=2 group) and nginx (run as this user, with its own prefix, pid and logs) on
+loopback. 32 concurrent streams through nginx all complete and both replicas serve a share
+(their own /metrics say so); the websocket chat works through it; after one replica is killed,
+every request sent afterwards still succeeds (nginx moves the ones it cannot start to the other
+replica); SIGTERM stops the TP replica and its other rank."""
 from __future__ import annotations
 
 import asyncio
@@ -34,12 +35,13 @@ MAX_TOKENS = 8
 class Replica:
     """`runtime serve` on a free loopback port, as users start it."""
 
-    def __init__(self, model: Path):
+    def __init__(self, model: Path, *args: str):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         env.pop("FLOTILLA_API_KEY", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flotilla.server.cli", "serve", str(model), "--port", "0", "--kv-cache-memory",
-             "16MiB", "--max-num-seqs", "16"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             "16MiB", "--max-num-seqs", "16", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env)
         self.url = None
 
     def wait_started(self) -> None:
@@ -60,6 +62,18 @@ class Replica:
         text = urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
         m = re.search(r'^flotilla_requests_total\{endpoint="/v1/completions",status="200"\} (\d+)$', text, re.M)
         return int(m.group(1)) if m else 0
+
+    def children(self) -> list[int]:
+        """Processes whose parent is this replica (from /proc/*/stat: pid (comm) state ppid ...)."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == self.proc.pid:
+                found.append(int(stat.parent.name))
+        return found
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -125,7 +139,7 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
     model = save_hf_model(make_hf_model(tiny_config("llama"), seed=5), root / "tiny")
     save_byte_tokenizer(model, SIMPLE_CHAT_TEMPLATE)
-    replicas = [Replica(model), Replica(model)]
+    replicas = [Replica(model, "--tp", "2"), Replica(model)]  # one replica is a tensor-parallel group
     nginx = None
     try:
         for r in replicas:
@@ -185,7 +199,7 @@ def test_streams_spread_over_both_replicas_and_survive_one_dying(cluster):
     frames = asyncio.run(ws_turn())
     assert frames[0]["type"] == "start" and frames[-1]["usage"]["completion_tokens"] == 4
 
-    dead, alive = replicas
+    alive, dead = replicas
     dead.kill()
     before = alive.completions_served()
     assert_complete(streams_through(nginx))  # none lost: those nginx could not start went to the other
@@ -193,3 +207,20 @@ def test_streams_spread_over_both_replicas_and_survive_one_dying(cluster):
     log = nginx.error_log.read_text()
     assert re.search(rf"connect\(\) failed \(111: Connection refused\).*upstream: \"http://{dead.address}/", log), \
         "nginx never tried the dead replica: the retry was not exercised"
+
+    # the TP=2 replica's drain stops its other rank too
+    children = alive.children()
+    assert children, "runtime serve --tp 2 started no process"
+    alive.proc.send_signal(signal.SIGTERM)
+    assert alive.proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 30
+    while [c for c in children if running(c)]:
+        assert time.monotonic() < deadline, f"processes of the stopped TP replica still run: {children}"
+        time.sleep(0.2)
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

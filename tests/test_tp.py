@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,10 @@ def test_runtime_generate_tp2_prints_the_tp1_text(models):
                           env=cli_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.decode() == out.getvalue() + "\n" and out.getvalue().strip()
+    # each rank caches its own KV heads: half the bytes a block
+    per_block = [float(re.search(r"([0-9.]+) KiB a block", line).group(1))
+                 for line in (engine.kv_cache_report, proc.stderr.decode())]
+    assert per_block[1] == per_block[0] / 2, per_block
 
 
 def test_smollm2_tp2_is_one_line_naming_the_heads(smollm2_gguf):

@@ -85,6 +85,14 @@ def test_tp2_greedy_tokens_through_the_engine_equal_tp1(models):
         assert tp2[d] == tp1, f"{d}: greedy tokens differ"
 
 
+def test_a_tp2_pipeline_stage_fed_hidden_states_gives_the_tp1_tokens(models):
+    path = str(models["int4-g32"])
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "stages", path], capture_output=True,
+                          text=True, env=cli_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == greedy_tokens(path, 1)
+
+
 def test_a_killed_rank_stops_rank_0_at_once(models):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "kill", str(models["fp32"])],
                           capture_output=True, text=True, env=cli_env(), timeout=300)

@@ -137,6 +137,38 @@ def greedy_tokens(model_dir: str, tp: int, max_tokens: int = 12) -> list[list[in
             lm.parallel.close()
 
 
+def staged_greedy_tokens(model_dir: str, max_tokens: int = 12) -> list[list[int]]:
+    """Greedy decoding through two pipeline stages in this process: layer 0 on one device, the
+    rest a TP=2 group whose executor receives stage 0's hidden states (broadcast to rank 1)."""
+    from flotilla.models.llama import Stage
+    from flotilla.runtime.engine_args import EngineArgs, build_engine, generate
+    from flotilla.runtime.kv_cache import KVCache, KVCacheSpec
+    from flotilla.runtime.loader import load_model
+    from flotilla.runtime.model_runner import ModelRunner
+    from flotilla.runtime.sampling import SamplingParams
+    from flotilla.runtime.tp import load_model_parallel
+
+    n = open_source(model_dir).config.num_hidden_layers
+    first = load_model(model_dir, "cpu", None, Stage(0, 1, n), with_tokenizer=False)
+    rest = load_model_parallel(model_dir, "cpu", None, tp=2, stage=Stage(1, n, n))
+    try:
+        engine = build_engine(rest, EngineArgs(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=16))
+        spec = KVCacheSpec((0,), first.model.num_kv_heads, first.config.head_dim, first.dtype, engine.config.block_size)
+        stage0 = ModelRunner(first.model, KVCache(spec, engine.config.num_blocks, first.device))
+
+        class TwoStages:
+            def __init__(self, tp_executor):
+                self.tp_executor = tp_executor
+
+            def execute(self, step):
+                return self.tp_executor.execute(step, stage0.execute(step))
+
+        engine.executor = TwoStages(engine.executor)
+        return generate(engine, PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    finally:
+        rest.parallel.close()
+
+
 def kill_a_rank_mid_run(model_dir: str) -> dict:
     """TP=2 generating; rank 1 is killed while a long run is in flight. What rank 0's step does:
     it must raise at once (gloo sees the peer gone), never hang."""
@@ -168,6 +200,8 @@ def kill_a_rank_mid_run(model_dir: str) -> dict:
 if __name__ == "__main__":  # python tp_helpers.py TP MODEL_DIR...: greedy tokens per model as JSON
     if sys.argv[1] == "kill":
         print(json.dumps(kill_a_rank_mid_run(sys.argv[2])))
+    elif sys.argv[1] == "stages":
+        print(json.dumps(staged_greedy_tokens(sys.argv[2])))
     else:
         tp = int(sys.argv[1])
         print(json.dumps({d: greedy_tokens(d, tp) for d in sys.argv[2:]}))

@@ -10,6 +10,9 @@
                          which imports nothing of flotilla's)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
+    GLOO_SOCKET_IFNAME   torch's own variable: the interface gloo uses between tensor-parallel
+                         CPU ranks; flotilla.runtime.tp sets it to the loopback (lo) on Linux
+                         when unset, since all ranks share one host
 """
 from __future__ import annotations
 

@@ -8,10 +8,17 @@ output axis, so checkpoints keep Hugging Face's and GPTQ's per-projection names.
 The model never sees packing: a `QuantLinear` owns the GPTQ tensors (qweight, qzeros, scales,
 g_idx, bias) and asks the kernel registry for the fastest kernel for its device once its
 weights are loaded.
+
+Nor does it see parallelism. It says which axis of a linear may be divided (`split="column"`:
+the output axis, e.g. heads; `split="row"`: the input axis) and always passes whole sizes; while
+a tensor-parallel group is current (flotilla.models.parallel_state), the factories build the
+parallel layers of flotilla.models.parallel, which hold this rank's share, slice the checkpoint's
+tensors at load and run the collectives. A linear's `out_sizes` are what this instance computes.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +26,9 @@ from torch import nn
 
 from flotilla.errors import FlotillaError
 from flotilla.kernels import registry
-from flotilla.kernels.gptq import GPTQWeight, num_groups
+from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
 
+from . import parallel_state
 from .config import QuantConfig
 
 
@@ -62,7 +70,10 @@ class Linear(nn.Linear, _Shards):
 class QuantLinear(nn.Module, _Shards):
     """A GPTQ-layout linear, possibly merged; see flotilla.kernels.gptq for the layout."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig,
+                 groups: int | None = None):
+        """`groups`: rows of scales/zeros to hold, when not the whole input axis's (a row-parallel
+        share of it)."""
         super().__init__()
         self._init_shards(out_sizes)
         bits, gs = quant.bits, quant.group_size
@@ -71,11 +82,11 @@ class QuantLinear(nn.Module, _Shards):
         if in_features % per_word or any(n % per_word for n in out_sizes):
             raise FlotillaError(f"a {bits}-bit linear needs in and out features divisible by {per_word}, "
                                 f"got in={in_features}, out={out_sizes}")
-        if gs != -1 and in_features % gs:
+        if groups is None and gs != -1 and in_features % gs:
             raise FlotillaError(f"group size {gs} does not divide a linear's input size {in_features}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, gs
-        groups = num_groups(in_features, gs)
+        groups = num_groups(in_features, gs) if groups is None else groups
         self.register_buffer("qweight", torch.zeros(in_features // per_word, out_features, dtype=torch.int32))
         self.register_buffer("qzeros", torch.zeros(groups, out_features // per_word, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
@@ -87,6 +98,10 @@ class QuantLinear(nn.Module, _Shards):
     def tensor_suffixes(self) -> tuple[str, ...]:
         base = ("qweight", "qzeros", "scales", "g_idx")
         return base + ("bias",) if self.bias is not None else base
+
+    def missing_g_idx(self) -> torch.Tensor:
+        """The checkpoint's g_idx when the file has none (older GPTQ files without act-order)."""
+        return default_g_idx(self.in_features, self.group_size)
 
     def load(self, suffix: str, shard: int, value: torch.Tensor) -> None:
         cols = self.shard_slice(shard)
@@ -132,10 +147,47 @@ class QuantLinear(nn.Module, _Shards):
                 f"group_size={self.group_size}, kernel={name}")
 
 
-def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | None) -> nn.Module:
+class LMHead(nn.Linear):
+    """The output projection hidden -> vocabulary logits (never quantized)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def with_kernel(self, kernel: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The logits function when `kernel` computes x @ weight.T in place of this module."""
+        return kernel
+
+
+def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | None,
+                split: str | None = None) -> nn.Module:
+    """A linear in_features -> sum(out_sizes) made of `len(out_sizes)` checkpoint projections.
+    `split`: "column" (the output axis may be divided), "row" (the input axis), or None."""
+    group = parallel_state.current()
+    if group is not None and split is not None:
+        from .parallel import parallel_linear
+
+        return parallel_linear(in_features, out_sizes, bias, quant, split, group)
     if quant is None:
         return Linear(in_features, out_sizes, bias)
     return QuantLinear(in_features, out_sizes, bias, quant)
+
+
+def make_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
+    group = parallel_state.current()
+    if group is not None:
+        from .parallel import VocabParallelEmbedding
+
+        return VocabParallelEmbedding(vocab_size, hidden_size, group)
+    return nn.Embedding(vocab_size, hidden_size)
+
+
+def make_lm_head(hidden_size: int, vocab_size: int) -> LMHead:
+    group = parallel_state.current()
+    if group is not None:
+        from .parallel import ParallelLMHead
+
+        return ParallelLMHead(hidden_size, vocab_size, group)
+    return LMHead(hidden_size, vocab_size)
 
 
 def _check_shape(target: torch.Tensor, value: torch.Tensor) -> None:

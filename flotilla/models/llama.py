@@ -17,7 +17,7 @@ from torch import nn
 from flotilla.kernels.fused import add_rms_norm, rms_norm, silu_mul
 
 from .config import ModelConfig
-from .linear import make_linear
+from .linear import make_embedding, make_linear, make_lm_head
 from .rope import RotaryEmbedding
 
 
@@ -73,11 +73,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        self.qkv_proj = make_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias, cfg.quant)
-        self.o_proj = make_linear(cfg.q_size, [cfg.hidden_size], cfg.attention_bias, cfg.quant)
+        self.qkv_proj = make_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias, cfg.quant,
+                                    split="column")
+        self.o_proj = make_linear(cfg.q_size, [cfg.hidden_size], cfg.attention_bias, cfg.quant, split="row")
+        # the heads this instance computes are those its qkv_proj produces (the factory may divide them)
+        self.q_size, self.kv_size = self.qkv_proj.out_sizes[0], self.qkv_proj.out_sizes[1]
+        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim
 
 
 class MLP(nn.Module):
@@ -86,9 +89,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i, b, q = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant
-        self.intermediate_size = i
-        self.gate_up_proj = make_linear(h, [i, i], b, q)
-        self.down_proj = make_linear(i, [h], b, q)
+        self.gate_up_proj = make_linear(h, [i, i], b, q, split="column")
+        self.down_proj = make_linear(i, [h], b, q, split="row")
+        self.intermediate_size = self.gate_up_proj.out_sizes[0]  # the units this instance computes
 
 
 class DecoderLayer(nn.Module):
@@ -154,7 +157,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, stage: Stage):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if stage.is_first else None
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size) if stage.is_first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in stage.layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
 
@@ -167,7 +170,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.stage = stage or Stage.whole(cfg.num_hidden_layers)
         self.model = DecoderStack(cfg, self.stage)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.stage.is_last else None
+        self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size) if self.stage.is_last else None
         self.rope: RotaryEmbedding | None = None
         self._frozen: list[LayerOps] | None = None
         self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -179,7 +182,12 @@ class CausalLM(nn.Module):
         `logits`, if given, computes the logits in place of the lm_head module (a faster kernel
         for the same weights)."""
         self._frozen = [layer.ops(frozen=True) for layer in self.model.layers.values()]
-        self._logits = logits
+        self._logits = self.lm_head.with_kernel(logits) if logits is not None else None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads each layer of this instance attends with and caches."""
+        return next(iter(self.model.layers.values())).self_attn.num_kv_heads
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last:

@@ -8,11 +8,11 @@ from torch import nn
 from tqdm import tqdm
 
 from flotilla.errors import FlotillaError
-from flotilla.kernels.gptq import default_g_idx
 
 from .config import ModelConfig
 from .linear import Linear, QuantLinear
 from .llama import CausalLM, DecoderLayer, RMSNorm, Stage
+from .parallel import VocabParallel
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -36,6 +36,12 @@ def _linear_items(root: nn.Module, name: str, mod: nn.Module, prefix: str = "") 
             for shard, proj in enumerate(merged) for suffix in mod.tensor_suffixes()]
 
 
+def _whole(mod: nn.Module) -> int:
+    """Shard 0 (loaded through the module's `load`, which slices it) for a tensor-parallel
+    vocabulary share; -1 (copied as it is) otherwise."""
+    return 0 if isinstance(mod, VocabParallel) else -1
+
+
 def load_plan(model: CausalLM) -> list[LoadItem]:
     """Every checkpoint tensor this stage needs, with its destination."""
     cfg, plan = model.config, []
@@ -45,9 +51,9 @@ def load_plan(model: CausalLM) -> list[LoadItem]:
         elif name == "lm_head":
             if cfg.tie_word_embeddings and model.stage.is_first:
                 continue  # the same Parameter as the embedding
-            plan.append(LoadItem(EMBED if cfg.tie_word_embeddings else HEAD, mod, "weight"))
+            plan.append(LoadItem(EMBED if cfg.tie_word_embeddings else HEAD, mod, "weight", _whole(mod)))
         elif isinstance(mod, (nn.Embedding, RMSNorm)):
-            plan.append(LoadItem(f"{name}.weight", mod, "weight"))
+            plan.append(LoadItem(f"{name}.weight", mod, "weight", _whole(mod)))
     return plan
 
 
@@ -124,7 +130,7 @@ def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
         for item in tqdm(plan, desc="loading", unit="tensor", disable=not progress, leave=False):
             if item.source_name not in available:
                 if item.suffix == "g_idx":  # older GPTQ files omit g_idx when desc_act is off
-                    item.module.load("g_idx", item.shard, default_g_idx(item.module.in_features, item.module.group_size))
+                    item.module.load("g_idx", item.shard, item.module.missing_g_idx())
                     continue
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r} is missing")
             value = source.get(item.source_name)

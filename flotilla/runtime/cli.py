@@ -51,9 +51,9 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def _engine(args: argparse.Namespace):
     """Load the model and build the engine; the KV cache report goes to stderr."""
     from .engine_args import EngineArgs, build_engine
-    from .loader import load_model
+    from .tp import load_model_parallel
 
-    lm = load_model(args.model, args.device, args.dtype)
+    lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
     return build_engine(lm, EngineArgs.from_args(args), report=lambda line: print(line, file=sys.stderr))
 
 
@@ -78,8 +78,10 @@ def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
     from .engine_args import EngineArgs
+    from .tp import add_tp_args
 
     add_model_args(p)
+    add_tp_args(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     add_sampling_args(p, max_tokens=128)
@@ -105,8 +107,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     from .engine_args import EngineArgs
+    from .tp import add_tp_args
 
     add_model_args(p)
+    add_tp_args(p)
     p.add_argument("--system", default=None, help="a system prompt")
     add_sampling_args(p, max_tokens=512)
     EngineArgs.add_args(p)

@@ -59,10 +59,12 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     receives the one-line KV cache report; it is logged either way."""
     cfg = lm.config
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
-    spec = KVCacheSpec(tuple(lm.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, lm.dtype, args.block_size)
+    # the KV heads this process's layers cache (a share of them under tensor parallelism)
+    spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, cfg.head_dim, lm.dtype, args.block_size)
     # more than max_num_seqs full contexts (plus the null block) would never be used
     cap = args.max_num_seqs * -(-max_len // args.block_size) + 1
-    num_blocks = plan_num_blocks(spec, lm.device, args.kv_cache_memory, args.kv_cache_fraction, cap)
+    shares = lm.parallel.memory_shares if lm.parallel else 1  # TP ranks on a CPU share its memory
+    num_blocks = plan_num_blocks(spec, lm.device, args.kv_cache_memory, args.kv_cache_fraction / shares, cap)
     cache = KVCache(spec, num_blocks, lm.device)
     line = spec.describe(num_blocks)
     log.info("%s", line)
@@ -71,9 +73,11 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching)
-    graphs = () if args.enforce_eager else capture_sizes(args.max_num_seqs)
+    # CUDA graphs on one device; TP ranks step eagerly (the collectives stay outside graphs)
+    graphs = () if args.enforce_eager or lm.parallel else capture_sizes(args.max_num_seqs)
     runner = ModelRunner(lm.model, cache, graph_sizes=graphs, max_model_len=config.context_len)
-    engine = LLMEngine(runner, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
+    executor = lm.parallel.executor(runner) if lm.parallel else runner  # rank 0 sends each step to the others
+    engine = LLMEngine(executor, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
     engine.kv_cache_report = line
     return engine
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     device: torch.device
     dtype: torch.dtype
+    parallel: Any = None  # a runtime.tp.TensorParallel when this process is rank 0 of a TP group
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -19,9 +19,10 @@ from flotilla.errors import FlotillaError
 from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError
 from flotilla.runtime.cli import add_model_args
 from flotilla.runtime.engine_args import EngineArgs, build_engine
-from flotilla.runtime.loader import LoadedModel, load_model
+from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampling import SamplingParams
+from flotilla.runtime.tp import add_tp_args, load_model_parallel
 
 __all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StepOutput", "TokenLogprob",
            "add_engine_args"]
@@ -61,6 +62,7 @@ class EngineStats:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_tp_args(p)
     EngineArgs.add_args(p)  # includes --max-model-len
 
 
@@ -87,7 +89,7 @@ class EngineClient:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
-        lm = load_model(args.model, args.device, args.dtype)
+        lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
         report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         return cls(lm, EngineArgs.from_args(args), args.served_model_name or _default_name(lm), report)
 
@@ -107,6 +109,8 @@ class EngineClient:
     async def shutdown(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()
+        if self.lm.parallel is not None:  # the other tensor-parallel ranks
+            self.lm.parallel.close()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Stream one request's outputs; the last one carries a finish_reason. Leaving early aborts

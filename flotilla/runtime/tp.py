@@ -1,0 +1,313 @@
+"""Tensor parallelism inside one host: N processes serve one model as one engine.
+
+    runtime generate MODEL --tp 2 -p "..."        runtime serve MODEL --tp 4 --device cuda
+
+Rank 0 is the process the user started. It owns the engine (scheduler, sampler, tokenizer) and
+its share of every layer, and starts ranks 1..N-1 as child processes (multiprocessing, spawn).
+All N join one torch.distributed group — NCCL on CUDA (rank r on cuda:r), gloo on CPU — through
+a rendezvous file in a private temporary directory, and each loads only its share of the weights
+(flotilla.models.parallel: heads, KV heads, intermediate units and vocabulary rows divided).
+
+Each step rank 0 sends the StepInput to every other rank over a pipe (msgpack; the sampling rows
+stay on rank 0), and then all ranks run the same ModelRunner step: the collectives inside the
+layers (an all-reduce after o_proj and down_proj, one after the embedding, a gather of the
+logits) keep them in lockstep, and only rank 0 receives the logits and samples. Each rank's KV
+cache holds its own KV heads, with the block ids rank 0's block manager hands out.
+
+The control messages go over pipes rather than the process group, so that an idle server has no
+collective waiting out a timeout, and a rank whose parent dies reads EOF and exits.
+
+Pipeline parallelism combines with this as one TP group per stage: `start(..., stage=Stage(...))`
+builds the group of one stage, and `TPExecutor.execute(step, hidden)` broadcasts a later stage's
+incoming hidden states to its ranks. What remains for `--pp` with `--tp` is the pipeline side:
+a stage worker (`runtime worker`) calling `load_model_parallel(..., stage=...)` and handing its
+runner to `TPExecutor`, and the head sizing the KV pool to the smallest stage as before.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from flotilla.errors import FlotillaError
+from flotilla.models.llama import Stage
+from flotilla.models.parallel_state import TPGroup, check_divisible, tensor_parallel
+from flotilla.models.sources import open_source
+
+from .default_model import resolve_model_path
+from .kv_cache import KVCache, KVCacheSpec
+from .loader import LoadedModel, load_model, parse_device, parse_dtype
+from .model_runner import ModelRunner, StepInput
+from .sampler import SamplerOutput
+
+log = logging.getLogger("flotilla.runtime")
+
+
+def add_tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel size: N processes on this host share every layer "
+                        "(GPUs cuda:0..N-1, or CPU processes splitting the cores; default 1)")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What every rank loads, and where."""
+
+    model: str
+    device: str  # cpu, or cuda / cuda:K (rank r then uses cuda:K+r)
+    dtype: str | None
+    world_size: int
+    threads: int  # torch threads per rank on CPU
+    stage: tuple[int, int, int] | None = None  # (start, end, num_layers)
+
+    def device_for(self, rank: int) -> torch.device:
+        d = torch.device(self.device)
+        return torch.device("cuda", (d.index or 0) + rank) if d.type == "cuda" else d
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if torch.device(self.device).type == "cuda" else "gloo"
+
+    def stage_of(self) -> Stage | None:
+        return Stage(*self.stage) if self.stage else None
+
+
+# ------------------------------------------------------------------------------- messages
+
+def _pack(*fields) -> bytes:
+    return msgpack.packb(list(fields), use_bin_type=True)
+
+
+def _unpack(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+
+
+_STEP_FIELDS = [f.name for f in dataclasses.fields(StepInput) if f.name != "sampling"]
+
+
+def encode_step(step: StepInput, hidden: torch.Tensor | None = None) -> bytes:
+    """A step for the other ranks: every StepInput field but the sampling rows (rank 0 samples),
+    and the shape of the hidden states that follow by broadcast, if any."""
+    shape = list(hidden.shape) if hidden is not None else None
+    return _pack("step", {name: getattr(step, name) for name in _STEP_FIELDS}, shape)
+
+
+def decode_step(msg: list) -> tuple[StepInput, list[int] | None]:
+    _, fields, shape = msg
+    return StepInput(**fields, sampling=None), shape
+
+
+class _NoSampler:
+    """The other ranks compute their share of the logits (for the gather) and sample nothing."""
+
+    def __call__(self, logits: torch.Tensor, sampling) -> SamplerOutput:
+        return SamplerOutput([])
+
+
+# ---------------------------------------------------------------------------------- rank 0
+
+class TensorParallel:
+    """Rank 0's handle on its group: the other ranks' processes and pipes, and the TPGroup that
+    layers are built for. `close()` (also at exit) stops the ranks."""
+
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self._closed = False
+        self._tmp = tempfile.TemporaryDirectory(prefix="flotilla-tp-")
+        init = Path(self._tmp.name, "rendezvous").as_uri()
+        ctx = multiprocessing.get_context("spawn")
+        self.procs, self.conns = [], []
+        for rank in range(1, spec.world_size):
+            here, there = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, spec, init, there), name=f"flotilla-tp-{rank}",
+                               daemon=True)
+            proc.start()
+            there.close()
+            self.procs.append(proc)
+            self.conns.append(here)
+        atexit.register(self.close)
+        try:
+            self._wait_for("hello")
+            _join_group(spec, 0, init)
+        except BaseException:
+            self.close()
+            raise
+        self.group = TPGroup(0, spec.world_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def memory_shares(self) -> int:
+        """How many ranks share one device's memory: all of them on CPU, one per GPU."""
+        return self.world_size if self.spec.device_for(0).type == "cpu" else 1
+
+    def wait_ready(self) -> None:
+        """Wait until every other rank has loaded its share (a FlotillaError names a failed rank)."""
+        self._wait_for("ready")
+
+    def executor(self, runner: ModelRunner) -> "TPExecutor":
+        return TPExecutor(runner, self)
+
+    def send(self, payload: bytes) -> None:
+        for conn in self.conns:
+            conn.send_bytes(payload)
+
+    def _wait_for(self, kind: str) -> None:
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.2):
+                if not proc.is_alive():
+                    raise FlotillaError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) "
+                                        f"before it was {kind}; its error is printed above")
+            try:
+                msg = _unpack(conn.recv_bytes())
+            except EOFError:
+                raise FlotillaError(f"tensor-parallel rank {rank} closed its pipe before it was {kind}") from None
+            if msg[0] == "error":
+                raise FlotillaError(f"tensor-parallel rank {rank}: {msg[1]}")
+            if msg[0] != kind:
+                raise RuntimeError(f"tensor-parallel rank {rank} sent {msg[0]!r} where {kind!r} was expected")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(_pack("stop"))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._tmp.cleanup()
+
+
+class TPExecutor:
+    """The engine's executor on rank 0: each step goes to the other ranks, then runs here."""
+
+    def __init__(self, runner: ModelRunner, tp: TensorParallel):
+        self.runner, self.tp = runner, tp
+        tp.send(_pack("setup", runner.cache.num_blocks, runner.block_size))  # the same pool on every rank
+
+    def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
+        self.tp.send(encode_step(step, hidden))
+        if hidden is not None:
+            hidden = self.tp.group.broadcast(hidden.contiguous())
+        return self.runner.execute(step, hidden)
+
+    def close(self) -> None:
+        self.tp.close()
+
+
+def load_model_parallel(model: str | Path | None, device: str | None = None, dtype: str | None = None, tp: int = 1,
+                        stage: Stage | None = None, with_tokenizer: bool = True,
+                        progress: bool | None = None) -> LoadedModel:
+    """`load_model`, split over `tp` processes of this host when tp > 1; then `lm.parallel` is
+    the TensorParallel handle and build_engine makes this process rank 0 of the group."""
+    if tp == 1:
+        return load_model(model, device, dtype, stage, with_tokenizer, progress)
+    path = resolve_model_path(str(model) if model else None)
+    dev = parse_device(device)
+    parse_dtype(dtype, dev)  # a bad name fails here, before any process starts
+    check_divisible(open_source(path).config, tp, where=str(path))
+    if dev.type == "cuda" and (dev.index or 0) + tp > torch.cuda.device_count():
+        raise FlotillaError(f"--tp {tp} from {dev} needs GPUs up to cuda:{(dev.index or 0) + tp - 1}; "
+                            f"this host has {torch.cuda.device_count()}")
+    threads = max(1, torch.get_num_threads() // tp)
+    spec = LaunchSpec(str(path), str(dev), dtype, tp, threads,
+                      (stage.start, stage.end, stage.num_layers) if stage else None)
+    if dev.type == "cpu":
+        torch.set_num_threads(threads)
+    group = TensorParallel(spec)
+    try:
+        with tensor_parallel(group.group):
+            lm = load_model(path, spec.device_for(0), dtype, stage, with_tokenizer, progress)
+        group.wait_ready()
+    except BaseException:
+        group.close()
+        raise
+    return dataclasses.replace(lm, parallel=group)
+
+
+# ---------------------------------------------------------------------------- ranks 1..N-1
+
+def _join_group(spec: LaunchSpec, rank: int, init_method: str) -> None:
+    device = spec.device_for(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: the ranks talk over loopback
+    dist.init_process_group(spec.backend, init_method=init_method, rank=rank, world_size=spec.world_size)
+
+
+def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
+    """A rank other than 0: join the group, load this rank's share, then run the steps rank 0 sends."""
+    try:
+        if spec.device_for(rank).type == "cpu":
+            torch.set_num_threads(spec.threads)
+        conn.send_bytes(_pack("hello"))
+        _join_group(spec, rank, init_method)
+        with tensor_parallel(TPGroup(rank, spec.world_size)):
+            lm = load_model(spec.model, spec.device_for(rank), spec.dtype, spec.stage_of(), with_tokenizer=False,
+                            progress=False)
+        conn.send_bytes(_pack("ready"))
+        _run_steps(lm, conn, TPGroup(rank, spec.world_size))
+    except FlotillaError as e:
+        _report(conn, str(e))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # rank 0 is gone
+    except BaseException as e:
+        _report(conn, f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report(conn, message: str) -> None:
+    try:
+        conn.send_bytes(_pack("error", message))
+    except OSError:
+        pass
+
+
+def _run_steps(lm: LoadedModel, conn, group: TPGroup) -> None:
+    runner = None
+    while True:
+        msg = _unpack(conn.recv_bytes())
+        if msg[0] == "stop":
+            return
+        if msg[0] == "setup":  # an engine was built on rank 0: a cache of the same blocks here
+            _, num_blocks, block_size = msg
+            spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, lm.config.head_dim, lm.dtype,
+                               block_size)
+            runner = None  # the old cache goes first
+            runner = ModelRunner(lm.model, KVCache(spec, num_blocks, lm.device), sampler=_NoSampler())
+            continue
+        step, shape = decode_step(msg)
+        hidden = None
+        if shape is not None:
+            hidden = group.broadcast(torch.empty(shape, dtype=lm.dtype, device=lm.device))
+        runner.execute(step, hidden)

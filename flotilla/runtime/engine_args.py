@@ -13,6 +13,8 @@ from .kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig
+from .spec.builder import build_spec_decoder
+from .spec.config import SpeculativeConfig
 
 log = logging.getLogger("flotilla.runtime")
 
@@ -26,6 +28,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's
     enable_prefix_caching: bool = True
+    speculative: str | None = None  # "ngram" or "draft:PATH" (see runtime/spec)
+    num_speculative_tokens: int = 4
 
     @classmethod
     def add_args(cls, p: argparse.ArgumentParser) -> None:
@@ -42,19 +46,26 @@ class EngineArgs:
         g.add_argument("--max-model-len", type=int, default=None, help="longest context served (default: the model's)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn automatic prefix caching off")
+        g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
+                       help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
+                            "lower-bit copy of the target, same tokenizer); the output distribution is the target's")
+        g.add_argument("--num-speculative-tokens", type=int, default=cls.num_speculative_tokens,
+                       help="most draft tokens verified per step and sequence (default %(default)s)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                   enable_prefix_caching=args.enable_prefix_caching)
+                   enable_prefix_caching=args.enable_prefix_caching, speculative=args.speculative,
+                   num_speculative_tokens=args.num_speculative_tokens)
 
 
 def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) -> LLMEngine:
     """An engine over a whole model loaded in this process. `report` (e.g. print to stderr)
     receives the one-line KV cache report; it is logged either way."""
     cfg = lm.config
+    spec_config = SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens) if args.speculative else None
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
     spec = KVCacheSpec(tuple(lm.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, lm.dtype, args.block_size)
     # more than max_num_seqs full contexts (plus the null block) would never be used
@@ -68,7 +79,11 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching)
-    engine = LLMEngine(ModelRunner(lm.model, cache), config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
+    decoder = None
+    if spec_config is not None:  # after the target's cache: a draft's pool matches its size
+        decoder = build_spec_decoder(spec_config, lm, num_blocks, args.block_size, args.max_num_seqs, report)
+    engine = LLMEngine(ModelRunner(lm.model, cache), config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size,
+                       decoder)
     engine.kv_cache_report = line
     return engine
 

@@ -19,6 +19,7 @@ from flotilla.models.llama import CausalLM
 
 from .kv_cache import KVCache, PagedAttentionBackend
 from .sampler import Sampler, SamplerOutput, SamplingBatch
+from .spec.rejection import RejectionSampler
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,11 @@ class StepInput:
     block_tables: list[list[int]]  # logical -> physical block ids, covering start + query_len tokens
     num_decodes: int
     sample: list[bool]  # whether each sequence samples a token this step (reaches its end)
-    sampling: SamplingBatch | None = None  # one row per sampling sequence, in batch order
+    sampling: SamplingBatch | None = None  # one row per logits row: per sampling sequence, 1 + its drafts
+    # speculative steps: per sequence, the draft tokens that end its token_ids (verified here),
+    # and the distributions they were drawn from ([drafts, vocab], None: point masses)
+    spec_token_ids: list[list[int]] | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +57,7 @@ class ModelRunner:
         self.block_size = cache.spec.block_size
         self.scale = model.config.head_dim ** -0.5
         self.sampler = sampler or (Sampler(model.config.vocab_size) if model.stage.is_last else None)
+        self.verifier = RejectionSampler(self.sampler) if self.sampler is not None else None
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
@@ -63,15 +69,21 @@ class ModelRunner:
             return h
         if not any(step.sample):  # only partial prefill chunks this step
             return SamplerOutput([])
-        return self.sampler(self.compute_logits(step, h), step.sampling)
+        logits = self.compute_logits(step, h)
+        if step.spec_token_ids is not None:
+            drafts = [d for d, samples in zip(step.spec_token_ids, step.sample) if samples]
+            return self.verifier(logits, step.sampling, drafts, step.draft_probs)
+        return self.sampler(logits, step.sampling)
 
     def compute_logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] of the last new token of each sampling sequence."""
+        """fp32 logits [N, vocab] of the last new token of each sampling sequence (of its last
+        1 + k tokens, for a sequence verifying k drafts)."""
         ends, end = [], 0
-        for qlen, samples in zip(step.query_lens, step.sample):
+        spec = step.spec_token_ids or [()] * step.num_seqs
+        for qlen, samples, drafts in zip(step.query_lens, step.sample, spec):
             end += qlen
             if samples:
-                ends.append(end - 1)
+                ends.extend(range(end - 1 - len(drafts), end))
         if len(ends) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)

@@ -109,3 +109,62 @@ def plain_echo_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: i
                           enable_prefix_caching=caching)
     return LLMEngine(EchoKVExecutor(num_blocks, block_size, vocab_size), config, tokenizer=tokenizer,
                      eos_token_ids=eos, vocab_size=vocab_size)
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(X > x) for X ~ chi-square(dof): scipy's when installed, else the regularized upper
+    incomplete gamma function Q(dof/2, x/2) from torch."""
+    try:
+        from scipy.stats import chi2
+    except ImportError:
+        return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                             torch.tensor(x / 2, dtype=torch.float64)))
+    return float(chi2.sf(x, dof))
+
+
+def goodness_of_fit(counts: dict, probs: dict, min_expected: float = 5.0) -> float:
+    """p-value of observed counts against exact cell probabilities (Pearson's chi-square); cells
+    expected fewer than `min_expected` times are pooled into one."""
+    n = sum(counts.values())
+    assert set(counts) <= {c for c, p in probs.items() if p > 0}, "a sample fell outside the distribution's support"
+    obs, exp, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for cell, p in probs.items():
+        if n * p >= min_expected:
+            obs.append(counts.get(cell, 0))
+            exp.append(n * p)
+        else:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += n * p
+    if pooled_exp > 0:
+        obs.append(pooled_obs)
+        exp.append(pooled_exp)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    return chi2_sf(stat, len(obs) - 1)
+
+
+def two_sample(a: dict, b: dict, min_count: int = 10) -> float:
+    """p-value that two samples come from one distribution (chi-square test of homogeneity on a
+    2 x cells table; cells seen fewer than `min_count` times in both together are pooled)."""
+    cells = sorted(set(a) | set(b), key=lambda c: -(a.get(c, 0) + b.get(c, 0)))
+    rows = [[], []]
+    rest = [0, 0]
+    for c in cells:
+        if a.get(c, 0) + b.get(c, 0) >= min_count:
+            rows[0].append(a.get(c, 0))
+            rows[1].append(b.get(c, 0))
+        else:
+            rest[0] += a.get(c, 0)
+            rest[1] += b.get(c, 0)
+    if sum(rest):
+        rows[0].append(rest[0])
+        rows[1].append(rest[1])
+    na, nb = sum(rows[0]), sum(rows[1])
+    stat = 0.0
+    for oa, ob in zip(*rows):
+        col = oa + ob
+        for o, n in ((oa, na), (ob, nb)):
+            e = col * n / (na + nb)
+            stat += (o - e) ** 2 / e
+    return chi2_sf(stat, len(rows[0]) - 1)

@@ -31,6 +31,15 @@ class EngineArgs:
     speculative: str | None = None  # "ngram" or "draft:PATH" (see runtime/spec)
     num_speculative_tokens: int = 4
 
+    def __post_init__(self):
+        self.speculative_config  # a bad --speculative fails here, before any model is loaded
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if not self.speculative:
+            return None
+        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
+
     @classmethod
     def add_args(cls, p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("engine")
@@ -65,7 +74,7 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     """An engine over a whole model loaded in this process. `report` (e.g. print to stderr)
     receives the one-line KV cache report; it is logged either way."""
     cfg = lm.config
-    spec_config = SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens) if args.speculative else None
+    spec_config = args.speculative_config
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
     spec = KVCacheSpec(tuple(lm.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, lm.dtype, args.block_size)
     # more than max_num_seqs full contexts (plus the null block) would never be used

@@ -32,9 +32,8 @@ class SpecEchoExecutor(EchoKVExecutor):
         self.verifier = RejectionSampler(Sampler(vocab_size))
 
     def execute(self, step: StepInput) -> SamplerOutput:
-        if step.spec_token_ids is None:
-            return super().execute(step)
         self.steps.append(step)
+        spec = step.spec_token_ids or [[] for _ in step.request_ids]  # steps without drafts: k = 0 everywhere
         _, meta = prepare_step(step, self.block_size, torch.device("cpu"))
         assert not (meta.slot_mapping < self.block_size).any(), "a token was written to the null block"
         self.cache[meta.slot_mapping] = torch.tensor(step.token_ids)
@@ -42,14 +41,16 @@ class SpecEchoExecutor(EchoKVExecutor):
         for b, (start, qlen, table) in enumerate(zip(step.starts, step.query_lens, step.block_tables)):
             if not step.sample[b]:
                 continue
-            k = len(step.spec_token_ids[b])
+            k = len(spec[b])
             n = start + qlen
             pos = torch.arange(n)
             context = self.cache[torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size]
             assert (context >= 0).all(), f"{step.request_ids[b]}: read an unwritten slot"
             ctx = context.tolist()
             predictions += [echo_next(ctx[:n - k + i], self.vocab_size) for i in range(k + 1)]
-            drafts.append(step.spec_token_ids[b])
+            drafts.append(spec[b])
+        if not predictions:
+            return SamplerOutput([])
         logits = torch.full((len(predictions), self.vocab_size), -30.0)
         logits[torch.arange(len(predictions)), torch.tensor(predictions)] = 30.0
         return self.verifier(logits, step.sampling, drafts, step.draft_probs)

@@ -217,3 +217,22 @@ def test_randomized_run_with_aborts_and_preemption_leaks_no_block(seed):
     done = [rid for rid in reqs if rid not in aborted]
     assert len(done) > 12
     assert {rid: out.get(rid, []) for rid in done} == {rid: want[rid] for rid in done}
+
+
+def test_a_logprobs_request_does_not_speculate_but_shares_verify_steps_with_one_that_does():
+    eng = spec_echo_engine(OracleProposer(hit=1.0), k=4)
+    eng.add_request("lp", [7, 7, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True,
+                                                    top_logprobs=2))
+    eng.add_request("sp", [8, 8, 8], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    lp = [o for o in outs if o.request_id == "lp"]
+    assert [len(o.new_token_ids) for o in lp] == [1] * 6  # one token a step: no drafts
+    assert all(len(o.logprobs) == 1 and o.logprobs[0] == pytest.approx(0.0, abs=1e-6) for o in lp)
+    assert all(len(o.top_logprobs[0]) == 2 and o.top_logprobs[0][0][0] == o.new_token_ids[0] for o in lp)
+    check_echo_tokens([7, 7, 7], [t for o in lp for t in o.new_token_ids])
+    assert any(st.spec_token_ids and st.spec_token_ids[st.request_ids.index("sp")] and "lp" in st.request_ids
+               for st in eng.executor.steps)  # a mixed verify step happened
+    assert all(d == [] for st in eng.executor.steps if st.spec_token_ids
+               for rid, d in zip(st.request_ids, st.spec_token_ids) if rid == "lp")

@@ -104,8 +104,8 @@ class BlockManager:
         table = table + list(computed.blocks) + new
         self._tables[seq.request_id] = table
         seq.block_table = [b.block_id for b in table]
-        if self.pool.enable_caching:
-            full = total // self.block_size
+        if self.pool.enable_caching:  # only blocks of real tokens: never a speculative step's drafts
+            full = min(total, seq.num_tokens) // self.block_size
             for block, h in zip(table[:full], self.block_hashes(seq, full)):
                 self.pool.cache(block, h)
         return KVBlocks(tuple(new))
@@ -116,6 +116,19 @@ class BlockManager:
         table = self._tables.pop(seq.request_id, [])
         self.pool.release(reversed(table))
         seq.block_table = []
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens (the slots of rejected draft
+        tokens, after `num_computed_tokens` was rolled back); the table shrinks to
+        blocks_for(num_computed_tokens). Those blocks hold no cached hash (hashes cover real tokens
+        only), so they go to the front of the free queue."""
+        table = self._tables.get(seq.request_id)
+        keep = self.blocks_for(seq.num_computed_tokens)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.release(reversed(table[keep:]))
+        del table[keep:]
+        seq.block_table = seq.block_table[:keep]
 
     def holds(self, seq: Sequence) -> bool:
         return seq.request_id in self._tables

@@ -53,8 +53,9 @@ def _engine(args: argparse.Namespace):
     from .engine_args import EngineArgs, build_engine
     from .tp import load_model_parallel
 
+    engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
     lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
-    return build_engine(lm, EngineArgs.from_args(args), report=lambda line: print(line, file=sys.stderr))
+    return build_engine(lm, engine_args, report=lambda line: print(line, file=sys.stderr))
 
 
 def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout):
@@ -99,7 +100,12 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.stats and n:
         decode = (n - 1) / rest if n > 1 and rest > 0 else float("nan")
-        print(f"[{n} tokens, first after {ttft:.2f}s, decode {decode:.1f} tok/s]", file=sys.stderr)
+        spec = ""
+        if engine.spec is not None:
+            st = engine.stats()
+            spec = (f", {st.spec_acceptance_rate:.0%} of {st.spec_draft_tokens_total} drafts accepted, "
+                    f"{st.spec_accepted_tokens_per_step:.2f} a verify step")
+        print(f"[{n} tokens, first after {ttft:.2f}s, decode {decode:.1f} tok/s{spec}]", file=sys.stderr)
     return 0
 
 

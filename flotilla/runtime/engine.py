@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flotilla.errors import FlotillaError
 from flotilla.models.tokenizer import Tokenizer
@@ -16,6 +16,8 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import FinishReason, Sequence
 
+if TYPE_CHECKING:
+    from .spec.decoder import SpecDecoder
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,18 @@ class EngineStats:
     preemptions_total: int
     requests_finished_total: dict[str, int]  # by finish reason
     steps_total: int
+    spec_draft_tokens_total: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens_total: int = 0  # of those, accepted
+    spec_verify_steps_total: int = 0  # sequence-steps that verified at least one draft
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0
+
+    @property
+    def spec_accepted_tokens_per_step(self) -> float:
+        """Drafts accepted per verifying sequence-step (each also yields one token of its own)."""
+        return self.spec_accepted_tokens_total / self.spec_verify_steps_total if self.spec_verify_steps_total else 0.0
 
 
 class Executor(Protocol):
@@ -57,8 +71,10 @@ class LLMEngine:
     """Not thread-safe: one thread drives it (AsyncEngine's engine thread, or a script's loop)."""
 
     def __init__(self, executor: Executor, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None):
+                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
+                 spec: SpecDecoder | None = None):
         self.executor = executor
+        self.spec = spec  # speculative decoding: proposes drafts that the executor verifies
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
@@ -104,6 +120,8 @@ class LLMEngine:
             return None
         self.seeds.pop(request_id, None)
         self.scheduler.finish(seq, FinishReason.ABORT)
+        if self.spec is not None:
+            self.spec.drop(request_id)
         self._finished[FinishReason.ABORT.value] += 1
         return self.outputs.aborted(seq)
 
@@ -112,6 +130,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.seeds)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -121,10 +141,12 @@ class LLMEngine:
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         token_ids, sampling_rows = [], []
         for s in out.scheduled:
-            token_ids += s.seq.token_ids[s.start:s.start + s.num_new_tokens]
-            if s.samples:
-                seq = s.seq
-                sampling_rows.append((seq.params, self.seeds[seq.request_id], seq.prompt_token_ids, seq.output_token_ids))
+            seq = s.seq
+            token_ids += seq.token_ids[s.start:s.start + s.num_new_tokens - s.num_spec] + s.spec_token_ids
+            if s.samples:  # one row per logits row: after the real tokens, then after each draft
+                seed, prompt, output = self.seeds[seq.request_id], seq.prompt_token_ids, seq.output_token_ids
+                sampling_rows += [(seq.params, seed, prompt, output + s.spec_token_ids[:i]) for i in range(s.num_spec + 1)]
+        speculating = any(s.num_spec for s in out.scheduled)
         return StepInput(
             request_ids=[s.seq.request_id for s in out.scheduled],
             token_ids=token_ids,
@@ -134,6 +156,8 @@ class LLMEngine:
             num_decodes=out.num_decodes,
             sample=[s.samples for s in out.scheduled],
             sampling=SamplingBatch.build(sampling_rows),
+            spec_token_ids=[s.spec_token_ids for s in out.scheduled] if speculating else None,
+            draft_probs=self.spec.draft_probs(out.scheduled) if speculating else None,
         )
 
     def _postprocess(self, out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
@@ -144,23 +168,47 @@ class LLMEngine:
             self._counters["prompt"] += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
             if not s.samples:
                 continue
-            token = result.token_ids[row]
+            accepted = result.accepted[row] if result.accepted else []
             logprob = result.logprobs[row] if result.logprobs else None
             top = result.top_logprobs[row] if result.top_logprobs else None
+            tokens = accepted + [result.token_ids[row]]
             row += 1
+            if s.num_spec:
+                self._roll_back(s, len(accepted))
+            outputs.append(self._append(seq, tokens, logprob, top))
+        if self.spec is not None:
+            self.spec.commit(self.scheduler.running)
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int], logprob, top) -> RequestOutput:
+        """Append a step's tokens one at a time, as if each came from its own step: the first
+        that finishes the request (eos, stop token or string, max_tokens, context) is the last."""
+        merged = None
+        for token in tokens:
             seq.append_token(token)
             self._counters["generation"] += 1
             output, reason = self.outputs.token(seq, token, seq.check_stop(token), logprob, top)
+            merged = output if merged is None else merged.extend(output)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(output)
-        return outputs
+                break
+        return merged
+
+    def _roll_back(self, s, num_accepted: int) -> None:
+        """Forget the KV slots of a speculative step's rejected drafts: the computed tokens end
+        at the last accepted one, and the block table shrinks to cover just those."""
+        s.seq.num_computed_tokens -= s.num_spec - num_accepted
+        self.block_manager.truncate(s.seq)
+        if self.spec is not None:
+            self.spec.observe(s.seq, s.num_spec, num_accepted)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self.seeds.pop(seq.request_id, None)
         self._finished[reason.value] += 1
+        if self.spec is not None:
+            self.spec.drop(seq.request_id)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
@@ -177,7 +225,10 @@ class LLMEngine:
             preemptions_total=self.scheduler.num_preemptions,
             requests_finished_total=dict(self._finished),
             steps_total=self._counters["steps"],
+            **(self.spec.counters() if self.spec is not None else {}),
         )
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+        if self.spec is not None:
+            self.spec.check_integrity()

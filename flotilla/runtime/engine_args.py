@@ -14,6 +14,8 @@ from .kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig
+from .spec.builder import build_spec_decoder
+from .spec.config import SpeculativeConfig
 
 log = logging.getLogger("flotilla.runtime")
 
@@ -28,6 +30,17 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    speculative: str | None = None  # "ngram" or "draft:PATH" (see runtime/spec)
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self):
+        self.speculative_config  # a bad --speculative fails here, before any model is loaded
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if not self.speculative:
+            return None
+        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
     @classmethod
     def add_args(cls, p: argparse.ArgumentParser) -> None:
@@ -45,19 +58,26 @@ class EngineArgs:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn automatic prefix caching off")
         g.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
+        g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
+                       help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
+                            "lower-bit copy of the target, same tokenizer); the output distribution is the target's")
+        g.add_argument("--num-speculative-tokens", type=int, default=cls.num_speculative_tokens,
+                       help="most draft tokens verified per step and sequence (default %(default)s)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                   enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
+                   enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                   speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) -> LLMEngine:
     """An engine over a whole model loaded in this process. `report` (e.g. print to stderr)
     receives the one-line KV cache report; it is logged either way."""
     cfg = lm.config
+    spec_config = args.speculative_config
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
     # the KV heads this process's layers cache (a share of them under tensor parallelism)
     spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, cfg.head_dim, lm.dtype, args.block_size)
@@ -77,7 +97,10 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     graphs = () if args.enforce_eager or lm.parallel else capture_sizes(args.max_num_seqs)
     runner = ModelRunner(lm.model, cache, graph_sizes=graphs, max_model_len=config.context_len)
     executor = lm.parallel.executor(runner) if lm.parallel else runner  # rank 0 sends each step to the others
-    engine = LLMEngine(executor, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size)
+    decoder = None
+    if spec_config is not None:  # after the target's cache: a draft's pool matches its size
+        decoder = build_spec_decoder(spec_config, lm, num_blocks, args.block_size, args.max_num_seqs, report)
+    engine = LLMEngine(executor, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size, decoder)
     engine.kv_cache_report = line
     return engine
 

@@ -20,6 +20,7 @@ from flotilla.models.llama import CausalLM
 from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache, PagedAttentionBackend
 from .sampler import Sampler, SamplerOutput, SamplingBatch
+from .spec.rejection import RejectionSampler
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,11 @@ class StepInput:
     block_tables: list[list[int]]  # logical -> physical block ids, covering start + query_len tokens
     num_decodes: int
     sample: list[bool]  # whether each sequence samples a token this step (reaches its end)
-    sampling: SamplingBatch | None = None  # one row per sampling sequence, in batch order
+    sampling: SamplingBatch | None = None  # one row per logits row: per sampling sequence, 1 + its drafts
+    # speculative steps: per sequence, the draft tokens that end its token_ids (verified here),
+    # and the distributions they were drawn from ([drafts, vocab], None: point masses)
+    spec_token_ids: list[list[int]] | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,20 +66,27 @@ class ModelRunner:
         if graph_sizes and self.device.type == "cuda" and model.stage.is_first and model.stage.is_last:
             self.graphs = DecodeGraphRunner(model, cache, graph_sizes, max_model_len or model.config.max_model_len,
                                             self.scale)
+        self.verifier = RejectionSampler(self.sampler) if self.sampler is not None else None
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        if self._replays(step):
-            return self.sampler(self.graphs.run(step.token_ids, step.starts, step.block_tables), step.sampling)
-        positions, meta = prepare_step(step, self.block_size, self.device)
-        x = torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first else hidden
-        h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
-        if not self.model.stage.is_last:
-            return h
-        if not any(step.sample):  # only partial prefill chunks this step
-            return SamplerOutput([])
-        return self.sampler(self.compute_logits(step, h), step.sampling)
+        if self._replays(step):  # a decode step (no drafts to verify): the captured graph
+            logits = self.graphs.run(step.token_ids, step.starts, step.block_tables)
+        else:
+            positions, meta = prepare_step(step, self.block_size, self.device)
+            x = (torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first
+                 else hidden)
+            h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
+            if not self.model.stage.is_last:
+                return h
+            if not any(step.sample):  # only partial prefill chunks this step
+                return SamplerOutput([])
+            logits = self.compute_logits(step, h)
+        if step.spec_token_ids is not None:
+            drafts = [d for d, samples in zip(step.spec_token_ids, step.sample) if samples]
+            return self.verifier(logits, step.sampling, drafts, step.draft_probs)
+        return self.sampler(logits, step.sampling)
 
     def _replays(self, step: StepInput) -> bool:
         """Whether this step is a decode step that a captured CUDA graph serves."""
@@ -82,12 +94,14 @@ class ModelRunner:
                 and self.graphs.can_run(step.token_ids, step.num_decodes, step.block_tables))
 
     def compute_logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] of the last new token of each sampling sequence."""
+        """fp32 logits [N, vocab] of the last new token of each sampling sequence (of its last
+        1 + k tokens, for a sequence verifying k drafts)."""
         ends, end = [], 0
-        for qlen, samples in zip(step.query_lens, step.sample):
+        spec = step.spec_token_ids or [()] * step.num_seqs
+        for qlen, samples, drafts in zip(step.query_lens, step.sample, spec):
             end += qlen
             if samples:
-                ends.append(end - 1)
+                ends.extend(range(end - 1 - len(drafts), end))
         if len(ends) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)

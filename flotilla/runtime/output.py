@@ -29,6 +29,18 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
+    def extend(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same request and step (a speculative step
+        yields several tokens): one output with both's tokens and text, and the later's state."""
+        self.new_token_ids += later.new_token_ids
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+            self.top_logprobs = (self.top_logprobs or []) + (later.top_logprobs or [])
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.num_output_tokens = later.num_output_tokens
+        return self
+
 
 class TextState:
     """The detokenizer and stop-string state of one request."""

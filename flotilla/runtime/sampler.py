@@ -18,7 +18,7 @@ penalties, temperature and truncation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -68,6 +68,10 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self.temperature)
 
+    def select(self, rows: list[int]) -> "SamplingBatch":
+        """The batch of the given rows, in that order."""
+        return SamplingBatch(**{f.name: [getattr(self, f.name)[r] for r in rows] for f in fields(self)})
+
     @property
     def all_greedy(self) -> bool:
         return all(t == 0 or k == 1 for t, k in zip(self.temperature, self.top_k))
@@ -87,6 +91,8 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None] | None = None  # the sampled token's logprob, per row
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
+    # speculative steps: the draft tokens accepted before token_ids[i], per row (see runtime/spec)
+    accepted: list[list[int]] | None = None
 
 
 class Sampler:
@@ -101,17 +107,18 @@ class Sampler:
         logits = logits.float()
         raw = logits
         if batch.any_penalty:
-            logits = self._apply_penalties(logits, batch)
+            logits = self.apply_penalties(logits, batch)
         ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
         if not batch.all_greedy:
             ids = self._sample(logits, ids, batch)
         token_ids = ids.tolist()
         if not batch.any_logprobs:
             return SamplerOutput(token_ids)
-        return self._logprobs(raw, ids, token_ids, batch)
+        return self.logprobs(raw, ids, token_ids, batch)
 
     # ------------------------------------------------------------------ penalties
-    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] fp32 with each row's repetition, presence and frequency penalties."""
         B, V = logits.shape
         dev = logits.device
         out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
@@ -127,9 +134,16 @@ class Sampler:
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = torch.tensor([t == 0 or k == 1 for t, k in zip(batch.temperature, batch.top_k)], device=logits.device)
+        sampled = (self.processed_probs(logits, batch) / self.exponentials(logits, batch)).argmax(dim=-1)
+        return torch.where(greedy, greedy_ids, sampled)
+
+    def processed_probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """What each row samples from, given logits [B, V] with penalties applied: temperature
+        (greedy rows at 1), top-k, top-p, then min-p's cut. Not renormalized after min-p (the
+        exponential race needs no normalization); divide by the row sum for a distribution."""
         B, V = logits.shape
         dev = logits.device
-        greedy = torch.tensor([t == 0 or k == 1 for t, k in zip(batch.temperature, batch.top_k)], device=dev)
         temp = torch.tensor([t if t > 0 else 1.0 for t in batch.temperature], device=dev)
         logits = logits / temp[:, None]
         if any(0 < k < V for k in batch.top_k) or any(p < 1.0 for p in batch.top_p):
@@ -138,10 +152,12 @@ class Sampler:
         if any(m > 0 for m in batch.min_p):
             min_p = torch.tensor(batch.min_p, device=dev)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        sampled = (probs / self._exponentials(B, V, dev, batch, greedy)).argmax(dim=-1)
-        return torch.where(greedy, greedy_ids, sampled)
+        return probs
 
-    def _exponentials(self, B: int, V: int, dev: torch.device, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+    def exponentials(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Exp(1) variates [B, V] for the rows of `logits`, each row from its (seed, step)
+        generator; ones for greedy rows. A reused buffer: valid until the next call."""
+        (B, V), dev = logits.shape, logits.device
         if self._noise is None or self._noise.shape[0] < B or self._noise.shape[1] != V or self._noise.device != dev:
             self._noise = torch.empty(max(B, 8), V, device=dev)
         noise = self._noise[:B]
@@ -152,12 +168,14 @@ class Sampler:
             if batch.temperature[i] == 0 or batch.top_k[i] == 1:
                 noise[i].fill_(1.0)
                 continue
-            gen.manual_seed(_row_seed(seed, step))
+            gen.manual_seed(row_seed(seed, step))
             noise[i].exponential_(generator=gen)
         return noise
 
     # ------------------------------------------------------------------ logprobs
-    def _logprobs(self, raw: torch.Tensor, ids: torch.Tensor, token_ids: list[int], batch: SamplingBatch) -> SamplerOutput:
+    def logprobs(self, raw: torch.Tensor, ids: torch.Tensor, token_ids: list[int], batch: SamplingBatch) -> SamplerOutput:
+        """The output for tokens `ids` (also as `token_ids`) drawn from logits `raw` [B, V], with
+        the logprobs and top logprobs that each row asks for."""
         logprobs = torch.log_softmax(raw, dim=-1)
         chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
         k = max(batch.top_logprobs)
@@ -173,7 +191,7 @@ class Sampler:
         return SamplerOutput(token_ids, lps, tops)
 
 
-def _row_seed(seed: int, step: int) -> int:
+def row_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed from (request seed, token index): splitmix64 of their combination."""
     z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

@@ -19,6 +19,11 @@ Policies, each a small method:
 `num_computed_tokens` advances when a step is scheduled, so a sequence whose token is still
 being computed has nothing left to schedule and is skipped (what lets a pipeline keep several
 steps in flight).
+
+Speculative decoding: a decode whose sequence carries draft tokens (`seq.spec_token_ids`) is
+scheduled with them, 1 + k new tokens, as far as the budget and the free blocks allow (drafts
+are dropped before anyone is preempted); the engine rolls `num_computed_tokens` and the block
+table back over the rejected ones after the step.
 """
 from __future__ import annotations
 
@@ -44,12 +49,17 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     start: int  # num_computed_tokens before this step: position of the first new token
-    num_new_tokens: int
+    num_new_tokens: int  # the draft tokens included
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified after the last real token
+
+    @property
+    def num_spec(self) -> int:
+        return len(self.spec_token_ids)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens (so a token is sampled)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec == self.seq.num_tokens
 
 
 @dataclass
@@ -101,16 +111,20 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            while self.block_manager.allocate_slots(seq, n) is None:
+            spec = seq.spec_token_ids[:budget - 1] if seq.num_uncomputed_tokens == 1 else []
+            while self.block_manager.allocate_slots(seq, n + len(spec)) is None:
+                if spec:  # drop the drafts before preempting anyone
+                    spec = []
+                    continue
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._add(out, seq, n)
+                self._add(out, seq, n + len(spec), spec)
                 scheduled.add(seq.request_id)
-                budget -= n
+                budget -= n + len(spec)
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -150,8 +164,8 @@ class Scheduler:
         return bm.num_free_blocks - bm.free_blocks_needed(seq, num_new_tokens, computed) >= keep
 
     @staticmethod
-    def _add(out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+    def _add(out: SchedulerOutput, seq: Sequence, n: int, spec: list[int] | None = None) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, spec or []))
         seq.num_computed_tokens += n
 
     # ------------------------------------------------------------------ state changes

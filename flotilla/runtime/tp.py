@@ -95,11 +95,13 @@ def _unpack(data: bytes) -> list:
     return msgpack.unpackb(data, raw=False, strict_map_key=True)
 
 
-_STEP_FIELDS = [f.name for f in dataclasses.fields(StepInput) if f.name != "sampling"]
+# rank 0 samples and verifies: the sampling rows and a draft model's probabilities stay there
+_STEP_FIELDS = [f.name for f in dataclasses.fields(StepInput) if f.name not in ("sampling", "draft_probs")]
 
 
 def encode_step(step: StepInput, hidden: torch.Tensor | None = None) -> bytes:
-    """A step for the other ranks: every StepInput field but the sampling rows (rank 0 samples),
+    """A step for the other ranks: every StepInput field but the sampling rows and draft
+    probabilities (rank 0 samples),
     and the shape of the hidden states that follow by broadcast, if any."""
     shape = list(hidden.shape) if hidden is not None else None
     return _pack("step", {name: getattr(step, name) for name in _STEP_FIELDS}, shape)

@@ -54,10 +54,21 @@ class EngineStats:
     num_waiting: int
     kv_blocks_total: int
     kv_blocks_free: int
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since the start
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verify_steps: int = 0  # sequence-steps that verified drafts
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_accepted_tokens_per_step(self) -> float:
+        return self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -89,9 +100,10 @@ class EngineClient:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
+        engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
         lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
         report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        return cls(lm, EngineArgs.from_args(args), args.served_model_name or _default_name(lm), report)
+        return cls(lm, engine_args, args.served_model_name or _default_name(lm), report)
 
     @classmethod
     def from_loaded(cls, lm: LoadedModel, *, served_model_name: str | None = None, **engine_args) -> "EngineClient":
@@ -147,7 +159,8 @@ class EngineClient:
 
     def stats(self) -> EngineStats:
         s = self._engine.stats() if self._engine is not None else self._llm.stats()
-        return EngineStats(s.num_running, s.num_waiting, s.num_total_blocks, s.num_free_blocks)
+        return EngineStats(s.num_running, s.num_waiting, s.num_total_blocks, s.num_free_blocks,
+                           s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_verify_steps_total)
 
     def problems(self) -> list[str]:
         if self._engine is not None and not self._engine.is_running:

@@ -60,6 +60,10 @@ class Counter(Metric):
     def get(self, *labels: str) -> float:
         return self.values.get(labels, 0.0)
 
+    def set_total(self, value: float, *labels: str) -> None:
+        """Mirror a running total kept elsewhere (the engine's counters)."""
+        self.values[labels] = value
+
     def render(self) -> list[str]:
         return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}"
                                 for k, v in sorted(self.values.items())]
@@ -120,11 +124,22 @@ class ServerMetrics:
                              ITL_BUCKETS)
         self.e2e = Histogram("flotilla_request_duration_seconds", "Time from arrival to the last token",
                              TTFT_BUCKETS)
+        self.spec_draft = Counter("flotilla_spec_draft_tokens_total",
+                                  "Speculative decoding: draft tokens verified by the target")
+        self.spec_accepted = Counter("flotilla_spec_accepted_tokens_total",
+                                     "Speculative decoding: draft tokens accepted")
+        self.spec_steps = Counter("flotilla_spec_verify_steps_total",
+                                  "Speculative decoding: sequence-steps that verified drafts")
+        self.spec_rate = Gauge("flotilla_spec_acceptance_rate",
+                               "Speculative decoding: accepted / verified draft tokens since the start (0..1)")
+        self.spec_per_step = Gauge("flotilla_spec_accepted_tokens_per_step",
+                                   "Speculative decoding: draft tokens accepted per verifying sequence-step "
+                                   "(each also yields one token of the target's own)")
 
     def all(self) -> list[Metric]:
         return [self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
                 self.queue_depth, self.running, self.kv_usage, self.kv_free, self.kv_total, self.ttft, self.itl,
-                self.e2e]
+                self.e2e, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step]
 
     def update_engine(self, stats, in_flight: int) -> None:
         self.queue_depth.set(stats.num_waiting)
@@ -133,6 +148,11 @@ class ServerMetrics:
         self.kv_free.set(stats.kv_blocks_free)
         self.kv_total.set(stats.kv_blocks_total)
         self.in_flight.set(in_flight)
+        self.spec_draft.set_total(stats.spec_draft_tokens)
+        self.spec_accepted.set_total(stats.spec_accepted_tokens)
+        self.spec_steps.set_total(stats.spec_verify_steps)
+        self.spec_rate.set(round(stats.spec_acceptance_rate, 6))
+        self.spec_per_step.set(round(stats.spec_accepted_tokens_per_step, 6))
 
     def render(self) -> str:
         return "\n".join(line for m in self.all() for line in m.render()) + "\n"

@@ -1,0 +1,30 @@
+"""Building the speculative decoder of an engine from `--speculative` and the loaded target."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..kv_cache import KVCache, KVCacheSpec
+from ..loader import LoadedModel, load_model
+from .config import SpeculativeConfig
+from .decoder import SpecDecoder
+from .draft import DraftProposer, check_compatible
+from .ngram import NgramProposer
+
+
+def build_spec_decoder(config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
+                       max_num_seqs: int, report: Callable[[str], None] | None = None) -> SpecDecoder:
+    """The decoder for `config` over a target whose pool has `num_blocks` blocks (the null block
+    included). A draft model gets a pool of the same size plus room for each running sequence's
+    drafts, on the target's device and dtype; `report` receives its one-line KV cache report."""
+    if config.method == "ngram":
+        return SpecDecoder(config, NgramProposer(config.ngram_min, config.ngram_max))
+    draft = load_model(config.draft_path, target.device, str(target.dtype).removeprefix("torch."),
+                       with_tokenizer=False)
+    cfg = draft.config
+    check_compatible(target.config.vocab_size, cfg.vocab_size, f"--speculative draft:{config.draft_path}")
+    spec = KVCacheSpec(tuple(draft.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, draft.dtype, block_size)
+    n = num_blocks + max_num_seqs * -(-config.num_speculative_tokens // block_size)
+    cache = KVCache(spec, n, draft.device)
+    if report is not None:
+        report(f"draft {spec.describe(n)}")
+    return SpecDecoder(config, DraftProposer(draft.model, cache, n), max_len=cfg.max_model_len)

@@ -13,6 +13,7 @@ from typing import Callable
 from flotilla.errors import FlotillaError
 
 from . import eval_ppl
+from .pipeline import cli as pipeline_cli
 from .sampling import SamplingParams
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -143,6 +144,8 @@ COMMANDS: list[Command] = [
     ("generate", "generate text from a prompt, streamed to stdout", _generate_args, _generate),
     ("chat", "an interactive chat in the terminal through the model's chat template", _chat_args, _chat),
     ("eval-ppl", "perplexity of a model over a text file (sliding window)", eval_ppl.add_args, eval_ppl.run),
+    ("worker", "serve one pipeline stage to a head (`runtime serve --pp N --hosts ...`) over authenticated TCP",
+     pipeline_cli.add_worker_args, pipeline_cli.run_worker),
 ]
 
 

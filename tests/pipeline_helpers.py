@@ -1,0 +1,118 @@
+"""Helpers for the pipeline tests: workers in this process (threads) or as `runtime worker`
+processes, and reading what they say."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = b"pipeline-test-token-0123456789"
+
+
+class ThreadWorker:
+    """A pipeline Worker on its own event loop in a daemon thread of this process."""
+
+    def __init__(self, cache_dir: Path, model: Path | None = None, port: int = 0, token: bytes = TOKEN,
+                 ssl_server=None, ssl_client=None):
+        from flotilla.runtime.pipeline.worker import Worker, WorkerConfig
+
+        self.config = WorkerConfig(token, torch.device("cpu"), Path(cache_dir), model, ssl_server, ssl_client)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.worker = Worker(self.config)
+        self.host, self.port = self.call(self.worker.start("127.0.0.1", port))
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def stop(self) -> None:
+        """Like a killed process: the listening socket and every connection close at once."""
+        async def down():
+            await self.worker.close()
+            await asyncio.sleep(0.05)
+        try:
+            self.call(down(), 10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def worker_env(token: bytes = TOKEN) -> dict:
+    env = dict(os.environ, FLOTILLA_TOKEN=token.decode(), PYTHONPATH=str(REPO))
+    env.pop("FLOTILLA_KERNEL", None)
+    return env
+
+
+class ProcessWorker:
+    """`runtime worker` as a child process (kill -9 able)."""
+
+    def __init__(self, port: int = 0, model: Path | None = None, cache_dir: Path | None = None,
+                 token: bytes = TOKEN, prefix: list[str] | None = None, host: str = "127.0.0.1",
+                 extra: list[str] | None = None):
+        self.host = host
+        cmd = [*(prefix or []), sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", f"{host}:{port}",
+               "--device", "cpu", *(extra or [])]
+        if model is not None:
+            cmd += ["--model", str(model)]
+        if cache_dir is not None:
+            cmd += ["--cache-dir", str(cache_dir)]
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(cmd, env=worker_env(token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1)
+        self._listening = threading.Event()
+        self.port = port
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip())
+            m = re.search(r"listening on (\S+):(\d+)", line)
+            if m and not self._listening.is_set():
+                self.port = int(m.group(2))
+                self._listening.set()
+        self._listening.set()
+
+    def wait_listening(self, timeout: float = 120) -> "ProcessWorker":
+        if not self._listening.wait(timeout) or self.proc.poll() is not None:
+            raise RuntimeError("worker did not start:\n" + "\n".join(self.log[-30:]))
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

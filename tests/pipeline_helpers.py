@@ -22,10 +22,11 @@ class ThreadWorker:
     """A pipeline Worker on its own event loop in a daemon thread of this process."""
 
     def __init__(self, cache_dir: Path, model: Path | None = None, port: int = 0, token: bytes = TOKEN,
-                 ssl_server=None, ssl_client=None):
+                 ssl_server=None, ssl_client=None, handshake_timeout: float = 10.0):
         from flotilla.runtime.pipeline.worker import Worker, WorkerConfig
 
-        self.config = WorkerConfig(token, torch.device("cpu"), Path(cache_dir), model, ssl_server, ssl_client)
+        self.config = WorkerConfig(token, torch.device("cpu"), Path(cache_dir), model, ssl_server, ssl_client,
+                                   handshake_timeout=handshake_timeout)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -116,3 +117,41 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def checkpoint_per_layer(src: Path, out: Path) -> Path:
+    """Rewrite a model as a flotilla checkpoint with one shard per layer key (embed, 0..L-1, head),
+    so that a stage's shards are exactly its layers."""
+    from flotilla.models.checkpoint import TOKENIZER_FILES, CheckpointWriter, is_checkpoint, layer_key
+    from flotilla.models.sources import open_source
+
+    if is_checkpoint(out):
+        return out
+    source = open_source(src)
+    groups: dict[str, dict] = {}
+    for name in source.names():
+        groups.setdefault(layer_key(name), {})[name] = source.get(name)
+    keys = ["embed", *map(str, range(source.config.num_hidden_layers)), "head"]
+    with CheckpointWriter(out, source.config, shard_size=1, force=True) as w:
+        for key in keys:
+            if key in groups:
+                w.add_layer(key, groups[key])
+        if Path(src).is_dir():
+            w.copy_files(Path(src), TOKENIZER_FILES)
+        return w.commit()
+
+
+def make_tls_files(directory: Path) -> tuple[Path, Path, Path] | None:
+    """A CA and one node certificate signed by it (openssl CLI); None when openssl is missing."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        return None
+    d = Path(directory)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=flotilla-test-ca")
+    run("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "node.pem", "-days", "2")
+    return d / "node.pem", d / "node.key", d / "ca.pem"

@@ -155,3 +155,41 @@ def make_tls_files(directory: Path) -> tuple[Path, Path, Path] | None:
     run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
         "node.pem", "-days", "2")
     return d / "node.pem", d / "node.key", d / "ca.pem"
+
+
+TOPICS = ["the ocean", "a robot", "Paris", "mathematics", "a cat", "the moon", "coffee", "winter",
+          "a library", "music", "trains", "volcanoes", "bread", "chess", "rain", "the internet"]
+
+
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"Write one sentence about {t}."}])
+            for t in TOPICS]
+
+
+_REFERENCE: dict = {}
+
+
+def smollm2_reference(model: Path, max_tokens: int = 24) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """(prompts, greedy tokens, texts) of pp=1 — the model in this process — for the 16 prompts;
+    computed once per test session."""
+    key = (str(model), max_tokens)
+    if key not in _REFERENCE:
+        from flotilla.runtime.engine_args import EngineArgs, build_engine
+        from flotilla.runtime.loader import load_model
+        from flotilla.runtime.sampling import SamplingParams
+
+        lm = load_model(model, "cpu", "float32", progress=False)
+        engine = build_engine(lm, EngineArgs(kv_cache_memory="64MiB", max_num_seqs=16))
+        prompts = smollm2_prompts(lm.tokenizer)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"ref-{i}", p, params)
+        tokens: dict[str, list[int]] = {}
+        texts: dict[str, str] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                texts[o.request_id] = texts.get(o.request_id, "") + o.text
+        ids = [f"ref-{i}" for i in range(len(prompts))]
+        _REFERENCE[key] = (prompts, [tokens[i] for i in ids], [texts[i] for i in ids])
+    return _REFERENCE[key]

@@ -113,7 +113,8 @@ class PipelineEngine(LLMEngine):
         return out
 
     def problems(self) -> list[str]:
-        return self.executor.problems()
+        return [f"{p}; requests are paused and fail after --stage-timeout {self.stage_timeout:g}s"
+                for p in self.executor.problems()]
 
     def close(self) -> None:
         self.executor.close()

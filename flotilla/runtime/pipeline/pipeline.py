@@ -128,12 +128,10 @@ class Pipeline:
     def problems(self) -> list[str]:
         if self.ready.is_set() or self.down_since is None:
             return []
-        down = time.monotonic() - self.down_since
-        tail = (f"down {down:.0f}s; requests are paused and fail after --stage-timeout "
-                f"{self.settings.stage_timeout:g}s")
+        down = f"down {time.monotonic() - self.down_since:.0f}s"
         if not self.missing:
-            return [f"the pipeline is being repaired: {self.down_reason} ({tail})"]
-        return [f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {reason} ({tail})"
+            return [f"the pipeline is being repaired: {self.down_reason} ({down})"]
+        return [f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {reason} ({down})"
                 for i, reason in sorted(self.missing.items())]
 
     def describe_down(self) -> str:

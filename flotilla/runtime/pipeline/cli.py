@@ -81,7 +81,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "pushes the stage's shards")
     p.add_argument("--cache-dir", default=None,
                    help="where pushed shards are kept (default: FLOTILLA_CACHE_DIR/worker)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the stage's compute (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the stage's compute (default: torch's, one per core)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     _add_token_args(p)
@@ -103,8 +104,9 @@ def run_worker(args: argparse.Namespace) -> int:
     if model is not None and not model.exists():
         raise FlotillaError(f"--model {model}: no such file or directory")
     server_ssl, client_ssl = _tls(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # Set explicitly even when it is the default: the compute thread uses torch's thread count only
+    # once it has been set (otherwise a thread other than the main one computes on one core).
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else envs.cache_dir() / "worker"

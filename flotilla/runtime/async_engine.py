@@ -36,6 +36,10 @@ class EngineDeadError(FlotillaError):
     """The engine loop failed; no request can be served any more."""
 
 
+class RequestFailed(FlotillaError):
+    """The engine had to end this request (its output's `error` says why); the engine lives on."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -213,7 +217,8 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            by_loop.setdefault(stream._loop, []).append((stream, out))
+            item = RequestFailed(out.error) if out.error is not None else out
+            by_loop.setdefault(stream._loop, []).append((stream, item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_push_all, items)
 

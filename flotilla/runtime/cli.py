@@ -13,6 +13,7 @@ from typing import Callable
 from flotilla.errors import FlotillaError
 
 from . import bench, eval_ppl
+from .pipeline import cli as pipeline_cli
 from .sampling import SamplingParams
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -155,6 +156,8 @@ COMMANDS: list[Command] = [
     ("eval-ppl", "perplexity of a model over a text file (sliding window)", eval_ppl.add_args, eval_ppl.run),
     ("bench", "decode tok/s of the engine at several batch sizes, on a random-weight model of a named shape "
               "(--random llama-3-8b) or a model path", bench.add_args, bench.run),
+    ("worker", "serve one pipeline stage to a head (`runtime serve --pp N --hosts ...`) over authenticated TCP",
+     pipeline_cli.add_worker_args, pipeline_cli.run_worker),
 ]
 
 

@@ -28,6 +28,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    error: str | None = None  # why the engine had to end the request (e.g. a pipeline stage stayed down)
 
     def extend(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by a later one of the same request and step (a speculative step

@@ -178,6 +178,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def preempt_all(self) -> list[Sequence]:
+        """Send every running sequence back to the queue, to be recomputed from its tokens (what a
+        pipeline does when a stage has lost its KV cache); returns them."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):  # appendleft in reverse keeps the arrival order
+            self._preempt(seq)
+        return seqs
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stopped, length, or aborted) and return its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:

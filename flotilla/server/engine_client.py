@@ -6,20 +6,25 @@ context length, `generate()` (an async iterator of `StepOutput`s per request), `
 `flotilla.runtime`, so reconciling with a changed engine API touches this file only.
 
 The engine is `flotilla.runtime.AsyncEngine` (continuous batching over a paged KV cache) built
-from the same `EngineArgs` as `runtime generate` and `runtime chat`.
+from the same `EngineArgs` as `runtime generate` and `runtime chat`: over the model in this
+process, or with `--pp N` over a pipeline of worker processes or machines (the head loads no
+weights; a lost stage shows in `problems()`, and requests it cannot finish end with an error).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import AsyncIterator
 
 from flotilla.errors import FlotillaError
-from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError
+from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from flotilla.runtime.cli import add_model_args
+from flotilla.runtime.engine import LLMEngine
 from flotilla.runtime.engine_args import EngineArgs, build_engine
 from flotilla.runtime.loader import LoadedModel
+from flotilla.runtime.pipeline.cli import add_pipeline_args, is_pipeline, pipeline_engine_from_args
 from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.runtime.tp import add_tp_args, load_model_parallel
@@ -75,6 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_tp_args(p)
     EngineArgs.add_args(p)  # includes --max-model-len
+    add_pipeline_args(p)
 
 
 def _convert(out: RequestOutput) -> StepOutput:
@@ -86,13 +92,13 @@ def _convert(out: RequestOutput) -> StepOutput:
 
 
 class EngineClient:
-    def __init__(self, lm: LoadedModel, engine_args: EngineArgs, model_name: str, report=None):
-        if lm.tokenizer is None:
-            raise FlotillaError(f"{lm.path}: the server needs the model's tokenizer")
-        self.lm = lm
-        self.tokenizer = lm.tokenizer
+    def __init__(self, llm: LLMEngine, model_name: str, parallel=None):
+        if llm.tokenizer is None:
+            raise FlotillaError(f"{model_name}: the server needs the model's tokenizer")
+        self.tokenizer = llm.tokenizer
         self.model_name = model_name
-        self._llm = build_engine(lm, engine_args, report=report)
+        self._llm = llm
+        self._parallel = parallel  # a TensorParallel group to close with the engine
         self.max_model_len = self._llm.config.context_len
         self.max_num_seqs = self._llm.config.scheduler.max_num_seqs
         self._engine: AsyncEngine | None = None
@@ -101,9 +107,18 @@ class EngineClient:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
         engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
-        lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
         report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        return cls(lm, engine_args, args.served_model_name or _default_name(lm), report)
+        if is_pipeline(args):
+            if args.tp != 1:
+                raise FlotillaError("--tp with --pp: tensor parallel inside pipeline stages is not supported yet; "
+                                    "use one of them")
+            from flotilla.runtime.default_model import resolve_model_path
+
+            llm = pipeline_engine_from_args(args, report)
+            return cls(llm, args.served_model_name or _default_name(resolve_model_path(args.model)))
+        lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
+        llm = build_engine(lm, engine_args, report=report)
+        return cls(llm, args.served_model_name or _default_name(lm.path), parallel=lm.parallel)
 
     @classmethod
     def from_loaded(cls, lm: LoadedModel, *, served_model_name: str | None = None, **engine_args) -> "EngineClient":
@@ -113,7 +128,10 @@ class EngineClient:
         unknown = set(engine_args) - known
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; valid: {sorted(known)}")
-        return cls(lm, EngineArgs(**engine_args), served_model_name or _default_name(lm))
+        if lm.tokenizer is None:
+            raise FlotillaError(f"{lm.path}: the server needs the model's tokenizer")
+        return cls(build_engine(lm, EngineArgs(**engine_args)), served_model_name or _default_name(lm.path),
+                   parallel=lm.parallel)
 
     async def start(self) -> None:
         self._engine = AsyncEngine(self._llm)
@@ -121,8 +139,11 @@ class EngineClient:
     async def shutdown(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()
-        if self.lm.parallel is not None:  # the other tensor-parallel ranks
-            self.lm.parallel.close()
+        close = getattr(self._llm, "close", None)  # a pipeline: its connections and local workers
+        if close is not None:
+            close()
+        if self._parallel is not None:  # the other tensor-parallel ranks
+            self._parallel.close()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Stream one request's outputs; the last one carries a finish_reason. Leaving early aborts
@@ -140,7 +161,7 @@ class EngineClient:
                 if step.finish_reason == "abort":
                     await self._engine.abort(request_id)  # settles: stats() shows the blocks free
                 yield step
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestFailed) as e:
             finished = True
             raise EngineUnavailable(str(e)) from None
         finally:
@@ -165,15 +186,16 @@ class EngineClient:
     def problems(self) -> list[str]:
         if self._engine is not None and not self._engine.is_running:
             return ["the engine loop has stopped (the server log has the error); restart the server"]
-        return []
+        pipeline_problems = getattr(self._llm, "problems", None)  # e.g. a pipeline stage that is down
+        return list(pipeline_problems()) if pipeline_problems is not None else []
 
 
-def _default_name(lm: LoadedModel) -> str:
+def _default_name(path: Path) -> str:
     from flotilla.runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
 
     try:
-        if lm.path.resolve() == default_model_path(fetch=False).resolve():
+        if path.resolve() == default_model_path(fetch=False).resolve():
             return DEFAULT_MODEL_NAME
     except FlotillaError:
         pass
-    return lm.path.stem if lm.path.is_file() else lm.path.name
+    return path.stem if path.is_file() else path.name

@@ -7,6 +7,7 @@ import time
 
 from aiohttp import web
 
+from .engine_client import EngineUnavailable
 from .errors import ApiError
 from .generation import Generation, new_request_id
 from .protocol import GenerationRequest, parse_chat, parse_completion
@@ -124,6 +125,9 @@ class OpenAIRoutes:
             await stream.done()
         except ConnectionResetError:
             pass  # the client left; leaving the Generation aborts its sequences
+        except EngineUnavailable as e:  # e.g. a pipeline stage that did not come back in time
+            await stream.send(ApiError(503, f"the engine cannot serve: {e}", code="engine_unavailable").body())
+            await stream.done()
         except Exception:  # a bug past the point where a status code can be sent: end the stream visibly
             log.exception("stream %s failed", shapes.id)
             await stream.send(ApiError(500, "internal server error while streaming (the server log has the "

@@ -27,6 +27,7 @@ NONCE_BYTES = 32
 TAG_BYTES = 32
 HANDSHAKE_MAX_FRAME = 4096
 MIN_TOKEN_LENGTH = 16
+STREAM_LIMIT = 4 << 20  # asyncio's read buffer: large frames arrive in fewer pauses
 
 
 class AuthError(ProtocolError):
@@ -168,6 +169,35 @@ async def _closing_on_failure(writer: asyncio.StreamWriter, handshake):
     except BaseException:
         writer.close()
         raise
+
+
+async def connect(host: str, port: int, token: bytes, name: str, ssl_context: ssl.SSLContext | None = None,
+                  timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
+    """Open a TCP (or TLS) connection and authenticate as a client."""
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, port, ssl=ssl_context, limit=STREAM_LIMIT), timeout)
+    return await client_handshake(reader, writer, token, name, timeout, max_frame)
+
+
+def parse_address(text: str, default_port: int | None = None) -> tuple[str, int]:
+    """'host:port', '[v6]:port' or (with a default port) 'host' -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""
+    if not port and default_port is not None:
+        port = str(default_port)
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def ssl_contexts(cert: str | None, key: str | None, ca: str | None) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:

@@ -6,7 +6,8 @@
 
 Messages are frozen dataclasses registered with `@message("name")`; one generic codec encodes
 them and, on decode, checks every field against its annotation, so a malformed or hostile frame
-becomes a ProtocolError and never an arbitrary object. Nothing is ever unpickled.
+becomes a ProtocolError and never an arbitrary object. Nothing is ever unpickled. A registered
+message may be the type of another's field (or a list of them): it travels as its field values.
 """
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ def _validator(tp) -> Callable[[Any, str], Any]:
         k_tp, v_tp = typing.get_args(tp)
         kv, vv = _validator(k_tp), _validator(v_tp)
         return lambda v, where: {kv(k, where): vv(x, where) for k, x in _expect(v, dict, where).items()}
+    if tp in _VALIDATORS:  # a nested message: its field values
+        return lambda v, where: _build(tp, _expect(v, list, where), where)
     if tp is torch.Tensor:
         return decode_tensor
     if tp is float:
@@ -160,6 +163,8 @@ def decode_tensor(v, where: str = "tensor") -> torch.Tensor:
 def _to_wire(v):
     if isinstance(v, torch.Tensor):
         return encode_tensor(v)
+    if type(v) in _VALIDATORS:
+        return [_to_wire(getattr(v, name)) for name, _ in _VALIDATORS[type(v)]]
     if isinstance(v, (list, tuple)):
         return [_to_wire(x) for x in v]
     if isinstance(v, dict):
@@ -192,11 +197,14 @@ def decode(body: bytes, max_frame: int = DEFAULT_MAX_FRAME):
     cls = _MESSAGES.get(name)
     if cls is None:
         raise ProtocolError(f"unknown message type {name[:40]!r}")
+    return _build(cls, values, name)
+
+
+def _build(cls, values: list, where: str):
     fields = _VALIDATORS[cls]
     if len(values) != len(fields):
-        raise ProtocolError(f"{name}: {len(values)} fields, expected {len(fields)}")
-    kwargs = {fname: check(v, f"{name}.{fname}") for (fname, check), v in zip(fields, values)}
-    return cls(**kwargs)
+        raise ProtocolError(f"{where}: {len(values)} fields, expected {len(fields)}")
+    return cls(**{fname: check(v, f"{where}.{fname}") for (fname, check), v in zip(fields, values)})
 
 
 def _reject_ext(code, data):

@@ -1,0 +1,41 @@
+"""Hidden states on the wire between stages: fp16, bf16, or int8 with a per-token absmax scale.
+
+    fp16 / bf16   [T, H] in that dtype: 2 bytes a value
+    int8          q = round(h / s) with s = max|h_t| / 127 per token t: 1 byte a value and a
+                  4-byte scale a token, half of fp16's bytes for slow links
+
+The stage computes in its own dtype (fp32 on a CPU, fp16 on a GPU); `pack` turns its output into
+the wire form and `unpack` turns a received one back into the receiver's dtype and device.
+"""
+from __future__ import annotations
+
+import torch
+
+from flotilla.errors import FlotillaError
+
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def check_wire_dtype(name: str) -> str:
+    if name not in WIRE_DTYPES:
+        raise FlotillaError(f"--wire-dtype {name!r}: choose one of {', '.join(WIRE_DTYPES)}")
+    return name
+
+
+def pack(hidden: torch.Tensor, wire_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, H] in any float dtype -> (wire tensor [T, H], per-token scales [T] for int8, else None)."""
+    if wire_dtype != "int8":
+        return hidden.to(WIRE_DTYPES[wire_dtype]), None
+    h = hidden.float()
+    scales = h.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [T]
+    q = torch.round(h / scales[:, None]).clamp_(-127, 127).to(torch.int8)  # [T, H]
+    return q, scales
+
+
+def unpack(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The inverse of `pack`, in the receiver's dtype on its device."""
+    if data.dtype == torch.int8:
+        if scales is None or scales.shape != data.shape[:1]:
+            raise ValueError("int8 hidden states need one scale per token")
+        return (data.to(device=device, dtype=torch.float32) * scales.to(device)[:, None]).to(dtype)
+    return data.to(device=device, dtype=dtype)

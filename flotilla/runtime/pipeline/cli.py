@@ -1,0 +1,210 @@
+"""Command-line pieces of the pipeline: the `runtime worker` command and the `--pp` options of
+`runtime serve` (which the server's CLI adds; the runtime never imports the server).
+
+The shared token comes from `--token-file` or FLOTILLA_TOKEN, never from the command line, where
+every user of the machine could read it (`ps`, shell history): `--token` is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from flotilla import envs
+from flotilla.errors import FlotillaError
+
+from .activations import WIRE_DTYPES
+from .connection import MIN_TOKEN_LENGTH, check_token, parse_address, ssl_contexts
+
+DEFAULT_PORT = 7070
+
+
+def _add_token_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", default=None,
+                   help="file holding the shared pipeline token (or set FLOTILLA_TOKEN); "
+                        f"at least {MIN_TOKEN_LENGTH} characters")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused, with a message saying why
+    p.add_argument("--tls-cert", default=None, help="TLS certificate (PEM) for pipeline connections")
+    p.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA (PEM) that the peers' certificates must chain to (mutual TLS)")
+
+
+def read_token(args: argparse.Namespace, required: bool = True) -> bytes | None:
+    if getattr(args, "token", None) is not None:
+        raise FlotillaError("--token on the command line shows the secret to every user of this machine (ps, shell "
+                            "history); write it to a file and pass --token-file FILE, or set FLOTILLA_TOKEN")
+    if args.token_file:
+        path = Path(args.token_file).expanduser()
+        try:
+            text = path.read_text().strip()
+        except OSError as e:
+            raise FlotillaError(f"--token-file {path}: cannot read it ({e.strerror})") from None
+        where = f"--token-file {path}"
+    else:
+        text, where = envs.token() or "", "FLOTILLA_TOKEN"
+    if not text:
+        if required:
+            raise FlotillaError("the pipeline needs a shared token: pass --token-file FILE or set FLOTILLA_TOKEN "
+                                f"(at least {MIN_TOKEN_LENGTH} characters, e.g. from "
+                                "`python -c 'import secrets; print(secrets.token_hex(16))'`)")
+        return None
+    try:
+        return check_token(text)
+    except ValueError as e:
+        raise FlotillaError(f"{where}: {e}") from None
+
+
+def _tls(args: argparse.Namespace):
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise FlotillaError("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        raise FlotillaError("--tls-ca needs --tls-cert and --tls-key as well")
+    try:
+        return ssl_contexts(args.tls_cert, args.tls_key, args.tls_ca)
+    except (OSError, ValueError) as e:
+        raise FlotillaError(f"cannot load the TLS files: {e}") from None
+
+
+# ------------------------------------------------------------------------------------- worker
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", required=True, help=f"HOST:PORT to listen on, e.g. 0.0.0.0:{DEFAULT_PORT}")
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--model", default=None,
+                   help="this machine's copy of the model; without it (or if it is another model) the head "
+                        "pushes the stage's shards")
+    p.add_argument("--cache-dir", default=None,
+                   help="where pushed shards are kept (default: FLOTILLA_CACHE_DIR/worker)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the stage's compute (default: torch's, one per core)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    _add_token_args(p)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from flotilla.runtime.loader import parse_device
+
+    from .worker import Worker, WorkerConfig
+
+    token = read_token(args)
+    try:
+        host, port = parse_address(args.listen)
+    except ValueError as e:
+        raise FlotillaError(f"--listen: {e}") from None
+    model = Path(args.model).expanduser() if args.model else None
+    if model is not None and not model.exists():
+        raise FlotillaError(f"--model {model}: no such file or directory")
+    server_ssl, client_ssl = _tls(args)
+    # Set explicitly even when it is the default: the compute thread uses torch's thread count only
+    # once it has been set (otherwise a thread other than the main one computes on one core).
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else envs.cache_dir() / "worker"
+    config = WorkerConfig(token, parse_device(args.device), cache, model, server_ssl, client_ssl)
+
+    async def main() -> None:
+        worker = Worker(config)
+        try:
+            bound = await worker.start(host, port)
+        except OSError as e:
+            raise FlotillaError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
+        print(f"flotilla worker: listening on {bound[0]}:{bound[1]} (device {config.device}, "
+              f"model {model or 'pushed by the head'}, cache {cache}{', TLS' if server_ssl else ''})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if args.exit_with_parent:
+            asyncio.create_task(_watch_parent(stop))
+        await stop.wait()
+        await worker.close()
+
+    asyncio.run(main())
+    return 0
+
+
+async def _watch_parent(stop: asyncio.Event) -> None:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    stop.set()
+
+
+# --------------------------------------------------------------------------- serve --pp N
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline (several stages: processes on this machine, or workers on others)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: the model runs in this process)")
+    g.add_argument("--hosts", default=None,
+                   help=f"the workers, one per stage in order: host[:port],… (default port {DEFAULT_PORT}); "
+                        "without it, --pp N starts N workers on this machine")
+    g.add_argument("--layers", default=None, help="layers per stage, e.g. 10,10,12 (default: by free memory and speed)")
+    g.add_argument("--stage-timeout", type=float, default=60.0,
+                   help="seconds a lost stage may take to come back before its requests fail (default 60)")
+    g.add_argument("--wire-dtype", default="fp16", choices=list(WIRE_DTYPES),
+                   help="activations between stages: fp16, bf16, or int8 (per-token scaled; half the bytes)")
+    _add_token_args(g)
+
+
+def is_pipeline(args: argparse.Namespace) -> bool:
+    return getattr(args, "pp", 1) > 1 or getattr(args, "hosts", None) is not None
+
+
+def pipeline_engine_from_args(args: argparse.Namespace, report=None):
+    """Build the PipelineEngine that `runtime serve --pp N` serves (starting local workers when no
+    --hosts are given); returns it, ready."""
+    from flotilla.runtime.default_model import resolve_model_path
+    from flotilla.runtime.engine_args import EngineArgs
+
+    from .head import build_pipeline_engine
+    from .local import LocalWorkers
+    from .peer import LinkSettings
+    from .pipeline import PipelineSettings
+
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    if args.pp < 1:
+        raise FlotillaError(f"--pp must be at least 1, got {args.pp}")
+    model = resolve_model_path(args.model)
+    _, client_ssl = _tls(args)
+    local = None
+    if args.hosts:
+        try:
+            hosts = [parse_address(h, DEFAULT_PORT) for h in args.hosts.split(",")]
+        except ValueError as e:
+            raise FlotillaError(f"--hosts: {e}") from None
+        if len(hosts) != args.pp:
+            raise FlotillaError(f"--hosts names {len(hosts)} workers, but --pp is {args.pp}")
+        token = read_token(args)
+    else:
+        token = read_token(args, required=False) or secrets.token_hex(16).encode()
+        local = LocalWorkers(args.pp, model, token, log=report)
+        report(f"starting {args.pp} local workers ({', '.join(local.devices)})")
+        hosts = local.start()
+    layers = None
+    settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), layers, args.wire_dtype,
+                                args.dtype, stage_timeout=args.stage_timeout)
+    try:
+        if args.layers:
+            from flotilla.models.sources import open_source
+            from .partition import parse_layers
+
+            layers = parse_layers(args.layers, open_source(model).config.num_hidden_layers, args.pp)
+            settings = replace(settings, layers=tuple(layers))
+        engine = build_pipeline_engine(model, EngineArgs.from_args(args), settings, report)
+    except BaseException:
+        if local is not None:
+            local.stop()
+        raise
+    if local is not None:
+        engine.executor.pipeline.on_close.append(local.stop)
+    return engine

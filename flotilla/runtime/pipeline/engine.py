@@ -1,0 +1,137 @@
+"""`PipelineEngine`: the LLMEngine over a pipeline of remote stages, several micro-batches in flight.
+
+The scheduler already never schedules a sequence whose step is still being computed (its
+`num_computed_tokens` advances when the step is scheduled, and a decode has nothing uncomputed
+until its token comes back). So `step()` here is:
+
+    fill:     while fewer than `depth` micro-batches are in flight, schedule the sequences that
+              are ready and submit them, cut into micro-batches of about running / depth
+              sequences (contiguous runs of the schedule, so within-step prefix hits keep their
+              writer first);
+    collect:  wait briefly for any micro-batch to come back and postprocess it as the local
+              engine does (a sequence finished or aborted meanwhile is skipped).
+
+Every stage runs the steps in the order the head sent them, which is what keeps KV writes before
+the reads that depend on them, as in the local engine.
+
+Faults (the pipeline's `generation` changed): everything in flight is lost; every running
+sequence goes back to the queue to be re-prefilled from its tokens so far (prompt + generated),
+and the prefix cache is forgotten (a restarted stage has none of it). Greedy and seeded sampling
+continue with the same tokens, since a token's random draw depends only on its request's seed
+and its index. While the ring is down nothing is scheduled; past `stage_timeout` seconds every
+request ends with an error naming the missing stage, and new requests get the same answer until
+the stage is back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from flotilla.runtime.engine import EngineConfig, LLMEngine
+from flotilla.runtime.output import RequestOutput
+from flotilla.runtime.sampler import SamplerOutput
+from flotilla.runtime.scheduler import SchedulerOutput
+from flotilla.runtime.sequence import FinishReason, Sequence
+
+from .executor import PipelineExecutor
+
+log = logging.getLogger("flotilla.pipeline")
+
+POLL_SECONDS = 0.05  # longest wait for a result before step() returns (new requests are admitted between)
+
+
+class PipelineEngine(LLMEngine):
+    def __init__(self, executor: PipelineExecutor, config: EngineConfig, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None, stage_timeout: float = 60.0):
+        super().__init__(executor, config, tokenizer, eos_token_ids, vocab_size)
+        self.stage_timeout = stage_timeout
+        self._inflight: dict[int, SchedulerOutput] = {}
+        self._generation = executor.generation
+        self.num_rewinds = 0
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        ex = self.executor
+        if ex.generation != self._generation:
+            self._rewind()
+        if not ex.ready:
+            return self._while_down()
+        self._fill()
+        outputs = []
+        for mb, result in ex.results(POLL_SECONDS if self._inflight else 0.0):
+            piece = self._inflight.pop(mb, None)
+            if piece is not None:
+                outputs += self._postprocess(*_live(piece, result))
+        return outputs
+
+    def _fill(self) -> None:
+        ex = self.executor
+        while len(self._inflight) < ex.depth:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return
+            size = max(1, -(-len(self.scheduler.running) // ex.depth))
+            for i in range(0, len(scheduled.scheduled), size):
+                piece = SchedulerOutput(scheduled.scheduled[i:i + size])
+                self._inflight[ex.submit(self._step_input(piece), self._generation)] = piece
+
+    # ------------------------------------------------------------------ faults
+    def _rewind(self) -> None:
+        self._inflight.clear()
+        self.executor.reset()
+        seqs = self.scheduler.preempt_all()
+        self.block_manager.pool.reset_prefix_cache()
+        self._generation = self.executor.generation
+        self.num_rewinds += 1
+        log.warning("pipeline fault: %d running requests paused; they are re-prefilled once it is back", len(seqs))
+
+    def _while_down(self) -> list[RequestOutput]:
+        since = self.executor.down_since
+        if since is not None and time.monotonic() - since > self.stage_timeout and self.has_unfinished():
+            return self._fail_all(self.executor.describe_down())
+        self.executor.wait_ready(0.1)
+        return []
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            out = self.outputs.aborted(seq)
+            out.error = (f"{reason}; the request was stopped after {seq.num_output_tokens} generated tokens "
+                         f"(the stage did not come back within --stage-timeout {self.stage_timeout:g}s)")
+            self._finish(seq, FinishReason.ABORT)
+            outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        super()._finish(seq, reason)
+        self.executor.release(seq.request_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        out = super().abort(request_id)
+        self.executor.release(request_id)
+        return out
+
+    def problems(self) -> list[str]:
+        return [f"{p}; requests are paused and fail after --stage-timeout {self.stage_timeout:g}s"
+                for p in self.executor.problems()]
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def _live(piece: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
+    """The piece and its result without sequences that finished (aborted) while it was in flight."""
+    if not any(s.seq.is_finished for s in piece.scheduled):
+        return piece, result
+    keep, rows, row = [], [], 0
+    for s in piece.scheduled:
+        if s.samples:
+            row += 1
+        if s.seq.is_finished:
+            continue
+        keep.append(s)
+        if s.samples:
+            rows.append(row - 1)
+    pick = lambda xs: None if xs is None else [xs[r] for r in rows]  # noqa: E731
+    return SchedulerOutput(keep), SamplerOutput(pick(result.token_ids), pick(result.logprobs), pick(result.top_logprobs))

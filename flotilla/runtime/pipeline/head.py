@@ -1,0 +1,36 @@
+"""Building the head: the model's config and tokenizer (no weights), the pipeline, the engine."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from flotilla.models.sources import open_source
+from flotilla.models.tokenizer import load_tokenizer
+from flotilla.runtime.engine import EngineConfig
+from flotilla.runtime.engine_args import EngineArgs
+from flotilla.runtime.kv_cache import parse_memory
+from flotilla.runtime.scheduler import SchedulerConfig
+
+from .engine import PipelineEngine
+from .executor import PipelineExecutor
+from .pipeline import Pipeline, PipelineSettings
+
+
+def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: PipelineSettings, report=None,
+                          with_tokenizer: bool = True) -> PipelineEngine:
+    """Connect to the workers, set the pipeline up (split, load, push, size the KV pool) and return
+    an engine over it. The head itself loads no weights."""
+    path = Path(model).expanduser()
+    cfg = open_source(path).config
+    tokenizer = load_tokenizer(path, cfg.eos_token_ids) if with_tokenizer else None
+    max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
+    cap = args.max_num_seqs * -(-max_len // args.block_size) + 1  # never more than max_num_seqs full contexts
+    settings = replace(settings, block_size=args.block_size, kv_fraction=args.kv_cache_fraction, max_blocks=cap,
+                       kv_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else 0)
+    pipeline = Pipeline(path, cfg, settings, report)
+    pipeline.start()
+    config = EngineConfig(num_blocks=pipeline.num_blocks, block_size=args.block_size, max_model_len=max_len,
+                          scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+                          enable_prefix_caching=args.enable_prefix_caching)
+    return PipelineEngine(PipelineExecutor(pipeline), config, tokenizer, cfg.eos_token_ids, cfg.vocab_size,
+                          settings.stage_timeout)

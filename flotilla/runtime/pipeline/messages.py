@@ -1,0 +1,189 @@
+"""Every message between the head and the pipeline workers (after the handshake of connection.py).
+
+Control, on the head's connection to each worker (one request at a time, answered in order):
+
+    Probe            -> WorkerInfo       free memory and a speed probe on this model's layer shape
+    LoadStage        -> NeedFiles        the shards the worker lacks; the head sends FileChunk…FileEnd
+                     -> StageLoaded      its layers are loaded; how many KV blocks it can hold
+    Configure        -> Configured       a new epoch: KV pool size, the next hop, the wire dtype
+    Ping             -> Pong             heartbeat
+    StatsRequest     -> WorkerStats      byte counters (tests and benchmarks)
+    any              -> Failure          the request failed; the message says why
+
+Data, around the ring head -> stage 0 -> … -> last stage -> head:
+
+    Upstream         first frame of a stage-to-stage connection: "my steps come to you"
+    Step             one micro-batch: block-table diffs, token ids (stage 0) or hidden states
+    StepResult       the last stage's sampled tokens, back to the head
+    Fault            a worker tells the head that its part of the ring broke
+
+Steps carry the epoch they were sent in; a worker drops steps of any other epoch, so nothing of
+a broken ring leaks into the repaired one.
+"""
+from __future__ import annotations
+
+import torch
+
+from .wire import message
+
+
+@message("probe")
+class Probe:
+    config_json: str  # the model's config.json, for the speed probe's layer shape
+    measure: bool  # time a layer (skipped when the split is given with --layers)
+    dtype: str  # "auto" or a dtype name: the activations' dtype on this worker
+
+
+@message("worker_info")
+class WorkerInfo:
+    version: str
+    device: str
+    free_memory: int  # bytes
+    layer_bytes: int  # one decoder layer's weights on this device, as loaded
+    layer_ms: float  # one decoder layer for one decode token (0 when not measured)
+    head_ms: float  # the lm_head for one token (0 when not measured)
+    head_bytes: int  # the embedding / lm_head matrix on this device
+
+
+@message("load_stage")
+class LoadStage:
+    fingerprint: str  # the model's identity (see weight_push.fingerprint)
+    files: dict[str, str]  # metadata files the worker may need: name -> text (config.json, index, manifest)
+    shards: dict[str, str]  # shard file -> sha256 (from flotilla.json); empty: no push possible
+    start: int
+    end: int
+    num_layers: int
+    dtype: str
+    kv_memory: int  # bytes of KV cache for this stage; 0: kv_fraction of free memory
+    kv_fraction: float
+    max_blocks: int  # more blocks than this would never be used
+    block_size: int
+    exact_blocks: int  # > 0: the pool is already sized (a stage rejoining): hold exactly this many
+
+
+@message("need_files")
+class NeedFiles:
+    files: list[str]
+
+
+@message("file_chunk")
+class FileChunk:
+    file: str
+    offset: int
+    data: bytes
+
+
+@message("file_end")
+class FileEnd:
+    file: str
+    size: int
+
+
+@message("stage_loaded")
+class StageLoaded:
+    capacity: int  # KV blocks (null block included) this stage can hold
+    source: str  # where the weights came from: the worker's --model, its cache, or a push
+    received_bytes: int  # shard bytes received for this load
+
+
+@message("configure")
+class Configure:
+    epoch: int
+    num_blocks: int
+    downstream: str | None  # "host:port" of the next stage; None: the last stage answers the head
+    wire_dtype: str
+    stage_index: int
+
+
+@message("configured")
+class Configured:
+    epoch: int
+
+
+@message("ping")
+class Ping:
+    nonce: int
+
+
+@message("pong")
+class Pong:
+    nonce: int
+
+
+@message("stats_request")
+class StatsRequest:
+    reset: bool
+
+
+@message("worker_stats")
+class WorkerStats:
+    steps: int
+    tokens: int  # tokens in the steps this worker forwarded
+    decode_steps: int  # steps of decode tokens only
+    decode_tokens: int
+    decode_bytes: int  # bytes those decode-only steps took on the wire to the next hop
+    bytes_sent: int  # everything sent on the data path (to the next stage or the head)
+    shard_bytes_received: int  # weight-push payload received since the worker started
+
+
+@message("failure")
+class Failure:
+    message: str
+
+
+@message("fault")
+class Fault:
+    epoch: int
+    message: str
+
+
+@message("upstream")
+class Upstream:
+    epoch: int
+    stage_index: int  # the sender's stage
+
+
+@message("seq_sampling")
+class SeqSampling:
+    """A sequence's sampling parameters, sent once (with its first sampling step) to the last stage."""
+
+    handle: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    top_logprobs: int  # -1: no logprobs
+    num_prompt_tokens: int
+    prompt_ids: list[int]  # only with a repetition penalty
+    output_ids: list[int]  # only with any penalty: the tokens generated so far
+
+
+@message("step")
+class Step:
+    epoch: int
+    mb: int  # micro-batch id, echoed in the StepResult
+    handles: list[int]  # the sequences, decodes first
+    starts: list[int]  # tokens already computed per sequence
+    query_lens: list[int]  # new tokens per sequence
+    num_decodes: int
+    sample: list[bool]  # whether each sequence samples (the last stage)
+    blocks: list[list[int]]  # block ids to append to each sequence's table (a new handle: the whole table)
+    sampling: list[SeqSampling]  # first-time sampling parameters
+    dropped: list[int]  # handles finished or replaced since the previous step
+    token_ids: list[int] | None  # the new tokens (to stage 0)
+    hidden: torch.Tensor | None  # [T, hidden] in the wire dtype (to later stages)
+    scales: torch.Tensor | None  # [T] float32 per-token scales of int8 hidden states
+
+
+@message("step_result")
+class StepResult:
+    epoch: int
+    mb: int
+    token_ids: list[int]
+    logprobs: list[float | None] | None  # per row, when any row asked for logprobs
+    top_ids: list[list[int]] | None  # per row: the top tokens, best first
+    top_values: list[list[float]] | None  # and their logprobs

@@ -1,0 +1,319 @@
+"""The head's pipeline: the workers, the ring through them, and its repair.
+
+Setting up (`start`): connect to every worker, probe them, split the layers (partition.py; the
+split is printed), have each load its stage (pushing shards it lacks), size the KV pool to the
+smallest stage, and configure epoch 1: each stage connects to the next, the last answers the head.
+
+Running: `send_step` hands a Step for stage 0 to the I/O thread; StepResults of the current epoch
+come back through `results`.
+
+Faults: a lost worker (closed connection, silent past the heartbeat timeout) or a stage reporting
+a broken link bumps `generation` and clears `ready`; everything in flight is lost. A repair task
+reconnects with exponential backoff; a returning worker reloads its stage (from its cache, with
+no transfer, after a push) with exactly the pool size it had, then every stage is configured for
+a new epoch and `ready` is set again. The engine (engine.py) pauses and re-prefills meanwhile.
+
+All network work runs on one asyncio loop in its own thread; the engine thread calls the public
+methods.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from flotilla.errors import FlotillaError
+from flotilla.models.config import ModelConfig
+from flotilla.models.llama import Stage
+
+from .activations import check_wire_dtype
+from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
+    WorkerStats
+from .partition import StageBudget, describe, split_layers, stages_from_counts
+from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
+from .weight_push import fingerprint, load_request
+
+log = logging.getLogger("flotilla.pipeline")
+
+MAX_BACKOFF = 2.0
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    hosts: tuple[tuple[str, int], ...]
+    link: LinkSettings
+    layers: tuple[int, ...] | None = None  # --layers, else split by the probes
+    wire_dtype: str = "fp16"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_memory: int = 0  # bytes per stage; 0: kv_fraction of each stage's free memory
+    kv_fraction: float = 0.3
+    max_blocks: int = 1 << 30
+    stage_timeout: float = 60.0
+    load_timeout: float = 3600.0
+
+    def __post_init__(self):
+        check_wire_dtype(self.wire_dtype)
+        if not self.hosts:
+            raise FlotillaError("a pipeline needs at least one worker")
+        if self.stage_timeout <= 0:
+            raise FlotillaError(f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
+
+
+class Pipeline:
+    def __init__(self, model: Path, config: ModelConfig, settings: PipelineSettings,
+                 report: Callable[[str], None] | None = None):
+        self.model, self.config, self.settings = Path(model), config, settings
+        self.report = report or (lambda line: log.info("%s", line))
+        self.peers = [StagePeer(i, h, p, settings.link, self._on_data, self._on_lost)
+                      for i, (h, p) in enumerate(settings.hosts)]
+        self.stages: list[Stage] = []
+        self.num_blocks = 0
+        self.generation = 0  # bumped at every fault
+        self.epoch = 0
+        self.ready = threading.Event()
+        self.down_since: float | None = None
+        self.down_reason = ""
+        self.missing: dict[int, str] = {}
+        self.loaded: list[StageLoaded] = []
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self._fingerprint = ""
+        self._repair: asyncio.Task | None = None
+        self._started = False  # faults before this are errors of start()
+        self._closing = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-pipeline", daemon=True)
+        self._thread.start()
+        self._outbox: asyncio.Queue | None = None
+        self._sender: asyncio.Task | None = None
+        self.on_close: list[Callable[[], None]] = []  # e.g. stop the local worker processes
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.peers)
+
+    # ------------------------------------------------------------------ the engine thread's side
+    def start(self) -> None:
+        try:
+            self._run(self._setup(), None)
+        except BaseException:
+            self.close()
+            raise
+
+    def send_step(self, msg: Step) -> None:
+        self._loop.call_soon_threadsafe(self._queue_step, msg)
+
+    def get_results(self, timeout: float) -> list[StepResult]:
+        try:
+            out = [self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def worker_stats(self, reset: bool = False) -> list[WorkerStats]:
+        async def ask():
+            return await asyncio.gather(*(p.call(StatsRequest(reset), 30) for p in self.peers))
+        return self._run(ask(), 60)
+
+    def problems(self) -> list[str]:
+        if self.ready.is_set() or self.down_since is None:
+            return []
+        down = f"down {time.monotonic() - self.down_since:.0f}s"
+        if not self.missing:
+            return [f"the pipeline is being repaired: {self.down_reason} ({down})"]
+        return [f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {reason} ({down})"
+                for i, reason in sorted(self.missing.items())]
+
+    def describe_down(self) -> str:
+        if self.missing:
+            return "; ".join(f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {r}"
+                             for i, r in sorted(self.missing.items()))
+        return self.down_reason or "the pipeline is down"
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._run(self._shutdown(), 10)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        for fn in self.on_close:
+            fn()
+
+    def _run(self, coro, timeout: float | None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ set up
+    async def _setup(self) -> None:
+        s = self.settings
+        self._fingerprint = await asyncio.to_thread(fingerprint, self.model)
+        self._outbox = asyncio.Queue()
+        self._sender = asyncio.create_task(self._send_steps())
+        await self._gather([self._connect(p) for p in self.peers])
+        probe = Probe(json.dumps(self.config.to_hf_dict()), s.layers is None, s.dtype)
+        infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
+        if s.layers is not None:
+            counts, how = list(s.layers), "--layers"
+        else:
+            budgets = [StageBudget(p.address, i.free_memory, i.layer_bytes, i.head_bytes, i.layer_ms, i.head_ms)
+                       for p, i in zip(self.peers, infos)]
+            counts, how = split_layers(self.config.num_hidden_layers, budgets), "by free memory and speed probe"
+        self.stages = stages_from_counts(counts)
+        self.report(describe(self.stages, [p.address for p in self.peers], how))
+        self.loaded = await self._gather([self._load(p, 0) for p in self.peers])
+        self.num_blocks = min(r.capacity for r in self.loaded)
+        if self.num_blocks < 2:
+            raise FlotillaError(f"a pipeline stage has room for {self.num_blocks} KV blocks; need at least 2 "
+                                "(give the workers more memory or lower --max-num-seqs)")
+        for p, r in zip(self.peers, self.loaded):
+            self.report(f"  stage {p.index}: weights from {r.source}; room for {r.capacity} KV blocks")
+        self.report(f"pipeline KV pool: {self.num_blocks} blocks x {s.block_size} tokens (the smallest stage's); "
+                    f"activations on the wire as {s.wire_dtype}")
+        await self._configure_all()
+        self._started = True
+        self.ready.set()
+
+    async def _connect(self, peer: StagePeer) -> None:
+        try:
+            await peer.connect()
+        except GONE as e:
+            raise FlotillaError(f"cannot connect to worker {peer.address}: {_why(e)}") from None
+
+    async def _load(self, peer: StagePeer, exact_blocks: int) -> StageLoaded:
+        s = self.settings
+        req = load_request(self.model, self._fingerprint, self.stages[peer.index], dtype=s.dtype,
+                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction, max_blocks=s.max_blocks,
+                           block_size=s.block_size, exact_blocks=exact_blocks)
+        return await asyncio.wait_for(peer.load(req, self.model), s.load_timeout)
+
+    async def _configure_all(self) -> None:
+        self.epoch += 1
+        peers = self.peers
+        msgs = [Configure(self.epoch, self.num_blocks, peers[i + 1].address if i + 1 < len(peers) else None,
+                          self.settings.wire_dtype, i) for i in range(len(peers))]
+        # from the last stage back, so each stage's next hop is already in the new epoch
+        for peer, msg in reversed(list(zip(peers, msgs))):
+            reply = await peer.call(msg, 60)
+            if not isinstance(reply, Configured) or reply.epoch != self.epoch:
+                raise RemoteFailure(f"worker {peer.address} did not confirm epoch {self.epoch}")
+
+    async def _gather(self, coros):
+        """Run concurrently; the first failure cancels the rest and propagates."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    # ------------------------------------------------------------------ the data path
+    def _queue_step(self, msg: Step) -> None:
+        if self.ready.is_set() and msg.epoch == self.epoch:
+            self._outbox.put_nowait(msg)
+
+    async def _send_steps(self) -> None:
+        while True:
+            msg = await self._outbox.get()
+            if msg.epoch != self.epoch or not self.ready.is_set():
+                continue
+            try:
+                await self.peers[0].send(msg)
+            except (PeerLost, *GONE):
+                pass  # the reader reports the loss
+
+    def _on_data(self, peer: StagePeer, msg) -> None:
+        if msg.epoch != self.epoch or not self.ready.is_set():
+            return
+        if isinstance(msg, StepResult):
+            self.results.put(msg)
+        elif isinstance(msg, Fault):
+            self._broken(f"stage {peer.index} ({peer.address}) reports: {msg.message}")
+
+    # ------------------------------------------------------------------ faults and repair
+    def _on_lost(self, peer: StagePeer, reason: str) -> None:
+        self.missing[peer.index] = reason
+        self._broken(f"stage {peer.index} ({peer.address}): {reason}")
+
+    def _broken(self, reason: str) -> None:
+        if self._closing or not self._started:
+            return
+        if self.ready.is_set():
+            self.ready.clear()
+            self.generation += 1
+            self.down_since = time.monotonic()
+            self.down_reason = reason
+            self.report(f"pipeline down: {reason}; repairing (requests pause, and fail after "
+                        f"--stage-timeout {self.settings.stage_timeout:g}s)")
+        if self._repair is None or self._repair.done():
+            self._repair = asyncio.get_running_loop().create_task(self._repair_loop())
+
+    async def _repair_loop(self) -> None:
+        delay = 0.1
+        while not self._closing:
+            try:
+                await self._reestablish()
+                break
+            except (FlotillaError, PeerLost, *GONE) as e:
+                if self._closing:
+                    return
+                self.down_reason = _why(e)
+                log.info("pipeline repair failed (%s); retrying in %.1fs", self.down_reason, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_BACKOFF)
+        if self._closing:
+            return
+        down = time.monotonic() - (self.down_since or time.monotonic())
+        self.missing.clear()
+        self.down_since, self.down_reason = None, ""
+        self.ready.set()
+        self.report(f"pipeline restored after {down:.1f}s (epoch {self.epoch})")
+
+    async def _reestablish(self) -> None:
+        for peer in self.peers:
+            if peer.connected:
+                continue
+            try:
+                await peer.connect()
+            except GONE as e:
+                self.missing[peer.index] = f"cannot connect ({_why(e)})"
+                raise
+            await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False, self.settings.dtype), 120)
+            loaded = await self._load(peer, self.num_blocks)
+            if loaded.capacity < self.num_blocks:
+                raise FlotillaError(f"worker {peer.address} came back with room for {loaded.capacity} KV blocks; "
+                                    f"the pipeline's pool has {self.num_blocks}")
+            self.loaded[peer.index] = loaded
+            self.missing.pop(peer.index, None)
+            self.report(f"  stage {peer.index} ({peer.address}) is back: weights from {loaded.source}")
+        await self._configure_all()
+
+    async def _shutdown(self) -> None:
+        if self._repair is not None:
+            self._repair.cancel()
+        if self._sender is not None:
+            self._sender.cancel()
+        for p in self.peers:
+            p.close()
+
+
+def _why(e: BaseException) -> str:
+    text = str(e)
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(e).__name__}: {text}" if text and not isinstance(e, FlotillaError) else (text or type(e).__name__)

@@ -1,0 +1,108 @@
+"""A worker's answer to `Probe`: its free memory and a short speed probe on the model's shapes.
+
+The probe builds one decoder layer of the model (same sizes, same quantization, so the same
+kernels) with made-up weights, and times it for one decode token; then a slice of the lm_head
+matmul, scaled to the vocabulary. Well under a second on a CPU for a small model; the head
+splits the layers with these figures (partition.py).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flotilla.models.config import ModelConfig
+from flotilla.models.linear import Linear, QuantLinear
+from flotilla.models.llama import layer_step
+from flotilla.models.rope import RotaryEmbedding
+from flotilla.models.weights import build_layer
+
+from flotilla.runtime.kv_cache import free_memory
+from flotilla.runtime.loader import parse_dtype
+
+from .messages import Probe, WorkerInfo
+
+PROBE_SECONDS = 0.1
+
+
+class _NoAttention:
+    """Attention stand-in for the probe: the linears dominate a decode step's time."""
+
+    def attend(self, layer, q, k, v):
+        return q
+
+
+def worker_info(probe: Probe, device: torch.device, version: str) -> WorkerInfo:
+    config = ModelConfig.from_hf_dict(json.loads(probe.config_json), where="the head's config.json")
+    dtype = parse_dtype(probe.dtype, device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    head_bytes = config.vocab_size * config.hidden_size * elem
+    layer_ms = head_ms = 0.0
+    if probe.measure:
+        layer = _random_layer(config, device, dtype)
+        layer_bytes = _bytes(layer)
+        layer_ms, head_ms = _time_layer(layer, config, device, dtype), _time_head(config, device, dtype)
+        del layer
+    else:
+        layer_bytes = _bytes(build_layer(config, 0, "meta", dtype))
+    return WorkerInfo(version, str(device), free_memory(device), layer_bytes, layer_ms, head_ms, head_bytes)
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+@torch.inference_mode()
+def _random_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    layer = build_layer(config, 0, device, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for mod in layer.modules():
+        if isinstance(mod, QuantLinear):
+            mod.qweight.copy_(torch.randint(-2**31, 2**31 - 1, mod.qweight.shape, generator=gen, dtype=torch.int32))
+            mod.qzeros.fill_(0x77777777 if mod.bits == 4 else 0x7F7F7F7F)
+            mod.scales.fill_(0.01)
+            mod.g_idx.copy_(torch.arange(mod.in_features, dtype=torch.int32) // max(1, mod.group_size)
+                            if mod.group_size > 0 else torch.zeros(mod.in_features, dtype=torch.int32))
+            if mod.bias is not None:
+                mod.bias.zero_()
+            mod.prepare(dtype)
+        elif isinstance(mod, Linear):
+            mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.02)
+            if mod.bias is not None:
+                mod.bias.zero_()
+    layer.input_layernorm.weight.fill_(1.0)
+    layer.post_attention_layernorm.weight.fill_(1.0)
+    return layer
+
+
+def _median_ms(fn, device: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    times, start = [], time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < PROBE_SECONDS and len(times) < 200):
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def _time_layer(layer, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
+    rope = RotaryEmbedding(config.head_dim, 8, config.rope_theta, config.rope_scaling)
+    cos, sin = (t.to(device) for t in rope.tables(torch.zeros(1, dtype=torch.long), dtype))
+    x = torch.randn(1, config.hidden_size, device=device, dtype=dtype)
+    ops = layer.ops(frozen=True)
+    return _median_ms(lambda: layer_step(ops, x, cos, sin, _NoAttention()), device)
+
+
+@torch.inference_mode()
+def _time_head(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
+    rows = min(config.vocab_size, 8192)
+    w = torch.randn(rows, config.hidden_size, device=device, dtype=dtype) * 0.02
+    x = torch.randn(1, config.hidden_size, device=device, dtype=dtype)
+    return _median_ms(lambda: F.linear(x, w), device) * config.vocab_size / rows

@@ -1,0 +1,398 @@
+"""A pipeline worker (`runtime worker`): serves one stage of a model to an authenticated head.
+
+Connections, all authenticated by the token handshake (connection.py); the first frame after it
+says what the peer is:
+
+    the head            Probe/LoadStage/Configure/Ping/… (control), and on stage 0 the Steps
+    the previous stage  Upstream, then Steps
+
+Anything else — a failed handshake, an oversized frame, malformed msgpack, an unknown or
+unexpected message — closes that one connection; the worker goes on serving its head. A new head
+connection replaces the old one (a restarted head); the loaded stage is kept.
+
+Threads: the asyncio loop does all network I/O (and answers heartbeats at once); one compute
+thread runs the steps in arrival order, so receiving the next micro-batch overlaps computing
+this one. Each step carries the epoch it was sent in; `Configure` starts a new epoch, and steps
+of any other epoch are dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import ssl
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flotilla.errors import FlotillaError
+from flotilla.models.llama import Stage
+from flotilla.runtime.loader import load_model
+
+from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
+                         server_handshake)
+from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
+                       Pong, Probe, StageLoaded, StatsRequest, Step, StepResult, Upstream, WorkerStats)
+from .probe import worker_info
+from .stage_runtime import StageRuntime
+from .weight_push import ShardReceiver, WeightCache, fingerprint
+from .wire import DEFAULT_MAX_FRAME, ProtocolError
+
+log = logging.getLogger("flotilla.pipeline.worker")
+
+_GONE = (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError, asyncio.TimeoutError)
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as v
+        return f"flotilla {v('flotilla')}"
+    except Exception:  # noqa: BLE001 - running from a source tree
+        return "flotilla (source)"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    token: bytes
+    device: torch.device
+    cache_dir: Path
+    model: Path | None = None  # the worker's own copy of the model, if any
+    ssl_server: ssl.SSLContext | None = None
+    ssl_client: ssl.SSLContext | None = None
+    max_frame: int = DEFAULT_MAX_FRAME
+    handshake_timeout: float = 10.0
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_bytes: int = 0
+    bytes_sent: int = 0
+
+
+class Outbox:
+    """Frames to one peer, sent in order by one task (any thread may `put` via the loop)."""
+
+    def __init__(self, conn: Connection, on_sent=None):
+        self.conn = conn
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._on_sent = on_sent
+        self._task = asyncio.create_task(self._run())
+
+    def put(self, msg) -> None:
+        self._queue.put_nowait(msg)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                msg = await self._queue.get()
+                before = self.conn.bytes_sent
+                await self.conn.send(msg)
+                if self._on_sent is not None:
+                    self._on_sent(msg, self.conn.bytes_sent - before)
+        except _GONE:
+            self.conn.close()
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.conn.close()
+
+
+@dataclass
+class _Link:
+    """The connection to the next stage, made for one epoch."""
+
+    conn: Connection
+    outbox: Outbox
+    epoch: int
+    watch: asyncio.Task | None = field(default=None)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.cache = WeightCache(config.cache_dir)
+        self.runtime: StageRuntime | None = None
+        self.epoch = 0
+        self.stage_index = -1
+        self.head: Outbox | None = None
+        self.upstream: Connection | None = None
+        self.downstream: _Link | None = None
+        self.counters = _Counters()
+        self.shard_bytes_received = 0
+        self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
+        self._fingerprint: str | None = None
+        self._steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # held while a step runs or the stage changes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._compute: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Listen; returns the bound address (port 0 picks a free one)."""
+        self._loop = asyncio.get_running_loop()
+        self._compute = threading.Thread(target=self._compute_loop, name="flotilla-stage", daemon=True)
+        self._compute.start()
+        self._server = await asyncio.start_server(self._accept, host, port, ssl=self.config.ssl_server,
+                                                  limit=STREAM_LIMIT)
+        sock = self._server.sockets[0].getsockname()
+        return sock[0], sock[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for box in (self.head, self.downstream.outbox if self.downstream else None):
+            if box is not None:
+                box.close()
+        if self.upstream is not None:
+            self.upstream.close()
+        self._steps.put(None)
+
+    # ------------------------------------------------------------------ connections
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = "%s:%s" % (writer.get_extra_info("peername") or ("?", "?"))[:2]
+        try:
+            conn, _ = await server_handshake(reader, writer, self.config.token, self.config.handshake_timeout,
+                                             self.config.max_frame)
+        except (AuthError, ProtocolError) as e:
+            self.rejected += 1
+            log.warning("refused a connection from %s: %s", peer, e)
+            return
+        except _GONE as e:
+            self.rejected += 1
+            log.warning("refused a connection from %s: the handshake did not complete (%s)", peer,
+                        type(e).__name__)
+            return
+        try:
+            first = await conn.recv()
+            if isinstance(first, Upstream):
+                await self._serve_upstream(conn, first)
+            else:
+                await self._serve_head(conn, first)
+        except ProtocolError as e:
+            self.rejected += 1
+            log.warning("closing the connection from %s: %s", peer, e)
+        except _GONE:
+            log.info("the connection from %s closed", peer)
+        finally:
+            conn.close()
+
+    async def _serve_head(self, conn: Connection, first) -> None:
+        if self.head is not None:
+            log.info("a new head connected from %s; dropping the previous one", conn.peer)
+            self.head.close()
+        outbox = self.head = Outbox(conn, self._count)
+        control: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(self._control_loop(outbox, control))
+        msg = first
+        try:
+            while True:
+                if isinstance(msg, Ping):
+                    outbox.put(Pong(msg.nonce))
+                elif isinstance(msg, Step):
+                    self._steps.put(msg)  # stage 0's data comes from the head
+                elif isinstance(msg, (Probe, LoadStage, Configure, StatsRequest, FileChunk, FileEnd)):
+                    control.put_nowait(msg)
+                else:
+                    raise ProtocolError(f"unexpected {msg.WIRE_NAME} from the head")
+                msg = await conn.recv()
+        finally:
+            task.cancel()
+            outbox.close()
+            if self.head is outbox:
+                self.head = None
+
+    async def _serve_upstream(self, conn: Connection, first: Upstream) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+        self.upstream = conn
+        try:
+            while True:
+                msg = await conn.recv()
+                if not isinstance(msg, Step):
+                    raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
+                self._steps.put(msg)
+        except _GONE:
+            if self.upstream is conn:
+                self._fault(first.epoch, f"the connection from stage {first.stage_index} was lost")
+            raise
+
+    # ------------------------------------------------------------------ control
+    async def _control_loop(self, outbox: Outbox, inbox: asyncio.Queue) -> None:
+        while True:
+            msg = await inbox.get()
+            try:
+                reply = await self._control(msg, outbox, inbox)
+            except FlotillaError as e:
+                reply = Failure(str(e))
+            except Exception as e:  # noqa: BLE001 - reported to the head, logged here
+                log.exception("%s failed", msg.WIRE_NAME)
+                reply = Failure(f"{msg.WIRE_NAME} failed on the worker: {type(e).__name__}: {e}")
+            outbox.put(reply)
+
+    async def _control(self, msg, outbox: Outbox, inbox: asyncio.Queue):
+        if isinstance(msg, Probe):
+            return await asyncio.to_thread(worker_info, msg, self.config.device, version())
+        if isinstance(msg, LoadStage):
+            return await self._load(msg, outbox, inbox)
+        if isinstance(msg, Configure):
+            return await self._configure(msg)
+        if isinstance(msg, StatsRequest):
+            c = self.counters
+            stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
+                                self.shard_bytes_received)
+            if msg.reset:
+                self.counters = _Counters()
+            return stats
+        raise FlotillaError(f"unexpected {msg.WIRE_NAME}: no weight push is in progress")
+
+    async def _load(self, req: LoadStage, outbox: Outbox, inbox: asyncio.Queue) -> StageLoaded:
+        if self.runtime is not None and self.runtime.serves(req):
+            return StageLoaded(self.runtime.capacity(req), f"already loaded ({self.runtime.source})", 0)
+        self.epoch = -1  # drop whatever steps are still queued for the old stage
+        received, directory = 0, None
+        if self.config.model is not None and await asyncio.to_thread(self._model_fingerprint) == req.fingerprint:
+            directory, source = self.config.model, f"its --model {self.config.model}"
+        else:
+            directory, missing = await asyncio.to_thread(self.cache.prepare, req)
+            if missing:
+                outbox.put(NeedFiles(missing))
+                received = await self._receive(directory, req, missing, inbox)
+                source = f"pushed by the head ({received / 2**20:.1f} MiB)"
+            else:
+                source = f"its cache {directory}"
+        await asyncio.to_thread(self._swap, None)  # free the old stage's memory first
+        stage = Stage(req.start, req.end, req.num_layers)
+        lm = await asyncio.to_thread(load_model, directory, self.config.device, req.dtype, stage, False, False)
+        runtime = StageRuntime(lm, req, source)
+        capacity = runtime.capacity(req)
+        await asyncio.to_thread(self._swap, runtime)
+        log.info("loaded layers %d-%d from %s; room for %d KV blocks", req.start, req.end - 1, source, capacity)
+        return StageLoaded(capacity, source, received)
+
+    async def _receive(self, directory: Path, req: LoadStage, names: list[str], inbox: asyncio.Queue) -> int:
+        receiver = ShardReceiver(directory, req.shards, names)
+        try:
+            while not receiver.done:
+                msg = await inbox.get()
+                if isinstance(msg, FileChunk):
+                    await asyncio.to_thread(receiver.chunk, msg)
+                elif isinstance(msg, FileEnd):
+                    await asyncio.to_thread(receiver.end, msg)
+                else:
+                    raise FlotillaError(f"unexpected {msg.WIRE_NAME} during a weight push")
+        finally:
+            receiver.abort()
+            self.shard_bytes_received += receiver.received_bytes
+        return receiver.received_bytes
+
+    async def _configure(self, msg: Configure) -> Configured:
+        if self.runtime is None:
+            raise FlotillaError("Configure before LoadStage: this worker has no stage loaded")
+        self.epoch = msg.epoch
+        self.stage_index = msg.stage_index
+        await asyncio.to_thread(self._locked, self.runtime.configure, msg.num_blocks, msg.wire_dtype)
+        self._drop_downstream()
+        if msg.downstream is not None:
+            host, port = parse_address(msg.downstream)
+            try:
+                conn = await connect(host, port, self.config.token, f"stage-{msg.stage_index}", self.config.ssl_client,
+                                     self.config.handshake_timeout, self.config.max_frame)
+            except (AuthError, ProtocolError, *_GONE) as e:
+                raise FlotillaError(f"stage {msg.stage_index} cannot reach the next stage at {msg.downstream}: "
+                                    f"{type(e).__name__}: {e}") from None
+            link = self.downstream = _Link(conn, Outbox(conn, self._count), msg.epoch)
+            link.outbox.put(Upstream(msg.epoch, msg.stage_index))
+            link.watch = asyncio.create_task(self._watch_downstream(link))
+        log.info("epoch %d: stage %d, %d KV blocks, next hop %s", msg.epoch, msg.stage_index, msg.num_blocks,
+                 msg.downstream or "the head")
+        return Configured(msg.epoch)
+
+    async def _watch_downstream(self, link: _Link) -> None:
+        """The next stage never talks back on this link; its end is a fault of the current epoch."""
+        try:
+            msg = await link.conn.recv()
+            log.warning("unexpected %s from the next stage; closing the link", msg.WIRE_NAME)
+        except (ProtocolError, *_GONE):
+            pass
+        if self.downstream is link:
+            self._fault(link.epoch, f"stage {self.stage_index} lost its connection to the next stage")
+            self._drop_downstream()
+
+    def _drop_downstream(self) -> None:
+        link, self.downstream = self.downstream, None
+        if link is not None:
+            if link.watch is not None:
+                link.watch.cancel()
+            link.outbox.close()
+
+    def _fault(self, epoch: int, message: str) -> None:
+        log.warning("%s", message)
+        if self.head is not None and epoch == self.epoch:
+            self.head.put(Fault(epoch, message))
+
+    def _model_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.config.model)
+        return self._fingerprint
+
+    # ------------------------------------------------------------------ compute
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
+    def _swap(self, runtime: StageRuntime | None) -> None:
+        with self._lock:
+            self.runtime = runtime
+
+    def _compute_loop(self) -> None:
+        while True:
+            msg = self._steps.get()
+            if msg is None:
+                return
+            if msg.epoch != self.epoch:
+                continue  # a step of a broken ring
+            with self._lock:
+                if self.runtime is None or msg.epoch != self.epoch:
+                    continue
+                try:
+                    out = self.runtime.run(msg)
+                except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
+                    log.exception("step %d failed", msg.mb)
+                    self._loop.call_soon_threadsafe(self._fault, msg.epoch, f"stage {self.stage_index} failed a "
+                                                    f"step: {type(e).__name__}: {e}")
+                    continue
+            self._loop.call_soon_threadsafe(self._emit, out)
+
+    def _emit(self, out: Step | StepResult) -> None:
+        if out.epoch != self.epoch:
+            return
+        if isinstance(out, StepResult):
+            if self.head is not None:
+                self.head.put(out)
+        elif self.downstream is not None and self.downstream.epoch == out.epoch:
+            self.downstream.outbox.put(out)
+
+    def _count(self, msg, nbytes: int) -> None:
+        if not isinstance(msg, (Step, StepResult)):
+            return
+        c = self.counters
+        c.bytes_sent += nbytes
+        if isinstance(msg, Step):
+            tokens = sum(msg.query_lens)
+            c.steps += 1
+            c.tokens += tokens
+            if msg.num_decodes == len(msg.handles):
+                c.decode_steps += 1
+                c.decode_tokens += tokens
+                c.decode_bytes += nbytes
+
+    def address(self) -> str:
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return format_address(host, port)

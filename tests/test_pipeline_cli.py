@@ -1,0 +1,95 @@
+"""`runtime serve --pp N` and `runtime worker` as users run them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from pipeline_helpers import smollm2_reference
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def runtime(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    e.pop("FLOTILLA_TOKEN", None) if "FLOTILLA_TOKEN" not in (env or {}) else None
+    return subprocess.run([sys.executable, "-m", "flotilla.server.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=e)
+
+
+def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--token", "0123456789abcdef0123")
+    assert r.returncode == 2 and "--token-file" in r.stderr and "ps" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = runtime("worker", "--listen", "127.0.0.1:0")
+    assert r.returncode == 2 and "needs a shared token" in r.stderr
+    short = tmp_path / "short"
+    short.write_text("abc")
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--token-file", str(short))
+    assert r.returncode == 2 and "at least 16" in r.stderr
+    r = runtime("serve", "--pp", "2", "--hosts", "127.0.0.1:1,127.0.0.1:2")
+    assert r.returncode == 2 and "needs a shared token" in r.stderr
+    r = runtime("serve", "--pp", "3", "--hosts", "a,b", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "names 2 workers, but --pp is 3" in r.stderr
+    r = runtime("serve", "--pp", "2", "--hosts", "127.0.0.1:1,127.0.0.1:2", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "cannot connect to worker 127.0.0.1:1: connection refused" in r.stderr
+    r = runtime("worker", "--listen", "nonsense", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "--listen" in r.stderr
+
+
+def test_serve_pp2_starts_local_workers_and_serves(smollm2_int4):
+    prompts, _, texts = smollm2_reference(smollm2_int4)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("FLOTILLA_TOKEN", None)
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.server.cli", "serve", str(smollm2_int4), "--pp", "2",
+                             "--layers", "16,14", "--port", "0", "--served-model-name", "smol", "--kv-cache-memory", "64MiB", "--max-num-seqs", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        url = None
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"OpenAI API at (http://\S+)/v1", line):
+                url = m.group(1)
+                break
+        assert url, "".join(lines)
+        log = "".join(lines)
+        assert "starting 2 local workers (cpu, cpu)" in log
+        assert re.search(r"stage 0  127\.0\.0\.1:\d+  layers 0-15 \(16\) \+ embeddings", log)
+        assert re.search(r"stage 1  127\.0\.0\.1:\d+  layers 16-29 \(14\) \+ lm_head", log)
+        workers = [int(p) for p in re.findall(r"\[worker \d\] flotilla worker: listening on 127\.0\.0\.1:(\d+)", log)]
+        assert len(workers) == 2
+        body = json.dumps({"model": "smol", "prompt": prompts[0], "max_tokens": 24, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert json.loads(r.read())["choices"][0]["text"] == texts[0]
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        children = _children(proc.pid)
+        assert len(children) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert all(not _alive(pid) for pid in children)  # the head took its workers down with it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()

@@ -1,0 +1,217 @@
+"""Pipeline pieces on their own: the layer split, activations on the wire, the pipeline messages
+(round trips and fuzzing), the shard receiver, the token rules."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flotilla.errors import FlotillaError
+from flotilla.runtime.pipeline import messages as m
+from flotilla.runtime.pipeline.activations import pack, unpack
+from flotilla.runtime.pipeline.cli import read_token
+from flotilla.runtime.pipeline.connection import parse_address
+from flotilla.runtime.pipeline.partition import StageBudget, describe, parse_layers, split_layers, stages_from_counts
+from flotilla.runtime.pipeline.weight_push import ShardReceiver, WeightCache
+from flotilla.runtime.pipeline.wire import ProtocolError, decode, encode, message_names
+
+GiB = 1 << 30
+
+
+def budget(name="w", free=8 * GiB, layer_bytes=100 << 20, head_bytes=200 << 20, layer_ms=1.0, head_ms=0.0):
+    return StageBudget(name, free, layer_bytes, head_bytes, layer_ms, head_ms)
+
+
+# ------------------------------------------------------------------------------- partition
+
+def test_equal_workers_get_equal_shares_and_the_head_costs_the_last_stage():
+    assert split_layers(30, [budget(), budget(), budget()]) == [10, 10, 10]
+    assert split_layers(32, [budget(), budget(), budget()]) in ([11, 11, 10], [11, 10, 11], [10, 11, 11])
+    a, b, c = split_layers(30, [budget(), budget(), budget(head_ms=4.0)])
+    assert a + b + c == 30 and max(a, b, c + 4.0) == 12  # the best possible: 34 units over 3 stages
+    assert c < min(a, b)
+
+
+def test_a_faster_worker_gets_more_layers_and_memory_caps_a_small_one():
+    assert split_layers(30, [budget(layer_ms=1.0), budget(layer_ms=2.0)]) == [20, 10]
+    small = budget(free=int((5 * (100 << 20) + (200 << 20)) / 0.8) + 1)  # room for 5 layers beside its embeddings
+    counts = split_layers(30, [small, budget(layer_ms=3.0), budget(layer_ms=3.0)])
+    assert counts[0] == 5 and sum(counts) == 30
+
+
+def test_a_model_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(FlotillaError, match="do not fit"):
+        split_layers(30, [budget(free=1 * GiB), budget(free=1 * GiB)])
+    with pytest.raises(FlotillaError, match="more stages"):
+        split_layers(2, [budget()] * 3)
+
+
+def test_layers_override_is_checked():
+    assert parse_layers("10,10,12", 32, 3) == [10, 10, 12]
+    for text, pp, msg in [("10,10", 3, "2 stages"), ("10,10,10", 3, "adds up to 30"), ("a,b", 2, "comma"),
+                          ("0,32", 2, "at least one")]:
+        with pytest.raises(FlotillaError, match=msg):
+            parse_layers(text, 32, pp)
+    stages = stages_from_counts([10, 10, 12])
+    assert [(s.start, s.end) for s in stages] == [(0, 10), (10, 20), (20, 32)]
+    text = describe(stages, ["a:1", "b:2", "c:3"], "--layers")
+    assert "stage 2  c:3  layers 20-31 (12) + lm_head" in text and "layers 0-9 (10) + embeddings" in text
+
+
+def test_addresses():
+    assert parse_address("10.0.0.2:7070") == ("10.0.0.2", 7070)
+    assert parse_address("gpu-box", 7070) == ("gpu-box", 7070)
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    with pytest.raises(ValueError):
+        parse_address("host")
+    with pytest.raises(ValueError):
+        parse_address("host:99999")
+
+
+# ----------------------------------------------------------------------------- activations
+
+def test_fp16_bf16_and_int8_on_the_wire():
+    h = torch.randn(5, 64) * torch.tensor([1.0, 10.0, 0.1, 3.0, 50.0])[:, None]
+    for name, dtype in [("fp16", torch.float16), ("bf16", torch.bfloat16)]:
+        data, scales = pack(h, name)
+        assert data.dtype == dtype and scales is None
+        assert torch.equal(unpack(data, None, torch.float32, torch.device("cpu")), h.to(dtype).float())
+    q, scales = pack(h, "int8")
+    assert q.dtype == torch.int8 and scales.shape == (5,) and scales.dtype == torch.float32
+    back = unpack(q, scales, torch.float32, torch.device("cpu"))
+    assert ((back - h).abs() <= h.abs().amax(dim=1, keepdim=True) / 254 + 1e-6).all()  # half a step per token
+    assert q.numel() + scales.numel() * 4 < h.to(torch.float16).numel() * 2 * 0.6
+
+
+# -------------------------------------------------------------------------------- messages
+
+def step_message(hidden=None) -> m.Step:
+    sampling = m.SeqSampling(7, 0.7, 40, 0.9, 0.0, 1.1, 0.0, 0.5, 2**62 + 5, 3, 12, [1, 2, 3], [4])
+    return m.Step(3, 9, [7, 8], [12, 40], [1, 1], 2, [True, True], [[], [5]], [sampling], [2], [11, 22],
+                  hidden, None)
+
+
+def test_step_round_trip_with_nested_sampling_and_a_tensor():
+    msg = step_message(torch.randn(2, 16).half())
+    back = decode(encode(msg))
+    assert back.sampling == msg.sampling and back.blocks == [[], [5]] and back.dropped == [2]
+    assert torch.equal(back.hidden, msg.hidden) and back.scales is None
+
+
+def test_decode_step_costs_little_beside_its_hidden_states():
+    hidden = 576
+    one = len(encode(step_message(torch.zeros(2, hidden, dtype=torch.float16)))) - 2 * hidden * 2
+    assert one < 150  # for two sequences, with a first-time sampling row in it
+
+
+def test_nested_messages_are_validated():
+    good = encode(step_message())
+    obj = msgpack.unpackb(good)
+    obj[1][8][0][1] = "hot"  # temperature as a string
+    with pytest.raises(ProtocolError, match="temperature"):
+        decode(msgpack.packb(obj))
+    obj = msgpack.unpackb(good)
+    obj[1][8][0] = obj[1][8][0][:3]  # a truncated nested message
+    with pytest.raises(ProtocolError, match="fields"):
+        decode(msgpack.packb(obj))
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=6)
+    | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=16)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(message_names()), st.lists(_values, max_size=14))
+def test_fuzz_every_pipeline_message(name, fields):
+    """Random field values under every registered message name decode or raise ProtocolError."""
+    try:
+        decode(msgpack.packb([name, fields], use_bin_type=True))
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_steps(data):
+    """Real Step frames with bytes flipped, cut or inserted decode or raise ProtocolError."""
+    body = bytearray(encode(step_message(torch.zeros(2, 4, dtype=torch.float16))))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(body) - 1))
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip":
+            body[i] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del body[i:i + data.draw(st.integers(1, 8))]
+        else:
+            body[i:i] = data.draw(st.binary(min_size=1, max_size=8))
+        if not body:
+            body = bytearray(b"\x90")
+    try:
+        decode(bytes(body))
+    except ProtocolError:
+        pass
+
+
+# ------------------------------------------------------------------------------ weight push
+
+def test_shard_receiver_checks_order_size_and_sha256(tmp_path):
+    data = b"x" * 1000 + b"y" * 24
+    good = {"model-00001-of-00002.safetensors": hashlib.sha256(data).hexdigest(),
+            "model-00002-of-00002.safetensors": hashlib.sha256(b"other").hexdigest()}
+    r = ShardReceiver(tmp_path, good, ["model-00001-of-00002.safetensors"])
+    r.chunk(m.FileChunk("model-00001-of-00002.safetensors", 0, data[:600]))
+    r.chunk(m.FileChunk("model-00001-of-00002.safetensors", 600, data[600:]))
+    r.end(m.FileEnd("model-00001-of-00002.safetensors", len(data)))
+    assert r.done and (tmp_path / "model-00001-of-00002.safetensors").read_bytes() == data
+    bad = ShardReceiver(tmp_path, good, ["model-00002-of-00002.safetensors"])
+    bad.chunk(m.FileChunk("model-00002-of-00002.safetensors", 0, b"tampered"))
+    with pytest.raises(FlotillaError, match="sha256"):
+        bad.end(m.FileEnd("model-00002-of-00002.safetensors", 8))
+    assert not (tmp_path / "model-00002-of-00002.safetensors").exists()
+    assert not list(tmp_path.glob(".*part"))
+    for name, offset in [("../../etc/passwd", 0), ("model-00002-of-00002.safetensors", 5)]:
+        r = ShardReceiver(tmp_path, good, ["model-00002-of-00002.safetensors"])
+        with pytest.raises(FlotillaError):
+            r.chunk(m.FileChunk(name, offset, b"abc"))
+        r.abort()
+
+
+def test_weight_cache_refuses_what_the_head_should_not_send(tmp_path):
+    cache = WeightCache(tmp_path)
+    req = m.LoadStage("../x", {}, {"a": "b"}, 0, 1, 2, "auto", 0, 0.3, 10, 16, 0)
+    with pytest.raises(FlotillaError, match="fingerprint"):
+        cache.prepare(req)
+    req = m.LoadStage("a" * 64, {"../../evil": "x"}, {"a": "b"}, 0, 1, 2, "auto", 0, 0.3, 10, 16, 0)
+    with pytest.raises(FlotillaError, match="unexpected file"):
+        cache.prepare(req)
+    req = m.LoadStage("a" * 64, {}, {}, 0, 1, 2, "auto", 0, 0.3, 10, 16, 0)
+    with pytest.raises(FlotillaError, match="cannot be pushed"):
+        cache.prepare(req)
+
+
+# ---------------------------------------------------------------------------------- tokens
+
+def test_the_token_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLOTILLA_TOKEN", raising=False)
+    ns = lambda **kw: argparse.Namespace(**{"token": None, "token_file": None, **kw})  # noqa: E731
+    with pytest.raises(FlotillaError, match="--token-file"):
+        read_token(ns(token="0123456789abcdefgh"))
+    with pytest.raises(FlotillaError, match="needs a shared token"):
+        read_token(ns())
+    assert read_token(ns(), required=False) is None
+    f = tmp_path / "token"
+    f.write_text("short\n")
+    with pytest.raises(FlotillaError, match="at least 16"):
+        read_token(ns(token_file=str(f)))
+    f.write_text("0123456789abcdef-from-file\n")
+    assert read_token(ns(token_file=str(f))) == b"0123456789abcdef-from-file"
+    monkeypatch.setenv("FLOTILLA_TOKEN", "0123456789abcdef-from-env")
+    assert read_token(ns()) == b"0123456789abcdef-from-env"

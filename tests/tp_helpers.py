@@ -119,6 +119,9 @@ def rank_logits(rank: int, world: int, init: str, model_dirs: list[str], out_dir
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, "logits.safetensors"))
     else:
         assert all(v.shape[1] == 0 for v in out.values())  # only rank 0 receives the logits
+    # leave together: a rank that tears gloo down while its peer still works on the pairs' sockets
+    # can abort in gloo's threads ("terminate called without an active exception") on a loaded machine
+    dist.barrier()
     dist.destroy_process_group()
 
 

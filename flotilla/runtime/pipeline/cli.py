@@ -1,8 +1,8 @@
 """Command-line pieces of the pipeline: the `runtime worker` command and the `--pp` options of
 `runtime serve` (which the server's CLI adds; the runtime never imports the server).
 
-The shared token comes from `--token-file` or FLOTILLA_TOKEN, never from the command line, where
-every user of the machine could read it (`ps`, shell history): `--token` is refused.
+The shared token comes from `--token-file` or FLOTILLA_TOKEN; `--token T` works too (as users of
+other tools expect) but warns that every user of the machine can read it (`ps`, shell history).
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def _add_token_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=None,
                    help="file holding the shared pipeline token (or set FLOTILLA_TOKEN); "
                         f"at least {MIN_TOKEN_LENGTH} characters")
-    p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused, with a message saying why
+    p.add_argument("--token", default=None,
+                   help="the token itself (works, but every user of this machine can read it with ps; "
+                        "prefer --token-file or FLOTILLA_TOKEN)")
     p.add_argument("--tls-cert", default=None, help="TLS certificate (PEM) for pipeline connections")
     p.add_argument("--tls-key", default=None, help="its private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA (PEM) that the peers' certificates must chain to (mutual TLS)")
@@ -37,9 +39,12 @@ def _add_token_args(p: argparse.ArgumentParser) -> None:
 
 def read_token(args: argparse.Namespace, required: bool = True) -> bytes | None:
     if getattr(args, "token", None) is not None:
-        raise FlotillaError("--token on the command line shows the secret to every user of this machine (ps, shell "
-                            "history); write it to a file and pass --token-file FILE, or set FLOTILLA_TOKEN")
-    if args.token_file:
+        if args.token_file:
+            raise FlotillaError("--token and --token-file: give the token one way")
+        print("warning: --token on the command line shows the secret to every user of this machine (ps, shell "
+              "history); prefer --token-file FILE or FLOTILLA_TOKEN", file=sys.stderr)
+        text, where = args.token.strip(), "--token"
+    elif args.token_file:
         path = Path(args.token_file).expanduser()
         try:
             text = path.read_text().strip()

@@ -7,7 +7,9 @@ worker processes on loopback.
 Rows, per pipeline depth and wire dtype (the peer, measured in the same run, is pp=1: the model
 in this process, no network):
 
-    single tok/s     one stream's decode rate (first token to last; --tokens tokens)
+    single tok/s     one stream's decode rate (first token to last; --tokens tokens); against pp=1
+                     with all cores, and against pp=1 with the threads one stage has (the workers
+                     split this machine's cores; on separate machines each stage has its own)
     8-stream tok/s   aggregate rate of 8 concurrent streams, prefill included
     bytes/tok/hop    bytes on the wire per decode token on a stage-to-stage hop (the workers count
                      every frame they send; a hop carries hidden states, the largest traffic)
@@ -87,7 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--agreement-prompts", type=int, default=32)
     ap.add_argument("--agreement-tokens", type=int, default=32)
     ap.add_argument("--model", default=None, help="an INT4 checkpoint (default: RTN w4 g32 of the embedded GGUF)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of every engine and worker (default: all cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the pp=1 engine (default: all cores) and of every worker (default: the "
+                         "cores split among the workers, as `runtime serve --pp N` does)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
     with ThreadPoolExecutor(1) as pool:  # engines compute off the main thread, as `runtime serve`'s does
@@ -120,16 +124,25 @@ def bench(args) -> int:
     rows, base, greedy = [], None, {}
     silent = lambda line: None  # noqa: E731
 
+    cores = len(os.sched_getaffinity(0))
+    worker_threads = {pp: args.threads or max(1, cores // pp) for pp in depths if pp > 1}
+    per_stage = {}  # pp=1 at each workers' thread count: what a stage would do on its own machine
     if 1 in depths:
         lm = load_model(model, "cpu", "float32", progress=False)
         engine = build_engine(lm, engine_args)
         base = measure(engine, tok, args.tokens, args.streams)
         greedy["pp1"] = run(engine, agree_prompts, args.agreement_tokens)[0]
-        rows.append({"pp": 1, "wire": "-", **base, "bytes_per_token_hop": 0})
+        rows.append({"pp": 1, "wire": "-", **base, "bytes_per_token_hop": 0, "threads": threads})
+        per_stage[threads] = base
+        for t in sorted(set(worker_threads.values()) - {threads}):
+            torch.set_num_threads(t)
+            per_stage[t] = measure(engine, tok, args.tokens, args.streams)
+            rows.append({"pp": 1, "wire": "-", **per_stage[t], "bytes_per_token_hop": 0, "threads": t})
+        torch.set_num_threads(threads)
         del engine, lm
     token = secrets.token_hex(16).encode()
     for pp in (d for d in depths if d > 1):
-        workers = LocalWorkers(pp, model, token, threads=threads, log=silent)
+        workers = LocalWorkers(pp, model, token, threads=args.threads, log=silent)
         hosts = workers.start()
         try:
             for wire in wires:
@@ -145,9 +158,12 @@ def bench(args) -> int:
                     row["split"] = [s.end - s.start for s in engine.executor.pipeline.stages]
                 finally:
                     engine.close()
+                row["threads"] = worker_threads[pp]
                 if base:
                     row["single_vs_pp1"] = row["single_tok_s"] / base["single_tok_s"]
                     row["multi_vs_pp1"] = row["multi_tok_s"] / base["multi_tok_s"]
+                    same = per_stage[worker_threads[pp]]
+                    row["single_vs_pp1_same_threads"] = row["single_tok_s"] / same["single_tok_s"]
                 ref = greedy.get(f"pp{pp}-fp16") if wire != "fp16" else greedy.get("pp1")
                 if ref is not None:
                     row["agreement"], row["identical"] = agreement(ref, greedy[f"pp{pp}-{wire}"])
@@ -157,23 +173,27 @@ def bench(args) -> int:
             workers.stop()
     hidden = load_model_config(model).hidden_size
     for r in rows:
-        r.update(tokens=args.tokens, streams=args.streams, byte_budget=hidden * 2 + 256, threads=threads)
+        r.update(tokens=args.tokens, streams=args.streams, byte_budget=hidden * 2 + 256)
     if args.json:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"SmolLM2-135M INT4 on CPU ({threads} threads per engine and worker), stages as local worker processes on "
-          f"loopback; {args.tokens} tokens a stream; byte budget per decode token per hop: {hidden * 2 + 256}")
-    print(f"{'pp':>3s} {'wire':>5s} {'split':>10s} {'single tok/s':>13s} {'vs pp1':>7s} "
-          f"{f'{args.streams}-stream tok/s':>15s} {'vs pp1':>7s} {'bytes/tok/hop':>14s} {'agreement':>22s}")
+    print(f"SmolLM2-135M INT4 on CPU ({cores} cores; pp>1: the cores split among the workers unless --threads), "
+          f"stages as local worker processes on loopback; {args.tokens} tokens a stream; byte budget per decode "
+          f"token per hop: {hidden * 2 + 256}. 'vs pp1 same thr.': against pp=1 with the threads one stage has, "
+          f"i.e. as if every stage had its own machine")
+    print(f"{'pp':>3s} {'thr':>3s} {'wire':>5s} {'split':>10s} {'single tok/s':>13s} {'vs pp1':>7s} "
+          f"{'vs pp1 same thr.':>16s} {f'{args.streams}-stream tok/s':>15s} {'vs pp1':>7s} {'bytes/tok/hop':>14s} "
+          f"{'agreement':>22s}")
     for r in rows:
         split = ",".join(map(str, r.get("split", []))) or "-"
         vs1 = f"{r['single_vs_pp1']:.2f}x" if "single_vs_pp1" in r else ""
+        same = f"{r['single_vs_pp1_same_threads']:.2f}x" if "single_vs_pp1_same_threads" in r else ""
         vsn = f"{r['multi_vs_pp1']:.2f}x" if "multi_vs_pp1" in r else ""
         agree = (f"{r['agreement']:.1%} ({r['identical']}/{args.agreement_prompts}) vs {r['agreement_vs']}"
                  if "agreement" in r else "")
-        print(f"{r['pp']:>3d} {r['wire']:>5s} {split:>10s} {r['single_tok_s']:13.1f} {vs1:>7s} "
-              f"{r['multi_tok_s']:15.1f} {vsn:>7s} {r['bytes_per_token_hop']:14.0f} {agree:>22s}")
+        print(f"{r['pp']:>3d} {r['threads']:>3d} {r['wire']:>5s} {split:>10s} {r['single_tok_s']:13.1f} {vs1:>7s} "
+              f"{same:>16s} {r['multi_tok_s']:15.1f} {vsn:>7s} {r['bytes_per_token_hop']:14.0f} {agree:>22s}")
     return 0
 
 

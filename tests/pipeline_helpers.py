@@ -66,7 +66,7 @@ class ProcessWorker:
                  extra: list[str] | None = None):
         self.host = host
         cmd = [*(prefix or []), sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", f"{host}:{port}",
-               "--device", "cpu", *(extra or [])]
+               "--device", "cpu", "--exit-with-parent", *(extra or [])]  # never outlives the test run
         if model is not None:
             cmd += ["--model", str(model)]
         if cache_dir is not None:

@@ -41,7 +41,9 @@ def reference(smollm2_int4):
 def workers(smollm2_int4):
     ws = [ProcessWorker(model=smollm2_int4) for _ in range(3)]
     try:
-        yield [w.wait_listening() for w in ws]
+        for w in ws:
+            w.wait_listening()
+        yield ws  # the same list: workers a test restarts in place are stopped here too
     finally:
         for w in ws:
             w.stop()

@@ -2,8 +2,8 @@
 
 One `runtime worker` per stage, listening on a free loopback port, with the model path (so no
 weights are pushed) and the token in its environment (never on a command line). On a machine
-with at least N GPUs each worker gets its own (`cuda:i`); otherwise they are CPU processes. The
-workers exit when the head does.
+with at least N GPUs each worker gets its own (`cuda:i`); otherwise they are CPU processes that
+split the cores between them. The workers exit when the head does.
 """
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ class LocalWorkers:
                  threads: int | None = None, log=None):
         self.n, self.model, self.token = n, Path(model), token
         self.devices = devices or local_devices(n)
+        if threads is None and all(d == "cpu" for d in self.devices):
+            # CPU workers share this machine's cores: split them, or the idle stages' spinning OpenMP
+            # threads take the cores from the stage that computes (2x slower on 2 cores)
+            threads = max(1, len(os.sched_getaffinity(0)) // len(self.devices))
         self.threads = threads
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []

@@ -133,7 +133,7 @@ def check_graphs(model, batch: int = 5, prompt_len: int = 40, steps: int = 3) ->
     for i in range(steps):
         s = step_input([[t] for t in tokens], [prompt_len + i] * batch, tables)
         want = eager(s)  # writes this step's keys and values; the replay writes the same again
-        got = runner.graphs.run(s.token_ids, s.starts, s.block_tables)
+        got = runner.graphs.run(s.token_ids, s.starts, s.block_tables, s.query_lens)
         errs.append(rel_err(got, want))
         agree += sum(a == b for a, b in zip(got.argmax(-1).tolist(), want.argmax(-1).tolist()))
         tokens = want.argmax(-1).tolist()

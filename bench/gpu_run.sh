@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: the GPU checks and tables of bench/NOTES-gpu-decode.md and NOTES-kernels.md.
 # Run from the repository root on the GPU machine; logs go to $OUT (default ./gpu-out).
-#   PARTS="pytest decode bench spec kernels sweep" bash bench/gpu_run.sh
+#   PARTS="pytest checks decode bench spec spec_k kernels sweep" bash bench/gpu_run.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest decode bench spec kernels sweep"}  # any of these
@@ -16,6 +16,16 @@ if has pytest; then
   OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_triton_kernels.py \
     tests/test_fused_triton.py tests/test_cuda_graphs.py tests/test_paged_attention_triton.py \
     tests/test_spec_verify.py 2>&1 | tail -15 | tee "$OUT/pytest.log"
+fi
+if has checks; then
+  mark gpu_checks
+  timeout 120 python3 bench/gpu_checks.py 2>&1 | grep -v "Writing model shards" | tee "$OUT/gpu_checks.log"
+fi
+if has spec_k; then
+  for k in 2 8; do
+    mark "gpu_spec --k $k"
+    timeout 100 python3 bench/gpu_spec.py --k $k --batches 1 2>&1 | tee "$OUT/gpu_spec_k$k.log"
+  done
 fi
 if has decode; then
   mark gpu_decode

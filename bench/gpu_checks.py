@@ -4,8 +4,17 @@
   check_fused      the Triton small-op kernels vs torch, and the model's logits with them on and off
   check_graphs     decode-graph replays vs the eager runner's logits
   check_syncs      host syncs per graph decode step, under torch's sync debug mode
+  check_engine_spec  `build_engine` on CUDA (what `runtime serve/generate` run) with --speculative
+                   ngram and draft:PATH on a small random checkpoint: greedy tokens against plain
+                   decoding, acceptance, the graph buckets captured, pool integrity
+
+    python bench/gpu_checks.py        # the checks that need no 8b model (attention, engine_spec)
 """
 from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +142,7 @@ def check_graphs(model, batch: int = 5, prompt_len: int = 40, steps: int = 3) ->
     for i in range(steps):
         s = step_input([[t] for t in tokens], [prompt_len + i] * batch, tables)
         want = eager(s)  # writes this step's keys and values; the replay writes the same again
-        got = runner.graphs.run(s.token_ids, s.starts, s.block_tables)
+        got = runner.graphs.run(s.token_ids, s.starts, s.block_tables, s.query_lens)
         errs.append(rel_err(got, want))
         agree += sum(a == b for a, b in zip(got.argmax(-1).tolist(), want.argmax(-1).tolist()))
         tokens = want.argmax(-1).tolist()
@@ -171,3 +180,61 @@ def check_syncs(model, batch: int = 4, prompt_len: int = 16, steps: int = 8) -> 
     ok = 0 < len(syncs) <= n
     return (f"host syncs in {n} graph decode steps at batch {batch}: {len(syncs)} "
             f"({'; '.join(kinds) or 'none reported'}) -> {'OK' if ok else 'CHECK'}")
+
+
+def _save_random_llama(directory: Path, layers: int, seed: int) -> Path:
+    """A random-weight Llama checkpoint (fp16 safetensors) of a small shape, written here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2, torch_dtype="float16")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    model.half().save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def check_engine_spec(batch: int = 8, k: int = 4, tokens: int = 48, device: str = "cuda", dtype: str = "float16") -> str:
+    """Engines built by `build_engine` on CUDA: plain, n-gram, a draft that is the target's own
+    checkpoint (every draft is right: acceptance 100% by construction) and an unrelated 1-layer
+    draft; prompts repeat a random half. Greedy tokens must equal plain decoding's."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine, generate
+    from flotilla.runtime.loader import load_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="flotilla-gpu-check-"))
+    target = _save_random_llama(tmp / "target", 4, 0)
+    other = _save_random_llama(tmp / "other", 1, 1)
+    lm = load_model(target, device, dtype, with_tokenizer=False, progress=False)
+    halves = torch.randint(3, 512, (batch, 24), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [h + h for h in halves]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    parts, ok, plain = [], True, None
+    for name, spec in (("plain", None), ("ngram", "ngram"), ("draft=target", f"draft:{target}"),
+                       ("draft 1L other", f"draft:{other}")):
+        engine = build_engine(lm, EngineArgs(kv_cache_memory="256MiB", max_num_seqs=batch, max_model_len=256,
+                                             speculative=spec, num_speculative_tokens=k))
+        out = generate(engine, prompts, params)
+        engine.check_integrity()
+        st = engine.stats()
+        plain = plain or out
+        same = sum(a == b for a, b in zip(out, plain))
+        ok &= same == batch
+        sizes = engine.executor.graphs.sizes if engine.executor.graphs is not None else ()
+        draft = getattr(engine.spec.proposer, "runner", None) if engine.spec is not None else None
+        dsizes = draft.graphs.sizes if draft is not None and draft.graphs is not None else None
+        parts.append(f"{name}: same {same}/{batch}, acceptance {st.spec_acceptance_rate:.0%}, graphs {sizes}"
+                     + (f", draft graphs {dsizes}" if dsizes is not None else ""))
+    return f"engine (build_engine) on {device}: " + "; ".join(parts) + f" -> {'OK' if ok else 'FAIL'}"
+
+
+if __name__ == "__main__":
+    print(check_attention(), flush=True)
+    print(check_engine_spec(), flush=True)
+    sys.exit(0)

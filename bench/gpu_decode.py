@@ -39,7 +39,7 @@ from flotilla.models.linear import QuantLinear  # noqa: E402
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
 from flotilla.runtime.sampling import SamplingParams  # noqa: E402
-from gpu_checks import check_attention, check_fused, check_graphs, check_syncs  # noqa: E402
+from gpu_checks import check_attention, check_engine_spec, check_fused, check_graphs, check_syncs  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------- peers
@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     print(section("fused ops check", lambda: check_fused(model)), flush=True)
     print(section("graph check", lambda: check_graphs(model)), flush=True)
     print(section("sync check", lambda: check_syncs(model)), flush=True)
+    print(section("engine spec check", check_engine_spec), flush=True)
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))

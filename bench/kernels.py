@@ -175,7 +175,11 @@ def sweep_configs(m: int, blocks: int, n: int, num_sms: int):
     """Candidate tile configs for M rows (the tuning grid; wider than the kernel's own)."""
     out = []
     if m <= 16:
+        # wgmma tiles (a multiple of 64 out-features, warps a multiple of 4), and tiles that Triton
+        # lowers to Ampere-style mma.sync instead (32 out-features, or 1-2 warps): no wgmma waits
         grid = [(16, bn, w, st, False) for bn in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))]
+        grid += [(16, 32, w, st, False) for w, st in ((1, 3), (2, 3), (2, 4), (4, 3), (4, 5))]
+        grid += [(16, 64, w, st, False) for w, st in ((2, 3), (2, 5))] + [(16, 64, 4, 5, False)]
     elif m <= 64:
         grid = [(m, bn, w, st, sw) for bn in (64, 128) for w, st in ((4, 3), (4, 4), (8, 3)) for sw in (False, True)]
     else:
@@ -191,13 +195,18 @@ def sweep_configs(m: int, blocks: int, n: int, num_sms: int):
 def run_sweep(args, results: list) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for k, n in args.sweep_shapes:
-        for bits in (4, 8):
+        for bits in args.sweep_bits:
             w = random_gptq(k, n, bits, 128, True, False, "cuda")
             for block_k in ((128, 256) if bits == 4 else (64, 128)):
+                if args.sweep_block_k and block_k not in args.sweep_block_k:
+                    continue
                 kern = TritonGPTQKernel(w, torch.float16, block_k=block_k)
                 blocks = kern.layout.k_padded // kern.layout.block_k
                 for m in (args.sweep_batches if bits == 4 else [b for b in args.sweep_batches if b <= 16]):
                     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    default = kern.config_for(m)
+                    print(f"sweep {k}x{n} w{bits} block_k={block_k} m={m}: default {default}: "
+                          f"{time_us(lambda: kern(x), warmup=5, rep=20):7.1f}us", flush=True)
                     timed = []
                     for cfg in sweep_configs(m, blocks, n, num_sms):
                         try:
@@ -205,7 +214,6 @@ def run_sweep(args, results: list) -> None:
                         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                             print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     timed.sort(key=lambda p: p[0])
-                    print(f"sweep {k}x{n} w{bits} block_k={block_k} m={m}:", flush=True)
                     for t, cfg in timed[:3]:
                         print(f"    {t:7.1f}us {cfg}", flush=True)
                     results.append({"sweep": f"{k}x{n}", "bits": bits, "block_k": block_k, "m": m,
@@ -250,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs (tuning)")
     ap.add_argument("--sweep-shapes", default="8192x28672,14336x4096,4096x4096")
     ap.add_argument("--sweep-batches", default="1,16,64,256")
+    ap.add_argument("--sweep-bits", default="4,8")
+    ap.add_argument("--sweep-block-k", default="", help="only these block_k (default: 128,256 at 4 bits, 64,128 at 8)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
@@ -263,6 +273,8 @@ def main(argv=None) -> int:
     args.shapes, args.sweep_shapes = parse(args.shapes), parse(args.sweep_shapes)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.sweep_batches = [int(b) for b in args.sweep_batches.split(",")]
+    args.sweep_bits = [int(b) for b in args.sweep_bits.split(",")]
+    args.sweep_block_k = [int(b) for b in args.sweep_block_k.split(",") if b]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
 

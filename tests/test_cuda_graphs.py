@@ -99,7 +99,7 @@ def test_static_buffer_decode_matches_the_eager_runner_step_after_step():
     starts = [len(p) for p in prompts]
     for _ in range(3):  # three decode steps of 3 sequences in a bucket of 4 (one padding row)
         decode = step([[t] for t in tokens], starts, tables)
-        assert graphs.can_run(decode.token_ids, decode.num_decodes, decode.block_tables)
+        assert graphs.can_run(decode.token_ids, decode.query_lens, decode.block_tables)
         want = eager_logits(eager, decode)
         got = graphs.run(decode.token_ids, decode.starts, decode.block_tables)
         assert got.shape == want.shape
@@ -110,6 +110,64 @@ def test_static_buffer_decode_matches_the_eager_runner_step_after_step():
     torch.testing.assert_close(static.cache.storage[:, :, 1:], eager.cache.storage[:, :, 1:], rtol=1e-5, atol=1e-5)
     assert not torch.equal(static.cache.storage[:, :, 0], eager.cache.storage[:, :, 0])
     # a prefill, too many sequences or a table wider than the graphs' are left to the eager path
-    assert not graphs.can_run(prefill.token_ids, prefill.num_decodes, prefill.block_tables)
-    assert not graphs.can_run([1] * 5, 5, [[1]] * 5)
-    assert not graphs.can_run([1], 1, [list(range(1, 18))])
+    assert not graphs.can_run(prefill.token_ids, prefill.query_lens, prefill.block_tables)
+    assert not graphs.can_run([1] * 5, [1] * 5, [[1]] * 5)
+    assert not graphs.can_run([1], [1], [list(range(1, 18))])
+
+
+def test_fill_gives_each_token_of_a_sequence_its_own_row():
+    inputs = DecodeInputs(size=8, width=3, block_size=4, device=torch.device("cpu"))
+    inputs.fill([11, 12, 13, 21, 31, 32], [3, 9, 0], [[3, 7], [5, 6, 8], [2]], query_lens=[3, 1, 2])
+    tok, pos, slot, lens, tables = inputs.host_views()
+    assert tok.tolist() == [11, 12, 13, 21, 31, 32, 0, 0]
+    assert pos.tolist() == [3, 4, 5, 9, 0, 1, 0, 0]
+    assert lens.tolist() == [4, 5, 6, 10, 1, 2, 1, 1]  # each row's context ends at its own token
+    assert slot.tolist() == [3 * 4 + 3, 7 * 4 + 0, 7 * 4 + 1, 8 * 4 + 1, 2 * 4, 2 * 4 + 1, 0, 0]
+    assert tables.tolist() == [[3, 7, 0]] * 3 + [[5, 6, 8]] + [[2, 0, 0]] * 2 + [[0, 0, 0]] * 2
+    inputs.fill([4], [2], [[8]])  # back to one sequence: nothing stale
+    assert inputs.block_tables.tolist() == [[8, 0, 0]] + [[0, 0, 0]] * 7 and inputs.seq_lens.tolist() == [3] + [1] * 7
+
+
+def verify_step(tokens, drafts, starts, tables) -> StepInput:
+    """Each sequence's decoded token followed by its drafts, every row sampled (greedy)."""
+    new = [[t] + d for t, d in zip(tokens, drafts)]
+    rows = [(SamplingParams(temperature=0), 0, [], []) for ts in new for _ in ts]
+    return StepInput([f"r{i}" for i in range(len(new))], [t for ts in new for t in ts], starts,
+                     [len(t) for t in new], tables, sum(len(t) == 1 for t in new), [True] * len(new),
+                     SamplingBatch.build(rows), spec_token_ids=drafts)
+
+
+@torch.inference_mode()
+def test_verify_steps_replay_one_row_per_token_like_the_eager_runner():
+    """Speculative verify steps (1 + k tokens a sequence, k differing by sequence) through the
+    static buffers match the eager runner's logits and leave the same keys and values."""
+    bs = 4
+    model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, seed=2)
+    spec = KVCacheSpec((0, 1), 2, 32, torch.float32, bs)
+    eager = ModelRunner(model, KVCache(spec, 40, torch.device("cpu")))
+    static = ModelRunner(model, KVCache(spec, 40, torch.device("cpu")))
+    static.graphs = DecodeGraphRunner(model, static.cache, (4, 8), max_model_len=64, scale=static.scale,
+                                      capture=False, max_query_len=4)
+    gen = np.random.default_rng(1)
+    prompts = [gen.integers(0, 512, n).tolist() for n in (6, 11)]
+    tables = [[5, 2, 9, 12, 13], [1, 3, 4, 30, 31, 32]]
+    prefill = step(prompts, [0, 0], tables)
+    assert not static._replays(prefill)  # 11 tokens of one sequence: more than max_query_len
+    torch.testing.assert_close(static.execute(prefill).token_ids, eager.execute(prefill).token_ids)
+    tokens = eager_logits(eager, prefill).argmax(-1).tolist()
+    starts = [6, 11]
+    for drafts in ([[7, 8, 9], [4]], [[], [1, 2]], [[3, 3, 3], [5, 6, 7]]):
+        s = verify_step(tokens, drafts, starts, tables)
+        assert static._replays(s)
+        want = eager_logits(eager, s)
+        got = static.logits(s)
+        assert got.shape == want.shape == (s.num_tokens, 512)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert static.execute(s).token_ids == eager.execute(s).token_ids
+        tokens = [int(want[sum(s.query_lens[:b + 1]) - 1].argmax()) for b in range(2)]
+        starts = [st + q for st, q in zip(starts, s.query_lens)]
+    torch.testing.assert_close(static.cache.storage[:, :, 1:], eager.cache.storage[:, :, 1:], rtol=1e-5, atol=1e-5)
+    # a catch-up pass (two tokens, the last one sampled): the graph's rows are narrowed to it
+    s = step([[3], [1, 2]], starts[::-1], tables[::-1])  # decodes first
+    assert static._replays(s)
+    torch.testing.assert_close(static.logits(s), eager_logits(eager, s), rtol=1e-4, atol=1e-4)

@@ -1,7 +1,11 @@
 """CUDA graphs for decode steps: one graph per batch bucket, captured when the runner starts.
 
 A decode-only step of B sequences replays the graph of the smallest bucket n >= B; rows B..n-1
-are padding. Each bucket owns its static inputs: one int64 device buffer holding
+are padding. With `max_query_len` q > 1 a step whose sequences bring up to q new tokens each
+(a speculative verify step: the decoded token and its drafts) replays too, one row per token:
+row r is token r at its own position, with its sequence's block table and a context that ends
+at it, so the decode kernel's causal attention per row is exactly the step's (each layer stores
+all rows' keys and values before attending). T new tokens take the bucket n >= T. Each bucket owns its static inputs: one int64 device buffer holding
 
     token_ids [n] | positions [n] | slot_mapping [n] | seq_lens [n] | block_tables [n, W]
 
@@ -79,22 +83,33 @@ class DecodeInputs:
         fields = self._host[:_FIELDS * n].reshape(_FIELDS, n)
         return (*fields, self._host[_FIELDS * n:].reshape(n, self.width))
 
-    def fill(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]]) -> None:
-        """Write one decode step (B <= size sequences; sequence b's new token sits at position
-        starts[b]) and send it to the device."""
+    def fill(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
+             query_lens: list[int] | None = None) -> None:
+        """Write one step and send it to the device: sequence b's new tokens (one each, or
+        query_lens[b]) sit at positions starts[b], starts[b] + 1, ...; T = len(token_ids) <= size
+        rows, one per token, each with its sequence's block table."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy from the host twin (long done: its step was sampled)
-        B, bs = len(starts), self.block_size
+        T, bs = len(token_ids), self.block_size
         tok, pos, slot, lens, tables = self.host_views()
         tables.fill(0)
         for b, t in enumerate(block_tables):
             tables[b, :len(t)] = t
-        tok[:B], tok[B:] = token_ids, 0
-        pos[:B], pos[B:] = starts, 0
-        s = pos[:B]
-        slot[:B] = tables[np.arange(B), s // bs] * bs + s % bs
-        slot[B:] = 0
-        lens[:B], lens[B:] = s + 1, 1
+        if query_lens is None or T == len(starts):  # one token per sequence: rows are sequences
+            pos[:T] = starts
+        else:
+            qlens = np.asarray(query_lens, dtype=np.int64)
+            seq_of_row = np.repeat(np.arange(len(qlens)), qlens)  # [T]
+            first_row = np.cumsum(qlens) - qlens
+            pos[:T] = np.asarray(starts, dtype=np.int64)[seq_of_row] + np.arange(T) - first_row[seq_of_row]
+            tables[:T] = tables[seq_of_row]  # sequence tables (rows < B) -> one per token; gather copies
+        tables[T:] = 0
+        tok[:T], tok[T:] = token_ids, 0
+        pos[T:] = 0
+        s = pos[:T]
+        slot[:T] = tables[np.arange(T), s // bs] * bs + s % bs
+        slot[T:] = 0
+        lens[:T], lens[T:] = s + 1, 1
         self.device_buf.copy_(self.host_buf, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -124,10 +139,15 @@ class DecodeGraphRunner:
     """Decode steps of a whole model (first and last stage) through per-bucket CUDA graphs."""
 
     def __init__(self, model: CausalLM, cache: KVCache, sizes: tuple[int, ...], max_model_len: int,
-                 scale: float, capture: bool = True):
+                 scale: float, capture: bool = True, max_query_len: int = 1):
+        """`max_query_len`: the most new tokens of one sequence in a step the graphs serve (1:
+        decodes only; 1 + k: also verify steps of up to k drafts a sequence)."""
         if not (model.stage.is_first and model.stage.is_last):
             raise ValueError("decode graphs run a whole model (token ids in, logits out), not a pipeline stage")
+        if max_query_len < 1:
+            raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
         self.model, self.cache, self.scale = model, cache, scale
+        self.max_query_len = max_query_len
         self.block_size = cache.spec.block_size
         self.width = min(-(-max_model_len // self.block_size), cache.num_blocks)  # W: blocks per sequence
         self.sizes = tuple(sorted(set(sizes)))
@@ -138,18 +158,21 @@ class DecodeGraphRunner:
             self.buckets[n] = self._capture(n) if capture else self._eager(n)
         log.info("decode graphs for batch sizes %s captured in %.1fs", self.sizes, time.perf_counter() - start)
 
-    def can_run(self, token_ids: list[int], num_decodes: int, block_tables: list[list[int]]) -> bool:
-        """A decode-only step that fits a bucket and the table width."""
-        return (num_decodes == len(token_ids) == len(block_tables) and bucket_for(num_decodes, self.sizes) is not None
+    def can_run(self, token_ids: list[int], query_lens: list[int], block_tables: list[list[int]]) -> bool:
+        """A step of at most max_query_len new tokens a sequence whose tokens fit a bucket and
+        whose tables fit the width."""
+        return (len(query_lens) == len(block_tables) > 0 and max(query_lens) <= self.max_query_len
+                and bucket_for(len(token_ids), self.sizes) is not None
                 and max(len(t) for t in block_tables) <= self.width)
 
-    def run(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """fp32 logits [B, vocab] of a decode step (a view of the bucket's static output: read it
-        before the next step)."""
-        B = len(starts)
-        bucket = self.buckets[bucket_for(B, self.sizes)]
-        bucket.inputs.fill(token_ids, starts, block_tables)
-        return bucket.replay()[:B]
+    def run(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
+            query_lens: list[int] | None = None) -> torch.Tensor:
+        """fp32 logits [T, vocab], one row per new token (a view of the bucket's static output:
+        read it before the next step)."""
+        T = len(token_ids)
+        bucket = self.buckets[bucket_for(T, self.sizes)]
+        bucket.inputs.fill(token_ids, starts, block_tables, query_lens)
+        return bucket.replay()[:T]
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
         backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)

@@ -51,10 +51,12 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None,
-                 graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None):
-        """`graph_sizes`: on CUDA, for a whole model, decode steps of up to max(graph_sizes)
-        sequences replay CUDA graphs captured now for these batch buckets (runtime.cuda_graphs),
-        with block tables wide enough for `max_model_len` tokens (default: the model's)."""
+                 graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None, graph_query_len: int = 1):
+        """`graph_sizes`: on CUDA, for a whole model, steps of up to max(graph_sizes) new tokens
+        in which every sequence samples and brings at most `graph_query_len` tokens (1: decodes;
+        1 + k: speculative verify steps) replay CUDA graphs captured now for these token buckets
+        (runtime.cuda_graphs), with block tables wide enough for `max_model_len` tokens (default:
+        the model's)."""
         self.model = model
         model.freeze(logits_kernel(model, cache.device))  # the step loop looks nothing up per layer
         self.cache = cache
@@ -65,19 +67,16 @@ class ModelRunner:
         self.graphs = None
         if graph_sizes and self.device.type == "cuda" and model.stage.is_first and model.stage.is_last:
             self.graphs = DecodeGraphRunner(model, cache, graph_sizes, max_model_len or model.config.max_model_len,
-                                            self.scale)
+                                            self.scale, max_query_len=graph_query_len)
         self.verifier = RejectionSampler(self.sampler) if self.sampler is not None else None
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        if self._replays(step):  # a decode step (no drafts to verify): the captured graph
-            logits = self.graphs.run(step.token_ids, step.starts, step.block_tables)
+        if self._replays(step):  # decodes (and drafts to verify): the captured graph
+            logits = self._replay(step)
         else:
-            positions, meta = prepare_step(step, self.block_size, self.device)
-            x = (torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first
-                 else hidden)
-            h = self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
+            h = self._forward(step, hidden)
             if not self.model.stage.is_last:
                 return h
             if not any(step.sample):  # only partial prefill chunks this step
@@ -88,23 +87,49 @@ class ModelRunner:
             return self.verifier(logits, step.sampling, drafts, step.draft_probs)
         return self.sampler(logits, step.sampling)
 
+    @torch.inference_mode()
+    def logits(self, step: StepInput) -> torch.Tensor:
+        """fp32 logits of a whole-model step's sampling rows (`compute_logits`), without sampling:
+        through a captured graph where one serves the step (a draft model's passes)."""
+        return self._replay(step) if self._replays(step) else self.compute_logits(step, self._forward(step, None))
+
+    def _forward(self, step: StepInput, hidden: torch.Tensor | None) -> torch.Tensor:
+        positions, meta = prepare_step(step, self.block_size, self.device)
+        x = (torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first
+             else hidden)
+        return self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
+
     def _replays(self, step: StepInput) -> bool:
-        """Whether this step is a decode step that a captured CUDA graph serves."""
+        """Whether a captured CUDA graph serves this step."""
         return (self.graphs is not None and all(step.sample)
-                and self.graphs.can_run(step.token_ids, step.num_decodes, step.block_tables))
+                and self.graphs.can_run(step.token_ids, step.query_lens, step.block_tables))
+
+    def _replay(self, step: StepInput) -> torch.Tensor:
+        logits = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens)  # [T, vocab]
+        rows = logit_rows(step)
+        if len(rows) < logits.shape[0]:  # some sequence brought more tokens than it samples (a catch-up)
+            logits = logits.index_select(0, _to(np.asarray(rows, dtype=np.int64), logits.device))
+        return logits
 
     def compute_logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] of the last new token of each sampling sequence (of its last
         1 + k tokens, for a sequence verifying k drafts)."""
-        ends, end = [], 0
-        spec = step.spec_token_ids or [()] * step.num_seqs
-        for qlen, samples, drafts in zip(step.query_lens, step.sample, spec):
-            end += qlen
-            if samples:
-                ends.extend(range(end - 1 - len(drafts), end))
+        ends = logit_rows(step)
         if len(ends) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
+
+
+def logit_rows(step: StepInput) -> list[int]:
+    """The rows of the step's T new tokens that give logits: the last token of each sampling
+    sequence, and the k before it for a sequence verifying k drafts."""
+    ends, end = [], 0
+    spec = step.spec_token_ids or [()] * step.num_seqs
+    for qlen, samples, drafts in zip(step.query_lens, step.sample, spec):
+        end += qlen
+        if samples:
+            ends.extend(range(end - 1 - len(drafts), end))
+    return ends
 
 
 def logits_kernel(model: CausalLM, device: torch.device):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..cuda_graphs import capture_sizes
 from ..kv_cache import KVCache, KVCacheSpec
 from ..loader import LoadedModel, load_model
 from .config import SpeculativeConfig
@@ -12,10 +13,13 @@ from .ngram import NgramProposer
 
 
 def build_spec_decoder(config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
-                       max_num_seqs: int, report: Callable[[str], None] | None = None) -> SpecDecoder:
+                       max_num_seqs: int, report: Callable[[str], None] | None = None,
+                       enforce_eager: bool = False, max_model_len: int | None = None) -> SpecDecoder:
     """The decoder for `config` over a target whose pool has `num_blocks` blocks (the null block
     included). A draft model gets a pool of the same size plus room for each running sequence's
-    drafts, on the target's device and dtype; `report` receives its one-line KV cache report."""
+    drafts, on the target's device and dtype, and on CUDA (unless `enforce_eager`) graphs for
+    its passes over contexts of up to `max_model_len` tokens; `report` receives its one-line KV
+    cache report."""
     if config.method == "ngram":
         return SpecDecoder(config, NgramProposer(config.ngram_min, config.ngram_max))
     draft = load_model(config.draft_path, target.device, str(target.dtype).removeprefix("torch."),
@@ -27,4 +31,9 @@ def build_spec_decoder(config: SpeculativeConfig, target: LoadedModel, num_block
     cache = KVCache(spec, n, draft.device)
     if report is not None:
         report(f"draft {spec.describe(n)}")
-    return SpecDecoder(config, DraftProposer(draft.model, cache, n), max_len=cfg.max_model_len)
+    # CUDA graphs for the draft's passes: one or two tokens a sequence after the first (catching up)
+    k = config.num_speculative_tokens
+    graphs = capture_sizes(2 * max_num_seqs) if draft.device.type == "cuda" and not enforce_eager else ()
+    proposer = DraftProposer(draft.model, cache, n, graph_sizes=graphs, graph_query_len=k + 1,
+                             max_model_len=min(cfg.max_model_len, max_model_len or cfg.max_model_len))
+    return SpecDecoder(config, proposer, max_len=cfg.max_model_len)

@@ -26,8 +26,8 @@ import torch
 from flotilla.errors import FlotillaError
 
 from ..block_manager import BlockManager
-from ..kv_cache import KVCache, PagedAttentionBackend
-from ..model_runner import ModelRunner, StepInput, prepare_step
+from ..kv_cache import KVCache
+from ..model_runner import ModelRunner, StepInput
 from ..sampler import SamplingBatch
 from ..sequence import Sequence
 from .proposer import Proposal
@@ -61,8 +61,13 @@ class _Pass:
 class DraftProposer:
     needs_probs = True
 
-    def __init__(self, model, cache: KVCache, num_blocks: int):
-        self.runner = ModelRunner(model, cache)  # freezes the model; its sampler processes draft logits
+    def __init__(self, model, cache: KVCache, num_blocks: int, graph_sizes: tuple[int, ...] = (),
+                 graph_query_len: int = 1, max_model_len: int | None = None):
+        """`graph_sizes`, `graph_query_len`, `max_model_len`: the draft's CUDA graphs (ModelRunner):
+        its passes of one or a few tokens a sequence replay them instead of launching eagerly."""
+        # freezes the model; its sampler processes draft logits
+        self.runner = ModelRunner(model, cache, graph_sizes=graph_sizes, max_model_len=max_model_len,
+                                  graph_query_len=graph_query_len)
         self.cache = cache
         self.block_size = cache.spec.block_size
         self.blocks = BlockManager(num_blocks, self.block_size, enable_caching=False)
@@ -123,7 +128,7 @@ class DraftProposer:
             num_decodes=sum(1 for ts in kept.tokens if len(ts) == 1),
             sample=[True] * len(kept.seqs),
         )
-        logits = self._forward(inp)
+        logits = self.runner.logits(inp)
         rows = [(s.params, seeds[s.request_id] ^ _DRAFT_STREAM, s.prompt_token_ids,
                  s.output_token_ids + drafts[s.request_id]) for s in kept.seqs]
         tokens, q = self._sample(logits, SamplingBatch.build(rows))
@@ -137,12 +142,6 @@ class DraftProposer:
             if q is not None:
                 probs[seq.request_id].append(q[b])
         return kept
-
-    def _forward(self, step: StepInput) -> torch.Tensor:
-        positions, meta = prepare_step(step, self.block_size, self.runner.device)
-        x = torch.tensor(step.token_ids, dtype=torch.long, device=self.runner.device)
-        h = self.runner.model(x, positions, PagedAttentionBackend(self.cache, meta, self.runner.scale))
-        return self.runner.compute_logits(step, h)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], torch.Tensor | None]:
         """Draft tokens, and for a batch with sampled rows the normalized distributions [B, V]

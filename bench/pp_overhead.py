@@ -33,10 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TOPICS = ["the ocean", "a robot", "Paris", "mathematics", "a cat", "the moon", "coffee", "winter", "a library",
-          "music", "trains", "volcanoes", "bread", "chess", "rain", "the internet", "bicycles", "honey",
-          "glaciers", "a violin", "deserts", "owls", "lighthouses", "tea", "origami", "comets", "gardens",
-          "a bridge", "whales", "clocks", "maps", "snow"]
+from bench.cpu_throughput import TOPICS  # noqa: E402  (the same 32 chat prompts)
 
 
 def prompts_for(tok, n: int) -> list[list[int]]:

@@ -80,7 +80,7 @@ class OracleProposer:
             out.append(Proposal(drafts))
         return out
 
-    def commit(self, seqs) -> None:
+    def commit(self, seqs, running) -> None:
         pass
 
     def drop(self, request_id: str) -> None:

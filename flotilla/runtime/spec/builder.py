@@ -1,7 +1,9 @@
-"""Building the speculative decoder of an engine from `--speculative` and the loaded target."""
+"""Building the speculative decoder of an engine from `--speculative` and the target's config."""
 from __future__ import annotations
 
 from typing import Callable
+
+import torch
 
 from ..cuda_graphs import capture_sizes
 from ..kv_cache import KVCache, KVCacheSpec
@@ -15,17 +17,26 @@ from .ngram import NgramProposer
 def build_spec_decoder(config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
                        max_num_seqs: int, report: Callable[[str], None] | None = None,
                        enforce_eager: bool = False, max_model_len: int | None = None) -> SpecDecoder:
-    """The decoder for `config` over a target whose pool has `num_blocks` blocks (the null block
-    included). A draft model gets a pool of the same size plus room for each running sequence's
-    drafts, on the target's device and dtype, and on CUDA (unless `enforce_eager`) graphs for
-    its passes over contexts of up to `max_model_len` tokens; `report` receives its one-line KV
-    cache report."""
+    """The decoder for `config` over a target loaded in this process: a draft model goes on the
+    target's device and dtype (see `spec_decoder`)."""
+    return spec_decoder(config, target.config.vocab_size, target.device, str(target.dtype).removeprefix("torch."),
+                        num_blocks, block_size, max_num_seqs, report, enforce_eager, max_model_len)
+
+
+def spec_decoder(config: SpeculativeConfig, vocab_size: int, device: str | torch.device | None, dtype: str,
+                 num_blocks: int, block_size: int, max_num_seqs: int, report: Callable[[str], None] | None = None,
+                 enforce_eager: bool = False, max_model_len: int | None = None) -> SpecDecoder:
+    """The decoder for `config` over a target of `vocab_size` tokens whose pool has `num_blocks`
+    blocks (the null block included). A draft model is loaded on `device` in `dtype` and gets a
+    pool of the same size plus room for each running sequence's drafts, and on CUDA (unless
+    `enforce_eager`) graphs for its passes over contexts of up to `max_model_len` tokens;
+    `report` receives its one-line KV cache report. (A pipeline's head builds one without the
+    target's weights.)"""
     if config.method == "ngram":
         return SpecDecoder(config, NgramProposer(config.ngram_min, config.ngram_max))
-    draft = load_model(config.draft_path, target.device, str(target.dtype).removeprefix("torch."),
-                       with_tokenizer=False)
+    draft = load_model(config.draft_path, device, dtype, with_tokenizer=False)
     cfg = draft.config
-    check_compatible(target.config.vocab_size, cfg.vocab_size, f"--speculative draft:{config.draft_path}")
+    check_compatible(vocab_size, cfg.vocab_size, f"--speculative draft:{config.draft_path}")
     spec = KVCacheSpec(tuple(draft.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, draft.dtype, block_size)
     n = num_blocks + max_num_seqs * -(-config.num_speculative_tokens // block_size)
     cache = KVCache(spec, n, draft.device)

@@ -3,8 +3,12 @@
 Each step, before scheduling, `propose` asks the proposer for drafts for every running sequence
 that is decoding (one uncomputed token) and sets `seq.spec_token_ids`; the scheduler schedules
 them with their decode, the runner verifies them (spec/rejection.py), and the engine reports
-back through `observe` (per sequence) and `commit` (once per step, so a draft model can drop
-the KV of what was rejected).
+back through `observe` (per sequence) and `commit` (per step: once its sequences' tokens are
+final, so a draft model can drop the KV of what was rejected).
+
+A pipeline keeps several steps (micro-batches) in flight: `propose` leaves a sequence whose step
+is being computed alone (it has nothing uncomputed), the draft distributions of a step are
+handed over (and forgotten here) when its input is built, and `commit` is per micro-batch.
 
 Per-sequence K: at most num_speculative_tokens, never more than the tokens the request may
 still generate minus one (the step always yields one token of its own) nor past the context;
@@ -36,17 +40,22 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.max_len = max_len  # the proposer's longest context (a draft model's), None: no limit
+        # most drafts with distributions per sequence and step (a pipeline's frame limit); None: K
+        self.max_prob_rows: int | None = None
         self._seqs: dict[str, _Acceptance] = {}
-        self._probs: dict[str, torch.Tensor] = {}  # this step's draft distributions, by request
+        self._probs: dict[str, torch.Tensor] = {}  # the last proposal's draft distributions, by request
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
 
     # ------------------------------------------------------------------ before the step
     def propose(self, running: list[Sequence], seeds: dict[str, int]) -> None:
-        """Set `spec_token_ids` of every running sequence (empty where it does not speculate)."""
+        """Set `spec_token_ids` of every running sequence (empty where it does not speculate);
+        a sequence whose step is in flight (nothing uncomputed) is left as it is."""
         seqs, ks = [], []
         for seq in running:
+            if seq.num_uncomputed_tokens < 1:
+                continue
             seq.spec_token_ids = []
             k = self.num_tokens_for(seq)
             if k > 0:
@@ -72,21 +81,30 @@ class SpecDecoder:
         for limit in (seq.max_model_len, self.max_len):
             if limit is not None:
                 k = min(k, limit - seq.num_tokens - 1)
+        if self.max_prob_rows is not None and self.proposer.needs_probs and not seq.params.greedy:
+            k = min(k, self.max_prob_rows)
         return max(k, 0)
+
+    def prob_bytes(self, s: ScheduledSeq) -> int:
+        """Bytes of fp32 draft distributions that a scheduled sequence's drafts carry."""
+        probs = self._probs.get(s.seq.request_id)
+        return 0 if probs is None or not s.num_spec else s.num_spec * probs.shape[1] * 4
 
     def draft_probs(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
         """The draft distributions [drafts, vocab] of a step's scheduled drafts, in order (point
-        masses for sequences whose drafts have none), or None when all are point masses."""
+        masses for sequences whose drafts have none), or None when all are point masses. They
+        go with the step: this decoder forgets them."""
         spec = [s for s in scheduled if s.num_spec]
-        if not any(s.seq.request_id in self._probs for s in spec):
+        probs = {s.seq.request_id: self._probs.pop(s.seq.request_id) for s in spec if s.seq.request_id in self._probs}
+        if not probs:
             return None
-        vocab = next(iter(self._probs.values())).shape[1]
+        vocab = next(iter(probs.values())).shape[1]
         rows = []
         for s in spec:
-            probs = self._probs.get(s.seq.request_id)
-            if probs is None:
-                probs = torch.nn.functional.one_hot(torch.tensor(s.spec_token_ids), vocab).float()
-            rows.append(probs[:s.num_spec])
+            p = probs.get(s.seq.request_id)
+            if p is None:
+                p = torch.nn.functional.one_hot(torch.tensor(s.spec_token_ids), vocab).float()
+            rows.append(p[:s.num_spec])
         return torch.cat(rows)
 
     # ------------------------------------------------------------------ after the step
@@ -106,13 +124,21 @@ class SpecDecoder:
         elif num_accepted == num_proposed:
             state.backoff = self.config.backoff_steps
 
-    def commit(self, running: list[Sequence]) -> None:
-        self._probs.clear()
-        self.proposer.commit(running)
+    def commit(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+        """A step is over: the tokens of its sequences `seqs` are final for now; the proposer
+        forgets whatever it holds for sequences no longer `running`."""
+        self.proposer.commit(seqs, running)
+
+    def forget_drafts(self, request_id: str) -> None:
+        """Drop what the proposer holds for a request (a pipeline fault: it proposes afresh),
+        keeping its acceptance history."""
+        self._probs.pop(request_id, None)
+        self.proposer.drop(request_id)
 
     def drop(self, request_id: str) -> None:
         """The request finished or was aborted."""
         self._seqs.pop(request_id, None)
+        self._probs.pop(request_id, None)
         self.proposer.drop(request_id)
 
     # ------------------------------------------------------------------ introspection

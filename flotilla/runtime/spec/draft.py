@@ -10,7 +10,10 @@ it runs k batched passes over all proposing sequences:
 so after proposing, its cache holds n + k - 1 tokens: the committed ones and d1..d(k-1).
 `commit`, after the target's verification, keeps the KV of the drafts that were accepted (the
 committed tokens now continue with them) and gives back the slots of the rest, so the next
-proposal starts from a cache that agrees with the committed tokens.
+proposal starts from a cache that agrees with the committed tokens. A proposal settles the
+sequence the same way first, so drafts that were never verified (not scheduled, or lost in a
+pipeline fault) leave nothing behind; a sequence whose verify step is in flight is neither
+proposed for nor committed until its tokens come back.
 
 Drafts for greedy requests are the draft's argmax (point masses). For sampled requests each
 draft is drawn from the draft's processed distribution (the request's penalties, temperature,
@@ -83,6 +86,7 @@ class DraftProposer:
         first = _Pass([], [], [])
         for seq in seqs:
             state = self.states.setdefault(seq.request_id, _DraftSeq(seq.request_id))
+            self._settle(seq, state)
             first.seqs.append(seq)
             first.states.append(state)
             first.tokens.append(seq.token_ids[state.num_computed_tokens:])
@@ -159,23 +163,30 @@ class DraftProposer:
         return ids.tolist(), q
 
     # ------------------------------------------------------------------ after verification
-    def commit(self, running: list[Sequence]) -> None:
-        """Keep the KV of the accepted drafts, free the rest; forget sequences no longer running
-        (preempted ones catch up again when they are back)."""
+    def commit(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+        """Keep the KV of the accepted drafts of `seqs`, free the rest; forget sequences no longer
+        running (preempted ones catch up again when they are back)."""
         live = {s.request_id for s in running}
         for rid in [r for r in self.states if r not in live]:
             self.drop(rid)
-        for seq in running:
+        for seq in seqs:
             state = self.states.get(seq.request_id)
-            if state is None or not state.fed:
-                continue
+            if state is not None:
+                self._settle(seq, state)
+
+    def _settle(self, seq: Sequence, state: _DraftSeq) -> None:
+        """Make the cache agree with the sequence's tokens: of the drafts fed after `base`, keep
+        those that the tokens now continue with; the last token is always fed again (its logits
+        give the next draft)."""
+        valid = state.num_computed_tokens
+        if state.fed:
             kept = 0
             tail = seq.token_ids[state.base:state.base + len(state.fed)]
             while kept < len(tail) and tail[kept] == state.fed[kept]:
                 kept += 1
-            kept = min(kept, seq.num_tokens - 1 - state.base)  # the last token is always fed again
-            state.num_computed_tokens = state.base + kept
-            state.fed = []
+            valid, state.fed = state.base + kept, []
+        if valid != state.num_computed_tokens or valid > seq.num_tokens - 1:
+            state.num_computed_tokens = min(valid, seq.num_tokens - 1)
             self.blocks.truncate(state)
 
     def drop(self, request_id: str) -> None:

@@ -56,7 +56,7 @@ class NgramProposer:
             out.append(Proposal(ngram_lookup(tokens, k, self.ngram_min, self.ngram_max).tolist()))
         return out
 
-    def commit(self, seqs: list[Sequence]) -> None:
+    def commit(self, seqs: list[Sequence], running: list[Sequence]) -> None:
         pass
 
     def drop(self, request_id: str) -> None:

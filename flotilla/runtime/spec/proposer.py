@@ -26,8 +26,9 @@ class Proposer(Protocol):
         """Up to ks[i] draft tokens to follow each sequence's tokens (its committed ones)."""
         ...
 
-    def commit(self, seqs: list[Sequence]) -> None:
-        """The step is over: the sequences' tokens are final for now; forget what was not kept."""
+    def commit(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+        """A step is over: the tokens of `seqs` (its sequences) are final for now; forget what
+        was not kept, and everything of sequences no longer `running`."""
         ...
 
     def drop(self, request_id: str) -> None:

@@ -177,7 +177,7 @@ class LLMEngine:
                 self._roll_back(s, len(accepted))
             outputs.append(self._append(seq, tokens, logprob, top))
         if self.spec is not None:
-            self.spec.commit([s.seq for s in out.scheduled], self.scheduler.running)
+            self.spec.commit([s.seq for s in out.scheduled if s.samples], self.scheduler.running)
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprob, top) -> RequestOutput:

@@ -205,7 +205,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
 
             layers = parse_layers(args.layers, open_source(model).config.num_hidden_layers, args.pp)
             settings = replace(settings, layers=tuple(layers))
-        engine = build_pipeline_engine(model, EngineArgs.from_args(args), settings, report)
+        engine = build_pipeline_engine(model, EngineArgs.from_args(args), settings, report, device=args.device)
     except BaseException:
         if local is not None:
             local.stop()

@@ -14,11 +14,22 @@ until its token comes back). So `step()` here is:
 Every stage runs the steps in the order the head sent them, which is what keeps KV writes before
 the reads that depend on them, as in the local engine.
 
+Speculative decoding: the head proposes (n-gram lookup, or a draft model on its own KV cache
+here) before each schedule, for the sequences that are not in flight; a verifying sequence's
+1 + k tokens travel the ring like a short prefill chunk, the last stage verifies them with the
+same rejection sampler, and the head rolls the rejected drafts' slots back and commits the
+proposer per micro-batch when its result comes back. Draft distributions ride in the step frame
+as float32; a micro-batch is cut short so they never take more than a quarter of the frame
+limit, and no sequence proposes more sampled drafts than that quarter holds.
+
 Faults (the pipeline's `generation` changed): everything in flight is lost; every running
 sequence goes back to the queue to be re-prefilled from its tokens so far (prompt + generated),
-and the prefix cache is forgotten (a restarted stage has none of it). Greedy and seeded sampling
-continue with the same tokens, since a token's random draw depends only on its request's seed
-and its index. While the ring is down nothing is scheduled; past `stage_timeout` seconds every
+and the prefix cache is forgotten (a restarted stage has none of it); the proposer forgets the
+paused sequences (a draft model's KV included) and proposes afresh once they decode again.
+Greedy and seeded sampling continue with the same tokens, since a token's random draw depends
+only on its request's seed and its index (with speculation, a seeded sampled token also depends
+on which drafts were verified with it: the lost verify step becomes a plain one, so from there
+the tokens are a different draw of the same distribution). While the ring is down nothing is scheduled; past `stage_timeout` seconds every
 request ends with an error naming the missing stage, and new requests get the same answer until
 the stage is back.
 """
@@ -32,6 +43,7 @@ from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampler import SamplerOutput
 from flotilla.runtime.scheduler import SchedulerOutput
 from flotilla.runtime.sequence import FinishReason, Sequence
+from flotilla.runtime.spec.decoder import SpecDecoder
 
 from .executor import PipelineExecutor
 
@@ -42,8 +54,11 @@ POLL_SECONDS = 0.05  # longest wait for a result before step() returns (new requ
 
 class PipelineEngine(LLMEngine):
     def __init__(self, executor: PipelineExecutor, config: EngineConfig, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None, stage_timeout: float = 60.0):
-        super().__init__(executor, config, tokenizer, eos_token_ids, vocab_size)
+                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None, stage_timeout: float = 60.0,
+                 spec: SpecDecoder | None = None):
+        super().__init__(executor, config, tokenizer, eos_token_ids, vocab_size, spec)
+        if spec is not None and vocab_size:
+            spec.max_prob_rows = max(1, executor.max_prob_bytes // (4 * vocab_size))
         self.stage_timeout = stage_timeout
         self._inflight: dict[int, SchedulerOutput] = {}
         self._generation = executor.generation
@@ -67,13 +82,29 @@ class PipelineEngine(LLMEngine):
     def _fill(self) -> None:
         ex = self.executor
         while len(self._inflight) < ex.depth:
+            if self.spec is not None:
+                self.spec.propose(self.scheduler.running, self.seeds)
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return
-            size = max(1, -(-len(self.scheduler.running) // ex.depth))
-            for i in range(0, len(scheduled.scheduled), size):
-                piece = SchedulerOutput(scheduled.scheduled[i:i + size])
+            for piece in self._pieces(scheduled):
                 self._inflight[ex.submit(self._step_input(piece), self._generation)] = piece
+
+    def _pieces(self, scheduled: SchedulerOutput) -> list[SchedulerOutput]:
+        """Micro-batches: contiguous runs of about running / depth sequences, each cut short
+        before its draft distributions pass the executor's byte budget."""
+        size = max(1, -(-len(self.scheduler.running) // self.executor.depth))
+        budget = self.executor.max_prob_bytes if self.spec is not None else 0
+        pieces, piece, nbytes = [], [], 0
+        for s in scheduled.scheduled:
+            b = self.spec.prob_bytes(s) if self.spec is not None else 0
+            if piece and (len(piece) == size or nbytes + b > budget):
+                pieces.append(SchedulerOutput(piece))
+                piece, nbytes = [], 0
+            piece.append(s)
+            nbytes += b
+        pieces.append(SchedulerOutput(piece))
+        return pieces
 
     # ------------------------------------------------------------------ faults
     def _rewind(self) -> None:
@@ -81,6 +112,9 @@ class PipelineEngine(LLMEngine):
         self.executor.reset()
         seqs = self.scheduler.preempt_all()
         self.block_manager.pool.reset_prefix_cache()
+        if self.spec is not None:
+            for seq in seqs:
+                self.spec.forget_drafts(seq.request_id)
         self._generation = self.executor.generation
         self.num_rewinds += 1
         log.warning("pipeline fault: %d running requests paused; they are re-prefilled once it is back", len(seqs))
@@ -134,4 +168,5 @@ def _live(piece: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutpu
         if s.samples:
             rows.append(row - 1)
     pick = lambda xs: None if xs is None else [xs[r] for r in rows]  # noqa: E731
-    return SchedulerOutput(keep), SamplerOutput(pick(result.token_ids), pick(result.logprobs), pick(result.top_logprobs))
+    return SchedulerOutput(keep), SamplerOutput(pick(result.token_ids), pick(result.logprobs), pick(result.top_logprobs),
+                                                pick(result.accepted))

@@ -35,6 +35,12 @@ class PipelineExecutor:
         return self.pipeline.num_stages
 
     @property
+    def max_prob_bytes(self) -> int:
+        """Most bytes of draft distributions one step frame may carry: a quarter of the frame
+        limit, the rest is for hidden states and the step itself."""
+        return self.pipeline.settings.link.max_frame // 4
+
+    @property
     def generation(self) -> int:
         return self.pipeline.generation
 

@@ -10,6 +10,7 @@ from flotilla.runtime.engine import EngineConfig
 from flotilla.runtime.engine_args import EngineArgs
 from flotilla.runtime.kv_cache import parse_memory
 from flotilla.runtime.scheduler import SchedulerConfig
+from flotilla.runtime.spec.builder import spec_decoder
 
 from .engine import PipelineEngine
 from .executor import PipelineExecutor
@@ -17,9 +18,11 @@ from .pipeline import Pipeline, PipelineSettings
 
 
 def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: PipelineSettings, report=None,
-                          with_tokenizer: bool = True) -> PipelineEngine:
+                          with_tokenizer: bool = True, device: str | None = None) -> PipelineEngine:
     """Connect to the workers, set the pipeline up (split, load, push, size the KV pool) and return
-    an engine over it. The head itself loads no weights."""
+    an engine over it. The head itself loads no weights of the model; with `--speculative
+    draft:PATH` it loads the draft model on `device` (default: cuda if available, else cpu), in
+    the pipeline's dtype, with a KV pool as large as the pipeline's."""
     path = Path(model).expanduser()
     cfg = open_source(path).config
     tokenizer = load_tokenizer(path, cfg.eos_token_ids) if with_tokenizer else None
@@ -32,5 +35,13 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
     config = EngineConfig(num_blocks=pipeline.num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching)
+    spec = None
+    try:
+        if args.speculative_config is not None:
+            spec = spec_decoder(args.speculative_config, cfg.vocab_size, device, settings.dtype, pipeline.num_blocks,
+                                args.block_size, args.max_num_seqs, report)
+    except BaseException:
+        pipeline.close()
+        raise
     return PipelineEngine(PipelineExecutor(pipeline), config, tokenizer, cfg.eos_token_ids, cfg.vocab_size,
-                          settings.stage_timeout)
+                          settings.stage_timeout, spec)

@@ -13,8 +13,9 @@ Control, on the head's connection to each worker (one request at a time, answere
 Data, around the ring head -> stage 0 -> … -> last stage -> head:
 
     Upstream         first frame of a stage-to-stage connection: "my steps come to you"
-    Step             one micro-batch: block-table diffs, token ids (stage 0) or hidden states
-    StepResult       the last stage's sampled tokens, back to the head
+    Step             one micro-batch: block-table diffs, token ids (stage 0) or hidden states,
+                     and drafts to verify (speculative decoding)
+    StepResult       the last stage's sampled tokens (and accepted drafts), back to the head
     Fault            a worker tells the head that its part of the ring broke
 
 Steps carry the epoch they were sent in; a worker drops steps of any other epoch, so nothing of
@@ -177,6 +178,13 @@ class Step:
     token_ids: list[int] | None  # the new tokens (to stage 0)
     hidden: torch.Tensor | None  # [T, hidden] in the wire dtype (to later stages)
     scales: torch.Tensor | None  # [T] float32 per-token scales of int8 hidden states
+    # speculative decoding (see step_codec): per sequence, the drafts ending its new tokens,
+    # verified by the last stage; None when no sequence speculates
+    spec_token_ids: list[list[int]] | None = None
+    # [D, vocab] float32: the distributions of the drafts of the sequences that sample (not greedy),
+    # in order; None: every draft is a point mass (n-gram drafts, greedy requests)
+    draft_probs: torch.Tensor | None = None
+    trims: list[list[int]] | None = None  # [handle, blocks]: cut the table to this length, then append
 
 
 @message("step_result")
@@ -187,3 +195,4 @@ class StepResult:
     logprobs: list[float | None] | None  # per row, when any row asked for logprobs
     top_ids: list[list[int]] | None  # per row: the top tokens, best first
     top_values: list[list[float]] | None  # and their logprobs
+    accepted: list[list[int]] | None = None  # speculative steps: per row, the drafts accepted before the token

@@ -70,7 +70,7 @@ class StageRuntime:
             hidden = unpack(msg.hidden, msg.scales, self.lm.dtype, self.lm.device)
         out = self.runner.execute(step, hidden)
         if self.stage.is_last:
-            self.seqs.record(msg, out.token_ids)
+            self.seqs.record(msg, out.token_ids, out.accepted)
             return step_result(msg.epoch, msg.mb, out)
         data, scales = pack(out, self.wire_dtype)
         return dataclasses.replace(msg, hidden=data, scales=scales)

@@ -44,7 +44,7 @@ from test_server_limits import parse_exposition
 from test_spec_models import PROMPT, SETTINGS, exact_next_two
 
 VOCAB = 16
-ARGS = dict(kv_cache_memory="4MiB", max_num_seqs=16)
+ARGS = {"kv_cache_memory": "4MiB", "max_num_seqs": 16}
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 MARGIN = 0.02
 SAMPLED = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1, repetition_penalty=1.2,

@@ -29,9 +29,9 @@ paused sequences (a draft model's KV included) and proposes afresh once they dec
 Greedy and seeded sampling continue with the same tokens, since a token's random draw depends
 only on its request's seed and its index (with speculation, a seeded sampled token also depends
 on which drafts were verified with it: the lost verify step becomes a plain one, so from there
-the tokens are a different draw of the same distribution). While the ring is down nothing is scheduled; past `stage_timeout` seconds every
-request ends with an error naming the missing stage, and new requests get the same answer until
-the stage is back.
+the tokens are a different draw of the same distribution). While the ring is down nothing is
+scheduled; past `stage_timeout` seconds every request ends with an error naming the missing
+stage, and new requests get the same answer until the stage is back.
 """
 from __future__ import annotations
 
@@ -168,5 +168,5 @@ def _live(piece: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutpu
         if s.samples:
             rows.append(row - 1)
     pick = lambda xs: None if xs is None else [xs[r] for r in rows]  # noqa: E731
-    return SchedulerOutput(keep), SamplerOutput(pick(result.token_ids), pick(result.logprobs), pick(result.top_logprobs),
-                                                pick(result.accepted))
+    return SchedulerOutput(keep), SamplerOutput(pick(result.token_ids), pick(result.logprobs),
+                                                pick(result.top_logprobs), pick(result.accepted))

@@ -39,7 +39,7 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
     try:
         if args.speculative_config is not None:
             spec = spec_decoder(args.speculative_config, cfg.vocab_size, device, settings.dtype, pipeline.num_blocks,
-                                args.block_size, args.max_num_seqs, report)
+                                args.block_size, args.max_num_seqs, report, args.enforce_eager, config.context_len)
     except BaseException:
         pipeline.close()
         raise

@@ -199,7 +199,9 @@ def test_no_restart_ends_the_streams_with_an_error_and_later_requests_succeed(li
     try:
         results = asyncio.run(main())
         assert all(r[2] and "pipeline stage 2" in r[2] and "--stage-timeout 4s" in r[2] for r in results), results
-        assert 4.0 <= seen["ended"] - seen["killed"] < 4.0 + 30
+        # the head may notice the lost connection before kill() has reaped the process and the test
+        # read the clock: allow that gap (a few ms) below the 4 s timeout
+        assert 3.8 <= seen["ended"] - seen["killed"] < 4.0 + 30
         assert seen["models"] == 200  # the server stays up
         status, body = _health(live.url)
         assert status == 503 and f"pipeline stage 2 ({victim.host}:{victim.port})" in body["problems"][0]

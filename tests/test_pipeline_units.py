@@ -199,11 +199,13 @@ def test_weight_cache_refuses_what_the_head_should_not_send(tmp_path):
 
 # ---------------------------------------------------------------------------------- tokens
 
-def test_the_token_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+def test_the_token_comes_from_a_file_the_environment_or_the_command_line(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FLOTILLA_TOKEN", raising=False)
     ns = lambda **kw: argparse.Namespace(**{"token": None, "token_file": None, **kw})  # noqa: E731
-    with pytest.raises(FlotillaError, match="--token-file"):
-        read_token(ns(token="0123456789abcdefgh"))
+    assert read_token(ns(token="0123456789abcdefgh")) == b"0123456789abcdefgh"
+    assert "ps" in capsys.readouterr().err  # accepted, with a warning that others can read it
+    with pytest.raises(FlotillaError, match="one way"):
+        read_token(ns(token="0123456789abcdefgh", token_file="x"))
     with pytest.raises(FlotillaError, match="needs a shared token"):
         read_token(ns())
     assert read_token(ns(), required=False) is None

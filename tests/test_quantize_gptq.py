@@ -159,3 +159,35 @@ def test_quantized_linear_matches_reference_matmul(tmp_path):
     lin = model.model.layers["0"].mlp.down_proj
     x = torch.randn(5, lin.in_features)
     torch.testing.assert_close(lin(x), x @ dequantize(lin.gptq_weight()))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_searched_grid_never_loses_to_minmax(sym):
+    from flotilla.quantize.grid import CLIP_NORM, search_params
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 64)
+    w[:8, 0] *= 12  # outliers that a min/max grid must stretch to reach
+    spec = GridSpec(4, sym)
+
+    def err(scale, zero):
+        s, z = scale[:, None], zero[:, None]
+        return ((torch.clamp(torch.round(w / s) + z, 0, 15) - z) * s - w).abs().pow(CLIP_NORM).sum(1)
+
+    base, searched = err(*find_params(w, spec)), err(*search_params(w, spec))
+    assert torch.all(searched <= base)
+    assert float(searched[:8].sum()) < float(base[:8].sum())  # the outlier rows gain from clipping
+    scale, zero = search_params(w, spec)
+    assert torch.equal(scale, scale.half().float()) and int(zero.min()) >= 1  # still format-exact
+
+
+def test_mse_grid_is_the_default_and_minmax_is_kept():
+    from flotilla.quantize.options import QuantizeOptions
+
+    assert QuantizeOptions().grid == "mse"
+    w = torch.randn(16, 64)
+    exact = rtn_quantize(w, GridSpec(4, True), 32)
+    torch.testing.assert_close(exact.scales, find_params(w.view(16, 2, 32).transpose(0, 1).reshape(32, 32),
+                                                         GridSpec(4, True))[0].view(2, 16))
+    searched = rtn_quantize(w, GridSpec(4, True, clip=True), 32)
+    assert float(((searched.dequantize() - w) ** 2).sum()) <= float(((exact.dequantize() - w) ** 2).sum()) * 1.05

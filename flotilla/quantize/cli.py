@@ -1,7 +1,7 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
     quantize SRC -o OUT [--bits 4|8] [--group-size 32|64|128|-1] [--method gptq|rtn] [--sym|--asym]
-             [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
+             [--grid mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
 User mistakes print one line (`error: ...`) and exit 2, with nothing written.
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
                      help="symmetric grid, zero point 2^(bits-1) (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid, a zero point per group")
+    p.add_argument("--grid", default=_DEFAULTS.grid, metavar="{mse,minmax}",
+                   help="how a group's scale is chosen: mse searches the clipping range with the least rounding "
+                        "error, minmax spans the group's min to max (default mse)")
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",
@@ -64,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
     return QuantizeOptions(bits=args.bits, group_size=args.group_size, method=args.method, sym=args.sym,
-                           act_order=args.act_order, damp_percent=args.damp_percent, calib_file=args.calib,
+                           act_order=args.act_order, grid=args.grid, damp_percent=args.damp_percent, calib_file=args.calib,
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
                            shard_size=parse_size(args.shard_size), device=args.device, force=args.force)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import GridSpec, QuantizedWeight, dequantize_codes, find_params, quantize_codes
+from .grid import GridSpec, QuantizedWeight, dequantize_codes, grid_params, quantize_codes
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: 
     zeros = torch.empty(groups, out_f, device=W.device)
     codes = torch.empty(out_f, in_f, device=W.device)  # in visiting order
     if group_size == -1:
-        scales[0], zeros[0] = find_params(W, spec)
+        scales[0], zeros[0] = grid_params(W, spec)
     for b0 in range(0, in_f, block_size):
         b1 = min(b0 + block_size, in_f)
         W1 = W[:, b0:b1].clone()
@@ -84,7 +84,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: 
             col = b0 + i
             g = col // gs
             if group_size != -1 and col % gs == 0:  # a group starts: its grid from the updated weights
-                scales[g], zeros[g] = find_params(W1[:, i:i + gs], spec)
+                scales[g], zeros[g] = grid_params(W1[:, i:i + gs], spec)
             w = W1[:, i]
             q = quantize_codes(w, scales[g], zeros[g], spec.maxq)
             codes[:, col] = q

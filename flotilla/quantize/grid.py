@@ -11,6 +11,11 @@ group's largest positive weight by 1/15 at 4 bits and wastes the extra negative 
 SmolLM2-135M INT4 g64 RTN this grid lowers perplexity by about 9%. Readers only see scale and zero.)
 Asymmetric: scale = (max(w, 0) - min(w, 0)) / (2**bits - 1), zero = round(-min(w, 0) / scale).
 
+That is the `minmax` grid. The default, `mse`, tries the range shrunk by 1.00, 0.98, ... 0.50 for
+each group and keeps the one with the least sum |w - w_hat|^2.4 (GPTQ's reference norm): clipping a
+few outlying weights buys a finer grid for all the others. On SmolLM2-135M INT4 g64 it lowers the
+perplexity of RTN by 1-5% and of GPTQ by 1-10% (bench/quality.py).
+
 Two constraints of the file format shape the grid, and are applied here so that what the
 quantizer computes is exactly what a reader of the file gets back:
 
@@ -37,6 +42,7 @@ FP16_MAX = torch.finfo(torch.float16).max
 class GridSpec:
     bits: int
     sym: bool
+    clip: bool = False  # search a clipping range per group (search_params) instead of min/max
 
     @property
     def maxq(self) -> int:
@@ -61,6 +67,36 @@ def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Te
         scale = torch.where(low, _to_fp16_grid(wmax / (maxq - 1)), scale)
         zero = torch.where(low, torch.ones_like(zero), zero)
     return scale, zero.clamp(1, maxq)
+
+
+CLIP_SHRINKS = tuple(1.0 - 0.02 * i for i in range(26))  # 1.00, 0.98, ... 0.50
+CLIP_NORM = 2.4
+
+
+def grid_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of each row of w under spec: searched when spec.clip, else min/max."""
+    return search_params(w, spec) if spec.clip else find_params(w, spec)
+
+
+def search_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like find_params, but each row's range is shrunk by the factor in CLIP_SHRINKS that
+    minimises sum |w - w_hat|^2.4 over the row (clipping a few outliers buys a finer grid for
+    the rest; the norm is GPTQ's reference choice). Shrink 1.0 is find_params itself."""
+    best_scale, best_zero = find_params(w, spec)
+    best_err = _grid_error(w, best_scale, best_zero, spec.maxq)
+    for shrink in CLIP_SHRINKS[1:]:
+        scale, zero = find_params(w * shrink, spec)
+        err = _grid_error(w, scale, zero, spec.maxq)
+        better = err < best_err
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+        best_err = torch.minimum(err, best_err)
+    return best_scale, best_zero
+
+
+def _grid_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    s, z = scale.unsqueeze(1), zero.unsqueeze(1)
+    return (dequantize_codes(quantize_codes(w, s, z, maxq), s, z) - w).abs().pow(CLIP_NORM).sum(dim=1)
 
 
 def _to_fp16_grid(scale: torch.Tensor) -> torch.Tensor:
@@ -110,7 +146,7 @@ def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedW
     gs = in_f if group_size == -1 else group_size
     groups = num_groups(in_f, group_size)
     wg = w.float().reshape(out_f, groups, gs).transpose(0, 1)  # [groups, out, gs]
-    scale, zero = find_params(wg.reshape(groups * out_f, gs), spec)
+    scale, zero = grid_params(wg.reshape(groups * out_f, gs), spec)
     scale, zero = scale.view(groups, out_f), zero.view(groups, out_f)
     codes = quantize_codes(wg, scale.unsqueeze(-1), zero.unsqueeze(-1), spec.maxq)  # [groups, out, gs]
     codes = codes.transpose(0, 1).reshape(out_f, in_f)

@@ -33,7 +33,7 @@ class LayerResult:
 def quantize_layer(layer: DecoderLayer, options: QuantizeOptions,
                    acts: CalibrationActivations | None) -> LayerResult:
     """Quantize every linear of `layer` (GPTQ needs `acts`; RTN ignores it)."""
-    spec = GridSpec(options.bits, options.sym)
+    spec = GridSpec(options.bits, options.sym, clip=options.grid == "mse")
     linears = [m for m in layer.modules() if isinstance(m, Linear)]
     result = LayerResult({})
     if options.method == "gptq":

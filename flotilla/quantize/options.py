@@ -11,6 +11,7 @@ METHODS = ("gptq", "rtn")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)
 DEVICES = ("cpu", "cuda")
+GRIDS = ("mse", "minmax")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -38,6 +39,7 @@ class QuantizeOptions:
     method: str = "gptq"
     sym: bool = True
     act_order: bool = False
+    grid: str = "mse"  # mse: search each group's clipping range (least |w - w_hat|^2.4); minmax: span min..max
     damp_percent: float = 0.01  # of the Hessian's mean diagonal; raised if Cholesky fails
     block_size: int = 128  # GPTQ's lazy-update block
     calib_file: Path | None = None  # text or JSONL; None: text sampled from the model itself
@@ -54,6 +56,7 @@ class QuantizeOptions:
             (self.group_size in GROUP_SIZES,
              f"--group-size {self.group_size} is not supported; choose one of {', '.join(map(str, GROUP_SIZES))}"),
             (self.method in METHODS, f"--method {self.method!r} is not a method; choose one of {', '.join(METHODS)}"),
+            (self.grid in GRIDS, f"--grid {self.grid!r} is not a grid; choose one of {', '.join(GRIDS)}"),
             (self.method == "gptq" or not self.act_order, "--act-order needs --method gptq (RTN sees no activations)"),
             (0 < self.damp_percent < 1, f"--damp-percent {self.damp_percent} must be in (0, 1)"),
             (self.calib_samples >= 1, f"--calib-samples {self.calib_samples} must be at least 1"),
@@ -75,4 +78,5 @@ class QuantizeOptions:
     def label(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         extra = " act-order" if self.act_order else ""
-        return f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{extra}"
+        grid = "" if self.grid == "mse" else f" {self.grid}"
+        return f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{grid}{extra}"

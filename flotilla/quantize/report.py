@@ -10,7 +10,14 @@ import torch
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far."""
+    """This process's peak resident set size so far: VmHWM of /proc/self/status where there is one
+    (getrusage's ru_maxrss also counts the parent's memory at fork, carried across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 

@@ -191,3 +191,27 @@ def test_mse_grid_is_the_default_and_minmax_is_kept():
                                                          GridSpec(4, True))[0].view(2, 16))
     searched = rtn_quantize(w, GridSpec(4, True, clip=True), 32)
     assert float(((searched.dequantize() - w) ** 2).sum()) <= float(((exact.dequantize() - w) ** 2).sum()) * 1.05
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_searched_grid_equals_the_plain_search(sym, monkeypatch):
+    """The chunked, in-place search picks what trying every shrink on the whole tensor picks."""
+    from flotilla.quantize import grid
+
+    monkeypatch.setattr(grid, "SEARCH_CHUNK", 64 * 7)  # several chunks, the last one partial
+    torch.manual_seed(1)
+    w = torch.randn(50, 64) * torch.rand(50, 1)
+    spec = GridSpec(4, sym)
+    best_err, best = None, None
+    for shrink in grid.CLIP_SHRINKS:
+        scale, zero = find_params(w * shrink, spec)
+        q = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 15)
+        err = ((q - zero[:, None]) * scale[:, None] - w).abs().pow(grid.CLIP_NORM).sum(1)
+        if best is None:
+            best_err, best = err, [scale, zero]
+            continue
+        better = err < best_err
+        best = [torch.where(better, scale, best[0]), torch.where(better, zero, best[1])]
+        best_err = torch.minimum(err, best_err)
+    scale, zero = grid.search_params(w, spec)
+    assert torch.equal(scale, best[0]) and torch.equal(zero, best[1])

@@ -53,9 +53,13 @@ def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Te
     """Scale and zero point per row of w [rows, n] (one group of each output channel).
 
     Returns fp32 scales that are exact fp16 values, and integer-valued fp32 zeros."""
+    return _range_params(w.min(dim=1).values, w.max(dim=1).values, spec)
+
+
+def _range_params(wmin: torch.Tensor, wmax: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of rows whose weights span [wmin, wmax] (the range always includes 0)."""
     maxq = spec.maxq
-    wmin = w.min(dim=1).values.clamp(max=0)
-    wmax = w.max(dim=1).values.clamp(min=0)
+    wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)
     if spec.sym:
         half = (maxq + 1) // 2  # codes - zero span [-half, half - 1]
         scale = _to_fp16_grid(torch.maximum(-wmin / half, wmax / (half - 1)))
@@ -71,6 +75,7 @@ def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Te
 
 CLIP_SHRINKS = tuple(1.0 - 0.02 * i for i in range(26))  # 1.00, 0.98, ... 0.50
 CLIP_NORM = 2.4
+SEARCH_CHUNK = 1 << 18  # elements of w searched at a time (stays in cache across the candidates)
 
 
 def grid_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,22 +86,38 @@ def grid_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Te
 def search_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Like find_params, but each row's range is shrunk by the factor in CLIP_SHRINKS that
     minimises sum |w - w_hat|^2.4 over the row (clipping a few outliers buys a finer grid for
-    the rest; the norm is GPTQ's reference choice). Shrink 1.0 is find_params itself."""
-    best_scale, best_zero = find_params(w, spec)
-    best_err = _grid_error(w, best_scale, best_zero, spec.maxq)
-    for shrink in CLIP_SHRINKS[1:]:
-        scale, zero = find_params(w * shrink, spec)
-        err = _grid_error(w, scale, zero, spec.maxq)
-        better = err < best_err
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-        best_err = torch.minimum(err, best_err)
-    return best_scale, best_zero
+    the rest; the norm is GPTQ's reference choice). Shrink 1.0 is find_params itself; on ties
+    the widest range wins."""
+    w = w.float()
+    rows_per_chunk = max(1, SEARCH_CHUNK // max(1, w.shape[1]))
+    scales, zeros = [], []
+    for r0 in range(0, w.shape[0], rows_per_chunk):
+        chunk = w[r0:r0 + rows_per_chunk]
+        wmin, wmax = chunk.min(dim=1).values, chunk.max(dim=1).values
+        scratch = torch.empty_like(chunk)
+        best = None
+        for shrink in CLIP_SHRINKS:
+            scale, zero = _range_params(wmin * shrink, wmax * shrink, spec)
+            err = _grid_error(chunk, scale, zero, spec.maxq, scratch)
+            if best is None:
+                best = [scale, zero, err]
+                continue
+            better = err < best[2]
+            best[0] = torch.where(better, scale, best[0])
+            best[1] = torch.where(better, zero, best[1])
+            best[2] = torch.minimum(err, best[2])
+        scales.append(best[0])
+        zeros.append(best[1])
+    return torch.cat(scales), torch.cat(zeros)
 
 
-def _grid_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+def _grid_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """sum |w - w_hat|^CLIP_NORM per row, computed in `out` (a scratch tensor shaped like w)."""
     s, z = scale.unsqueeze(1), zero.unsqueeze(1)
-    return (dequantize_codes(quantize_codes(w, s, z, maxq), s, z) - w).abs().pow(CLIP_NORM).sum(dim=1)
+    torch.div(w, s, out=out)
+    out.round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s).sub_(w).abs_().pow_(CLIP_NORM)
+    return out.sum(dim=1)
 
 
 def _to_fp16_grid(scale: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,8 @@ def _range_params(wmin: torch.Tensor, wmax: torch.Tensor, spec: GridSpec) -> tup
 
 CLIP_SHRINKS = tuple(1.0 - 0.02 * i for i in range(26))  # 1.00, 0.98, ... 0.50
 CLIP_NORM = 2.4
-SEARCH_CHUNK = 1 << 18  # elements of w searched at a time (stays in cache across the candidates)
+SEARCH_CHUNK = 1 << 18  # elements of w searched at a time on a CPU (stays in cache across the candidates)
+SEARCH_CHUNK_GPU = 1 << 24  # on a GPU: few, large kernels
 
 
 def grid_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,8 @@ def search_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.
     the rest; the norm is GPTQ's reference choice). Shrink 1.0 is find_params itself; on ties
     the widest range wins."""
     w = w.float()
-    rows_per_chunk = max(1, SEARCH_CHUNK // max(1, w.shape[1]))
+    chunk_elems = SEARCH_CHUNK if w.device.type == "cpu" else SEARCH_CHUNK_GPU
+    rows_per_chunk = max(1, chunk_elems // max(1, w.shape[1]))
     scales, zeros = [], []
     for r0 in range(0, w.shape[0], rows_per_chunk):
         chunk = w[r0:r0 + rows_per_chunk]

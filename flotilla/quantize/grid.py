@@ -14,7 +14,7 @@ Asymmetric: scale = (max(w, 0) - min(w, 0)) / (2**bits - 1), zero = round(-min(w
 That is the `minmax` grid. The default, `mse`, tries the range shrunk by 1.00, 0.98, ... 0.50 for
 each group and keeps the one with the least sum |w - w_hat|^2.4 (GPTQ's reference norm): clipping a
 few outlying weights buys a finer grid for all the others. On SmolLM2-135M INT4 g64 it lowers the
-perplexity of RTN by 1-5% and of GPTQ by 1-10% (bench/quality.py).
+perplexity of RTN by 1-3% and of GPTQ by 0-5% (bench/quality.py).
 
 Two constraints of the file format shape the grid, and are applied here so that what the
 quantizer computes is exactly what a reader of the file gets back:

@@ -2,8 +2,9 @@
 engine: whatever the body, the answer is never a 5xx (nor a streamed error event, a 5xx in
 disguise), every 4xx has OpenAI's error shape, and the server still answers a good request after.
 
-Bodies are objects over the fields the endpoints read, each holding a plausible value or any JSON
-value (huge integers, NaN and infinities, unpaired surrogates, deep nesting), and raw byte strings
+Three bodies in four start valid (the model and a prompt), then get a few of the fields the
+endpoints read set to values a client might send, one or two set to any JSON value (huge integers,
+NaN and infinities, unpaired surrogates, nesting) and maybe one taken out; the fourth is raw bytes
 that are barely JSON at all."""
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -108,11 +109,17 @@ def _compile(isa: str):
     name = build_name(isa)
     directory = extensions_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").is_file():
-        print(f"compiling flotilla CPU kernels once ({isa}, into {directory})…", file=sys.stderr, flush=True)
+    fresh = not (directory / f"{name}.so").is_file()
+    if fresh:
+        print(f"compiling flotilla CPU kernels once ({isa}, under a minute; cached in {directory})…",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
     flags = list(BASE_FLAGS + ISA_FLAGS[isa])
-    return cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    module = cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    if fresh:
+        print(f"compiled flotilla CPU kernels in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return module
 
 
 def _fail(isa: str, why: str) -> None:

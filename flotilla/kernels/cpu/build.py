@@ -3,7 +3,9 @@
 The sources ship as package data (csrc/). The first process that needs them compiles them with
 torch.utils.cpp_extension (g++ and ninja), saying so on stderr; later processes load the cached
 shared library. A build is named after the instruction set and a hash of the sources, the flags,
-torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded.
+torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded; the
+hash covers where the sources are too, since torch's ninja file names their paths and two installs
+sharing one build directory would rebuild it for each other, silently, on every start.
 
 Where builds go (this package imports nothing of flotilla's, so it reads the variables that
 flotilla/envs.py documents itself):
@@ -66,7 +68,7 @@ def build_name(isa: str) -> str:
     for name in SOURCES + HEADERS:
         h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
-    h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {CSRC}".encode())
     return f"flotilla_cpu_{isa}_{h.hexdigest()[:12]}"
 
 

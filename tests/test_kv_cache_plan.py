@@ -64,3 +64,9 @@ def test_gpu_default_stays_a_fraction_of_free_memory(free):
     plan = plan_kv_cache(SPEC, torch.device("cuda"), 8192, 64)
     assert plan.num_blocks == int(10 * GiB * 0.3) // SPEC.bytes_per_block
     assert plan.reason == "default: 30% of free GPU memory"
+
+
+def test_a_fraction_out_of_range_is_an_error(free):
+    for bad in (0.0, 1.5):
+        with pytest.raises(FlotillaError, match=r"must be in \(0, 1\]"):
+            plan_kv_cache(SPEC, CPU, 8192, 64, fraction=bad)

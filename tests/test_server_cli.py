@@ -90,8 +90,9 @@ def test_serve_prints_url_uses_env_key_and_drains_on_sigterm(smollm2_gguf):
     try:
         assert re.match(r"http://127\.0\.0\.1:\d+$", server.url)
         log = "".join(server.lines)  # what it said while starting, in order
-        assert log.index(f"flotilla: loading {smollm2_gguf}…") < log.index(f"flotilla: loaded {smollm2_gguf.name} in ") \
-            < log.index("KV cache: ") < log.index("flotilla: serving")
+        said = [log.index(f"flotilla: loading {smollm2_gguf}…"), log.index(f"flotilla: loaded {smollm2_gguf.name} in "),
+                log.index("KV cache: "), log.index("flotilla: serving")]
+        assert said == sorted(said), log
         status, page = get(server.url + "/")
         assert status == 200 and "<title>flotilla chat</title>" in page
         assert get(server.url + "/health")[0] == 200

@@ -109,8 +109,9 @@ def plan_kv_cache(spec: KVCacheSpec, device: torch.device, max_model_len: int, m
     contexts; `shares`: processes sharing this memory (tensor-parallel ranks on one CPU)."""
     cap = max_num_seqs * -(-max_model_len // spec.block_size) + 1  # (+ the null block)
     if memory is not None or fraction is not None:
-        n = plan_num_blocks(spec, device, memory, (fraction or DEFAULT_FRACTION) / shares, cap)
-        return KVCachePlan(n, f"--kv-cache-memory {memory}" if memory is not None else f"--kv-cache-fraction {fraction}")
+        n = plan_num_blocks(spec, device, memory, (DEFAULT_FRACTION if fraction is None else fraction) / shares, cap)
+        flag = f"--kv-cache-memory {memory}" if memory is not None else f"--kv-cache-fraction {fraction}"
+        return KVCachePlan(n, flag)
     if device.type != "cpu":
         n = plan_num_blocks(spec, device, None, DEFAULT_FRACTION / shares, cap)
         return KVCachePlan(n, f"default: {DEFAULT_FRACTION:.0%} of free GPU memory")

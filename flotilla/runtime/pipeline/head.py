@@ -28,7 +28,7 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
     tokenizer = load_tokenizer(path, cfg.eos_token_ids) if with_tokenizer else None
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
     cap = args.max_num_seqs * -(-max_len // args.block_size) + 1  # never more than max_num_seqs full contexts
-    fraction = args.kv_cache_fraction or DEFAULT_FRACTION  # of each stage's free memory
+    fraction = DEFAULT_FRACTION if args.kv_cache_fraction is None else args.kv_cache_fraction  # of free memory
     settings = replace(settings, block_size=args.block_size, kv_fraction=fraction, max_blocks=cap,
                        kv_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else 0)
     pipeline = Pipeline(path, cfg, settings, report)

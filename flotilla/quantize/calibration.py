@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -83,22 +84,35 @@ def tokens_from_file(path: Path, tokenizer, vocab_size: int, samples: int, seq_l
 def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch.device,
                     progress: bool = True) -> torch.Tensor:
     """Sample `samples` sequences of `seq_len` tokens from the model of `source`."""
-    cfg = source.config
     dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
     model = load_stage(source, device=device, dtype=dtype)
     source.release()  # the model holds its own copy; unmap the source files
-    model.build_rope(seq_len)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)
-    out = []
-    prompt_len = min(seq_len, 1 if cfg.bos_token_id is None else 2)
+    prompt_len = min(seq_len, 1 if source.config.bos_token_id is None else 2)
     total = samples * (seq_len - prompt_len)
     if progress:
         print(f"calibration: sampling {samples} x {seq_len} tokens from the model itself "
               "(--calib FILE or --method rtn skip this)", file=sys.stderr)
-    bar = tqdm(total=total, desc="calibration text", unit="tok", disable=not progress, leave=False)
-    for start in range(0, samples, GENERATION_BATCH):
-        B = min(GENERATION_BATCH, samples - start)
+    with tqdm(total=total, desc="calibration text", unit="tok", disable=not progress, leave=False) as bar:
+        tokens = sample_sequences(model, samples, seq_len, seed, on_step=lambda n: _show_expected(bar, n, total))
+    del model
+    return tokens
+
+
+@torch.inference_mode()
+def sample_sequences(model, samples: int, seq_len: int, seed: int, batch: int = GENERATION_BATCH,
+                     sample: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+                     on_step: Callable[[int], None] | None = None) -> torch.Tensor:
+    """`samples` sequences from BOS and a random token, `batch` of them at a time, each step's
+    tokens drawn by `sample` (default sample_top_p); `on_step(tokens)` after each step."""
+    cfg, weight = model.config, next(model.parameters())
+    device, dtype = weight.device, weight.dtype
+    sample = sample or sample_top_p
+    model.build_rope(seq_len)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)
+    out = []
+    for start in range(0, samples, batch):
+        B = min(batch, samples - start)
         first = torch.randint(0, cfg.vocab_size, (B, 1), generator=gen, device=device)
         prompt = first if cfg.bos_token_id is None else torch.cat(
             [torch.full((B, 1), cfg.bos_token_id, device=device), first], dim=1)
@@ -114,20 +128,19 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
             last = hidden.view(B, step.shape[1], -1)[:, -1]  # [B, hidden]
             logits = model.compute_logits(last)  # fp32 [B, vocab]
             logits[:, banned] = float("-inf")
-            seqs[:, n] = sample_top_p(logits, gen)
+            seqs[:, n] = sample(logits, gen)
             step = seqs[:, n:n + 1]
             n += 1
-            bar.update(B)
-            _show_expected(bar, total)
+            if on_step is not None:
+                on_step(B)
         out.append(seqs.cpu())
-    bar.close()
-    del model
     return torch.cat(out)
 
 
-def _show_expected(bar: tqdm, total: int) -> None:
-    """Beside the bar: the expected time of the whole generation (once the rate is steady) and how
-    to skip it."""
+def _show_expected(bar: tqdm, tokens: int, total: int) -> None:
+    """Advance the bar; beside it, once the rate is steady, the expected time of the whole
+    generation and how to skip it."""
+    bar.update(tokens)
     if bar.disable or bar.n * 16 < total:
         return
     seconds = total * bar.format_dict["elapsed"] / max(bar.n, 1)

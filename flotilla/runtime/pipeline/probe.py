@@ -8,6 +8,7 @@ splits the layers with these figures (partition.py).
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import time
 
@@ -35,7 +36,11 @@ class _NoAttention:
         return q
 
 
-def worker_info(probe: Probe, device: torch.device, version: str) -> WorkerInfo:
+def worker_info(probe: Probe, device: torch.device, version: str, tp: int = 1) -> WorkerInfo:
+    """With `tp` ranks (cuda:K … cuda:K+tp-1, or CPU processes sharing the cores) the stage has
+    their memory together, and each rank computes 1/tp of every layer: the probe's whole-layer
+    times on one device are divided by tp (on a CPU the ranks split the cores, and this process
+    already has only its share of the threads, so the division holds there too)."""
     config = ModelConfig.from_hf_dict(json.loads(probe.config_json), where="the head's config.json")
     dtype = parse_dtype(probe.dtype, device)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -44,11 +49,37 @@ def worker_info(probe: Probe, device: torch.device, version: str) -> WorkerInfo:
     if probe.measure:
         layer = _random_layer(config, device, dtype)
         layer_bytes = _bytes(layer)
-        layer_ms, head_ms = _time_layer(layer, config, device, dtype), _time_head(config, device, dtype)
+        layer_ms, head_ms = _time_layer(layer, config, device, dtype) / tp, _time_head(config, device, dtype) / tp
         del layer
     else:
         layer_bytes = _bytes(build_layer(config, 0, "meta", dtype))
-    return WorkerInfo(version, str(device), free_memory(device), layer_bytes, layer_ms, head_ms, head_bytes)
+    devices = [device] if device.type == "cpu" else [torch.device("cuda", (device.index or 0) + r) for r in range(tp)]
+    return WorkerInfo(version, str(device), sum(free_memory(d) for d in devices), layer_bytes, layer_ms, head_ms,
+                      head_bytes, memory_id(device), tp)
+
+
+def memory_id(device: torch.device) -> str:
+    """Names the memory `free_memory(device)` counts: the host's RAM (machine id and host name:
+    containers may share the one but not the other), or one GPU (by its UUID, which no other GPU
+    has, whichever index a process sees it under). Stages whose workers report the same id
+    share that memory."""
+    host = f"{_machine_id()}/{socket.gethostname()}"
+    if device.type != "cuda":
+        return f"{host}/cpu"
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"gpu-{uuid}" if uuid is not None else f"{host}/{device}"
+
+
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                return text
+        except OSError:
+            pass
+    return ""
 
 
 def _bytes(module: torch.nn.Module) -> int:

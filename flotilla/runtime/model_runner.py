@@ -73,16 +73,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        if self._replays(step):  # decodes (and drafts to verify): the captured graph
+        if self._replays(step):  # decodes (drafts to verify, short chunks): the captured graph
             out = self._replay(step, hidden)
             if not self.model.stage.is_last:
                 return out
+            if not any(step.sample):  # only partial prefill chunks this step
+                return SamplerOutput([])
             logits = out
         else:
             h = self._forward(step, hidden)
             if not self.model.stage.is_last:
                 return h
-            if not any(step.sample):  # only partial prefill chunks this step
+            if not any(step.sample):
                 return SamplerOutput([])
             logits = self.compute_logits(step, h)
         if step.spec_token_ids is not None:
@@ -103,9 +105,10 @@ class ModelRunner:
         return self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
 
     def _replays(self, step: StepInput) -> bool:
-        """Whether a captured CUDA graph serves this step."""
-        return (self.graphs is not None and all(step.sample)
-                and self.graphs.can_run(step.token_ids, step.query_lens, step.block_tables))
+        """Whether a captured CUDA graph serves this step: every sequence brings at most
+        `graph_query_len` tokens, one graph row each (a prefill chunk that short too; only the
+        sampling sequences' rows are read)."""
+        return self.graphs is not None and self.graphs.can_run(step.token_ids, step.query_lens, step.block_tables)
 
     def _replay(self, step: StepInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The last stage's logits of the sampling rows; an earlier stage's hidden states [T, H]."""
@@ -113,7 +116,7 @@ class ModelRunner:
         if not self.model.stage.is_last:
             return out
         logits, rows = out, logit_rows(step)  # [T, vocab]
-        if len(rows) < logits.shape[0]:  # some sequence brought more tokens than it samples (a catch-up)
+        if len(rows) < logits.shape[0]:  # some sequence brought more tokens than it samples (a chunk, a catch-up)
             logits = logits.index_select(0, _to(np.asarray(rows, dtype=np.int64), logits.device))
         return logits
 

@@ -131,6 +131,7 @@ class WorkerStats:
     decode_bytes: int  # bytes those decode-only steps took on the wire to the next hop
     bytes_sent: int  # everything sent on the data path (to the next stage or the head)
     shard_bytes_received: int  # weight-push payload received since the worker started
+    compute_seconds: float  # time in steps: inputs to the device, the stage's compute, outputs back to the host
 
 
 @message("failure")

@@ -22,6 +22,7 @@ import logging
 import queue
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,7 @@ class _Counters:
     decode_tokens: int = 0
     decode_bytes: int = 0
     bytes_sent: int = 0
+    compute_seconds: float = 0.0
 
 
 @dataclass
@@ -220,7 +222,7 @@ class Worker:
         if isinstance(msg, StatsRequest):
             c = self.counters
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
-                                self.shard_bytes_received)
+                                self.shard_bytes_received, c.compute_seconds)
             if msg.reset:
                 self.counters = _Counters()
             return stats
@@ -341,7 +343,9 @@ class Worker:
                 if self.runtime is None or msg.epoch != self.epoch:
                     continue
                 try:
+                    start = time.perf_counter()
                     out = self.runtime.run(msg)
+                    self.counters.compute_seconds += time.perf_counter() - start
                 except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
                     log.exception("step %d failed", msg.mb)
                     self._loop.call_soon_threadsafe(self._fault, msg.epoch, f"stage {self.stage_index} failed a "

@@ -27,10 +27,11 @@ configuration goes through the same kernels with the same tile configs (the dequ
 its tiles by row count, identical up to 16 rows), and token equality is exact on the GPU stages;
 a CPU stage computes in fp32 with other kernels, so its ring is compared, not required equal.
 
-Then the fault test (`--kill-ring`): two workers without the model, so the head pushes their
-shards (counted); while `--kill-streams` requests stream, the last stage's worker is killed with
-SIGKILL and started again on the same port and cache directory; every request must finish with
-the tokens of an undisturbed run, and the restarted worker must load from its cache (0 bytes
+The fault test runs on the ring named by `--kill-ring` (one of --rings): its workers start
+without the model, so the head pushes their shards (counted); after that ring's measurements,
+while `--kill-streams` requests stream, the last stage's worker is killed with SIGKILL and
+started again on the same port and cache directory; every request must finish with the tokens
+of an undisturbed run (pp=1's), and the restarted worker must load from its cache (0 bytes
 pushed). `--json` prints one JSON object per row.
 """
 from __future__ import annotations
@@ -110,7 +111,8 @@ def local_engine(checkpoint: Path, device: str, args) -> LLMEngine:
     num_blocks = plan_num_blocks(spec, lm.device, args.kv_cache_memory, max_blocks=args.streams * -(
         -args.max_model_len // 16) + 1)
     config = EngineConfig(num_blocks=num_blocks, block_size=16, max_model_len=args.max_model_len,
-                          scheduler=SchedulerConfig(args.streams, args.max_num_batched_tokens))
+                          scheduler=SchedulerConfig(args.streams, args.max_num_batched_tokens),
+                          enable_prefix_caching=False)  # as the rings (engine_args): every run computes
     runner = ModelRunner(lm.model, KVCache(spec, num_blocks, lm.device),
                          graph_sizes=capture_sizes(args.max_num_batched_tokens),
                          max_model_len=config.context_len, graph_query_len=args.graph_query_len)
@@ -194,44 +196,81 @@ class Worker:
             self.proc.wait(30)
 
 
-def kill_and_restart(checkpoint: Path, devices: list[str], prompts, reference, args, log) -> dict:
+class PushedWorkers:
+    """The fault test's workers: `Worker`s without the model, in a private temporary directory."""
+
+    def __init__(self, devices: list[str], token: bytes, log):
+        self.tmp = Path(tempfile.mkdtemp(prefix="flotilla-kill-"))
+        self.workers = [Worker(d, self.tmp / f"cache-{i}", token, log=log) for i, d in enumerate(devices)]
+
+    def start(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", w.wait().port) for w in self.workers]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+def kill_and_restart(engine, workers: PushedWorkers, prompts, reference, args) -> dict:
+    """Stream `prompts`; once each has a quarter of its tokens, SIGKILL the last stage's worker and
+    start it again on its port and cache directory."""
+    pipeline = engine.executor.pipeline
+    pushed = [r.received_bytes for r in pipeline.loaded]
+    victim = len(workers.workers) - 1
+    state = {"killed_at": None, "restarted_in": None}
+    rewinds = engine.num_rewinds
+
+    def maybe_kill(out):
+        if state["killed_at"] is None and min(map(len, out.values())) >= args.tokens // 4:
+            state["killed_at"] = min(map(len, out.values()))
+            w = workers.workers[victim]
+            w.proc.send_signal(signal.SIGKILL)
+            w.proc.wait(30)
+            t = time.perf_counter()
+            workers.workers[victim] = w.restart()
+            state["restarted_in"] = time.perf_counter() - t
+
+    run = run_requests(engine, prompts, args.tokens, on_step=maybe_kill)
+    back = pipeline.loaded[victim]
+    stats = pipeline.worker_stats()
+    return {"row": "kill", "devices": ",".join(w.device for w in workers.workers), "streams": len(prompts),
+            "tokens": args.tokens, "killed_after_tokens": state["killed_at"],
+            "worker_restart_s": state["restarted_in"], "rewinds": engine.num_rewinds - rewinds,
+            **agreement(reference, run["tokens"]), "pushed_bytes_first_load": pushed,
+            "pushed_bytes_after_restart": back.received_bytes,
+            "restarted_worker_shard_bytes_received": stats[victim].shard_bytes_received,
+            "restarted_worker_weights_from": back.source, "seconds": run["seconds"]}
+
+
+def ring_rows(checkpoint: Path, ring: list[str], prompts, base: dict, args, log) -> list[dict]:
+    """Measure one local pipeline; on the --kill-ring, whose workers get their weights pushed,
+    the fault test follows on the same engine."""
     token = secrets.token_hex(16).encode()
-    tmp = Path(tempfile.mkdtemp(prefix="flotilla-kill-"))
-    workers = [Worker(d, tmp / f"cache-{i}", token, log=log) for i, d in enumerate(devices)]
-    victim = len(workers) - 1
+    kill = ",".join(ring) == args.kill_ring
+    workers = PushedWorkers(ring, token, log) if kill else LocalWorkers(len(ring), checkpoint, token, ring, log=log)
     engine = None
     try:
-        for w in workers:
-            w.wait()
-        settings = pipeline_settings([("127.0.0.1", w.port) for w in workers], token, args, stage_timeout=600)
-        engine = build_pipeline_engine(checkpoint, engine_args(args), settings, log, with_tokenizer=False)
-        pipeline = engine.executor.pipeline
-        pushed = [r.received_bytes for r in pipeline.loaded]
-        state = {"killed_at": None, "restarted_in": None}
-
-        def maybe_kill(out):
-            if state["killed_at"] is None and min(map(len, out.values())) >= args.tokens // 4:
-                state["killed_at"] = min(map(len, out.values()))
-                workers[victim].proc.send_signal(signal.SIGKILL)
-                workers[victim].proc.wait(30)
-                t = time.perf_counter()
-                workers[victim] = workers[victim].restart()
-                state["restarted_in"] = time.perf_counter() - t
-
-        run = run_requests(engine, prompts, args.tokens, on_step=maybe_kill)
-        back = pipeline.loaded[victim]
-        stats = pipeline.worker_stats()
-        return {"row": "kill", "devices": ",".join(devices), "streams": len(prompts), "tokens": args.tokens,
-                "killed_after_tokens": state["killed_at"], "worker_restart_s": state["restarted_in"],
-                "rewinds": engine.num_rewinds, **agreement(reference, run["tokens"]),
-                "pushed_bytes_first_load": pushed, "pushed_bytes_after_restart": back.received_bytes,
-                "restarted_worker_shard_bytes_received": stats[victim].shard_bytes_received,
-                "restarted_worker_weights_from": back.source, "seconds": run["seconds"]}
+        hosts = workers.start()
+        t = time.perf_counter()
+        stage_timeout = 600 if kill else 60
+        engine = build_pipeline_engine(checkpoint, engine_args(args), pipeline_settings(hosts, token, args,
+                                                                                         stage_timeout), log,
+                                       with_tokenizer=False)
+        row = {"row": f"pp{len(ring)}", "devices": ",".join(ring), "setup_s": time.perf_counter() - t,
+               "split": ",".join(str(s.end - s.start) for s in engine.executor.pipeline.stages),
+               **measure(engine, prompts, args)}
+        row.update(hops(engine, prompts[0], args))
+        row.update(agreement(base["tokens"], row["tokens"]), single_vs_pp1=row["single_tok_s"] / base["single_tok_s"],
+                   multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"])
+        rows = [row]
+        if kill:
+            n = args.kill_streams
+            rows.append(kill_and_restart(engine, workers, prompts[:n], base["tokens"][:n], args))
+        return rows
     finally:
         if engine is not None:
             engine.close()
-        for w in workers:
-            w.stop()
+        workers.stop()
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -245,7 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda:0" if cuda else "cpu", help="pp=1's device, and where weights are made")
     ap.add_argument("--rings", default="cuda:0,cuda:0;cuda:0,cpu,cuda:0" if cuda else "cpu,cpu;cpu,cpu,cpu",
                     help="local pipelines by device, ';' between them")
-    ap.add_argument("--kill-ring", default="cuda:0,cuda:0" if cuda else "cpu,cpu", help="'' skips the fault test")
+    ap.add_argument("--kill-ring", default="cuda:0,cuda:0" if cuda else "cpu,cpu",
+                    help="the ring of --rings whose workers get their weights pushed, then the fault test ('': none)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--kill-streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
@@ -284,30 +324,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     for ring in [r.split(",") for r in args.rings.split(";") if r]:
-        token = secrets.token_hex(16).encode()
-        workers = LocalWorkers(len(ring), checkpoint, token, ring, log=log)
-        try:
-            hosts = workers.start()
-            t = time.perf_counter()
-            engine = build_pipeline_engine(checkpoint, engine_args(args), pipeline_settings(hosts, token, args), log,
-                                           with_tokenizer=False)
-            up = time.perf_counter() - t
-            try:
-                row = {"row": f"pp{len(ring)}", "devices": ",".join(ring), "setup_s": up,
-                       "split": ",".join(str(s.end - s.start) for s in engine.executor.pipeline.stages),
-                       **measure(engine, prompts, args)}
-                row.update(hops(engine, prompts[0], args))
-            finally:
-                engine.close()
-        finally:
-            workers.stop()
-        row.update(agreement(base["tokens"], row["tokens"]), single_vs_pp1=row["single_tok_s"] / base["single_tok_s"],
-                   multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"])
-        emit(row)
-
-    if args.kill_ring:
-        n = args.kill_streams
-        emit(kill_and_restart(checkpoint, args.kill_ring.split(","), prompts[:n], base["tokens"][:n], args, log))
+        for row in ring_rows(checkpoint, ring, prompts, base, args, log):
+            emit(row)
     if not args.json:
         print_tables(rows, args)
     return 0

@@ -166,3 +166,15 @@ def test_stages_that_share_a_device_split_its_memory():
     assert split_layers(24, budgets(20 * gib)) == [12, 12]
     with pytest.raises(FlotillaError, match="do not fit"):
         split_layers(24, budgets(20 * gib // 2))
+
+
+def test_probe_reports_whose_memory_and_the_stage_tp(tiny):
+    from flotilla.runtime.pipeline.messages import Probe
+    from flotilla.runtime.pipeline.probe import worker_info
+
+    config = (tiny / "config.json").read_text()
+    info = worker_info(Probe(config, True, "auto"), torch.device("cpu"), "v", tp=2)
+    assert info.memory_id == memory_id(torch.device("cpu")) and info.tp == 2
+    assert info.layer_ms > 0 and info.head_ms > 0 and info.layer_bytes > 0 and info.free_memory > 0
+    quick = worker_info(Probe(config, False, "auto"), torch.device("cpu"), "v")
+    assert quick.layer_ms == 0 and quick.layer_bytes == info.layer_bytes and quick.tp == 1

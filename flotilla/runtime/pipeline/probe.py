@@ -4,6 +4,11 @@ The probe builds one decoder layer of the model (same sizes, same quantization, 
 kernels) with made-up weights, and times it for one decode token; then a slice of the lm_head
 matmul, scaled to the vocabulary. Well under a second on a CPU for a small model; the head
 splits the layers with these figures (partition.py).
+
+On a GPU both are timed as a stage runs its decodes: GRAPH_CALLS calls captured in one CUDA
+graph and replayed, so kernel launches do not count (timed call by call, a layer's dozen small
+launches made an 8B layer look 10x slower than it runs, and a CPU stage of a mixed ring got a
+third of the layers).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from flotilla.runtime.loader import parse_dtype
 from .messages import Probe, WorkerInfo
 
 PROBE_SECONDS = 0.1
+GRAPH_CALLS = 8  # calls per replayed CUDA graph
 
 
 class _NoAttention:
@@ -110,6 +116,34 @@ def _random_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype)
 
 
 def _median_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of one fn(); on a GPU through a CUDA graph where fn captures."""
+    replay = _graphed(fn, device) if device.type == "cuda" else None
+    if replay is not None:
+        return _median_call_ms(replay, device) / GRAPH_CALLS
+    return _median_call_ms(fn, device)
+
+
+def _graphed(fn, device: torch.device):
+    """GRAPH_CALLS calls of fn in one captured CUDA graph (its replay), or None if fn does not capture."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm up off the capture: compile kernels, pick tile configs
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                fn()
+        return graph.replay
+    except Exception:  # noqa: BLE001 - time it call by call instead
+        torch.cuda.synchronize(device)
+        return None
+
+
+def _median_call_ms(fn, device: torch.device) -> float:
     for _ in range(3):
         fn()
     times, start = [], time.perf_counter()

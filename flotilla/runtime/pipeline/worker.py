@@ -106,6 +106,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._compute: threading.Thread | None = None
+        self._threads = torch.get_num_threads()  # the stage's CPU threads (`--threads`)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int) -> tuple[str, int]:
@@ -245,6 +246,7 @@ class Worker:
                 source = f"its cache {directory}"
         await asyncio.to_thread(self._swap, None)  # free the old stage's memory first
         stage = Stage(req.start, req.end, req.num_layers)
+        torch.set_num_threads(self._threads)  # a TP group divides them among its ranks at each load
         lm = await asyncio.to_thread(on_device, self.config.device, load_model_parallel, directory,
                                      str(self.config.device), req.dtype, self.config.tp, stage, False, False)
         runtime = StageRuntime(lm, req, source)

@@ -1,0 +1,27 @@
+"""flotilla's CUDA kernels: W4A16 / W8A16 dequant-matmul for NVIDIA GPUs (sm_80+).
+
+    CudaGPTQKernel(w, dtype)    GPTQ W4/W8, fp16/bf16 activations, any group size that is a
+                                multiple of 16 (a short last group too), sym/asym, act-order;
+                                the registry entry "cuda" (FLOTILLA_KERNEL=cuda forces it)
+    repack(w, dtype)            the kernels' weight layout (pure torch; layout.py)
+
+The sources (csrc/) are compiled with nvcc once per GPU architecture and cached (build.py); where
+nvcc is missing or the build fails, one warning line is printed and the registry uses the Triton
+kernels instead.
+"""
+from __future__ import annotations
+
+from .kernel import CudaGPTQKernel, Plan, choose_plan, make_kernel, supports
+from .layout import CudaLayout, UnsupportedCudaLayout, repack
+
+PRIORITY = 30  # above "triton" (20)
+
+
+def register_kernels(register) -> None:
+    from ..registry import KernelEntry
+
+    register(KernelEntry("cuda", make_kernel, supports, priority=PRIORITY))
+
+
+__all__ = ["CudaGPTQKernel", "CudaLayout", "Plan", "UnsupportedCudaLayout", "choose_plan", "make_kernel", "repack",
+           "register_kernels", "supports"]

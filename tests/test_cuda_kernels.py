@@ -57,14 +57,15 @@ def test_layout_round_trips(bits, case):
     assert torch.equal(z, w.zeros()[g])
     assert torch.equal(s, w.scales.float()[g])
     assert (lay.zeros is None) == sym
-    assert lay.k_pad % 128 == 0 and lay.n_pad % 256 == 0
+    assert lay.k_pad % 256 == 0 and lay.n_pad % 512 == 0
 
 
 def test_layout_refuses_what_the_kernel_cannot_read():
     with pytest.raises(UnsupportedCudaLayout, match="multiple of 8"):
         repack(weight(260, 64, 8, 4, True, False), torch.float16)
-    with pytest.raises(UnsupportedCudaLayout, match="multiple of 16"):
-        repack(weight(256, 64, 4, 40, True, False), torch.float16)
+    for group in (40, 16):
+        with pytest.raises(UnsupportedCudaLayout, match="multiple of 16"):
+            repack(weight(256, 64, 4, group, True, False), torch.float16)
     with pytest.raises(UnsupportedCudaLayout, match="float16 or bfloat16"):
         repack(weight(256, 64, 4, 64, True, False), torch.float32)
 
@@ -103,7 +104,7 @@ def emulate(lay, dtype: str) -> np.ndarray:
     kk, nc = words.shape[:2]
     w = words.transpose(0, 1, 3, 2, 4).reshape(kk, nc, 32, -1).astype(np.uint32)  # lane's words in order
     slices = np.arange(kk)
-    group = (slices.astype(np.uint64) * lay.group_magic >> 32).astype(np.int64)
+    group = (slices.astype(np.uint64) * np.uint64(lay.group_magic) >> np.uint64(32)).astype(np.int64)
     assert np.array_equal(group, slices * 16 // lay.group_size)  # the magic division is exact
     scales = lay.scales.float().numpy()[group]  # [KK, C, 8 g, 8 i]
     zeros = (lay.zeros.float().numpy()[group] if lay.zeros is not None
@@ -170,16 +171,24 @@ def test_emulated_decode_matches_reference(bits, dtype, case):
         np.testing.assert_array_equal(dense, dequantize(w, torch.float16).float().numpy())
 
 
-def test_plan_splits_until_one_wave_and_switches_to_dense():
-    occupancy = lambda mb, cfg: 2  # noqa: E731
-    p = cuda_kernel.choose_plan(1, 4096, 4096, 132, occupancy)
-    assert p == cuda_kernel.Plan("fused", 1, cuda_kernel.THIN, 8)  # 32 tiles x 8 = 256 <= 264 slots
-    assert p.grid(1, 4096) == 256
-    big = cuda_kernel.choose_plan(16, 8192, 28672, 132, occupancy)
-    assert big.splits == 1 and big.mb == 1
+def test_plans_fill_the_resident_slots_once_and_switch_to_dense():
+    occupancy = lambda mb, cfg: 3 if mb == 1 else 1  # noqa: E731
+    big = cuda_kernel.choose_plan(1, 8192, 28672, 132, occupancy)
+    assert big == cuda_kernel.Plan("fused", 1, cuda_kernel.STRIPE, 396) and big.grid(1, 28672) == 396
+    small = cuda_kernel.choose_plan(16, 4096, 4096, 132, occupancy)  # 8 x 128 units, 4 a stripe at least
+    assert small == cuda_kernel.Plan("fused", 1, cuda_kernel.STRIPE, 256)
     mid = cuda_kernel.choose_plan(40, 4096, 4096, 132, occupancy)
-    assert (mid.mb, mid.cfg) == (3, cuda_kernel.WIDE) and mid.splits == 16  # 16 tiles, 64 k-tiles
-    assert cuda_kernel.choose_plan(4096, 4096, 4096, 132, occupancy).kind == "dense"
+    assert (mid.mb, mid.cfg) == (3, cuda_kernel.THIN) and mid.splits == 4  # 32 tiles x 4 <= 132 slots
+    wide = cuda_kernel.choose_plan(64, 8192, 28672, 132, occupancy)
+    assert (wide.cfg, wide.splits) == (cuda_kernel.WIDE, 1)  # 224 thin tiles would not fit in one wave
+    assert cuda_kernel.choose_plan(65, 4096, 4096, 132, occupancy).kind == "dense"
+
+
+@pytest.mark.parametrize("units,blocks", [(8, 3), (8, 37), (1024, 256), (14336, 396), (7, 7)])
+def test_stripe_owner_matches_the_stripes(units, blocks):
+    for b in range(blocks):
+        for u in range(b * units // blocks, (b + 1) * units // blocks):
+            assert cuda_kernel.stripe_owner(u, units, blocks) == b
 
 
 def test_registry_lists_cuda_and_never_picks_it_on_cpu():
@@ -197,8 +206,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def plans(m: int):
     P = cuda_kernel.Plan
-    yield from (P("fused", mb, cfg, splits) for mb in range(1, 5) if 16 * mb >= min(m, 64) or mb == 4
-                for cfg in (cuda_kernel.THIN, cuda_kernel.WIDE) for splits in (1, 3))
+    yield from (P("fused", mb, cfg, splits) for mb, cfg in cuda_kernel.CONFIGS
+                if 16 * mb >= min(m, 64) or mb == 4
+                for splits in ((1, 3, 37) if cfg == cuda_kernel.STRIPE else (1, 3)))
     yield P("dense")
 
 

@@ -21,9 +21,16 @@ from ..gptq import GPTQWeight
 from . import build
 from .layout import CudaLayout, UnsupportedCudaLayout, repack
 
-THIN, WIDE = 0, 1  # wqa16.cuh ThinTile (128 n x 128 k), WideTile (256 n x 64 k)
-TILE_N = {THIN: 128, WIDE: 256}
-TILE_K = {THIN: 128, WIDE: 64}
+THIN, WIDE, DEEP = 0, 1, 2  # wqa16.cuh ThinTile (128 n x 128 k), WideTile (256 x 64), DeepTile (128 x 256)
+THIN_OCC3, THIN_ST6, THIN_NOHINT, WIDE_ST8 = 3, 4, 5, 6  # decode variants (instances.cuh)
+STRIPE = 7  # StripeTile (512 n x 32 k, one warp per 64 columns) with the stripe partition
+TILE_N = {THIN: 128, WIDE: 256, DEEP: 128, THIN_OCC3: 128, THIN_ST6: 128, THIN_NOHINT: 128, WIDE_ST8: 256,
+          STRIPE: 512}
+TILE_K = {THIN: 128, WIDE: 64, DEEP: 256, THIN_OCC3: 128, THIN_ST6: 128, THIN_NOHINT: 128, WIDE_ST8: 64,
+          STRIPE: 32}
+CONFIGS = ([(mb, cfg) for mb in range(1, 5) for cfg in (THIN, WIDE)]
+           + [(1, cfg) for cfg in (DEEP, THIN_OCC3, THIN_ST6, THIN_NOHINT, WIDE_ST8)]
+           + [(mb, STRIPE) for mb in (1, 2, 4)])
 MAX_MB = 4  # 16-row MMA tiles per block
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 OP_LAUNCH, OP_SMEM, OP_OCCUPANCY, OP_PREPARE = 0, 1, 2, 3
@@ -36,16 +43,15 @@ class CudaKernelsUnavailable(RuntimeError):
 class _Params(ctypes.Structure):  # wqa16.cuh Params
     _fields_ = [("x", ctypes.c_void_p), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("ws", ctypes.c_void_p), ("counters", ctypes.c_void_p), ("group_magic", ctypes.c_uint64),
-                ("M", ctypes.c_int), ("K", ctypes.c_int), ("N", ctypes.c_int), ("K_pad", ctypes.c_int),
-                ("N_pad", ctypes.c_int), ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("splits", ctypes.c_int),
-                ("zero", ctypes.c_int), ("pad_", ctypes.c_int)]
+                ("ws", ctypes.c_void_p), ("counters", ctypes.c_void_p), ("M", ctypes.c_int), ("K", ctypes.c_int),
+                ("N", ctypes.c_int), ("K_pad", ctypes.c_int), ("N_pad", ctypes.c_int), ("lda", ctypes.c_int),
+                ("ldy", ctypes.c_int), ("splits", ctypes.c_int), ("zero", ctypes.c_int), ("group_magic", ctypes.c_uint32)]
 
 
 class _DequantParams(ctypes.Structure):  # wqa16.cuh DequantParams
     _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
-                ("out", ctypes.c_void_p), ("group_magic", ctypes.c_uint64), ("K_pad", ctypes.c_int),
-                ("N_pad", ctypes.c_int), ("zero", ctypes.c_int), ("pad_", ctypes.c_int)]
+                ("out", ctypes.c_void_p), ("K_pad", ctypes.c_int), ("N_pad", ctypes.c_int), ("zero", ctypes.c_int),
+                ("group_magic", ctypes.c_uint32)]
 
 
 @dataclass(frozen=True)
@@ -53,24 +59,50 @@ class Plan:
     kind: str  # "fused" | "dense"
     mb: int = 1  # 16-row tiles per block
     cfg: int = THIN
-    splits: int = 1  # k-splits over the grid
+    splits: int = 1  # k-splits over the grid; for STRIPE: blocks per row block (stripes)
 
     def grid(self, m: int, n_pad: int) -> int:
-        return -(-m // (16 * self.mb)) * self.splits * (n_pad // TILE_N[self.cfg])
+        m_blocks = -(-m // (16 * self.mb))
+        if self.cfg == STRIPE:
+            return m_blocks * self.splits
+        return m_blocks * self.splits * (n_pad // TILE_N[self.cfg])
+
+    def partials(self, k_pad: int, n_pad: int) -> int:
+        """fp32 partial sums a tile may need (workspace slots): k-splits, or the most stripes
+        that share one n tile."""
+        if self.cfg != STRIPE:
+            return self.splits if self.splits > 1 else 0
+        kt, units = k_pad // TILE_K[STRIPE], (n_pad // TILE_N[STRIPE]) * (k_pad // TILE_K[STRIPE])
+        return -(-kt * self.splits // units) + 1
+
+
+def stripe_owner(u: int, units: int, blocks: int) -> int:
+    """The block whose stripe holds unit u (wqa16.cuh stripe_block): block b holds units
+    [b * units // blocks, (b + 1) * units // blocks)."""
+    return ((u + 1) * blocks - 1) // units
 
 
 # Above this many rows the dense path (dequantize + cuBLAS) wins (bench/NOTES-kernels.md).
-FUSED_MAX_ROWS = 128
+FUSED_MAX_ROWS = 64
+STRIPE_MIN_UNITS = 4  # k tiles a stripe streams at least (32 KB of 4-bit weights per 512 columns)
 
 
 def choose_plan(m: int, k_pad: int, n_pad: int, num_sms: int, occupancy, fused_max_rows: int = FUSED_MAX_ROWS) -> Plan:
-    """The plan for M rows. `occupancy(mb, cfg)` is the resident blocks per SM of a config. The
-    grid is split along the input axis until it fills every SM's resident slots once (a single
-    wave, so every block streams from the start and no tail is left)."""
+    """The plan for M rows. `occupancy(mb, cfg)` is the resident blocks per SM of a config.
+    Up to 32 rows: the stripe kernel with exactly as many blocks as are resident at once, so
+    every SM streams until the end (bench/NOTES-kernels.md: the split-K grid left SMs with one
+    block where others had two, and the kernel is latency-bound per warp). Up to 64 rows: the
+    tiled kernel, split along the input axis until the grid fills the resident slots once."""
     if m > fused_max_rows:
         return Plan("dense")
     mb = min(MAX_MB, -(-m // 16))
-    cfg = THIN if mb == 1 else WIDE
+    if mb <= 2:
+        units = (n_pad // TILE_N[STRIPE]) * (k_pad // TILE_K[STRIPE])
+        blocks = max(1, min(occupancy(mb, STRIPE) * num_sms, units // STRIPE_MIN_UNITS))
+        return Plan("fused", mb, STRIPE, blocks)
+    base = -(-m // (16 * mb)) * (n_pad // TILE_N[THIN])
+    slots = occupancy(mb, THIN) * num_sms
+    cfg = THIN if base <= slots else WIDE
     base = -(-m // (16 * mb)) * (n_pad // TILE_N[cfg])
     slots = occupancy(mb, cfg) * num_sms
     kt = k_pad // TILE_K[cfg]
@@ -151,9 +183,8 @@ class CudaGPTQKernel:
         # Split-K runs at most one wave of blocks, so a tile counter per resident block suffices.
         self._counters = torch.zeros(8 * self.num_sms, dtype=torch.int32, device=device)
         self._plans: dict[int, Plan] = {}
-        for mb in range(1, MAX_MB + 1):  # before any graph capture: shared-memory limits, module load
-            for cfg in (THIN, WIDE):
-                lib.fused(OP_PREPARE, None, self._dt, self.layout.bits, Plan("fused", mb, cfg), self._zp)
+        for mb, cfg in CONFIGS:  # before any graph capture: shared-memory limits, module load
+            lib.fused(OP_PREPARE, None, self._dt, self.layout.bits, Plan("fused", mb, cfg), self._zp)
         lib.check(lib.lib.flotilla_dequant(OP_PREPARE, None, self._dt, self.layout.bits, int(self._zp), None),
                   "dequant setup")
 
@@ -199,11 +230,12 @@ class CudaGPTQKernel:
         y = torch.empty((m, lay.out_features), dtype=self.dtype, device=x2.device)
         grid = plan.grid(m, lay.n_pad)
         ws = None
-        if plan.splits > 1:
-            if grid // plan.splits > self._counters.numel():
-                raise ValueError(f"plan {plan} has {grid // plan.splits} tiles, more than the "
-                                 f"{self._counters.numel()} split-K counters")
-            ws = torch.empty(plan.splits * m * lay.n_pad, dtype=torch.float32, device=x2.device)
+        partials = plan.partials(lay.k_pad, lay.n_pad)
+        if partials:
+            tiles = -(-m // (16 * plan.mb)) * (lay.n_pad // TILE_N[plan.cfg])
+            if tiles > self._counters.numel():
+                raise ValueError(f"plan {plan} has {tiles} tiles, more than the {self._counters.numel()} tile counters")
+            ws = torch.empty(partials * m * lay.n_pad, dtype=torch.float32, device=x2.device)
         p = _Params(x=x2.data_ptr(), w=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
                     zeros=lay.zeros.data_ptr() if lay.zeros is not None else None,
                     bias=bias.data_ptr() if bias is not None else None, y=y.data_ptr(),

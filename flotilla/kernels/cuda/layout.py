@@ -21,7 +21,8 @@ Act-order (`g_idx` that is not i // group_size): rows are sorted by group once h
 the activations are gathered through `perm` before the kernel. The input axis is padded with
 zero codes to a multiple of K_ALIGN and the output axis to a multiple of N_ALIGN (the kernels
 zero-fill activations past in_features and never store columns past out_features). A group that
-does not divide in_features leaves a short last group, which needs nothing special.
+does not divide in_features leaves a short last group, which needs nothing special. Group
+sizes must be multiples of 16 rows (a slice never straddles two groups), 32 at least.
 
 Needs only torch: builds and tests on any device.
 """
@@ -34,8 +35,8 @@ import torch
 from ..gptq import GPTQWeight, check_bits
 from ..triton_layout import UnsupportedLayout, sorted_groups
 
-K_ALIGN = 128  # a multiple of every tile's k extent (wqa16.cuh K_ALIGN)
-N_ALIGN = 256  # a multiple of every tile's n extent (wqa16.cuh N_ALIGN)
+K_ALIGN = 256  # a multiple of every tile's k extent (wqa16.cuh K_ALIGN)
+N_ALIGN = 512  # a multiple of every tile's n extent (wqa16.cuh N_ALIGN)
 SLICE_ROWS = 16
 CHUNK_COLS = 64
 
@@ -70,8 +71,8 @@ class CudaLayout:
 
     @property
     def group_magic(self) -> int:
-        """ceil(2^32 / slices per group): the kernels map a slice s to its group as
-        (s * magic) >> 32, exact for s * slices_per_group < 2^32."""
+        """ceil(2^32 / slices per group) (at least 2 slices a group): the kernels map a slice s to
+        its group as (s * magic) >> 32, exact for s * slices_per_group < 2^32."""
         d = self.group_size // SLICE_ROWS
         return ((1 << 32) + d - 1) // d
 
@@ -97,8 +98,8 @@ def repack(w: GPTQWeight, dtype: torch.dtype) -> CudaLayout:
     k_pad, n_pad = -(-k // K_ALIGN) * K_ALIGN, -(-n // N_ALIGN) * N_ALIGN
     if gs >= k:
         gs = k_pad  # one group
-    elif gs % SLICE_ROWS:
-        raise UnsupportedCudaLayout(f"group size {gs} is not a multiple of {SLICE_ROWS} rows")
+    elif gs % SLICE_ROWS or gs < 2 * SLICE_ROWS:
+        raise UnsupportedCudaLayout(f"group size {gs} is not a multiple of {SLICE_ROWS} rows of at least {2 * SLICE_ROWS}")
     groups = -(-k_pad // gs)
     q = w.codes()
     if perm is not None:

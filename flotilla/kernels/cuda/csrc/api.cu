@@ -13,12 +13,15 @@ FLOTILLA_DECLARE(__nv_bfloat16, 8)
 using flotilla::DequantParams;
 using flotilla::Params;
 
+// the library is built with -fvisibility=hidden: only these four functions are exported
+#define FLOTILLA_API __attribute__((visibility("default")))
+
 extern "C" {
 
 // op: 0 launch (grid blocks on stream), 1 dynamic shared memory bytes -> *out, 2 resident blocks
 // per multiprocessor -> *out, 3 prepare (raise the shared-memory limit, load the module).
 // dtype: 0 float16, 1 bfloat16.
-int flotilla_wqa16(int op, const Params* p, int dtype, int bits, int mb, int cfg, int zp, int grid,
+FLOTILLA_API int flotilla_wqa16(int op, const Params* p, int dtype, int bits, int mb, int cfg, int zp, int grid,
                    void* stream, int* out) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (dtype == 0 && bits == 4) return flotilla::fused_dispatch<half, 4>(op, p, mb, cfg, zp, grid, s, out);
@@ -28,7 +31,7 @@ int flotilla_wqa16(int op, const Params* p, int dtype, int bits, int mb, int cfg
   return cudaErrorInvalidValue;
 }
 
-int flotilla_dequant(int op, const DequantParams* p, int dtype, int bits, int zp, void* stream) {
+FLOTILLA_API int flotilla_dequant(int op, const DequantParams* p, int dtype, int bits, int zp, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (dtype == 0 && bits == 4) return flotilla::dequant_dispatch<half, 4>(op, p, zp, s);
   if (dtype == 0 && bits == 8) return flotilla::dequant_dispatch<half, 8>(op, p, zp, s);
@@ -37,9 +40,9 @@ int flotilla_dequant(int op, const DequantParams* p, int dtype, int bits, int zp
   return cudaErrorInvalidValue;
 }
 
-const char* flotilla_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+FLOTILLA_API const char* flotilla_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
-int flotilla_param_sizes(int* out) {  // lets Python check that its ctypes structs match
+FLOTILLA_API int flotilla_param_sizes(int* out) {  // lets Python check that its ctypes structs match
   out[0] = static_cast<int>(sizeof(Params));
   out[1] = static_cast<int>(sizeof(DequantParams));
   return 0;

@@ -26,11 +26,10 @@ struct Params {
   void* y;               // [M, N] T, row stride ldy
   float* ws;             // [splits][M][N_pad] fp32 partial sums (splits > 1)
   int* counters;         // [m_blocks * n_tiles], zero between launches
-  unsigned long long group_magic;  // ceil(2^32 / group_slices): slice -> group by a multiply
   int M, K, N, K_pad, N_pad, lda, ldy;
   int splits;
   int zero;              // the zero point of a symmetric weight
-  int pad_;
+  unsigned group_magic;  // ceil(2^32 / slices per group), slices per group >= 2: slice -> group
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -86,6 +85,14 @@ __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const uint32_t
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// (a & b) | c in one LOP3: written in C, the compiler splits it in two (a SASS LOP3 takes one
+// immediate), so the constants go in as registers.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -148,10 +155,10 @@ struct Deq<half, 4> {
     for (int j = 0; j < 4; j++) {
       const int a = 2 * j, b = 2 * j + 1;
       const uint32_t u = w[j], v = w[j] >> 8;
-      half2 p0 = __hsub2(from_u32<half2>((u & 0x000f000fu) | 0x64006400u), z[a].lo);
-      half2 p1 = __hfma2(from_u32<half2>((u & 0x00f000f0u) | 0x64006400u), sixteenth, z[b].hi);
-      half2 p2 = __hsub2(from_u32<half2>((v & 0x000f000fu) | 0x64006400u), z[a].lo);
-      half2 p3 = __hfma2(from_u32<half2>((v & 0x00f000f0u) | 0x64006400u), sixteenth, z[b].hi);
+      half2 p0 = __hsub2(from_u32<half2>(and_or(u, 0x000f000fu, 0x64006400u)), z[a].lo);
+      half2 p1 = __hfma2(from_u32<half2>(and_or(u, 0x00f000f0u, 0x64006400u)), sixteenth, z[b].hi);
+      half2 p2 = __hsub2(from_u32<half2>(and_or(v, 0x000f000fu, 0x64006400u)), z[a].lo);
+      half2 p3 = __hfma2(from_u32<half2>(and_or(v, 0x00f000f0u, 0x64006400u)), sixteenth, z[b].hi);
       const half2 sa = __half2half2(s[a]), sb = __half2half2(s[b]);
       frag[a][0] = as_u32(__hmul2(p0, sa));
       frag[b][0] = as_u32(__hmul2(p1, sb));
@@ -174,10 +181,10 @@ struct Deq<__nv_bfloat16, 4> {
     for (int j = 0; j < 4; j++) {
       const int a = 2 * j, b = 2 * j + 1;
       const uint32_t u = w[j];
-      B2 p0 = __hsub2(from_u32<B2>((u & 0x000f000fu) | 0x43004300u), z[a].lo);
-      B2 p1 = __hsub2(from_u32<B2>(((u >> 4) & 0x000f000fu) | 0x43004300u), z[b].lo);
-      B2 p2 = __hsub2(from_u32<B2>(((u >> 8) & 0x000f000fu) | 0x43004300u), z[a].lo);
-      B2 p3 = __hsub2(from_u32<B2>(((u >> 12) & 0x000f000fu) | 0x43004300u), z[b].lo);
+      B2 p0 = __hsub2(from_u32<B2>(and_or(u, 0x000f000fu, 0x43004300u)), z[a].lo);
+      B2 p1 = __hsub2(from_u32<B2>(and_or(u >> 4, 0x000f000fu, 0x43004300u)), z[b].lo);
+      B2 p2 = __hsub2(from_u32<B2>(and_or(u >> 8, 0x000f000fu, 0x43004300u)), z[a].lo);
+      B2 p3 = __hsub2(from_u32<B2>(and_or(u >> 12, 0x000f000fu, 0x43004300u)), z[b].lo);
       const B2 sa = __bfloat162bfloat162(s[a]), sb = __bfloat162bfloat162(s[b]);
       frag[a][0] = as_u32(__hmul2(p0, sa));
       frag[b][0] = as_u32(__hmul2(p1, sb));
@@ -241,17 +248,29 @@ struct Tile {
   static constexpr int TILE_N = 64 * NW;
 };
 
-using ThinTile = Tile<2, 2>;  // 128 (n) x 128 (k): decode, narrow outputs
-using WideTile = Tile<4, 2>;  // 256 (n) x 64 (k): more rows, less activation traffic per weight
+using ThinTile = Tile<2, 2>;   // 128 (n) x 128 (k): decode, narrow outputs
+using WideTile = Tile<4, 2>;   // 256 (n) x 64 (k): more rows, less activation traffic per weight
+using DeepTile = Tile<2, 4>;   // 128 (n) x 256 (k): decode, half the per-stage overhead per weight
 
-constexpr int K_ALIGN = 128;  // K_pad: a multiple of every TILE_K
-constexpr int N_ALIGN = 256;  // N_pad: a multiple of every TILE_N
+using StripeTile = Tile<8, 2>;  // 512 (n) x 32 (k), one warp per 64 columns: stripe partition
 
-__device__ __forceinline__ int group_of(int slice, unsigned long long magic) {
-  return static_cast<int>((static_cast<unsigned long long>(slice) * magic) >> 32);
+// Swizzled 16-byte chunk of an activation row in shared memory, so that the 8 rows one ldmatrix
+// phase reads land in 8 different bank groups (rows are TILE_K * 2 bytes apart).
+template <int CHUNKS>
+__device__ __forceinline__ int swizzle(int row, int ch) {
+  static_assert(CHUNKS >= 4, "rows of at least 64 bytes");
+  return CHUNKS >= 8 ? ch ^ (row & 7) : ch ^ ((row >> 1) & 3);
 }
 
-template <typename T, int BITS, int MB, typename TL, bool ZP, int STAGES>
+constexpr int K_ALIGN = 256;  // K_pad: a multiple of every TILE_K
+constexpr int N_ALIGN = 512;  // N_pad: a multiple of every TILE_N
+
+// floor(slice / d) as one multiply-high, with magic = ceil(2^32 / d): exact for slice * d < 2^32.
+__device__ __forceinline__ int group_of(int slice, unsigned magic) {
+  return static_cast<int>(__umulhi(static_cast<unsigned>(slice), magic));
+}
+
+template <typename T, int BITS, int MB, typename TL, bool ZP, int STAGES, int MINB = (MB <= 2 ? 2 : 1), bool HINT = true>
 struct Kernel {
   static constexpr int NW = TL::NW, KW = TL::KW, KS = TL::KS, SLICES = TL::SLICES;
   static constexpr int TILE_K = TL::TILE_K, TILE_N = TL::TILE_N, THREADS = TL::THREADS;
@@ -263,69 +282,136 @@ struct Kernel {
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES * (ZP ? 2 : 1);
   static constexpr int RED_BYTES = (KW - 1) * NW * MB * 32 * 32 * 4;
   static constexpr int SMEM = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
-  static constexpr int MIN_BLOCKS = MB <= 2 ? 2 : 1;
+  static constexpr int MIN_BLOCKS = MINB;
   using D = Deq<T, BITS>;
   using T2 = typename Num<T>::T2;
 
-  static __device__ __forceinline__ void load_stage(char* st, const Params& p, int kt, int ntile, int mblock,
-                                                    uint64_t policy) {
+  // Per-thread copy state: what this thread copies into every stage, as pointers that advance
+  // by a constant each k-tile (the index arithmetic runs once, not once per stage).
+  static constexpr int ACH = TILE_K / 8;  // 16-byte chunks per activation row
+  static constexpr int A_ITERS = (MB * 16 * ACH + THREADS - 1) / THREADS;
+  static constexpr int B_ITERS = SLICES * NW * BUNIT / THREADS;
+  struct Loader {
+    const T* a_src[A_ITERS];
+    int a_dst[A_ITERS];  // element offset in the stage's activation tile
+    int a_k[A_ITERS];    // input column of the chunk at the current k-tile (K: out of range)
+    const int4* b_src;
+    size_t b_slice;  // int4 stride between slices
+    size_t b_step;   // int4 stride between k-tiles
+    int kk;         // first slice of the current k-tile
+  };
+
+  static __device__ __forceinline__ Loader make_loader(const Params& p, int kt, int ntile, int mblock) {
+    Loader ld;
     const int tid = threadIdx.x;
     const T* x = static_cast<const T*>(p.x);
+#pragma unroll
+    for (int it = 0; it < A_ITERS; it++) {
+      const int i = it * THREADS + tid;
+      const int row = i / ACH, ch = i % ACH;
+      const int m = mblock * MB * 16 + row;
+      const bool ok = i < MB * 16 * ACH && m < p.M;
+      ld.a_src[it] = x + (ok ? static_cast<size_t>(m) * p.lda + kt * TILE_K + ch * 8 : 0);
+      ld.a_dst[it] = row * TILE_K + swizzle<ACH>(row, ch) * 8;
+      ld.a_k[it] = ok ? kt * TILE_K + ch * 8 : (i < MB * 16 * ACH ? p.K : -1);  // -1: no copy at all
+    }
+    const int nc = p.N_pad / 64;
+    static_assert(THREADS % (NW * BUNIT) == 0 || (NW * BUNIT) % THREADS == 0, "copy rounds");
+    static_assert(SLICES * NW * BUNIT % THREADS == 0, "whole copy rounds");
+    const int s = tid / (NW * BUNIT), r = tid % (NW * BUNIT);
+    ld.kk = kt * SLICES;
+    ld.b_src = p.w + (static_cast<size_t>(ld.kk + s) * nc + ntile * NW) * BUNIT + r;
+    ld.b_slice = static_cast<size_t>(nc) * BUNIT;
+    ld.b_step = static_cast<size_t>(SLICES) * nc * BUNIT;
+    return ld;
+  }
+
+  // int4 offset of this thread's it-th weight copy of a stage from its first (copy i = it *
+  // THREADS + tid covers slice i / (NW * BUNIT), int4 i % (NW * BUNIT) of that slice's run)
+  static __device__ __forceinline__ size_t b_offset(const Loader& ld, int it) {
+    constexpr int PER = NW * BUNIT;
+    if (THREADS >= PER) return static_cast<size_t>(it * (THREADS / PER)) * ld.b_slice;
+    return static_cast<size_t>(it / (PER / THREADS)) * ld.b_slice + (it % (PER / THREADS)) * THREADS;
+  }
+
+  static __device__ __forceinline__ void advance(Loader& ld) {
+#pragma unroll
+    for (int it = 0; it < A_ITERS; it++) {
+      ld.a_src[it] += TILE_K;
+      ld.a_k[it] += ld.a_k[it] >= 0 ? TILE_K : 0;
+    }
+    ld.b_src += ld.b_step;
+    ld.kk += SLICES;
+  }
+
+  static __device__ __forceinline__ void load_stage(char* st, const Params& p, const Loader& ld, int ntile,
+                                                    uint64_t policy) {
+    const int tid = threadIdx.x;
     T* as = reinterpret_cast<T*>(st);
-    constexpr int ACH = TILE_K / 8;  // 16-byte chunks per activation row
-    const int k0 = kt * TILE_K;
 #pragma unroll
-    for (int i0 = 0; i0 < MB * 16 * ACH; i0 += THREADS) {
-      const int i = i0 + tid;
-      if (MB * 16 * ACH % THREADS == 0 || i < MB * 16 * ACH) {
-        const int row = i / ACH, ch = i % ACH;
-        const int m = mblock * MB * 16 + row, k = k0 + ch * 8;
-        const bool ok = m < p.M && k < p.K;
-        const T* src = ok ? x + static_cast<size_t>(m) * p.lda + k : x;
-        cp_async16(as + row * TILE_K + ((ch ^ (row & 7)) * 8), src, ok);
+    for (int it = 0; it < A_ITERS; it++)
+      if (ld.a_k[it] >= 0) {
+        const bool in = ld.a_k[it] < p.K;  // else zero-fill, reading nothing (the source stays x itself)
+        cp_async16(as + ld.a_dst[it], in ? ld.a_src[it] : static_cast<const T*>(p.x), in);
       }
-    }
     int4* bs = reinterpret_cast<int4*>(st + A_BYTES);
-    const int nc = p.N_pad / 64, kk0 = kt * SLICES, c0 = ntile * NW;
 #pragma unroll
-    for (int i0 = 0; i0 < SLICES * NW * BUNIT; i0 += THREADS) {
-      const int i = i0 + tid;
-      const int s = i / (NW * BUNIT), r = i % (NW * BUNIT);
-      cp_async16_stream(bs + i, p.w + (static_cast<size_t>(kk0 + s) * nc + c0) * BUNIT + r, policy);
+    for (int it = 0; it < B_ITERS; it++) {
+      if (HINT)
+        cp_async16_stream(bs + it * THREADS + tid, ld.b_src + b_offset(ld, it), policy);
+      else
+        cp_async16(bs + it * THREADS + tid, ld.b_src + b_offset(ld, it), true);
     }
-    const int gf = group_of(kk0, p.group_magic), gl = group_of(kk0 + SLICES - 1, p.group_magic);
-    const int n_rows = (gl - gf + 1) * NW * 8;
+    const int gf = group_of(ld.kk, p.group_magic), gl = group_of(ld.kk + SLICES - 1, p.group_magic);
     int4* ss = reinterpret_cast<int4*>(st + A_BYTES + B_BYTES);
-    if (tid < n_rows) {
+    if (tid < (gl - gf + 1) * NW * 8) {
       const int rr = tid / (NW * 8), q = tid % (NW * 8);
-      const size_t off = (static_cast<size_t>(gf + rr) * nc + c0) * 8 + q;
+      const size_t off = (static_cast<size_t>(gf + rr) * (p.N_pad / 64) + ntile * NW) * 8 + q;
       cp_async16(ss + tid, static_cast<const int4*>(p.scales) + off, true);
       if (ZP) cp_async16(ss + S_BYTES / 16 + tid, static_cast<const int4*>(p.zeros) + off, true);
     }
   }
 
-  static __device__ __forceinline__ void compute_stage(const char* st, const Params& p, int kt,
+  // Per-thread shared-memory read offsets, the same in every stage.
+  struct Reader {
+    uint32_t a[KS][MB];  // byte offsets of the ldmatrix rows
+    int b[KS];           // int4 offsets of the weight loads
+  };
+
+  static __device__ __forceinline__ Reader make_reader() {
+    Reader rd;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nw = warp % NW, kw = warp / NW;
+#pragma unroll
+    for (int j = 0; j < KS; j++) {
+      const int s = kw * KS + j;
+#pragma unroll
+      for (int mt = 0; mt < MB; mt++) {
+        const int row = mt * 16 + (lane & 15), ch = 2 * s + (lane >> 4);
+        rd.a[j][mt] = 2 * (row * TILE_K + swizzle<TILE_K / 8>(row, ch) * 8);
+      }
+      rd.b[j] = (s * NW + nw) * BUNIT + lane;
+    }
+    return rd;
+  }
+
+  static __device__ __forceinline__ void compute_stage(const char* st, const Params& p, int kk0, const Reader& rd,
                                                        float (*acc)[8][4], const typename D::Z* zsym) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int nw = warp % NW, kw = warp / NW;
-    const T* as = reinterpret_cast<const T*>(st);
     const int4* bs = reinterpret_cast<const int4*>(st + A_BYTES);
     const int4* ss = reinterpret_cast<const int4*>(st + A_BYTES + B_BYTES);
-    const int kk0 = kt * SLICES;
     const int gf = group_of(kk0, p.group_magic);
 #pragma unroll
     for (int j = 0; j < KS; j++) {
       const int s = kw * KS + j;
       uint32_t a[MB][4];
 #pragma unroll
-      for (int mt = 0; mt < MB; mt++) {
-        const int row = mt * 16 + (lane & 15), ch = 2 * s + (lane >> 4);
-        ldmatrix_x4(a[mt], as + row * TILE_K + ((ch ^ (row & 7)) * 8));
-      }
+      for (int mt = 0; mt < MB; mt++) ldmatrix_x4(a[mt], st + rd.a[j][mt]);
       uint32_t w[4 * U];
 #pragma unroll
       for (int h = 0; h < U; h++) {
-        const int4 v = bs[(s * NW + nw) * BUNIT + h * 32 + lane];
+        const int4 v = bs[rd.b[j] + h * 32];
         w[4 * h] = v.x, w[4 * h + 1] = v.y, w[4 * h + 2] = v.z, w[4 * h + 3] = v.w;
       }
       const int gr = group_of(kk0 + s, p.group_magic) - gf;
@@ -390,18 +476,25 @@ struct Kernel {
 #pragma unroll
     for (int i = 0; i < 8; i++) zsym[i] = D::zconst(static_cast<float>(p.zero));
 
+    Loader ld = make_loader(p, kt_begin, ntile, mblock);
+    const Reader rd = make_reader();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-      if (s < nt) load_stage(smem + s * STAGE_BYTES, p, kt_begin + s, ntile, mblock, policy);
+      if (s < nt) {
+        load_stage(smem + s * STAGE_BYTES, p, ld, ntile, policy);
+        advance(ld);
+      }
       cp_async_commit();
     }
     for (int t = 0; t < nt; t++) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // stage t landed for everyone; everyone is done with stage t - 1's buffer
-      const int tn = t + STAGES - 1;
-      if (tn < nt) load_stage(smem + (tn % STAGES) * STAGE_BYTES, p, kt_begin + tn, ntile, mblock, policy);
+      if (t + STAGES - 1 < nt) {
+        load_stage(smem + ((t + STAGES - 1) % STAGES) * STAGE_BYTES, p, ld, ntile, policy);
+        advance(ld);
+      }
       cp_async_commit();
-      compute_stage(smem + (t % STAGES) * STAGE_BYTES, p, kt_begin + t, acc, zsym);
+      compute_stage(smem + (t % STAGES) * STAGE_BYTES, p, (kt_begin + t) * SLICES, rd, acc, zsym);
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -486,7 +579,138 @@ struct Kernel {
     }
     if (threadIdx.x == 0) p.counters[tile_id] = 0;  // ready for the next launch (graph replays)
   }
+  // ------------------------------------------------------------------------------------------
+  // Stripe partition (Marlin's idea): the (n tile, k tile) units of a row block, n-tile-major,
+  // are cut into p.splits equal contiguous ranges, one per block, so a grid of exactly as many
+  // blocks as fit on the GPU at once keeps every SM streaming until the end. A block runs its
+  // range through one continuous pipeline; at the end of each n tile it touches it stores the
+  // tile, or, when the tile is shared with other blocks, writes its partial sum, and the last
+  // contributor (atomic counter, reset for the next launch) adds the partials in block order.
+  // One warp per column chunk (KW == 1): no cross-warp reduction in the middle of the stream.
+
+  static __device__ __forceinline__ int stripe_block(int u, long long units, int blocks) {
+    return static_cast<int>((static_cast<long long>(u + 1) * blocks - 1) / units);  // owner of unit u
+  }
+
+  static __device__ __forceinline__ void stripe_tile_done(const Params& p, int j, int b, int mblock, int n_tiles,
+                                                          int kt_total, long long units, float (*acc)[8][4],
+                                                          int* s_last) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    const int m0 = mblock * MB * 16, n0 = j * TILE_N;
+    const int first = stripe_block(j * kt_total, units, p.splits);
+    const int last = stripe_block((j + 1) * kt_total - 1, units, p.splits);
+    if (first == last) {  // the whole tile is this block's
+#pragma unroll
+      for (int mt = 0; mt < MB; mt++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            const int m = m0 + mt * 16 + g + 8 * h;
+            if (m < p.M) store2(p, m, n0 + warp * 64 + 8 * i + 2 * tq, acc[mt][i][2 * h], acc[mt][i][2 * h + 1]);
+          }
+      return;
+    }
+    float* ws = p.ws + static_cast<size_t>(b - first) * p.M * p.N_pad;
+#pragma unroll
+    for (int mt = 0; mt < MB; mt++)
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int m = m0 + mt * 16 + g + 8 * h;
+          if (m < p.M)
+            __stcg(reinterpret_cast<float2*>(ws + static_cast<size_t>(m) * p.N_pad + n0 + warp * 64 + 8 * i + 2 * tq),
+                   make_float2(acc[mt][i][2 * h], acc[mt][i][2 * h + 1]));
+        }
+    __threadfence();
+    __syncthreads();
+    const int id = mblock * n_tiles + j;
+    if (threadIdx.x == 0) *s_last = atomicAdd(p.counters + id, 1) == last - first;
+    __syncthreads();
+    if (!*s_last) return;
+    __threadfence();
+    const int rows = min(MB * 16, p.M - m0);
+    for (int idx = threadIdx.x; idx < rows * (TILE_N / 2); idx += THREADS) {
+      const int r = idx / (TILE_N / 2), n = n0 + 2 * (idx % (TILE_N / 2));
+      const size_t off = static_cast<size_t>(m0 + r) * p.N_pad + n;
+      float2 sum = make_float2(0.f, 0.f);
+      for (int c = 0; c <= last - first; c++) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(p.ws + static_cast<size_t>(c) * p.M * p.N_pad + off));
+        sum.x += v.x, sum.y += v.y;
+      }
+      store2(p, m0 + r, n, sum.x, sum.y);
+    }
+    if (threadIdx.x == 0) p.counters[id] = 0;  // ready for the next launch (graph replays)
+  }
+
+  static __device__ void run_stripe(const Params& p) {
+    static_assert(KW == 1, "stripes need one warp per column chunk");
+    extern __shared__ __align__(16) char smem[];
+    __shared__ int s_last;
+    const int n_tiles = p.N_pad / TILE_N, kt_total = p.K_pad / TILE_K;
+    const int m_blocks = (p.M + MB * 16 - 1) / (MB * 16);
+    const int mblock = blockIdx.x % m_blocks, b = blockIdx.x / m_blocks;
+    const long long units = static_cast<long long>(n_tiles) * kt_total;
+    const int u0 = static_cast<int>(b * units / p.splits), u1 = static_cast<int>((b + 1) * units / p.splits);
+    const int nt = u1 - u0;
+    const uint64_t policy = evict_first_policy();
+
+    float acc[MB][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MB; mt++)
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[mt][i][r] = 0.f;
+    typename D::Z zsym[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) zsym[i] = D::zconst(static_cast<float>(p.zero));
+
+    int lu = u0;  // the next unit to load
+    Loader ld = make_loader(p, lu % kt_total, lu / kt_total, mblock);
+    const Reader rd = make_reader();
+    auto load_next = [&](int slot) {
+      load_stage(smem + slot * STAGE_BYTES, p, ld, lu / kt_total, policy);
+      if (++lu < u1) {
+        if (lu % kt_total == 0)
+          ld = make_loader(p, 0, lu / kt_total, mblock);  // the next n tile, from its first k tile
+        else
+          advance(ld);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+      if (s < nt) load_next(s);
+      cp_async_commit();
+    }
+    for (int t = 0; t < nt; t++) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      if (t + STAGES - 1 < nt) load_next((t + STAGES - 1) % STAGES);
+      cp_async_commit();
+      const int u = u0 + t;
+      compute_stage(smem + (t % STAGES) * STAGE_BYTES, p, (u % kt_total) * SLICES, rd, acc, zsym);
+      if (u == u1 - 1 || (u + 1) % kt_total == 0) {
+        stripe_tile_done(p, u / kt_total, b, mblock, n_tiles, kt_total, units, acc, &s_last);
+#pragma unroll
+        for (int mt = 0; mt < MB; mt++)
+#pragma unroll
+          for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[mt][i][r] = 0.f;
+      }
+    }
+    cp_async_wait<0>();
+  }
 };
+
+template <typename K>
+__global__ void __launch_bounds__(256, K::MIN_BLOCKS) wqa16_stripe_kernel(const Params p) {
+  K::run_stripe(p);
+}
+
+
 
 template <typename K>
 __global__ void __launch_bounds__(256, K::MIN_BLOCKS) wqa16_kernel(const Params p) {
@@ -502,8 +726,8 @@ struct DequantParams {
   const void* scales;
   const void* zeros;
   void* out;  // [K_pad, N_pad] T
-  unsigned long long group_magic;
-  int K_pad, N_pad, zero, pad_;
+  int K_pad, N_pad, zero;
+  unsigned group_magic;
 };
 
 template <typename T, int BITS, bool ZP>

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="8192x28672")
     ap.add_argument("--m", type=int, default=1)
-    ap.add_argument("--plans", default="4:7:396,4:0:1,8:7:264", help="bits:cfg:splits, comma-separated (mb 1)")
+    ap.add_argument("--plans", default="4:0:1,4:1:2,8:0:1", help="bits:cfg:splits, comma-separated (mb 1)")
     args = ap.parse_args(argv)
     k, n = (int(v) for v in args.shape.split("x"))
     kernels = {}

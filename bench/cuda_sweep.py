@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import random_gptq, time_us  # noqa: E402
 import kernels as kbench  # noqa: E402
 
-from flotilla.kernels.cuda.kernel import CONFIGS, STRIPE, CudaGPTQKernel, Plan, TILE_K, TILE_N  # noqa: E402
+from flotilla.kernels.cuda.kernel import CONFIGS, CudaGPTQKernel, Plan, TILE_K, TILE_N  # noqa: E402
 from flotilla.kernels.triton_linear import TritonGPTQKernel  # noqa: E402
 
 
@@ -28,11 +28,6 @@ def candidates(kern: CudaGPTQKernel, m: int) -> list[Plan]:
     mb_needed = min(4, -(-m // 16))
     for mb, cfg in CONFIGS:
         if mb != mb_needed and not (mb == 4 and m > 64):
-            continue
-        if cfg == STRIPE:
-            units = (lay.n_pad // TILE_N[cfg]) * (lay.k_pad // TILE_K[cfg])
-            for f in range(1, kern.occupancy(mb, cfg) + 1):
-                out.append(Plan("fused", mb, cfg, min(f * kern.num_sms, units // 4)))
             continue
         base = -(-m // (16 * mb)) * (lay.n_pad // TILE_N[cfg])
         slots = kern.occupancy(mb, cfg) * kern.num_sms

@@ -5,8 +5,9 @@ against transformers (fp16 eager, and bitsandbytes nf4) and the physical bound, 
     python bench/gpu_decode.py --json           # one JSON object per row
 
 Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
-  flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, CUDA kernels, sampler)
-  flotilla int4 Triton    the same with the previous Triton dequant-matmul (FLOTILLA_KERNEL=triton)
+  flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, the registry's kernels:
+                          Triton on NVIDIA GPUs, sampler)
+  flotilla int4 CUDA      the same with the CUDA dequant-matmul (FLOTILLA_KERNEL=cuda)
   flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
   flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
   flotilla fp16           unquantized linears (cuBLAS) through the same engine and graphs
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tune", action="store_true", help="also the int4 rows after tuning tile configs on the GPU")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
-                                               "transformers rows), nf4, fp16, triton")
+                                               "transformers rows), nf4, fp16, cuda")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,15 +241,15 @@ def main(argv=None) -> int:
     print(section("sync check", lambda: check_syncs(model)), flush=True)
     print(section("engine spec check", check_engine_spec), flush=True)
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
-    if "triton" not in skip:
-        def triton_rows():
-            os.environ[registry.ENV_KERNEL] = "triton"
+    if "cuda" not in skip:
+        def cuda_rows():
+            os.environ[registry.ENV_KERNEL] = "cuda"
             try:
-                tri = build_random_model(args.shape, 4, "cuda", torch.float16)
+                forced = build_random_model(args.shape, 4, "cuda", torch.float16)
             finally:
                 del os.environ[registry.ENV_KERNEL]
-            ours("flotilla int4 Triton", tri)
-        section("flotilla int4 Triton", triton_rows)
+            ours("flotilla int4 CUDA", forced)
+        section("flotilla int4 CUDA", cuda_rows)
         torch.cuda.empty_cache()
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))

@@ -1,4 +1,4 @@
-"""Dequant-matmul on the GPU: flotilla's CUDA W4A16 / W8A16 against fp16 and other libraries.
+"""Dequant-matmul on the GPU: flotilla's W4A16 / W8A16 kernels against fp16 and other libraries.
 
     python bench/kernels.py                 # the table: 4 weight shapes x batches 1..2048
     python bench/kernels.py --json          # one JSON object per (shape, batch) row
@@ -6,9 +6,9 @@
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
 triton.testing.do_bench, which clears the L2 cache before every call) for
-  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations: the
-  CUDA kernels (flotilla/kernels/cuda) the registry picks on NVIDIA GPUs;
-  our previous Triton kernels (flotilla/kernels/triton_linear), the fallback without nvcc;
+  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations, twice:
+  the CUDA kernels (flotilla/kernels/cuda; columns "CUDA", with TB/s and x fp16) and the Triton
+  kernels (flotilla/kernels/triton_linear; the registry's choice on NVIDIA GPUs);
   fp16 torch.nn.functional.linear (cuBLAS);
   tinygemm int4 weight-only (torch.ops.aten._weight_int4pack_mm, what torchao calls; bf16);
   bitsandbytes nf4 (Linear4bit) and int8 (Linear8bitLt), when bitsandbytes imports;
@@ -344,8 +344,8 @@ def _line(r: dict) -> str:
 
 def _table(rows: list) -> str:
     cols = [("shape", "shape", "{}"), ("batch", "batch", "{}"), ("fp16 µs", "fp16_us", "{:.1f}"),
-            ("W4A16 µs", "w4_us", "{:.1f}"), ("×fp16", "w4_speedup", "{:.2f}"), ("W4 TB/s", "w4_tbps", "{:.2f}"),
-            ("W4 floor µs", "w4_floor_us", "{:.1f}"), ("W8A16 µs", "w8_us", "{:.1f}"),
+            ("CUDA W4 µs", "w4_us", "{:.1f}"), ("×fp16", "w4_speedup", "{:.2f}"), ("W4 TB/s", "w4_tbps", "{:.2f}"),
+            ("W4 floor µs", "w4_floor_us", "{:.1f}"), ("CUDA W8 µs", "w8_us", "{:.1f}"),
             ("×fp16", "w8_speedup", "{:.2f}"), ("W8 TB/s", "w8_tbps", "{:.2f}"),
             ("Triton W4 µs", "triton_w4_us", "{:.1f}"), ("Triton W8 µs", "triton_w8_us", "{:.1f}"),
             ("tinygemm µs", "tinygemm_us", "{:.1f}"), ("bnb nf4 µs", "bnb_nf4_us", "{:.1f}"),
@@ -356,7 +356,7 @@ def _table(rows: list) -> str:
     if rows:
         w4 = [r["w4_speedup"] for r in rows]
         w8 = [r["w8_speedup"] for r in rows]
-        lines.append(f"\nW4A16 speedup over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x; "
+        lines.append(f"\nCUDA W4A16 speedup over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x; "
                      f"W8A16: min {min(w8):.2f}x, median {statistics.median(w8):.2f}x")
     return "\n".join(lines)
 

@@ -9,6 +9,10 @@ an H200: bench/NOTES-kernels.md):
               blocks of up to 64, the input axis split over the grid until every SM streams;
   * "dense" — dequantize the whole weight to a scratch matrix (csrc dequant_kernel), then cuBLAS:
               large M, where the fused kernel's mma.sync cannot keep up with cuBLAS.
+
+Measured on the H200 this kernel is correct on every plan but not yet faster than the Triton
+kernel at batch 1-64 (latency-bound: bench/NOTES-kernels.md), so the registry ranks it below
+Triton; FLOTILLA_KERNEL=cuda selects it.
 """
 from __future__ import annotations
 
@@ -21,16 +25,10 @@ from ..gptq import GPTQWeight
 from . import build
 from .layout import CudaLayout, UnsupportedCudaLayout, repack
 
-THIN, WIDE, DEEP = 0, 1, 2  # wqa16.cuh ThinTile (128 n x 128 k), WideTile (256 x 64), DeepTile (128 x 256)
-THIN_OCC3, THIN_ST6, THIN_NOHINT, WIDE_ST8 = 3, 4, 5, 6  # decode variants (instances.cuh)
-STRIPE = 7  # StripeTile (512 n x 32 k, one warp per 64 columns) with the stripe partition
-TILE_N = {THIN: 128, WIDE: 256, DEEP: 128, THIN_OCC3: 128, THIN_ST6: 128, THIN_NOHINT: 128, WIDE_ST8: 256,
-          STRIPE: 512}
-TILE_K = {THIN: 128, WIDE: 64, DEEP: 256, THIN_OCC3: 128, THIN_ST6: 128, THIN_NOHINT: 128, WIDE_ST8: 64,
-          STRIPE: 32}
-CONFIGS = ([(mb, cfg) for mb in range(1, 5) for cfg in (THIN, WIDE)]
-           + [(1, cfg) for cfg in (DEEP, THIN_OCC3, THIN_ST6, THIN_NOHINT, WIDE_ST8)]
-           + [(mb, STRIPE) for mb in (1, 2, 4)])
+THIN, WIDE = 0, 1  # wqa16.cuh ThinTile (128 n x 128 k), WideTile (256 n x 64 k)
+TILE_N = {THIN: 128, WIDE: 256}
+TILE_K = {THIN: 128, WIDE: 64}
+CONFIGS = [(mb, cfg) for mb in range(1, 5) for cfg in (THIN, WIDE)]
 MAX_MB = 4  # 16-row MMA tiles per block
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 OP_LAUNCH, OP_SMEM, OP_OCCUPANCY, OP_PREPARE = 0, 1, 2, 3
@@ -59,51 +57,30 @@ class Plan:
     kind: str  # "fused" | "dense"
     mb: int = 1  # 16-row tiles per block
     cfg: int = THIN
-    splits: int = 1  # k-splits over the grid; for STRIPE: blocks per row block (stripes)
+    splits: int = 1  # k-splits over the grid
 
     def grid(self, m: int, n_pad: int) -> int:
-        m_blocks = -(-m // (16 * self.mb))
-        if self.cfg == STRIPE:
-            return m_blocks * self.splits
-        return m_blocks * self.splits * (n_pad // TILE_N[self.cfg])
-
-    def partials(self, k_pad: int, n_pad: int) -> int:
-        """fp32 partial sums a tile may need (workspace slots): k-splits, or the most stripes
-        that share one n tile."""
-        if self.cfg != STRIPE:
-            return self.splits if self.splits > 1 else 0
-        kt, units = k_pad // TILE_K[STRIPE], (n_pad // TILE_N[STRIPE]) * (k_pad // TILE_K[STRIPE])
-        return -(-kt * self.splits // units) + 1
+        return -(-m // (16 * self.mb)) * self.splits * (n_pad // TILE_N[self.cfg])
 
 
-def stripe_owner(u: int, units: int, blocks: int) -> int:
-    """The block whose stripe holds unit u (wqa16.cuh stripe_block): block b holds units
-    [b * units // blocks, (b + 1) * units // blocks)."""
-    return ((u + 1) * blocks - 1) // units
-
-
-# Above this many rows the dense path (dequantize + cuBLAS) wins (bench/NOTES-kernels.md).
+# Above this many rows the dense path (dequantize + cuBLAS) is at least as fast as the fused
+# kernel on the H200 (bench/NOTES-kernels.md, CUDA run 2: at 256 rows dense wins on every shape).
 FUSED_MAX_ROWS = 64
-STRIPE_MIN_UNITS = 4  # k tiles a stripe streams at least (32 KB of 4-bit weights per 512 columns)
 
 
 def choose_plan(m: int, k_pad: int, n_pad: int, num_sms: int, occupancy, fused_max_rows: int = FUSED_MAX_ROWS) -> Plan:
-    """The plan for M rows. `occupancy(mb, cfg)` is the resident blocks per SM of a config.
-    Up to 32 rows: the stripe kernel with exactly as many blocks as are resident at once, so
-    every SM streams until the end (bench/NOTES-kernels.md: the split-K grid left SMs with one
-    block where others had two, and the kernel is latency-bound per warp). Up to 64 rows: the
-    tiled kernel, split along the input axis until the grid fills the resident slots once."""
+    """The plan for M rows, from the H200 sweep (bench/cuda_sweep.py, bench/NOTES-kernels.md).
+    `occupancy(mb, cfg)` is the resident blocks per SM of a config. The narrow tile unless its
+    tiles alone overfill the resident slots (then the wide one), split along the input axis until
+    the grid fills the slots once: one wave, every block streaming from the start."""
     if m > fused_max_rows:
         return Plan("dense")
     mb = min(MAX_MB, -(-m // 16))
-    if mb <= 2:
-        units = (n_pad // TILE_N[STRIPE]) * (k_pad // TILE_K[STRIPE])
-        blocks = max(1, min(occupancy(mb, STRIPE) * num_sms, units // STRIPE_MIN_UNITS))
-        return Plan("fused", mb, STRIPE, blocks)
-    base = -(-m // (16 * mb)) * (n_pad // TILE_N[THIN])
-    slots = occupancy(mb, THIN) * num_sms
-    cfg = THIN if base <= slots else WIDE
-    base = -(-m // (16 * mb)) * (n_pad // TILE_N[cfg])
+    m_blocks = -(-m // (16 * mb))
+    cfg = THIN
+    if mb > 1 and m_blocks * (n_pad // TILE_N[THIN]) > occupancy(mb, THIN) * num_sms:
+        cfg = WIDE
+    base = m_blocks * (n_pad // TILE_N[cfg])
     slots = occupancy(mb, cfg) * num_sms
     kt = k_pad // TILE_K[cfg]
     splits = max(1, min(kt, slots // base)) if base < slots else 1
@@ -230,12 +207,11 @@ class CudaGPTQKernel:
         y = torch.empty((m, lay.out_features), dtype=self.dtype, device=x2.device)
         grid = plan.grid(m, lay.n_pad)
         ws = None
-        partials = plan.partials(lay.k_pad, lay.n_pad)
-        if partials:
-            tiles = -(-m // (16 * plan.mb)) * (lay.n_pad // TILE_N[plan.cfg])
+        if plan.splits > 1:
+            tiles = grid // plan.splits
             if tiles > self._counters.numel():
-                raise ValueError(f"plan {plan} has {tiles} tiles, more than the {self._counters.numel()} tile counters")
-            ws = torch.empty(partials * m * lay.n_pad, dtype=torch.float32, device=x2.device)
+                raise ValueError(f"plan {plan} has {tiles} tiles, more than the {self._counters.numel()} split-K counters")
+            ws = torch.empty(plan.splits * m * lay.n_pad, dtype=torch.float32, device=x2.device)
         p = _Params(x=x2.data_ptr(), w=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
                     zeros=lay.zeros.data_ptr() if lay.zeros is not None else None,
                     bias=bias.data_ptr() if bias is not None else None, y=y.data_ptr(),
@@ -260,15 +236,17 @@ class CudaGPTQKernel:
 
 
 def make_kernel(w: GPTQWeight, dtype: torch.dtype):
-    """Registry factory: the CUDA kernel, else the Triton one (which falls back to dense)."""
-    from ..triton_linear import make_kernel as triton_kernel
+    """Registry factory: the CUDA kernel, else the Triton one where Triton is installed, else the
+    dense kernel (the reference's numbers through cuBLAS)."""
+    from ..reference import DenseKernel
+    from ..triton_linear import make_kernel as triton_kernel, triton_available
 
     if dtype in DTYPE_CODE:
         try:
             return CudaGPTQKernel(w, dtype)
         except (UnsupportedCudaLayout, CudaKernelsUnavailable):
             pass
-    return triton_kernel(w, dtype)
+    return triton_kernel(w, dtype) if triton_available() else DenseKernel(w, dtype)
 
 
 def supports(device: torch.device, bits: int) -> bool:

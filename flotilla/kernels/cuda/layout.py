@@ -36,7 +36,7 @@ from ..gptq import GPTQWeight, check_bits
 from ..triton_layout import UnsupportedLayout, sorted_groups
 
 K_ALIGN = 256  # a multiple of every tile's k extent (wqa16.cuh K_ALIGN)
-N_ALIGN = 512  # a multiple of every tile's n extent (wqa16.cuh N_ALIGN)
+N_ALIGN = 256  # a multiple of every tile's n extent (wqa16.cuh N_ALIGN)
 SLICE_ROWS = 16
 CHUNK_COLS = 64
 

@@ -9,13 +9,9 @@ namespace flotilla {
 enum Op { OP_LAUNCH = 0, OP_SMEM = 1, OP_OCCUPANCY = 2, OP_PREPARE = 3 };
 constexpr int STAGES = 4;
 
-template <typename K, bool STRIPE>
+template <typename K>
 int fused_op(int op, const Params* p, int grid, cudaStream_t stream, int* out) {
-  void (*fn)(const Params) = nullptr;
-  if constexpr (STRIPE)
-    fn = wqa16_stripe_kernel<K>;
-  else
-    fn = wqa16_kernel<K>;
+  auto fn = wqa16_kernel<K>;
   if (op == OP_SMEM) {
     *out = K::SMEM;
     return 0;
@@ -29,36 +25,25 @@ int fused_op(int op, const Params* p, int grid, cudaStream_t stream, int* out) {
   return cudaGetLastError();
 }
 
-template <typename T, int BITS, int MB, typename TL, int ST = STAGES, int MINB = (MB <= 2 ? 2 : 1), bool HINT = true,
-          bool STRIPE = false>
+template <typename T, int BITS, int MB, typename TL>
 int fused_zp(int op, int zp, const Params* p, int grid, cudaStream_t stream, int* out) {
-  return zp ? fused_op<Kernel<T, BITS, MB, TL, true, ST, MINB, HINT>, STRIPE>(op, p, grid, stream, out)
-            : fused_op<Kernel<T, BITS, MB, TL, false, ST, MINB, HINT>, STRIPE>(op, p, grid, stream, out);
+  return zp ? fused_op<Kernel<T, BITS, MB, TL, true, STAGES>>(op, p, grid, stream, out)
+            : fused_op<Kernel<T, BITS, MB, TL, false, STAGES>>(op, p, grid, stream, out);
 }
 
-// cfg 0: ThinTile, 1: WideTile, 2: DeepTile; mb: 16-row tiles per block (1..4). Decode variants
-// (mb 1): 3 ThinTile with 3 blocks per SM, 4 ThinTile 6 stages, 5 ThinTile without the L2 hint,
-// 6 WideTile 8 stages.
+// cfg 0: ThinTile, 1: WideTile; mb: 16-row tiles per block (1..4)
 template <typename T, int BITS>
 int fused_dispatch(int op, const Params* p, int mb, int cfg, int zp, int grid, cudaStream_t stream, int* out) {
-  // variants 4..6 map past the mb * 4 + cfg range; cfg 7: the stripe kernel (StripeTile), mb 1, 2, 4
-  switch (cfg == 7 ? 22 + (mb == 4 ? 3 : mb) : cfg >= 4 ? 16 + cfg : mb * 4 + cfg) {
-    case 4: return fused_zp<T, BITS, 1, ThinTile>(op, zp, p, grid, stream, out);
-    case 5: return fused_zp<T, BITS, 1, WideTile>(op, zp, p, grid, stream, out);
-    case 6: return fused_zp<T, BITS, 1, DeepTile>(op, zp, p, grid, stream, out);
-    case 7: return fused_zp<T, BITS, 1, ThinTile, 4, 3>(op, zp, p, grid, stream, out);
-    case 20: return fused_zp<T, BITS, 1, ThinTile, 6>(op, zp, p, grid, stream, out);
-    case 21: return fused_zp<T, BITS, 1, ThinTile, 4, 2, false>(op, zp, p, grid, stream, out);
-    case 22: return fused_zp<T, BITS, 1, WideTile, 8>(op, zp, p, grid, stream, out);
-    case 23: return fused_zp<T, BITS, 1, StripeTile, 6, 3, true, true>(op, zp, p, grid, stream, out);
-    case 24: return fused_zp<T, BITS, 2, StripeTile, 6, 2, true, true>(op, zp, p, grid, stream, out);
-    case 25: return fused_zp<T, BITS, 4, StripeTile, 4, 1, true, true>(op, zp, p, grid, stream, out);
-    case 8: return fused_zp<T, BITS, 2, ThinTile>(op, zp, p, grid, stream, out);
-    case 9: return fused_zp<T, BITS, 2, WideTile>(op, zp, p, grid, stream, out);
-    case 12: return fused_zp<T, BITS, 3, ThinTile>(op, zp, p, grid, stream, out);
-    case 13: return fused_zp<T, BITS, 3, WideTile>(op, zp, p, grid, stream, out);
-    case 16: return fused_zp<T, BITS, 4, ThinTile>(op, zp, p, grid, stream, out);
-    case 17: return fused_zp<T, BITS, 4, WideTile>(op, zp, p, grid, stream, out);
+  if (cfg < 0 || cfg > 1) return cudaErrorInvalidValue;
+  switch (mb * 2 + cfg) {
+    case 2: return fused_zp<T, BITS, 1, ThinTile>(op, zp, p, grid, stream, out);
+    case 3: return fused_zp<T, BITS, 1, WideTile>(op, zp, p, grid, stream, out);
+    case 4: return fused_zp<T, BITS, 2, ThinTile>(op, zp, p, grid, stream, out);
+    case 5: return fused_zp<T, BITS, 2, WideTile>(op, zp, p, grid, stream, out);
+    case 6: return fused_zp<T, BITS, 3, ThinTile>(op, zp, p, grid, stream, out);
+    case 7: return fused_zp<T, BITS, 3, WideTile>(op, zp, p, grid, stream, out);
+    case 8: return fused_zp<T, BITS, 4, ThinTile>(op, zp, p, grid, stream, out);
+    case 9: return fused_zp<T, BITS, 4, WideTile>(op, zp, p, grid, stream, out);
   }
   return cudaErrorInvalidValue;
 }

@@ -248,29 +248,26 @@ struct Tile {
   static constexpr int TILE_N = 64 * NW;
 };
 
-using ThinTile = Tile<2, 2>;   // 128 (n) x 128 (k): decode, narrow outputs
-using WideTile = Tile<4, 2>;   // 256 (n) x 64 (k): more rows, less activation traffic per weight
-using DeepTile = Tile<2, 4>;   // 128 (n) x 256 (k): decode, half the per-stage overhead per weight
-
-using StripeTile = Tile<8, 2>;  // 512 (n) x 32 (k), one warp per 64 columns: stripe partition
+using ThinTile = Tile<2, 2>;  // 128 (n) x 128 (k): decode, narrow outputs
+using WideTile = Tile<4, 2>;  // 256 (n) x 64 (k): more rows, less activation traffic per weight
 
 // Swizzled 16-byte chunk of an activation row in shared memory, so that the 8 rows one ldmatrix
 // phase reads land in 8 different bank groups (rows are TILE_K * 2 bytes apart).
 template <int CHUNKS>
 __device__ __forceinline__ int swizzle(int row, int ch) {
-  static_assert(CHUNKS >= 4, "rows of at least 64 bytes");
-  return CHUNKS >= 8 ? ch ^ (row & 7) : ch ^ ((row >> 1) & 3);
+  static_assert(CHUNKS >= 8, "rows of at least 128 bytes");
+  return ch ^ (row & 7);
 }
 
-constexpr int K_ALIGN = 256;  // K_pad: a multiple of every TILE_K
-constexpr int N_ALIGN = 512;  // N_pad: a multiple of every TILE_N
+constexpr int K_ALIGN = 256;  // K_pad: a multiple of every TILE_K (layout.py K_ALIGN)
+constexpr int N_ALIGN = 256;  // N_pad: a multiple of every TILE_N (layout.py N_ALIGN)
 
 // floor(slice / d) as one multiply-high, with magic = ceil(2^32 / d): exact for slice * d < 2^32.
 __device__ __forceinline__ int group_of(int slice, unsigned magic) {
   return static_cast<int>(__umulhi(static_cast<unsigned>(slice), magic));
 }
 
-template <typename T, int BITS, int MB, typename TL, bool ZP, int STAGES, int MINB = (MB <= 2 ? 2 : 1), bool HINT = true>
+template <typename T, int BITS, int MB, typename TL, bool ZP, int STAGES>
 struct Kernel {
   static constexpr int NW = TL::NW, KW = TL::KW, KS = TL::KS, SLICES = TL::SLICES;
   static constexpr int TILE_K = TL::TILE_K, TILE_N = TL::TILE_N, THREADS = TL::THREADS;
@@ -282,7 +279,7 @@ struct Kernel {
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES * (ZP ? 2 : 1);
   static constexpr int RED_BYTES = (KW - 1) * NW * MB * 32 * 32 * 4;
   static constexpr int SMEM = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
-  static constexpr int MIN_BLOCKS = MINB;
+  static constexpr int MIN_BLOCKS = MB <= 2 ? 2 : 1;
   using D = Deq<T, BITS>;
   using T2 = typename Num<T>::T2;
 
@@ -296,8 +293,8 @@ struct Kernel {
     int a_dst[A_ITERS];  // element offset in the stage's activation tile
     int a_k[A_ITERS];    // input column of the chunk at the current k-tile (K: out of range)
     const int4* b_src;
-    size_t b_slice;  // int4 stride between slices
-    size_t b_step;   // int4 stride between k-tiles
+    size_t b_iter;  // int4 stride between this thread's weight copies of one stage
+    size_t b_step;  // int4 stride between k-tiles
     int kk;         // first slice of the current k-tile
   };
 
@@ -316,22 +313,13 @@ struct Kernel {
       ld.a_k[it] = ok ? kt * TILE_K + ch * 8 : (i < MB * 16 * ACH ? p.K : -1);  // -1: no copy at all
     }
     const int nc = p.N_pad / 64;
-    static_assert(THREADS % (NW * BUNIT) == 0 || (NW * BUNIT) % THREADS == 0, "copy rounds");
-    static_assert(SLICES * NW * BUNIT % THREADS == 0, "whole copy rounds");
+    static_assert(THREADS % (NW * BUNIT) == 0 && SLICES * NW * BUNIT % THREADS == 0, "whole slices a copy round");
     const int s = tid / (NW * BUNIT), r = tid % (NW * BUNIT);
     ld.kk = kt * SLICES;
     ld.b_src = p.w + (static_cast<size_t>(ld.kk + s) * nc + ntile * NW) * BUNIT + r;
-    ld.b_slice = static_cast<size_t>(nc) * BUNIT;
+    ld.b_iter = static_cast<size_t>(THREADS / (NW * BUNIT)) * nc * BUNIT;  // slices a copy round covers
     ld.b_step = static_cast<size_t>(SLICES) * nc * BUNIT;
     return ld;
-  }
-
-  // int4 offset of this thread's it-th weight copy of a stage from its first (copy i = it *
-  // THREADS + tid covers slice i / (NW * BUNIT), int4 i % (NW * BUNIT) of that slice's run)
-  static __device__ __forceinline__ size_t b_offset(const Loader& ld, int it) {
-    constexpr int PER = NW * BUNIT;
-    if (THREADS >= PER) return static_cast<size_t>(it * (THREADS / PER)) * ld.b_slice;
-    return static_cast<size_t>(it / (PER / THREADS)) * ld.b_slice + (it % (PER / THREADS)) * THREADS;
   }
 
   static __device__ __forceinline__ void advance(Loader& ld) {
@@ -356,12 +344,8 @@ struct Kernel {
       }
     int4* bs = reinterpret_cast<int4*>(st + A_BYTES);
 #pragma unroll
-    for (int it = 0; it < B_ITERS; it++) {
-      if (HINT)
-        cp_async16_stream(bs + it * THREADS + tid, ld.b_src + b_offset(ld, it), policy);
-      else
-        cp_async16(bs + it * THREADS + tid, ld.b_src + b_offset(ld, it), true);
-    }
+    for (int it = 0; it < B_ITERS; it++)
+      cp_async16_stream(bs + it * THREADS + tid, ld.b_src + it * ld.b_iter, policy);
     const int gf = group_of(ld.kk, p.group_magic), gl = group_of(ld.kk + SLICES - 1, p.group_magic);
     int4* ss = reinterpret_cast<int4*>(st + A_BYTES + B_BYTES);
     if (tid < (gl - gf + 1) * NW * 8) {
@@ -579,136 +563,7 @@ struct Kernel {
     }
     if (threadIdx.x == 0) p.counters[tile_id] = 0;  // ready for the next launch (graph replays)
   }
-  // ------------------------------------------------------------------------------------------
-  // Stripe partition (Marlin's idea): the (n tile, k tile) units of a row block, n-tile-major,
-  // are cut into p.splits equal contiguous ranges, one per block, so a grid of exactly as many
-  // blocks as fit on the GPU at once keeps every SM streaming until the end. A block runs its
-  // range through one continuous pipeline; at the end of each n tile it touches it stores the
-  // tile, or, when the tile is shared with other blocks, writes its partial sum, and the last
-  // contributor (atomic counter, reset for the next launch) adds the partials in block order.
-  // One warp per column chunk (KW == 1): no cross-warp reduction in the middle of the stream.
-
-  static __device__ __forceinline__ int stripe_block(int u, long long units, int blocks) {
-    return static_cast<int>((static_cast<long long>(u + 1) * blocks - 1) / units);  // owner of unit u
-  }
-
-  static __device__ __forceinline__ void stripe_tile_done(const Params& p, int j, int b, int mblock, int n_tiles,
-                                                          int kt_total, long long units, float (*acc)[8][4],
-                                                          int* s_last) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int m0 = mblock * MB * 16, n0 = j * TILE_N;
-    const int first = stripe_block(j * kt_total, units, p.splits);
-    const int last = stripe_block((j + 1) * kt_total - 1, units, p.splits);
-    if (first == last) {  // the whole tile is this block's
-#pragma unroll
-      for (int mt = 0; mt < MB; mt++)
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-          for (int h = 0; h < 2; h++) {
-            const int m = m0 + mt * 16 + g + 8 * h;
-            if (m < p.M) store2(p, m, n0 + warp * 64 + 8 * i + 2 * tq, acc[mt][i][2 * h], acc[mt][i][2 * h + 1]);
-          }
-      return;
-    }
-    float* ws = p.ws + static_cast<size_t>(b - first) * p.M * p.N_pad;
-#pragma unroll
-    for (int mt = 0; mt < MB; mt++)
-#pragma unroll
-      for (int i = 0; i < 8; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-          const int m = m0 + mt * 16 + g + 8 * h;
-          if (m < p.M)
-            __stcg(reinterpret_cast<float2*>(ws + static_cast<size_t>(m) * p.N_pad + n0 + warp * 64 + 8 * i + 2 * tq),
-                   make_float2(acc[mt][i][2 * h], acc[mt][i][2 * h + 1]));
-        }
-    __threadfence();
-    __syncthreads();
-    const int id = mblock * n_tiles + j;
-    if (threadIdx.x == 0) *s_last = atomicAdd(p.counters + id, 1) == last - first;
-    __syncthreads();
-    if (!*s_last) return;
-    __threadfence();
-    const int rows = min(MB * 16, p.M - m0);
-    for (int idx = threadIdx.x; idx < rows * (TILE_N / 2); idx += THREADS) {
-      const int r = idx / (TILE_N / 2), n = n0 + 2 * (idx % (TILE_N / 2));
-      const size_t off = static_cast<size_t>(m0 + r) * p.N_pad + n;
-      float2 sum = make_float2(0.f, 0.f);
-      for (int c = 0; c <= last - first; c++) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(p.ws + static_cast<size_t>(c) * p.M * p.N_pad + off));
-        sum.x += v.x, sum.y += v.y;
-      }
-      store2(p, m0 + r, n, sum.x, sum.y);
-    }
-    if (threadIdx.x == 0) p.counters[id] = 0;  // ready for the next launch (graph replays)
-  }
-
-  static __device__ void run_stripe(const Params& p) {
-    static_assert(KW == 1, "stripes need one warp per column chunk");
-    extern __shared__ __align__(16) char smem[];
-    __shared__ int s_last;
-    const int n_tiles = p.N_pad / TILE_N, kt_total = p.K_pad / TILE_K;
-    const int m_blocks = (p.M + MB * 16 - 1) / (MB * 16);
-    const int mblock = blockIdx.x % m_blocks, b = blockIdx.x / m_blocks;
-    const long long units = static_cast<long long>(n_tiles) * kt_total;
-    const int u0 = static_cast<int>(b * units / p.splits), u1 = static_cast<int>((b + 1) * units / p.splits);
-    const int nt = u1 - u0;
-    const uint64_t policy = evict_first_policy();
-
-    float acc[MB][8][4];
-#pragma unroll
-    for (int mt = 0; mt < MB; mt++)
-#pragma unroll
-      for (int i = 0; i < 8; i++)
-#pragma unroll
-        for (int r = 0; r < 4; r++) acc[mt][i][r] = 0.f;
-    typename D::Z zsym[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) zsym[i] = D::zconst(static_cast<float>(p.zero));
-
-    int lu = u0;  // the next unit to load
-    Loader ld = make_loader(p, lu % kt_total, lu / kt_total, mblock);
-    const Reader rd = make_reader();
-    auto load_next = [&](int slot) {
-      load_stage(smem + slot * STAGE_BYTES, p, ld, lu / kt_total, policy);
-      if (++lu < u1) {
-        if (lu % kt_total == 0)
-          ld = make_loader(p, 0, lu / kt_total, mblock);  // the next n tile, from its first k tile
-        else
-          advance(ld);
-      }
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-      if (s < nt) load_next(s);
-      cp_async_commit();
-    }
-    for (int t = 0; t < nt; t++) {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();
-      if (t + STAGES - 1 < nt) load_next((t + STAGES - 1) % STAGES);
-      cp_async_commit();
-      const int u = u0 + t;
-      compute_stage(smem + (t % STAGES) * STAGE_BYTES, p, (u % kt_total) * SLICES, rd, acc, zsym);
-      if (u == u1 - 1 || (u + 1) % kt_total == 0) {
-        stripe_tile_done(p, u / kt_total, b, mblock, n_tiles, kt_total, units, acc, &s_last);
-#pragma unroll
-        for (int mt = 0; mt < MB; mt++)
-#pragma unroll
-          for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[mt][i][r] = 0.f;
-      }
-    }
-    cp_async_wait<0>();
-  }
 };
-
-template <typename K>
-__global__ void __launch_bounds__(256, K::MIN_BLOCKS) wqa16_stripe_kernel(const Params p) {
-  K::run_stripe(p);
-}
 
 
 

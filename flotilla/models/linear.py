@@ -107,7 +107,7 @@ class QuantLinear(nn.Module, _Shards):
         cols = self.shard_slice(shard)
         if suffix == "g_idx":
             if self._g_idx_loaded:
-                if not torch.equal(self.g_idx, value.to(torch.int32)):
+                if not torch.equal(self.g_idx, value.to(self.g_idx.device, torch.int32)):
                     raise FlotillaError("the merged projections have different g_idx (act-order permutations); "
                                         "this checkpoint cannot be loaded")
                 return

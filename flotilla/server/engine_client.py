@@ -108,10 +108,7 @@ class EngineClient:
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
         engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
         report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        if is_pipeline(args):
-            if args.tp != 1:
-                raise FlotillaError("--tp with --pp: tensor parallel inside pipeline stages is not supported yet; "
-                                    "use one of them")
+        if is_pipeline(args):  # with --tp M, every local stage is a group of M processes
             from flotilla.runtime.default_model import resolve_model_path
 
             llm = pipeline_engine_from_args(args, report)

@@ -250,3 +250,16 @@ def test_a_cached_build_loads_without_compiling():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["PackedLinear", "PackedLinear"]
     assert "compiling" not in out.stderr
+
+
+def test_two_installs_of_the_same_sources_get_their_own_builds(tmp_path, monkeypatch):
+    """torch's ninja file names the source paths: sharing a build, two installs (worktrees, venvs)
+    would rebuild it for each other on every start."""
+    import shutil
+
+    name = build.build_name("avx2")
+    assert build.build_name("avx2") == name  # stable
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    assert build.build_name("avx2") != name

@@ -20,14 +20,14 @@ from typing import AsyncIterator
 
 from flotilla.errors import FlotillaError
 from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from flotilla.runtime.cli import add_model_args
+from flotilla.runtime.cli import add_model_args, load_with_progress
 from flotilla.runtime.engine import LLMEngine
 from flotilla.runtime.engine_args import EngineArgs, build_engine
 from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.pipeline.cli import add_pipeline_args, is_pipeline, pipeline_engine_from_args
 from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampling import SamplingParams
-from flotilla.runtime.tp import add_tp_args, load_model_parallel
+from flotilla.runtime.tp import add_tp_args
 
 __all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StepOutput", "TokenLogprob",
            "add_engine_args"]
@@ -113,7 +113,7 @@ class EngineClient:
 
             llm = pipeline_engine_from_args(args, report)
             return cls(llm, args.served_model_name or _default_name(resolve_model_path(args.model)))
-        lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
+        lm = load_with_progress(args, lambda line: print(f"flotilla: {line}", flush=True))  # stdout: the log
         llm = build_engine(lm, engine_args, report=report)
         return cls(llm, args.served_model_name or _default_name(lm.path), parallel=lm.parallel)
 

@@ -3,7 +3,9 @@
 The sources ship as package data (csrc/). The first process that needs them compiles them with
 torch.utils.cpp_extension (g++ and ninja), saying so on stderr; later processes load the cached
 shared library. A build is named after the instruction set and a hash of the sources, the flags,
-torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded.
+torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded; the
+hash covers where the sources are too, since torch's ninja file names their paths and two installs
+sharing one build directory would rebuild it for each other, silently, on every start.
 
 Where builds go (this package imports nothing of flotilla's, so it reads the variables that
 flotilla/envs.py documents itself):
@@ -22,6 +24,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,7 +68,7 @@ def build_name(isa: str) -> str:
     for name in SOURCES + HEADERS:
         h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
-    h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {CSRC}".encode())
     return f"flotilla_cpu_{isa}_{h.hexdigest()[:12]}"
 
 
@@ -108,11 +111,17 @@ def _compile(isa: str):
     name = build_name(isa)
     directory = extensions_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").is_file():
-        print(f"compiling flotilla CPU kernels once ({isa}, into {directory})…", file=sys.stderr, flush=True)
+    fresh = not (directory / f"{name}.so").is_file()
+    if fresh:
+        print(f"compiling flotilla CPU kernels once ({isa}, under a minute; cached in {directory})…",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
     flags = list(BASE_FLAGS + ISA_FLAGS[isa])
-    return cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    module = cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    if fresh:
+        print(f"compiled flotilla CPU kernels in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return module
 
 
 def _fail(isa: str, why: str) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ from flotilla.models.llama import Stage
 from .activations import check_wire_dtype
 from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
     WorkerStats
+from .connection import AuthError
 from .partition import StageBudget, describe, sharing, split_layers, stages_from_counts
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
 from .weight_push import fingerprint, load_request
+from .wire import ProtocolError
 
 log = logging.getLogger("flotilla.pipeline")
 
@@ -195,7 +198,8 @@ class Pipeline:
         try:
             await peer.connect()
         except GONE as e:
-            raise FlotillaError(f"cannot connect to worker {peer.address}: {_why(e)}") from None
+            raise FlotillaError(f"cannot connect to worker {peer.address}: {_why_unreachable(e, self.settings)}; "
+                                f"start `runtime worker --listen HOST:PORT` there, or fix --hosts") from None
 
     async def _load(self, peer: StagePeer, exact_blocks: int) -> StageLoaded:
         s = self.settings
@@ -316,6 +320,17 @@ class Pipeline:
             self._sender.cancel()
         for p in self.peers:
             p.close()
+
+
+def _why_unreachable(e: BaseException, s: PipelineSettings) -> str:
+    """Why the first connection to a worker failed, in words (each bounded by the connect timeout)."""
+    if isinstance(e, socket.gaierror):
+        return f"unknown host ({e.strerror})"
+    if isinstance(e, asyncio.TimeoutError):
+        return f"no answer within {s.link.connect_timeout:g} s"
+    if isinstance(e, ProtocolError) and not isinstance(e, AuthError):
+        return f"something answered, but not a flotilla worker ({e})"
+    return _why(e)
 
 
 def _why(e: BaseException) -> str:

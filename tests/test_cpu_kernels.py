@@ -56,7 +56,8 @@ def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, w_dense: torch.Tenso
 CONFIGS = [  # bits, group size, sym, act order
     (bits, gs, sym, act)
     for bits, gs, sym, act in itertools.product((4, 8), (-1, 32, 64), (True, False), ("none", "perm"))
-] + [(4, 64, False, "uneven"), (8, 32, True, "uneven"), (4, 40, True, "none"), (8, 24, False, "perm")]
+] + [(4, 64, False, "uneven"), (8, 32, True, "uneven"), (4, 40, True, "none"), (8, 24, False, "perm"),
+       (4, 128, False, "perm")]  # 200 = 128 + 72: a partial last group
 
 
 @pytest.mark.parametrize("bits,group_size,sym,act_order", CONFIGS)

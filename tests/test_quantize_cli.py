@@ -57,7 +57,7 @@ def _missing_tensor_source(src: Path, tmp: Path) -> Path:
 BAD_INPUTS = {
     # case: (extra args, fragments of the message)
     "unknown-bits": (["--bits", "3"], ["--bits 3", "4, 8"]),
-    "group-not-dividing": (["--group-size", "128"], ["--group-size 128", "input size 64", "32, 64, -1"]),
+    "bad-group-size": (["--group-size", "100"], ["--group-size 100", "-1 (per channel)", "multiple of 16"]),
     "empty-calib-text": (["--calib", "{tmp}/empty.txt"], ["holds no text"]),
     "empty-calib-jsonl": (["--calib", "{tmp}/empty.jsonl"], ["holds no text"]),
     "missing-tensor": (["--src", "{broken}"], ["model.layers.1.mlp.up_proj.weight", "missing"]),

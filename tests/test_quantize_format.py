@@ -11,6 +11,7 @@ import torch
 
 from flotilla.kernels.gptq import GPTQWeight
 from flotilla.kernels.reference import dequantize
+from flotilla.models.attention import DenseCausalAttention
 from flotilla.models.linear import Linear, QuantLinear
 from flotilla.models.sources import open_source
 from flotilla.models.weights import load_stage
@@ -83,6 +84,39 @@ def test_independent_decoder_agrees_with_reference(tiny_src, tmp_path, bits, sym
                            raw[f"{prefix}.g_idx"], bits)
         w = GPTQWeight(*(source.get(f"{prefix}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")), bits, 32)
         np.testing.assert_array_equal(ours, dequantize(w).numpy(), err_msg=prefix)
+
+
+@pytest.fixture(scope="module")
+def partial_src(tmp_path_factory):
+    """Inputs of 192 and 320: group 128 leaves a last group of 64 in every linear (as SmolLM2's 576)."""
+    return tiny_model_dir(tmp_path_factory.mktemp("src") / "partial", seed=5, hidden_size=192, intermediate_size=320)
+
+
+PARTIAL = [(4, True, False, 128), (4, False, True, 128), (8, False, False, 128), (4, True, True, 256)]
+
+
+@pytest.mark.parametrize("bits,sym,act_order,group", PARTIAL,
+                         ids=[f"int{b}-{'sym' if s else 'asym'}-{'act' if a else 'seq'}-g{g}" for b, s, a, g in PARTIAL])
+def test_partial_last_group_round_trips_and_runs(partial_src, tmp_path, monkeypatch, bits, sym, act_order, group):
+    out = tmp_path / "q"
+    memory = quantize_recording(partial_src, out, bits=bits, sym=sym, group_size=group, act_order=act_order, **CALIB)
+    raw = read_checkpoint(out)
+    source = open_source(out)
+    assert source.config.quant.group_size == group
+    for prefix, expected in memory.items():
+        t = {s: raw[f"{prefix}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
+        n_in = t["g_idx"].shape[0]
+        assert t["scales"].shape[0] == -(-n_in // group) and n_in % group  # a partial last group
+        assert np.bincount(t["g_idx"]).tolist()[-1] == n_in % group
+        decoded = decode_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)  # independent reader
+        np.testing.assert_array_equal(decoded.T, expected.numpy(), err_msg=prefix)
+    ids = torch.arange(40) % 250
+    positions = torch.arange(40)
+    model = load_stage(source)  # the registry's kernel (the compiled CPU one where it builds)
+    logits = model.compute_logits(model(ids, positions, DenseCausalAttention(1, 40)))
+    monkeypatch.setenv("FLOTILLA_KERNEL", "reference")
+    reference = load_stage(open_source(out))
+    torch.testing.assert_close(logits, reference.compute_logits(reference(ids, positions, DenseCausalAttention(1, 40))), rtol=1e-4, atol=1e-4)
 
 
 def test_checkpoint_layout(tiny_src, tmp_path):

@@ -71,6 +71,34 @@ def test_rtn_matches_a_direct_computation():
         assert torch.equal(q.dequantize()[:, 32 * g:32 * (g + 1)], (codes - zero[:, None]) * scale[:, None])
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_rtn_partial_last_group_is_its_own_rows(sym):
+    """A group size that does not divide the input: groups of 128, 128 and 64 (576 = SmolLM2's
+    hidden size at group 128), the last one quantized from its own 64 columns alone."""
+    w = torch.randn(6, 320)
+    spec = GridSpec(4, sym=sym, clip=True)
+    q = rtn_quantize(w, spec, 128)
+    assert q.scales.shape == (3, 6) and torch.equal(q.g_idx, torch.arange(320, dtype=torch.int32) // 128)
+    for g, cols in enumerate((slice(0, 128), slice(128, 256), slice(256, 320))):
+        alone = rtn_quantize(w[:, cols].contiguous(), spec, -1)
+        assert torch.equal(q.codes[:, cols], alone.codes) and torch.equal(q.scales[g], alone.scales[0])
+        assert torch.equal(q.zeros[g], alone.zeros[0])
+
+
+def test_gptq_partial_last_group_and_a_group_larger_than_the_block():
+    X = correlated_inputs(1024, 320, seed=4)
+    acc = HessianAccumulator(320, "cpu")
+    acc.add(X)
+    W = torch.randn(16, 320) * 0.05
+    spec = GridSpec(4, sym=False)
+    for group in (128, 256):  # 256: the lazy-update block grows to hold whole groups
+        q = gptq_quantize(W, acc.hessian(), spec, group, act_order=True).weight
+        assert q.scales.shape == (-(-320 // group), 16)
+        order = torch.argsort(acc.hessian().diagonal(), descending=True)
+        assert torch.equal(q.g_idx[order], torch.arange(320, dtype=torch.int32) // group)
+        assert output_error(X, W, q.dequantize()) < 0.85 * output_error(X, W, rtn_quantize(W, spec, group).dequantize())
+
+
 # -------------------------------------------------------------------------------------------- GPTQ
 
 @pytest.mark.parametrize("group", [32, -1])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flotilla.errors import FlotillaError
-from flotilla.kernels.gptq import GPTQWeight, default_g_idx
+from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
 from flotilla.kernels.reference import dequantize
 from flotilla.models.config import ModelConfig, QuantConfig
 from flotilla.models.linear import Linear, LMHead, QuantLinear, make_embedding, make_linear, make_lm_head
@@ -24,7 +24,7 @@ def random_gptq(n_in: int, n_out: int, bits: int = 4, group_size: int = 32, act_
     """Random codes, asymmetric zeros and scales; with act_order a g_idx that spreads every group's
     rows over the whole input axis (as GPTQ's act-order leaves it)."""
     g = torch.Generator().manual_seed(seed)
-    groups = n_in // group_size if group_size != -1 else 1
+    groups = num_groups(n_in, group_size)
     q = torch.randint(0, 2 ** bits, (n_in, n_out), generator=g, dtype=torch.int32)
     zeros = torch.randint(1, 2 ** bits, (groups, n_out), generator=g, dtype=torch.int32)
     scales = torch.rand(groups, n_out, generator=g) * 0.02 + 0.001
@@ -70,6 +70,8 @@ def test_column_parallel_gptq_holds_each_projections_output_slice(world):
     ("groups straddle ranks", 192, 64, 4, False),  # 48 rows a rank, groups of 64
     ("act-order", 256, 32, 2, True),
     ("act-order, one group", 128, -1, 4, True),
+    ("partial last group", 320, 128, 5, False),  # 64 rows a rank; the last rank's group is the short one
+    ("partial last group, act-order", 320, 128, 2, True),
 ])
 def test_row_parallel_gptq_holds_its_input_rows(case, n_in, group_size, world, act_order):
     n_out = 64

@@ -86,6 +86,7 @@ VARIANTS = {  # name: (in_features, out_features, group, sym, act_order)
     "asym-g128-actorder": (256, 96, 128, False, True),
     "asym-g32-padded": (224, 64, 32, False, False),  # 224 rows: padded to two 128-row blocks
     "sym-perchannel-actorder": (192, 80, -1, True, True),
+    "asym-g128-partial-actorder": (320, 64, 128, False, True),  # groups of 128, 128 and 64 (+ padding)
 }
 CONFIGS = {
     "split-k decode tile": GemmConfig("dot", block_m=16, block_n=32, split_k=2),

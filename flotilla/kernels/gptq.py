@@ -12,6 +12,10 @@ Per quantized linear with `in_features` inputs and `out_features` outputs:
 
     W[i, o] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])
 
+Groups: without act-order g_idx[i] = i // group_size and there are ceil(in / group_size) groups;
+a group size that does not divide `in` leaves the last group short (576 inputs at group 128:
+four groups of 128 and one of 64). group_size -1 is one group over the whole input axis.
+
 Only 4 and 8 bits are supported: their fields never straddle an int32 word. A stored zero field
 is read as `field + 1` without masking, exactly as AutoGPTQ, GPTQModel, vLLM and transformers do;
 a writer must therefore keep zeros in [1, 2**bits - 1].
@@ -74,6 +78,7 @@ def default_g_idx(in_features: int, group_size: int, device=None) -> torch.Tenso
 
 
 def num_groups(in_features: int, group_size: int) -> int:
+    """Rows of scales/qzeros: ceil(in / group_size), the last group possibly partial."""
     return 1 if group_size == -1 else -(-in_features // group_size)
 
 

@@ -73,7 +73,7 @@ class QuantLinear(nn.Module, _Shards):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig,
                  groups: int | None = None):
         """`groups`: rows of scales/zeros to hold, when not the whole input axis's (a row-parallel
-        share of it)."""
+        share of it). A group size that does not divide in_features leaves a partial last group."""
         super().__init__()
         self._init_shards(out_sizes)
         bits, gs = quant.bits, quant.group_size
@@ -82,8 +82,6 @@ class QuantLinear(nn.Module, _Shards):
         if in_features % per_word or any(n % per_word for n in out_sizes):
             raise FlotillaError(f"a {bits}-bit linear needs in and out features divisible by {per_word}, "
                                 f"got in={in_features}, out={out_sizes}")
-        if groups is None and gs != -1 and in_features % gs:
-            raise FlotillaError(f"group size {gs} does not divide a linear's input size {in_features}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, gs
         groups = num_groups(in_features, gs) if groups is None else groups

@@ -16,7 +16,8 @@ Each holds this rank's share and slices the checkpoint's whole tensors as they l
         qzeros of the groups those rows use, [min, max] of the slice's g_idx, with g_idx rebased
         to the first kept group.
 
-Act-order and group boundaries. Without act-order and with group boundaries on rank boundaries,
+Act-order and group boundaries. Without act-order and with group boundaries on rank boundaries (a
+partial last group, when the group size does not divide the input axis, is the last rank's),
 a rank keeps exactly its own groups and its g_idx is again `i // group_size`: every kernel serves
 it as it serves an unsplit linear. Otherwise — act-order, where one group's rows are spread over
 the whole input axis, or a group that straddles two ranks — the slice's g_idx is an arbitrary map
@@ -122,8 +123,6 @@ class RowParallelQuantLinear(QuantLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig, group: TPGroup):
         if len(out_sizes) != 1:
             raise ValueError(f"a row-parallel GPTQ linear is one projection, got output shards {out_sizes}")
-        if quant.group_size != -1 and in_features % quant.group_size:
-            raise FlotillaError(f"group size {quant.group_size} does not divide a linear's input size {in_features}")
         local = _share(in_features, group)
         super().__init__(local, out_sizes, bias, quant, groups=num_groups(local, quant.group_size))
         self.group, self.full_in_features, self.rows = group, in_features, group.part(in_features)

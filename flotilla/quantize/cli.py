@@ -1,6 +1,6 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
-    quantize SRC [-o OUT] [--bits 4|8] [--group-size 32|64|128|-1] [--method gptq|rtn] [--sym|--asym]
+    quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn] [--sym|--asym]
              [--grid mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", type=Path, default=None,
                    help="the checkpoint directory to create (default: beside SRC, named SRC-METHOD-intBITS)")
     p.add_argument("--bits", type=int, default=_DEFAULTS.bits, metavar="{4,8}", help="4 or 8 (default 4)")
-    p.add_argument("--group-size", type=int, default=_DEFAULTS.group_size, metavar="{32,64,128,-1}",
-                   help="32, 64, 128, or -1 for one group per output channel (default 128)")
+    p.add_argument("--group-size", type=int, default=_DEFAULTS.group_size, metavar="G",
+                   help="inputs per group: a multiple of 16 such as 32, 64, 128 (a size that does not divide a "
+                        "linear's input leaves a partial last group), or -1 for one group per output channel "
+                        "(default 128)")
     p.add_argument("--method", default=_DEFAULTS.method, metavar="{gptq,rtn}", help="gptq or rtn (default gptq)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,

@@ -13,6 +13,8 @@ Output channels (rows of W) are independent given H, so a merged linear (q/k/v, 
 quantized at once with the Hessian of its shared input and equals quantizing each projection
 apart. With act-order, columns are visited by decreasing diag(H) and groups are consecutive in
 that order; `g_idx` records the group of every original column, which is how the format carries it.
+A group size that does not divide `in` leaves the last group short (its grid spans the columns it
+has); the lazy-update block is rounded to whole groups.
 """
 from __future__ import annotations
 
@@ -59,8 +61,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: 
     H = H.to(device=W.device, dtype=torch.float32).clone()
     out_f, in_f = W.shape
     gs = in_f if group_size == -1 else group_size
-    if group_size != -1 and block_size % gs:
-        raise ValueError(f"block size {block_size} must be a multiple of the group size {gs}")
+    if group_size != -1:  # a block holds whole groups: a group's grid is chosen from its updated columns
+        block_size = gs * max(1, round(block_size / gs))
 
     dead = H.diagonal() == 0  # inputs that are always zero: their weights do not matter
     H[dead, dead] = 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
 
@@ -168,10 +169,13 @@ def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedW
     out_f, in_f = w.shape
     gs = in_f if group_size == -1 else group_size
     groups = num_groups(in_f, group_size)
-    wg = w.float().reshape(out_f, groups, gs).transpose(0, 1)  # [groups, out, gs]
+    # a partial last group is padded with zeros: every grid holds 0 exactly (its range always
+    # includes 0 and the zero point is an integer), so the padding changes neither grid nor error
+    w = F.pad(w.float(), (0, groups * gs - in_f))  # [out, groups * gs]
+    wg = w.reshape(out_f, groups, gs).transpose(0, 1)  # [groups, out, gs]
     scale, zero = grid_params(wg.reshape(groups * out_f, gs), spec)
     scale, zero = scale.view(groups, out_f), zero.view(groups, out_f)
     codes = quantize_codes(wg, scale.unsqueeze(-1), zero.unsqueeze(-1), spec.maxq)  # [groups, out, gs]
-    codes = codes.transpose(0, 1).reshape(out_f, in_f)
+    codes = codes.transpose(0, 1).reshape(out_f, groups * gs)[:, :in_f]
     return QuantizedWeight(codes.to(torch.int32), zero.to(torch.int32), scale,
                            default_g_idx(in_f, group_size, w.device), spec.bits, group_size)

@@ -9,7 +9,7 @@ from flotilla.errors import FlotillaError
 
 METHODS = ("gptq", "rtn")
 BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128, -1)
+GROUP_MULTIPLE = 16  # a group size is -1 (per channel) or a positive multiple of this
 DEVICES = ("cpu", "cuda")
 GRIDS = ("mse", "minmax")
 
@@ -35,13 +35,14 @@ def parse_size(text: str) -> int:
 @dataclass(frozen=True)
 class QuantizeOptions:
     bits: int = 4
-    group_size: int = 128  # -1: one group per output channel (per-channel)
+    group_size: int = 128  # -1: one group per output channel; a size that does not divide a linear's input
+    #                        leaves a partial last group (g_idx says which group each input row is in)
     method: str = "gptq"
     sym: bool = True
     act_order: bool = False
     grid: str = "mse"  # mse: search each group's clipping range (least |w - w_hat|^2.4); minmax: span min..max
     damp_percent: float = 0.01  # of the Hessian's mean diagonal; raised if Cholesky fails
-    block_size: int = 128  # GPTQ's lazy-update block
+    block_size: int = 128  # GPTQ's lazy-update block (rounded to whole groups)
     calib_file: Path | None = None  # text or JSONL; None: text sampled from the model itself
     calib_samples: int = 128
     calib_seq_len: int = 128
@@ -53,8 +54,9 @@ class QuantizeOptions:
     def __post_init__(self):
         checks = [
             (self.bits in BITS, f"--bits {self.bits} is not supported; choose one of {', '.join(map(str, BITS))}"),
-            (self.group_size in GROUP_SIZES,
-             f"--group-size {self.group_size} is not supported; choose one of {', '.join(map(str, GROUP_SIZES))}"),
+            (self.group_size == -1 or (self.group_size > 0 and self.group_size % GROUP_MULTIPLE == 0),
+             f"--group-size {self.group_size} is not supported; choose -1 (per channel) or a positive multiple of "
+             f"{GROUP_MULTIPLE} such as 32, 64 or 128"),
             (self.method in METHODS, f"--method {self.method!r} is not a method; choose one of {', '.join(METHODS)}"),
             (self.grid in GRIDS, f"--grid {self.grid!r} is not a grid; choose one of {', '.join(GRIDS)}"),
             (self.method == "gptq" or not self.act_order, "--act-order needs --method gptq (RTN sees no activations)"),
@@ -67,8 +69,6 @@ class QuantizeOptions:
         for ok, message in checks:
             if not ok:
                 raise FlotillaError(message)
-        if self.group_size != -1 and self.block_size % self.group_size:
-            raise FlotillaError(f"GPTQ block size {self.block_size} must be a multiple of the group size {self.group_size}")
 
     @property
     def needs_calibration(self) -> bool:

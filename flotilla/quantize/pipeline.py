@@ -34,7 +34,7 @@ from flotilla.models.weights import EMBED, HEAD, load_layer, required_tensor_nam
 from .activations import CalibrationActivations
 from .calibration import generate_tokens, tokens_from_file
 from .layer import LayerResult, layer_tensors, quantize_layer
-from .options import GROUP_SIZES, QuantizeOptions
+from .options import QuantizeOptions
 from .report import QuantizeReport, peak_gpu_bytes, peak_rss_bytes, source_bytes
 
 NORM = "model.norm.weight"
@@ -114,13 +114,7 @@ def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:
         ("o_proj", cfg.q_size, [cfg.hidden_size]),
         ("down_proj", cfg.intermediate_size, [cfg.hidden_size]),
     ]
-    inputs = [in_f for _, in_f, _ in linears]
-    for name, in_f, outs in linears:
-        gs = options.group_size
-        if gs != -1 and in_f % gs:
-            fits = [g for g in GROUP_SIZES if g == -1 or all(i % g == 0 for i in inputs)]
-            raise FlotillaError(f"{where}: --group-size {gs} does not divide the input size {in_f} of {name}; "
-                                f"group sizes that fit this model: {', '.join(map(str, fits))}")
+    for name, in_f, outs in linears:  # a group size that does not divide in_f leaves a partial last group
         bad = [n for n in [in_f, *outs] if n % per_word]
         if bad:
             raise FlotillaError(f"{where}: {name} has a dimension of {bad[0]}, not a multiple of {per_word}, "

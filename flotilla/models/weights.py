@@ -10,6 +10,7 @@ from tqdm import tqdm
 from flotilla.errors import FlotillaError
 
 from .config import ModelConfig
+from .gguf_linear import GGUFEmbedding, GGUFLinear, GGUFLMHead
 from .linear import Linear, QuantLinear
 from .llama import CausalLM, DecoderLayer, RMSNorm, Stage
 from .parallel import VocabParallel
@@ -36,23 +37,27 @@ def _linear_items(root: nn.Module, name: str, mod: nn.Module, prefix: str = "") 
             for shard, proj in enumerate(merged) for suffix in mod.tensor_suffixes()]
 
 
+LINEARS = (Linear, QuantLinear, GGUFLinear)
+GGUF_TABLES = (GGUFEmbedding, GGUFLMHead)
+
+
 def _whole(mod: nn.Module) -> int:
-    """Shard 0 (loaded through the module's `load`, which slices it) for a tensor-parallel
-    vocabulary share; -1 (copied as it is) otherwise."""
-    return 0 if isinstance(mod, VocabParallel) else -1
+    """Shard 0 (loaded through the module's `load`) for a tensor-parallel vocabulary share, which
+    slices it, and a GGUF table, which keeps its blocks; -1 (copied as it is) otherwise."""
+    return 0 if isinstance(mod, (VocabParallel, *GGUF_TABLES)) else -1
 
 
 def load_plan(model: CausalLM) -> list[LoadItem]:
     """Every checkpoint tensor this stage needs, with its destination."""
     cfg, plan = model.config, []
     for name, mod in model.named_modules():
-        if isinstance(mod, (Linear, QuantLinear)):
+        if isinstance(mod, LINEARS):
             plan.extend(_linear_items(model, name, mod))
         elif name == "lm_head":
             if cfg.tie_word_embeddings and model.stage.is_first:
                 continue  # the same Parameter as the embedding
             plan.append(LoadItem(EMBED if cfg.tie_word_embeddings else HEAD, mod, "weight", _whole(mod)))
-        elif isinstance(mod, (nn.Embedding, RMSNorm)):
+        elif isinstance(mod, (nn.Embedding, GGUFEmbedding, RMSNorm)):
             plan.append(LoadItem(f"{name}.weight", mod, "weight", _whole(mod)))
     return plan
 
@@ -65,7 +70,7 @@ def layer_plan(layer: DecoderLayer, index: int) -> list[LoadItem]:
     """Every checkpoint tensor of decoder layer `index`, with its destination in `layer`."""
     prefix, plan = layer_prefix(index), []
     for name, mod in layer.named_modules():
-        if isinstance(mod, (Linear, QuantLinear)):
+        if isinstance(mod, LINEARS):
             plan.extend(_linear_items(layer, name, mod, prefix))
         elif isinstance(mod, RMSNorm):
             plan.append(LoadItem(f"{prefix}{name}.weight", mod, "weight"))
@@ -111,7 +116,7 @@ def load_stage(source, stage: Stage | None = None, device: torch.device | str = 
     model = build_stage(source.config, stage, device, dtype)
     _fill(source, load_plan(model), progress)
     model.build_rope()
-    _prepare_quant(model, dtype)
+    _prepare_quant(model, dtype, device)
     return model
 
 
@@ -120,12 +125,13 @@ def load_layer(source, index: int, device: torch.device | str = "cpu", dtype: to
     attention when running it, as CausalLM does."""
     layer = build_layer(source.config, index, device, dtype)
     _fill(source, layer_plan(layer, index))
-    _prepare_quant(layer, dtype)
+    _prepare_quant(layer, dtype, device)
     return layer
 
 
 def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
     available = set(source.names())
+    read = getattr(source, "get_native", source.get)  # a GGUF source hands its blocks to the GGUF layers
     with torch.no_grad():
         for item in tqdm(plan, desc="loading", unit="tensor", disable=not progress, leave=False):
             if item.source_name not in available:
@@ -133,7 +139,7 @@ def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
                     item.module.load("g_idx", item.shard, item.module.missing_g_idx())
                     continue
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r} is missing")
-            value = source.get(item.source_name)
+            value = read(item.source_name)
             try:
                 if item.shard >= 0:
                     item.module.load(item.suffix, item.shard, value)
@@ -146,7 +152,9 @@ def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r}: {e}") from None
 
 
-def _prepare_quant(module: nn.Module, dtype: torch.dtype) -> None:
+def _prepare_quant(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
     for mod in module.modules():
         if isinstance(mod, QuantLinear):
             mod.prepare(dtype)
+        elif isinstance(mod, (GGUFLinear, *GGUF_TABLES)):
+            mod.prepare(dtype, device)

@@ -9,7 +9,10 @@ from typing import Any
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.models import parallel_state
 from flotilla.models.config import ModelConfig
+from flotilla.models.gguf_report import load_report
+from flotilla.models.gguf_source import GGUFSource
 from flotilla.models.llama import CausalLM, Stage
 from flotilla.models.sources import open_source
 from flotilla.models.tokenizer import Tokenizer, load_tokenizer
@@ -66,5 +69,14 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     if progress is None:
         progress = sys.stderr.isatty()
     m = load_stage(source, stage, dev, dt, progress=progress)
+    if isinstance(source, GGUFSource) and source.native and _reports():
+        for line in load_report(source, m):
+            print(line, file=sys.stderr)
     tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None
     return LoadedModel(path, source.config, m, tok, dev, dt)
+
+
+def _reports() -> bool:
+    """Whether this process says what it loaded (not the other ranks of a tensor-parallel group)."""
+    group = parallel_state.current()
+    return group is None or group.rank == 0

@@ -6,7 +6,7 @@ shared library. A build is named after the instruction set and a hash of the sou
 torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded.
 
 Where builds go (this package imports nothing of flotilla's, so it reads the variables that
-flotilla/envs.py documents itself):
+flotilla/envs.py documents itself; FLOTILLA_CPU_ISA=avx2 forces the AVX2 build on an AVX-512 CPU):
 
     TORCH_EXTENSIONS_DIR   if set, builds go there (torch's own convention)
     FLOTILLA_CACHE_DIR     else $FLOTILLA_CACHE_DIR/torch_extensions
@@ -39,7 +39,10 @@ _loaded: dict[str, object] = {}
 _failed: dict[str, str] = {}
 
 
-def best_isa() -> str | None:
+ENV_ISA = "FLOTILLA_CPU_ISA"  # avx2 | avx512: build and use that instruction set (flotilla/envs.py)
+
+
+def cpu_isa() -> str | None:
     """The widest instruction set of ISA_FLAGS this CPU runs, or None (not x86, or no AVX2)."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", …
     if capability == "AVX512":
@@ -47,6 +50,22 @@ def best_isa() -> str | None:
     if capability == "AVX2":
         return "avx2"
     return None
+
+
+def best_isa() -> str | None:
+    """The instruction set the kernels use: FLOTILLA_CPU_ISA when set (avx2 on an AVX-512 CPU runs
+    and tests the AVX2 build), else the widest this CPU runs. A forced ISA the CPU lacks, or an
+    unknown name, is a ValueError naming the valid ones."""
+    detected = cpu_isa()
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    if not forced:
+        return detected
+    if forced not in ISA_FLAGS:
+        raise ValueError(f"{ENV_ISA}={forced!r} is not an instruction set; valid: {', '.join(ISA_FLAGS)}")
+    order = list(ISA_FLAGS)
+    if detected is None or order.index(forced) > order.index(detected):
+        raise ValueError(f"{ENV_ISA}={forced}: this CPU runs at most {detected or 'none of ' + ', '.join(order)}")
+    return forced
 
 
 def extensions_dir() -> Path:
@@ -71,7 +90,10 @@ def build_name(isa: str) -> str:
 
 def load(isa: str | None = None):
     """The compiled extension module for `isa` (default: the best this CPU runs), or None."""
-    isa = isa or best_isa()
+    try:
+        isa = isa or best_isa()
+    except ValueError as e:
+        return _fail("cpu", str(e))
     if isa is None:
         return _fail("cpu", "this CPU lacks AVX2/FMA/F16C")
     if isa in _loaded:

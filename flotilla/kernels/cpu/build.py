@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("module.cpp", "kernels.cpp")
-HEADERS = ("kernels.h",)
+SOURCES = ("module.cpp", "kernels.cpp", "ops.cpp", "ops_module.cpp")
+HEADERS = ("kernels.h", "ops.h", "simd.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),

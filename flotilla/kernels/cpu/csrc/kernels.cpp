@@ -6,26 +6,20 @@
 #include <algorithm>
 #include <utility>
 
+#include "simd.h"
+
 namespace flotilla_cpu {
 namespace {
+
+using namespace simd;
 
 // Signed 4- and 5-bit codes are two's complement fields (GPTQ's q XOR 8 is q - 8 read that way);
 // a decoder turns the field of input J of every lane into a float.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // ------------------------------------------------------------------------------- AVX-512
-constexpr int kLanes = 16;
 constexpr int kRowBlock = 6;   // M > 1: rows that share each decoded weight vector
 constexpr int kBlockVecs = 2;  // M > 1: vectors of kLanes columns per block
 constexpr int kWideVecs = 4;   // M == 1: vectors per block (enough independent FMA chains)
-using vf = __m512;
-using vi = __m512i;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset1(float v) { return _mm512_set1_ps(v); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vi load_w4(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline vi load_hi(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 template <bool Signed>
@@ -58,25 +52,12 @@ struct W5Decoder {  // nibble J and high bit J as a 5-bit index into a 32-entry 
 inline vf load_w8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline vf load_f16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 const char* kIsa = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ----------------------------------------------------------------------------------- AVX2
-constexpr int kLanes = 8;
 constexpr int kRowBlock = 4;
 constexpr int kBlockVecs = 2;
 constexpr int kWideVecs = 4;
-using vf = __m256;
-using vi = __m256i;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset1(float v) { return _mm256_set1_ps(v); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vi load_w4(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi load_hi(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 template <bool Signed>
@@ -109,12 +90,7 @@ struct W5Decoder {  // (nibble J) | (high bit J) << 4, sign-extended from 5 bits
 inline vf load_w8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline vf load_f16(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 const char* kIsa = "avx2";
-#else
-#error "flotilla CPU kernels need AVX2, FMA and F16C (compile with -mavx2 -mfma -mf16c)"
 #endif
 
 constexpr int kTileVecs = kTile / kLanes;

@@ -381,6 +381,9 @@ class StackedLinear {
 };
 
 }  // namespace
+
+void register_ops(pybind11::module_& m);  // ops_module.cpp
+
 }  // namespace flotilla_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -390,6 +393,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flotilla CPU dequant-GEMM kernels (fp32 activations; 4-, 5-, 8-bit, fp16 and fp32 weights)";
   m.def("isa", &flotilla_cpu::isa_name, "the instruction set the kernels were compiled for");
   m.attr("TILE") = flotilla_cpu::kTile;
+  flotilla_cpu::register_ops(m);
   py::class_<PackedLinear>(m, "PackedLinear", py::dynamic_attr())
       .def(py::init<int64_t, int64_t, int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
                     at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>(),

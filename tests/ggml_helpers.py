@@ -37,3 +37,39 @@ def random_weight(qtype: str, rows: int, cols: int, seed: int = 0, scale: float 
             small = (np.clip(field.astype(np.float32), -1, 1) * scale).astype(np.float16)
             blocks[:, off:off + 2] = small.view(np.uint8).reshape(-1, 2)
     return decode(raw, qtype, rows, cols)
+
+
+MIXED_TYPES = {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "ffn_gate": "Q4_1", "ffn_up": "Q5_0",
+               "ffn_down": "Q8_0", "attn_output": "Q4_1", "token_embd": "Q8_0", "output": "Q4_0"}
+
+
+def mixed_gguf(tmp_path, tied: bool = False, seed: int = 4, **config):
+    """A tiny Llama GGUF whose q, k and v (and gate/up) are of different types, as in Q4_K_M files
+    (gguf's own quantizer, MIXED_TYPES), the norms F32."""
+    import gguf
+
+    from conftest import make_hf_model, tiny_config, write_llama_gguf
+
+    hf = make_hf_model(tiny_config("llama", tie_word_embeddings=tied, **config), seed=seed)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    plain = write_llama_gguf(hf, tmp_path / "f32.gguf")
+    reader = gguf.GGUFReader(str(plain))
+    path = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama."):
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        kind = MIXED_TYPES.get(t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0])
+        data = np.array(t.data)
+        if kind is not None:
+            qt = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(t.name, gguf.quants.quantize(data.reshape(tuple(reversed(t.shape.tolist()))), qt),
+                         raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -2,8 +2,6 @@
 and what the load and `quantize` say."""
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from flotilla.models.sources import GGUFSource, open_source
 from flotilla.models.weights import load_stage
 
 from conftest import make_hf_model, tiny_config, write_llama_gguf
+from ggml_helpers import mixed_gguf
 from test_models import our_logits
 
 
@@ -32,33 +31,6 @@ def test_default_model_native_logits_match_its_fp32_path(smollm2_gguf):
         assert torch.equal(native.embed(ids[0]), fp32.embed(ids[0]))
     line = load_report(open_source(smollm2_gguf), native)[0]
     assert "Q4_1: 210 tensors -> cpu 4-bit x fp16 scale + min per 32" in line and "Q8_0: 1 tensor -> cpu int8" in line
-
-
-def mixed_gguf(tmp_path) -> tuple:
-    """A tiny Llama GGUF whose q, k and v (and gate/up) are of different types, as in Q4_K_M files."""
-    hf = make_hf_model(tiny_config("llama", tie_word_embeddings=False), seed=4)
-    plain = write_llama_gguf(hf, tmp_path / "f32.gguf")
-    reader = gguf.GGUFReader(str(plain))
-    path = tmp_path / "mixed.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("llama."):
-            w.add_key_value(key, field.contents(), field.types[0])
-    types = {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "ffn_gate": "Q4_1", "ffn_up": "Q5_0",
-             "ffn_down": "Q8_0", "attn_output": "Q4_1", "token_embd": "Q8_0", "output": "Q4_0"}
-    for t in reader.tensors:
-        kind = types.get(t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0])
-        data = np.array(t.data)
-        if kind is not None:
-            qt = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(t.name, gguf.quants.quantize(data.reshape(tuple(reversed(t.shape.tolist()))), qt), raw_dtype=qt)
-        else:
-            w.add_tensor(t.name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def test_projections_of_different_types_merge_into_one_linear(tmp_path):

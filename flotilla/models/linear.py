@@ -179,6 +179,10 @@ def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: Quant
 def make_embedding(vocab_size: int, hidden_size: int, quant: QuantConfig | GGUFQuant | None = None) -> nn.Module:
     """The token embedding (GPTQ checkpoints keep it unquantized; a GGUF one stays in its blocks)."""
     group = parallel_state.current()
+    if group is not None and isinstance(quant, GGUFQuant):
+        from .gguf_parallel import VocabParallelGGUFEmbedding
+
+        return VocabParallelGGUFEmbedding(vocab_size, hidden_size, group)
     if group is not None:
         from .parallel import VocabParallelEmbedding
 
@@ -192,6 +196,10 @@ def make_embedding(vocab_size: int, hidden_size: int, quant: QuantConfig | GGUFQ
 
 def make_lm_head(hidden_size: int, vocab_size: int, quant: QuantConfig | GGUFQuant | None = None) -> nn.Module:
     group = parallel_state.current()
+    if group is not None and isinstance(quant, GGUFQuant):
+        from .gguf_parallel import ParallelGGUFLMHead
+
+        return ParallelGGUFLMHead(hidden_size, vocab_size, group)
     if group is not None:
         from .parallel import ParallelLMHead
 

@@ -57,6 +57,10 @@ class GGUFLinear(nn.Module, _Shards):
             return
         self.parts[shard] = check_part(value, self.out_sizes[shard], self.in_features)
 
+    @property
+    def prepared(self) -> bool:
+        return self.kernel is not None
+
     def prepare(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Build the kernel for `device` (call once the parts are loaded); the parts are dropped."""
         if any(p is None for p in self.parts):
@@ -127,6 +131,10 @@ class GGUFEmbedding(nn.Module):
     def load(self, suffix: str, shard: int, value: Part) -> None:
         self.weight.load(value)
 
+    @property
+    def prepared(self) -> bool:
+        return self.weight.kernel is not None
+
     def prepare(self, dtype: torch.dtype, device: torch.device | str) -> None:
         self.weight.prepare(dtype, device)
 
@@ -147,6 +155,10 @@ class GGUFLMHead(nn.Module):
 
     def load(self, suffix: str, shard: int, value: Part) -> None:
         self.weight.load(value)
+
+    @property
+    def prepared(self) -> bool:
+        return self.weight.kernel is not None
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str) -> None:
         self.weight.prepare(dtype, device)

@@ -2,7 +2,7 @@
 
 Tensor names are mapped to Hugging Face's and llama.cpp's q/k row permutation is undone. Opened
 `native` (the runtime's way), quantized tensors come as their blocks, decoded into
-flotilla.kernels.ggml's exact form straight from the memory-mapped file; otherwise (and for the
+flotilla.kernels.ggml's exact form straight from the file's bytes (models/gguf_file.py); otherwise (and for the
 types without flotilla kernels) as fp32.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from flotilla.errors import FlotillaError
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight, decode, is_supported
 
 from .config import GGUFQuant, ModelConfig, RopeScaling
+from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -48,34 +49,27 @@ class GGUFSource:
 
     `get(name)` gives any tensor dequantized to fp32 (what `quantize` reads). With `native` (the
     runtime's way), `config.quant` is GGUFQuant and `get_native(name)` gives a quantized tensor
-    as a flotilla.kernels.ggml.GGMLWeight, decoded straight from the mapped file (never through
+    as a flotilla.kernels.ggml.GGMLWeight, decoded straight from the file's bytes (never through
     fp32), for the types flotilla has kernels for; other types come dequantized to fp32 (the
     load report of models/gguf_report.py warns about them)."""
 
     def __init__(self, path: str | Path, native: bool = True):
-        import gguf
-
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:
+            self.file = GGUFFile(self.path)
+        except (GGUFFormatError, OSError) as e:
             raise FlotillaError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.opened_files = [self.path.name]
         self.arch = self._field("general.architecture")
         if self.arch not in _GGUF_ARCHS:
             raise FlotillaError(f"{self.path}: unsupported GGUF architecture {self.arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
-        self._tensors = {}
-        for t in self.reader.tensors:
-            self._tensors[self._hf_name(t.name)] = t
+        self._tensors = {self._hf_name(t.name): t for t in self.file.tensors.values()}
         self.native = native
         config = self._config()
         self.config = config.with_quant(GGUFQuant()) if native else config
 
     def _field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        return self.file.field(key, default)
 
     def _hf_name(self, name: str) -> str:
         if name in _GGUF_GLOBAL_NAMES:
@@ -98,7 +92,9 @@ class GGUFSource:
         head_dim = self._field(f"{a}.attention.key_length", hidden // heads)
         vocab = self._field(f"{a}.vocab_size")
         if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+            vocab = self.file.array_length("tokenizer.ggml.tokens")
+        if vocab is None:
+            raise FlotillaError(f"{self.path}: GGUF metadata has neither {a}.vocab_size nor tokenizer.ggml.tokens")
         eos = self._field("tokenizer.ggml.eos_token_id")
         eot = self._field("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
@@ -155,13 +151,11 @@ class GGUFSource:
         return [n for n in self._tensors if n != "rope_freqs.weight"]
 
     def release(self) -> None:
-        """Nothing to close: the GGUF reader maps the (already compact) file once."""
+        """Nothing to release: each tensor is read with one positional read, and nothing is mapped."""
 
     def type_of(self, name: str) -> str:
         """The GGUF type name of tensor `name` (Q4_K, F32, …)."""
-        import gguf
-
-        return gguf.GGMLQuantizationType(self._tensor(name).tensor_type).name
+        return self._tensor(name).type_name
 
     def quantized_types(self) -> list[str]:
         """The quantized GGUF types of the file's tensors, sorted."""
@@ -173,22 +167,18 @@ class GGUFSource:
             raise FlotillaError(f"{self.path}: tensor {name!r} is missing")
         return t
 
-    def _shape(self, t) -> tuple[int, ...]:
-        # GGUF stores dims innermost-first: [out, in] is reversed
-        return tuple(int(d) for d in reversed(t.shape.tolist()))
-
     def _permuted_heads(self, name: str) -> int | None:
         """The head count whose llama.cpp row permutation `name` carries, or None."""
         if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             return self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
         return None
 
-    def _dequant(self, t) -> np.ndarray:
+    def _dequant(self, t: TensorInfo) -> np.ndarray:
         import gguf
 
-        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        qtype = gguf.GGMLQuantizationType(t.type)
         try:
-            return gguf.quants.dequantize(t.data, qtype)
+            return gguf.quants.dequantize(self.file.read(t), qtype)
         except NotImplementedError:
             raise FlotillaError(f"{self.path}: tensor {t.name!r} has GGUF type {qtype.name}, which flotilla cannot "
                                 f"read; supported: {', '.join(GGUF_DENSE_TYPES + tuple(GGML_FORMATS))} natively, "
@@ -200,7 +190,7 @@ class GGUFSource:
         """Tensor `name` in fp32."""
         t = self._tensor(name)
         w = np.ascontiguousarray(self._dequant(t), dtype=np.float32)
-        shape = self._shape(t)
+        shape = t.shape
         w = w.reshape(shape) if w.size == int(np.prod(shape)) else w
         heads = self._permuted_heads(name)
         if heads is not None:
@@ -214,11 +204,11 @@ class GGUFSource:
         qtype = self.type_of(name)
         if not self.native or not is_supported(qtype):
             return self.get(name)
-        shape = self._shape(t)
+        shape = t.shape
         if len(shape) != 2:
             raise FlotillaError(f"{self.path}: tensor {name!r} of type {qtype} has shape {shape}; expected a matrix")
         try:
-            w = decode(t.data, qtype, *shape)
+            w = decode(self.file.read(t), qtype, *shape)
         except ValueError as e:
             raise FlotillaError(f"{self.path}: tensor {name!r}: {e}") from None
         heads = self._permuted_heads(name)

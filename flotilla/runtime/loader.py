@@ -68,6 +68,8 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     source = open_source(path)
     if progress is None:
         progress = sys.stderr.isatty()
+    if dev.type == "cpu":
+        _return_freed_memory()
     m = load_stage(source, stage, dev, dt, progress=progress)
     if isinstance(source, GGUFSource) and source.native and _reports():
         for line in load_report(source, m):
@@ -80,3 +82,21 @@ def _reports() -> bool:
     """Whether this process says what it loaded (not the other ranks of a tensor-parallel group)."""
     group = parallel_state.current()
     return group is None or group.rank == 0
+
+
+def _return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the system at once. Loading packs one tensor
+    at a time through buffers of up to tens of MB; with glibc's default, whose threshold for
+    returning a block grows with the blocks freed, those would stay in the process for good
+    (measured: ~60 MB of a 135M-parameter model's load). No-op off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if sys.platform != "linux" or not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: blocks from 1 MiB up are mapped, and unmapped when freed
+    except (OSError, AttributeError):
+        pass

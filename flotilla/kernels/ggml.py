@@ -108,12 +108,12 @@ class GGMLWeight:
         """Rows `rows` [T] of the weight only (an embedding lookup): [T, in]."""
         return self.take_rows(rows).dequantize(dtype)
 
-    def take_rows(self, rows: torch.Tensor) -> "GGMLWeight":
+    def take_rows(self, rows: torch.Tensor) -> GGMLWeight:
         """The weight's rows `rows` (any order: a permutation, a gather or a slice as indices)."""
         mins = None if self.mins is None else self.mins.index_select(0, rows)
         return GGMLWeight(self.qtype, self.codes.index_select(0, rows), self.scales.index_select(0, rows), mins)
 
-    def narrow(self, dim: int, start: int, length: int) -> "GGMLWeight":
+    def narrow(self, dim: int, start: int, length: int) -> GGMLWeight:
         """Outputs (dim 0) or inputs (dim 1) [start, start + length); inputs only at group boundaries."""
         if dim == 0:
             mins = None if self.mins is None else self.mins.narrow(0, start, length)
@@ -127,7 +127,7 @@ class GGMLWeight:
         return GGMLWeight(self.qtype, self.codes.narrow(1, start, length), self.scales.narrow(1, start // g, length // g),
                           mins)
 
-    def to(self, device) -> "GGMLWeight":
+    def to(self, device) -> GGMLWeight:
         mins = None if self.mins is None else self.mins.to(device)
         return GGMLWeight(self.qtype, self.codes.to(device), self.scales.to(device), mins)
 
@@ -136,7 +136,7 @@ class GGMLWeight:
         return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
 
     @staticmethod
-    def cat(parts: list["GGMLWeight"]) -> "GGMLWeight":
+    def cat(parts: list[GGMLWeight]) -> GGMLWeight:
         """Stack weights of one type along the output axis."""
         types = {p.qtype for p in parts}
         if len(types) != 1:
@@ -148,6 +148,19 @@ class GGMLWeight:
 
 def is_supported(qtype: str) -> bool:
     return qtype in GGML_FORMATS
+
+
+def same_type_runs(parts: list) -> list[list]:
+    """A merged linear's parts (GGMLWeight or dense tensors) as runs to pack together: consecutive
+    GGMLWeights of one type, and each dense part alone."""
+    runs: list[list] = []
+    for p in parts:
+        prev = runs[-1][0] if runs else None
+        if isinstance(p, GGMLWeight) and isinstance(prev, GGMLWeight) and prev.qtype == p.qtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def decode(raw: np.ndarray, qtype: str, out_features: int, in_features: int) -> GGMLWeight:

@@ -70,4 +70,10 @@ def ggml_linear(parts: list[Part], device: torch.device | str, dtype: torch.dtyp
         kernel = cpu_ggml_kernel(parts)
         if kernel is not None:
             return kernel
+    if os.environ.get(ENV_KERNEL, "").strip() not in TORCH_ONLY and device.type == "cuda":
+        from .triton_ggml import triton_ggml_kernel
+
+        kernel = triton_ggml_kernel(parts, device, dtype)
+        if kernel is not None:
+            return kernel
     return TorchGGMLKernel(parts, device, dtype)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ggml import GGMLWeight
+from ..ggml import GGMLWeight, same_type_runs
 from . import build
 from .compact import plain_linear
 from .packing import TILE, U4, U5, W4, W5, W8, _pad_cols, _tile_major
@@ -113,19 +113,6 @@ def describe(w: GGMLWeight, isa: str) -> str:
     return f"cpu {bits} x {table} scale{extra} per {fmt.group} ({isa})"
 
 
-def _runs(parts: list) -> list[list]:
-    """Consecutive parts of one type, grouped (dense parts each alone)."""
-    runs: list[list] = []
-    for p in parts:
-        same = runs and isinstance(p, GGMLWeight) and isinstance(runs[-1][0], GGMLWeight) \
-            and runs[-1][0].qtype == p.qtype
-        if same:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-    return runs
-
-
 def cpu_ggml_kernel(parts: list):
     """The compiled kernel for a linear made of `parts` (GGMLWeight or fp32 [rows, in] tensors),
     or None when the kernels are unavailable. The kernel has `part_forms` (one per part)."""
@@ -133,7 +120,7 @@ def cpu_ggml_kernel(parts: list):
     if ext is None:
         return None
     ops, forms = [], []
-    for run in _runs(parts):
+    for run in same_type_runs(parts):
         if isinstance(run[0], GGMLWeight):
             op = pack_ggml(GGMLWeight.cat(run) if len(run) > 1 else run[0]).build(ext)
             forms += [describe(p, ext.isa()) for p in run]

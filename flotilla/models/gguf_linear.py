@@ -122,10 +122,11 @@ class GGUFTable:
         return getattr(self.kernel, "nbytes", 0)
 
 
-class GGUFEmbedding(nn.Module):
+class _TableModule(nn.Module):
+    """A module over one GGUFTable `weight` (shared between the two when tied)."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
         self.weight = GGUFTable(vocab_size, hidden_size)
 
     def load(self, suffix: str, shard: int, value: Part) -> None:
@@ -140,31 +141,23 @@ class GGUFEmbedding(nn.Module):
 
     def part_form(self, shard: int) -> str:
         return self.weight.kernel.part_forms[0]
+
+
+class GGUFEmbedding(_TableModule):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(token_ids)
 
 
-class GGUFLMHead(nn.Module):
+class GGUFLMHead(_TableModule):
     """hidden -> vocabulary logits through the GGUF weight's kernel."""
 
     def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__()
+        super().__init__(vocab_size, hidden_size)
         self.in_features, self.out_features = hidden_size, vocab_size
-        self.weight = GGUFTable(vocab_size, hidden_size)
-
-    def load(self, suffix: str, shard: int, value: Part) -> None:
-        self.weight.load(value)
-
-    @property
-    def prepared(self) -> bool:
-        return self.weight.kernel is not None
-
-    def prepare(self, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.weight.prepare(dtype, device)
-
-    def part_form(self, shard: int) -> str:
-        return self.weight.kernel.part_forms[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight.kernel(x)

@@ -77,3 +77,43 @@ def test_merged_parts_of_different_types_run_as_one_linear():
     alone = torch.cat([cpu_ggml_kernel([p])(x) for p in parts], dim=1) + bias
     assert torch.allclose(y, alone, rtol=0, atol=1e-5)  # the same per-part arithmetic (bias added once)
     assert all(torch.equal(kernel(x[i:i + 1], bias), y[i:i + 1]) for i in range(11))
+
+
+FORCED = """
+import sys, torch
+from flotilla.kernels.cpu import build
+from flotilla.models.sources import GGUFSource
+from flotilla.models.weights import load_stage
+from test_models import our_logits
+model = load_stage(GGUFSource(sys.argv[1]))
+ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(7))
+from safetensors.torch import save_file
+save_file({"logits": our_logits(model, ids).contiguous()}, sys.argv[2])
+print(build.load().isa())
+"""
+
+
+def test_forced_avx2_build_runs_a_model_to_the_same_bits(tmp_path):
+    """FLOTILLA_CPU_ISA=avx2 on an AVX-512 CPU: the whole GGUF model on the AVX2 build, bit for bit
+    the AVX-512 one (how CI tests both builds)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from conftest import REPO
+    from ggml_helpers import mixed_gguf
+
+    if build.cpu_isa() != "avx512":
+        pytest.skip("this CPU has no AVX-512: only one build to test")
+    path = mixed_gguf(tmp_path, tied=True)
+    out = {}
+    for isa in ("avx2", "avx512"):
+        env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", FLOTILLA_CPU_ISA=isa)
+        proc = subprocess.run([sys.executable, "-c", FORCED, str(path), str(tmp_path / f"{isa}.st")], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[-1] == isa
+        out[isa] = load_file(tmp_path / f"{isa}.st")["logits"]
+    assert torch.equal(out["avx2"], out["avx512"])

@@ -25,6 +25,10 @@ def test_norms_and_silu_match_torch_and_are_batch_invariant():
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :70]) * gate_up[:, 70:], rtol=2e-6, atol=1e-6)
     for i in range(7):
         assert torch.equal(ops.rms_norm(x[i:i + 1], w, 1e-5), y[i:i + 1])
+    qkv = torch.randn(4, 5 * 16 + 8, generator=gen)  # rope reads q and k in place: a strided view
+    xs = qkv[:, :80].view(4, 5, 16)
+    cos, sin = torch.randn(4, 1, 16, generator=gen), torch.randn(4, 1, 16, generator=gen)
+    torch.testing.assert_close(ops.rope(xs, cos, sin), torch.addcmul(xs * cos, xs.roll(8, dims=-1), sin), rtol=1e-6, atol=1e-6)
     assert torch.equal(fused.rms_norm(x, w, 1e-5), y)  # what the model calls, on the CPU
 
 
@@ -85,5 +89,7 @@ def test_avx2_and_avx512_ops_agree_bit_for_bit():
     x, w = torch.randn(3, 200) * 3, torch.randn(200)
     assert torch.equal(a2.rms_norm(x, w, 1e-6), a5.rms_norm(x, w, 1e-6))
     assert torch.equal(a2.silu_mul(x), a5.silu_mul(x))
+    r = torch.randn(3, 4, 64)
+    assert torch.equal(a2.rope(r, x[:, None, :64], x[:, None, 64:128]), a5.rope(r, x[:, None, :64], x[:, None, 64:128]))
     q, kc, vc, table, lens = paged_case([17, 40], d=64)
     assert torch.equal(a2.decode_attention(q, kc, vc, table, lens, 0.125), a5.decode_attention(q, kc, vc, table, lens, 0.125))

@@ -7,7 +7,7 @@
     store_kv_slots(key_cache, value_cache, key, value, slot_mapping)
 
 On CUDA (fp16/bf16) they run the Triton kernels of flotilla.kernels.triton_fused; on the CPU
-(fp32) rms_norm, add_rms_norm and silu_mul run one compiled pass each (flotilla.kernels.cpu.ops). A batch-1
+(fp32) rms_norm, add_rms_norm, silu_mul and rope run one compiled pass each (flotilla.kernels.cpu.ops). A batch-1
 llama-3-8b decode step spends 0.92 ms of its 3.0 ms of GPU time in ~360 small torch kernels
 (bench/NOTES-gpu-decode.md); torch's layer-norm kernel alone takes ~5.8 µs for one 4096-wide row,
 65 times a step. Elsewhere, and for inputs the kernels do not take, each function is the torch
@@ -88,6 +88,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from .triton_fused import rope as triton_rope
 
         return triton_rope(x, cos, sin)
+    if x.dim() == 3 and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, d) and _on_cpu(x, cos, sin):
+        from .cpu import ops
+
+        return ops.rope(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
 
 

@@ -3,6 +3,7 @@
     rms_norm(x, weight, eps)                  x [..., H] -> [..., H]
     add_rms_norm(x, delta, weight, eps)       -> (x + delta, rms_norm(x + delta))
     silu_mul(gate_up)                         [..., 2I] -> silu(first half) * second half
+    rope(x, cos, sin)                         x [T, H, D] -> x * cos + roll(x, D/2) * sin
     CpuDecode.for_step(meta)                  paged decode attention reading the cache blocks in place
 
 A small model's decode step on a CPU is mostly per-op overhead: torch's rms_norm is seven kernels,
@@ -42,6 +43,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return build.load().silu_mul(gate_up)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return build.load().rope(x, cos, sin)
 
 
 class CpuDecode:

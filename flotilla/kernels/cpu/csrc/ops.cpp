@@ -61,6 +61,24 @@ void silu_mul_rows(const float* gate_up, float* out, int64_t rows, int64_t n) {
   }
 }
 
+void rope_rows(const float* x, int64_t xt, int64_t xh, const float* c, const float* s, float* out, int64_t rows,
+               int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* ct = c + t * d;
+    const float* st = s + t * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = x + t * xt + h * xh;
+      float* o = out + (t * heads + h) * d;
+      for (int64_t i = 0; i < d; ++i) {  // two products, one sum: torch's x * cos + roll(x) * sin
+        const float a = xr[i] * ct[i];
+        const float b = xr[(i + half) % d] * st[i];
+        o[i] = a + b;
+      }
+    }
+  }
+}
+
 void attend_one(const float* q, const float* const* k_rows, const float* const* v_rows, int64_t L, int64_t d,
                 float scale, float* scores, float* out) {
   float top = -INFINITY;

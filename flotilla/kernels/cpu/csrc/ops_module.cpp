@@ -51,6 +51,21 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out.view(shape);
 }
 
+// x [T, H, D] (rows and heads at any stride, dims contiguous); cos, sin [T, 1, D] -> [T, H, D]
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1, "x must be float32 [T, H, D], D contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  const at::Tensor c = cos.reshape({T, D}).contiguous(), s = sin.reshape({T, D}).contiguous();
+  TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && D % 2 == 0,
+              "cos and sin must be float32 [T, 1, D] with D even");
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    rope_rows(x.data_ptr<float>() + t0 * x.stride(0), x.stride(0), x.stride(1), c.data_ptr<float>() + t0 * D,
+              s.data_ptr<float>() + t0 * D, out.data_ptr<float>() + t0 * H * D, t1 - t0, H, D);
+  });
+  return out;
+}
+
 // q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; block_tables [B, W]; seq_lens [B] -> [B, Hq, D]
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -101,6 +116,7 @@ void register_ops(pybind11::module_& m) {
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
         "(x + delta, rms_norm(x + delta))");
   m.def("silu_mul", &silu_mul, py::arg("gate_up"));
+  m.def("rope", &rope, py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"));
 }

@@ -5,7 +5,8 @@ Per weight shape (in x out, bench/kernels.py's four) and batch (default 1 and 16
 (median, L2 cleared; with --graph, CUDA-graph replays) of fp16 F.linear, the GPTQ W4 kernel
 (group 128) and each GGUF form, with the form's bytes a call reads and the bandwidth that makes.
 Before timing, every form is checked against its exact dequantized weight (fp32 matmul), in fp16
-and in bf16: a form off by more than the tolerance is reported as FAIL.
+and in bf16, and the embedded default GGUF's logits on CUDA against the CPU's: a FAIL line names
+what is off.
 """
 from __future__ import annotations
 
@@ -50,11 +51,36 @@ def check_forms(k: int = 4096, n: int = 4096) -> list[str]:
     return lines
 
 
+def check_model() -> list[str]:
+    """The embedded default GGUF end to end on the GPU (fp16, Triton forms) against the CPU (fp32,
+    compiled kernels): logits of one prompt within 2% and the same argmax at almost every position."""
+    from flotilla.models.attention import DenseCausalAttention
+    from flotilla.models.sources import open_source
+    from flotilla.models.weights import load_stage
+    from flotilla.runtime.default_model import default_model_path
+
+    path = default_model_path()
+    ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for device, dtype in (("cuda", torch.float16), ("cpu", torch.float32)):
+        model = load_stage(open_source(path), device=device, dtype=dtype)
+        forms = model.model.layers["0"].mlp.gate_up_proj.kernel.name
+        with torch.inference_mode():
+            h = model(ids.to(device), torch.arange(64, device=device), DenseCausalAttention(1, 64))
+            logits[device] = model.compute_logits(h).float().cpu()
+        if device == "cuda" and not forms.startswith("triton"):
+            return [f"FAIL the model's linears run {forms!r} on CUDA, not the Triton forms"]
+    err = ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item()
+    agree = (logits["cuda"].argmax(-1) == logits["cpu"].argmax(-1)).float().mean().item()
+    return [] if err < 0.02 and agree > 0.9 else [f"FAIL default GGUF on CUDA: relative error {err:.3g}, argmax agree {agree:.0%}"]
+
+
 def run_gguf(args, time_us, gptq_kernel) -> int:
     """The --gguf table. `time_us` and `gptq_kernel(k, n)` come from bench/kernels.py."""
     torch.manual_seed(0)
-    fails = [] if args.skip_check else check_forms()
-    print(f"GGUF forms vs their dequantized weights: {'OK' if not fails else f'{len(fails)} FAILED'}", flush=True)
+    fails = [] if args.skip_check else check_forms() + check_model()
+    print(f"GGUF forms vs their dequantized weights, and the default GGUF on CUDA vs CPU: "
+          f"{'OK' if not fails else f'{len(fails)} FAILED'}", flush=True)
     for line in fails:
         print("  " + line, flush=True)
     rows = []

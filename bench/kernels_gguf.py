@@ -85,26 +85,32 @@ def run_gguf(args, time_us, gptq_kernel) -> int:
         print("  " + line, flush=True)
     rows = []
     for k, n in args.shapes:
-        w16 = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        gptq = gptq_kernel(k, n)
-        forms = {q: TritonGGMLKernel([random_ggml(q, k, n)], torch.device("cuda"), torch.float16) for q in GGUF_FORMS}
-        for m in args.batches:
-            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            row = {"shape": f"{k}x{n}", "batch": m, "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
-                   "gptq_w4_us": time_us(lambda: gptq(x))}
-            for q, kern in forms.items():
-                t = time_us(lambda: kern(x))
-                row[f"{q}_us"] = t
-                row[f"{q}_tbps"] = kern.nbytes / (t * 1e-6) / 1e12
-                row[f"{q}_x_fp16"] = row["fp16_us"] / t
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
-        del w16, gptq, forms
+        rows += shape_rows(k, n, args, time_us, gptq_kernel)
         torch.cuda.empty_cache()
     if not args.json:
         print(_table(rows))
     return 1 if fails else 0
+
+
+def shape_rows(k: int, n: int, args, time_us, gptq_kernel) -> list[dict]:
+    """The rows of one weight shape, per batch: fp16, GPTQ W4 and every GGUF form."""
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+    gptq = gptq_kernel(k, n)
+    forms = {q: TritonGGMLKernel([random_ggml(q, k, n)], torch.device("cuda"), torch.float16) for q in GGUF_FORMS}
+    rows = []
+    for m in args.batches:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        row = {"shape": f"{k}x{n}", "batch": m, "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
+               "gptq_w4_us": time_us(lambda: gptq(x))}
+        for q, kern in forms.items():
+            t = time_us(lambda: kern(x))
+            row[f"{q}_us"] = t
+            row[f"{q}_tbps"] = kern.nbytes / (t * 1e-6) / 1e12
+            row[f"{q}_x_fp16"] = row["fp16_us"] / t
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def _table(rows: list[dict]) -> str:

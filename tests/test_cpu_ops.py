@@ -52,7 +52,7 @@ def paged_case(lens: list[int], hq: int = 6, hkv: int = 2, d: int = 40, bs: int 
 
 def reference(q, k_cache, v_cache, table, lens, scale):
     out = []
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[2]
     for b, n in enumerate(lens.tolist()):
         k = k_cache[table[b]].reshape(-1, hkv, k_cache.shape[3])[:n].transpose(0, 1)  # [Hkv, L, D]
         v = v_cache[table[b]].reshape(-1, hkv, k_cache.shape[3])[:n].transpose(0, 1)

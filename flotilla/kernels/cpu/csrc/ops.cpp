@@ -70,11 +70,9 @@ void rope_rows(const float* x, int64_t xt, int64_t xh, const float* c, const flo
     for (int64_t h = 0; h < heads; ++h) {
       const float* xr = x + t * xt + h * xh;
       float* o = out + (t * heads + h) * d;
-      for (int64_t i = 0; i < d; ++i) {  // two products, one sum: torch's x * cos + roll(x) * sin
-        const float a = xr[i] * ct[i];
-        const float b = xr[(i + half) % d] * st[i];
-        o[i] = a + b;
-      }
+      // two products, one sum (torch's x * cos + roll(x) * sin); each half reads the other
+      for (int64_t i = 0; i < half; ++i) o[i] = xr[i] * ct[i] + xr[i + half] * st[i];
+      for (int64_t i = half; i < d; ++i) o[i] = xr[i] * ct[i] + xr[i - half] * st[i];
     }
   }
 }

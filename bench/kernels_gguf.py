@@ -54,12 +54,17 @@ def check_forms(k: int = 4096, n: int = 4096) -> list[str]:
 def check_model() -> list[str]:
     """The embedded default GGUF end to end on the GPU (fp16, Triton forms) against the CPU (fp32,
     compiled kernels): logits of one prompt within 2% and the same argmax at almost every position."""
+    from flotilla.errors import FlotillaError
     from flotilla.models.attention import DenseCausalAttention
     from flotilla.models.sources import open_source
     from flotilla.models.weights import load_stage
     from flotilla.runtime.default_model import default_model_path
 
-    path = default_model_path()
+    try:
+        path = default_model_path(fetch=False)
+    except FlotillaError as e:  # a GPU box with no way out: carry the file (FLOTILLA_CACHE_DIR) to check it
+        print(f"  default GGUF end to end: skipped ({e})", flush=True)
+        return []
     ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
     logits = {}
     for device, dtype in (("cuda", torch.float16), ("cpu", torch.float32)):

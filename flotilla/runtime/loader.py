@@ -74,6 +74,10 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     m = load_stage(source, stage, dev, dt, progress=progress)
     if libc is not None:
         libc.malloc_trim(0)  # and the small ones the load freed
+        # then what glibc's dynamic thresholds settle at: a step's activations (up to tens of MB
+        # in a prefill) reuse the heap instead of faulting in fresh pages on every call
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
     if isinstance(source, GGUFSource) and source.native and _reports():
         for line in load_report(source, m):
             print(line, file=sys.stderr)

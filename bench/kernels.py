@@ -3,6 +3,7 @@
     python bench/kernels.py                 # the table: 4 weight shapes x batches 1..2048
     python bench/kernels.py --json          # one JSON object per (shape, batch) row
     python bench/kernels.py --sweep         # also time a grid of tile configs per case (tuning)
+    python bench/kernels.py --gguf --batches 1,16   # the GGUF forms' kernels (bench/kernels_gguf.py)
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
 triton.testing.do_bench, which clears the L2 cache before every call) for
@@ -272,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    ap.add_argument("--gguf", action="store_true", help="the GGUF forms' table instead (bench/kernels_gguf.py)")
     args = ap.parse_args(argv)
     global GRAPHS
     GRAPHS = args.graph
@@ -286,6 +288,11 @@ def main(argv=None) -> int:
     args.sweep_block_k = [int(b) for b in args.sweep_block_k.split(",") if b]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    if args.gguf:
+        from bench.kernels_gguf import run_gguf
+
+        return run_gguf(args, time_us, lambda k, n: TritonGPTQKernel(random_gptq(k, n, 4, 128, True, False, "cuda"),
+                                                                    torch.float16))
 
     if not args.skip_check:
         failures = correctness_suite(args)

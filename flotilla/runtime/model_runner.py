@@ -15,6 +15,7 @@ import torch
 
 from flotilla.kernels import registry
 from flotilla.kernels.attention import PagedAttentionMetadata
+from flotilla.models.gguf_linear import GGUFLMHead
 from flotilla.models.llama import CausalLM
 
 from .cuda_graphs import DecodeGraphRunner
@@ -147,6 +148,8 @@ def logits_kernel(model: CausalLM, device: torch.device):
     kernels' layout. Fewer bytes a step, and batch-invariant, unlike MKL. None (the plain lm_head
     module) off the CPU, where the kernels are unavailable, or when FLOTILLA_KERNEL forces the
     dense or reference kernel (debugging: torch all the way)."""
+    if model.stage.is_last and isinstance(model.lm_head, GGUFLMHead):
+        return model.lm_head.fn()  # a GGUF head runs its blocks through its own kernel, on any device
     if device.type != "cpu" or not model.stage.is_last or model.lm_head.weight.dtype != torch.float32:
         return None
     if os.environ.get(registry.ENV_KERNEL, "").strip() in ("dense", "reference"):

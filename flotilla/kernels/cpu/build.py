@@ -8,7 +8,7 @@ hash covers where the sources are too, since torch's ninja file names their path
 sharing one build directory would rebuild it for each other, silently, on every start.
 
 Where builds go (this package imports nothing of flotilla's, so it reads the variables that
-flotilla/envs.py documents itself):
+flotilla/envs.py documents itself; FLOTILLA_CPU_ISA=avx2 forces the AVX2 build on an AVX-512 CPU):
 
     TORCH_EXTENSIONS_DIR   if set, builds go there (torch's own convention)
     FLOTILLA_CACHE_DIR     else $FLOTILLA_CACHE_DIR/torch_extensions
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("module.cpp", "kernels.cpp")
-HEADERS = ("kernels.h",)
+SOURCES = ("module.cpp", "kernels.cpp", "ops.cpp", "ops_module.cpp")
+HEADERS = ("kernels.h", "ops.h", "simd.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -42,7 +42,10 @@ _loaded: dict[str, object] = {}
 _failed: dict[str, str] = {}
 
 
-def best_isa() -> str | None:
+ENV_ISA = "FLOTILLA_CPU_ISA"  # avx2 | avx512: build and use that instruction set (flotilla/envs.py)
+
+
+def cpu_isa() -> str | None:
     """The widest instruction set of ISA_FLAGS this CPU runs, or None (not x86, or no AVX2)."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", …
     if capability == "AVX512":
@@ -50,6 +53,22 @@ def best_isa() -> str | None:
     if capability == "AVX2":
         return "avx2"
     return None
+
+
+def best_isa() -> str | None:
+    """The instruction set the kernels use: FLOTILLA_CPU_ISA when set (avx2 on an AVX-512 CPU runs
+    and tests the AVX2 build), else the widest this CPU runs. A forced ISA the CPU lacks, or an
+    unknown name, is a ValueError naming the valid ones."""
+    detected = cpu_isa()
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    if not forced:
+        return detected
+    if forced not in ISA_FLAGS:
+        raise ValueError(f"{ENV_ISA}={forced!r} is not an instruction set; valid: {', '.join(ISA_FLAGS)}")
+    order = list(ISA_FLAGS)
+    if detected is None or order.index(forced) > order.index(detected):
+        raise ValueError(f"{ENV_ISA}={forced}: this CPU runs at most {detected or 'none of ' + ', '.join(order)}")
+    return forced
 
 
 def extensions_dir() -> Path:
@@ -74,7 +93,10 @@ def build_name(isa: str) -> str:
 
 def load(isa: str | None = None):
     """The compiled extension module for `isa` (default: the best this CPU runs), or None."""
-    isa = isa or best_isa()
+    try:
+        isa = isa or best_isa()
+    except ValueError as e:
+        return _fail("cpu", str(e))
     if isa is None:
         return _fail("cpu", "this CPU lacks AVX2/FMA/F16C")
     if isa in _loaded:

@@ -10,7 +10,7 @@ where the CPU kernels' builds go (flotilla/kernels/cpu/build.py: TORCH_EXTENSION
 FLOTILLA_CACHE_DIR/torch_extensions, else ~/.cache/flotilla/torch_extensions).
 
 nvcc is found as $CUDA_HOME/bin/nvcc (or $CUDA_PATH), else on PATH, else /usr/local/cuda. When
-it is missing or compiling fails, `load()` prints one warning line and returns None; the registry
+it is missing or compiling fails, `load()` prints one warning line and returns None; `make_kernel`
 then uses the Triton kernels.
 """
 from __future__ import annotations

@@ -119,6 +119,9 @@ def tune_shape(k: int, n: int, args, time_us) -> None:
             cands = candidate_configs(m, kern.layout, kern.num_sms)
             cands += [dataclasses.replace(c, scale_w=not c.scale_w) for c in cands if c.kind == "dot"]
             cands += [dataclasses.replace(c, num_stages=5) for c in cands if c.kind == "dot" and c.num_stages == 4]
+            wide = [c for c in cands if c.kind == "dot" and c.block_n == 256 and c.num_warps == 4]
+            cands += [dataclasses.replace(c, num_warps=8) for c in wide]
+            cands += [dataclasses.replace(c, block_n=512, num_warps=8, split_k=s) for c in wide[:1] for s in (1, 2, 4)]
             timed = []
             for cfg in dict.fromkeys(weight_side(c, kern.layout) for c in cands):
                 try:

@@ -134,20 +134,14 @@ def decode_pair(words, t: tl.constexpr, z, s_act, zz_even, zz_odd, s2, m_act, m2
 def _asm_pair(src, zz2, s2, m2, ASM: tl.constexpr, IS_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr):
     if HAS_OFFSET:
         args = [src, zz2[:, None], s2[:, None], m2[:, None]]
-        if IS_BF16:
-            return tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r,r", args, dtype=(tl.bfloat16, tl.bfloat16),
-                                             is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r,r", args, dtype=(tl.float16, tl.float16),
-                                             is_pure=True, pack=1)
+        operands: tl.constexpr = "=h,=h,r,r,r,r"
     else:
         args = [src, zz2[:, None], s2[:, None]]
-        if IS_BF16:
-            return tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r", args, dtype=(tl.bfloat16, tl.bfloat16),
-                                             is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r", args, dtype=(tl.float16, tl.float16),
-                                             is_pure=True, pack=1)
+        operands: tl.constexpr = "=h,=h,r,r,r"
+    if IS_BF16:
+        return tl.inline_asm_elementwise(ASM, operands, args, dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(ASM, operands, args, dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
 
 
 @triton.jit

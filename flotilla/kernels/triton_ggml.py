@@ -129,7 +129,7 @@ class TritonGGMLKernel:
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        col, n, op = self.runs[0]
+        op = self.runs[0][2]
         if len(self.runs) != 1:
             raise ValueError("row lookups need a single-part weight (an embedding)")
         if isinstance(op, TritonLayoutKernel):

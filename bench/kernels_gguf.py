@@ -7,9 +7,14 @@ Per weight shape (in x out, bench/kernels.py's four) and batch (default 1 and 16
 Before timing, every form is checked against its exact dequantized weight (fp32 matmul), in fp16
 and in bf16, and the embedded default GGUF's logits on CUDA against the CPU's: a FAIL line names
 what is off.
+
+With --tune (after the table): per form, shape and batch, the default config's time next to the
+fastest of the candidate configs (triton_linear.candidate_configs, with the group scale on either
+side where the form allows), the evidence for the defaults.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -18,6 +23,7 @@ from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight
 from flotilla.kernels.triton_ggml import TRITON_FORMS, TritonGGMLKernel
 
 GGUF_FORMS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")
+TUNE_FORMS = ("Q4_0", "Q4_K", "Q8_0", "Q6_K")  # one of each kernel specialisation (Q4_1 runs as Q4_K)
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
@@ -93,8 +99,38 @@ def run_gguf(args, time_us, gptq_kernel) -> int:
         rows += shape_rows(k, n, args, time_us, gptq_kernel)
         torch.cuda.empty_cache()
     if not args.json:
-        print(_table(rows))
+        print(_table(rows), flush=True)
+    if args.tune:
+        for k, n in args.shapes:
+            tune_shape(k, n, args, time_us)
+            torch.cuda.empty_cache()
     return 1 if fails else 0
+
+
+def tune_shape(k: int, n: int, args, time_us) -> None:
+    """--tune: print the default config and time of TUNE_FORMS next to their three fastest candidates."""
+    from flotilla.kernels.triton_linear import candidate_configs, weight_side
+
+    for q in TUNE_FORMS:
+        kern = TritonGGMLKernel([random_ggml(q, k, n)], torch.device("cuda"), torch.float16).runs[0][2]
+        for m in args.batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            default = kern.config_for(m)
+            cands = candidate_configs(m, kern.layout, kern.num_sms)
+            cands += [dataclasses.replace(c, scale_w=not c.scale_w) for c in cands if c.kind == "dot"]
+            cands += [dataclasses.replace(c, num_stages=5) for c in cands if c.kind == "dot" and c.num_stages == 4]
+            wide = [c for c in cands if c.kind == "dot" and c.block_n == 256 and c.num_warps == 4]
+            cands += [dataclasses.replace(c, num_warps=8) for c in wide]
+            cands += [dataclasses.replace(c, block_n=512, num_warps=8, split_k=s) for c in wide[:1] for s in (1, 2, 4)]
+            timed = []
+            for cfg in dict.fromkeys(weight_side(c, kern.layout) for c in cands):
+                try:
+                    timed.append((time_us(lambda: kern(x, config=cfg), warmup=5, rep=20), cfg))
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+                    print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+            timed.sort(key=lambda p: p[0])
+            best = "; ".join(f"{t:.1f} µs {c}" for t, c in timed[:3])
+            print(f"tune {q} {k}x{n} m={m}: default {time_us(lambda: kern(x)):.1f} µs {default}; best {best}", flush=True)
 
 
 def shape_rows(k: int, n: int, args, time_us, gptq_kernel) -> list[dict]:

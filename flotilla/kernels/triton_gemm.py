@@ -16,6 +16,11 @@ Group scales, two ways (constexpr SCALE_W):
   * weight side (several groups per block, or chosen for wide tiles): one packed multiply per
     pair, rounding exactly as the reference dequantization does.
 
+Float offsets (constexpr HAS_OFFSET, the GGUF forms with a min: w = s * q + m, which an integer
+zero cannot express): weight side only; the packed multiply becomes one packed fused multiply-add
+with the group's scale and offset (z_ptr then points at the offsets, [groups, out] in the
+activation dtype). Off, the kernels compile to exactly the code without it.
+
 On the GPU the pair decode is inline PTX (`pair_asm`); under TRITON_INTERPRET=1, and for bf16 at
 8 bits (whose codes do not fit bf16's mantissa), the same values are computed with plain Triton
 arithmetic in fp32.
@@ -32,12 +37,13 @@ import triton.language as tl
 _ASM_TYPES = {False: ("0x64006400", "f16x2", "0x2C002C00"), True: ("0x43004300", "bf16x2", "0x3D803D80")}
 
 
-def pair_asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False) -> str:
+def pair_asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False, offset: bool = False) -> str:
     """Inline PTX decoding a word into a (row 2r, row 2r+1) pair of 16-bit floats; "" where none.
 
     Operands: $0, $1 the two halves; $2 the word (already shifted); $3 the packed zero constant:
     -(OFFSET + z) for an even pair position, -(OFFSET / 16 + z) for an odd one; $4 the packed
-    scale (read only when scale_w). At 4 bits in fp16 an odd position reads the second nibble of
+    scale (read only when scale_w); $5 the packed offset (offset: (q - z) * s + m in one fused
+    multiply-add instead of the multiply). At 4 bits in fp16 an odd position reads the second nibble of
     each half in place (mask 0x00F000F0 gives 1024 + 16 q), so two of every four positions need
     no shift; a fused multiply-add by 1/16 takes it back to q - z exactly.
     """
@@ -52,7 +58,9 @@ def pair_asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False) -> str:
     else:
         mask = "0x000F000F" if bits == 4 else "0x00FF00FF"
         body = f"lop3.b32 p, $2, {mask}, {magic}, 0xEA; add.rn.{kind} p, p, $3; "
-    if scale_w:
+    if offset:
+        body += f"fma.rn.{kind} p, p, $4, $5; "
+    elif scale_w:
         body += f"mul.rn.{kind} p, p, $4; "
     return "{ .reg .b32 p, c; " + body + "mov.b32 {$0, $1}, p; }"
 
@@ -83,25 +91,38 @@ def load_group(s_ptr, z_ptr, g, offs_n, N, n_ok, ZERO_CONST: tl.constexpr, HAS_Z
 
 
 @triton.jit
-def decode_pair(words, t: tl.constexpr, z, s_act, zz_even, zz_odd, s2, BITS: tl.constexpr,
-                IS_BF16: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr, ASM_ODD: tl.constexpr):
-    """Pair position t of each word -> ((q - z)[* s] of rows 2r, 2r + 1) as two act tensors."""
+def load_offset(m_ptr, g, offs_n, N, n_ok, IS_BF16: tl.constexpr):
+    """Group g's float offsets for out-features offs_n: m rounded to act (fp32), and packed."""
+    act: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
+    m_act = tl.load(m_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(act)
+    m_bits = m_act.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return m_act.to(tl.float32), m_bits | (m_bits << 16)
+
+
+@triton.jit
+def decode_pair(words, t: tl.constexpr, z, s_act, zz_even, zz_odd, s2, m_act, m2, BITS: tl.constexpr,
+                IS_BF16: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr, ASM_ODD: tl.constexpr,
+                HAS_OFFSET: tl.constexpr):
+    """Pair position t of each word -> ((q - z)[* s][+ m] of rows 2r, 2r + 1) as two act tensors."""
     if ASM != "":
         if ASM_ODD != "":  # 4 bits: positions 0, 1 read the word in place, 2, 3 the word >> 8
             src = words if t < 2 else words >> 8
             if t % 2 == 0:
-                lo, hi = _asm_pair(src, zz_even, s2, ASM, IS_BF16)
+                lo, hi = _asm_pair(src, zz_even, s2, m2, ASM, IS_BF16, HAS_OFFSET)
             else:
-                lo, hi = _asm_pair(src, zz_odd, s2, ASM_ODD, IS_BF16)
+                lo, hi = _asm_pair(src, zz_odd, s2, m2, ASM_ODD, IS_BF16, HAS_OFFSET)
         else:
-            lo, hi = _asm_pair(words >> (t * BITS), zz_even, s2, ASM, IS_BF16)
+            lo, hi = _asm_pair(words >> (t * BITS), zz_even, s2, m2, ASM, IS_BF16, HAS_OFFSET)
     else:
         act: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
         mask: tl.constexpr = (1 << BITS) - 1
         shifted = words >> (t * BITS)
         lo = (shifted & mask).to(tl.float32) - z[:, None]
         hi = ((shifted >> 16) & mask).to(tl.float32) - z[:, None]
-        if SCALE_W:
+        if HAS_OFFSET:
+            lo = lo * s_act[:, None] + m_act[:, None]
+            hi = hi * s_act[:, None] + m_act[:, None]
+        elif SCALE_W:
             lo = lo * s_act[:, None]
             hi = hi * s_act[:, None]
         lo = lo.to(act)
@@ -110,14 +131,17 @@ def decode_pair(words, t: tl.constexpr, z, s_act, zz_even, zz_odd, s2, BITS: tl.
 
 
 @triton.jit
-def _asm_pair(src, zz2, s2, ASM: tl.constexpr, IS_BF16: tl.constexpr):
-    args = [src, zz2[:, None], s2[:, None]]
-    if IS_BF16:
-        return tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r", args, dtype=(tl.bfloat16, tl.bfloat16),
-                                         is_pure=True, pack=1)
+def _asm_pair(src, zz2, s2, m2, ASM: tl.constexpr, IS_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    if HAS_OFFSET:
+        args = [src, zz2[:, None], s2[:, None], m2[:, None]]
+        operands: tl.constexpr = "=h,=h,r,r,r,r"
     else:
-        return tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r", args, dtype=(tl.float16, tl.float16),
-                                         is_pure=True, pack=1)
+        args = [src, zz2[:, None], s2[:, None]]
+        operands: tl.constexpr = "=h,=h,r,r,r"
+    if IS_BF16:
+        return tl.inline_asm_elementwise(ASM, operands, args, dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(ASM, operands, args, dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -140,6 +164,7 @@ def w_dot_kernel(
     ZERO_CONST: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_W: tl.constexpr, SPLIT: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr,
     ASM_ODD: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_OFFSET: tl.constexpr = False,
 ):
     PAIRS: tl.constexpr = 16 // BITS
     R: tl.constexpr = BLOCK_K * BITS // 32  # words per out-feature per block
@@ -168,9 +193,12 @@ def w_dot_kernel(
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for t in tl.static_range(PAIRS):
             if SCALE_W or t % RUNS_PER_GROUP == 0:  # a new group starts at this run of 2R rows
-                s, s_act, z, zz_e, zz_o, s2 = load_group(s_ptr, z_ptr, (k0 + t * 2 * R) // GROUP_SIZE, offs_n,
-                                                         N, n_ok, ZERO_CONST, HAS_ZEROS, BITS, IS_BF16)
-            lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, BITS, IS_BF16, SCALE_W, ASM, ASM_ODD)
+                g = (k0 + t * 2 * R) // GROUP_SIZE
+                s, s_act, z, zz_e, zz_o, s2 = load_group(s_ptr, z_ptr, g, offs_n, N, n_ok, ZERO_CONST, HAS_ZEROS,
+                                                         BITS, IS_BF16)
+                m_act, m2 = _group_offset(z_ptr, g, offs_n, N, n_ok, s_act, s2, IS_BF16, HAS_OFFSET)
+            lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, m_act, m2, BITS, IS_BF16, SCALE_W, ASM,
+                                 ASM_ODD, HAS_OFFSET)
             w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))  # columns 2r + j
             xt = _load_xt(x_ptr, perm_ptr, offs_m, k0 + t * 2 * R + offs_2r, M, K, stride_xm, HAS_PERM)
             if SCALE_W:
@@ -181,6 +209,16 @@ def w_dot_kernel(
                     acc += part * s[:, None]
                     part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _group_offset(m_ptr, g, offs_n, N, n_ok, s_act, s2, IS_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """load_offset under HAS_OFFSET; otherwise placeholders that nothing reads."""
+    if HAS_OFFSET:
+        m_act, m2 = load_offset(m_ptr, g, offs_n, N, n_ok, IS_BF16)
+    else:
+        m_act, m2 = s_act, s2
+    return m_act, m2
 
 
 @triton.jit
@@ -218,9 +256,9 @@ def dequantize_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, N, K, kw,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ZERO_CONST: tl.constexpr,
     HAS_ZEROS: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr, ASM_ODD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr = False,
 ):
-    """W^T [N, K] = s * (q - z) in the layout's (sorted) row order, one block of rows a program."""
+    """W^T [N, K] = s * (q - z) (+ m) in the layout's (sorted) row order, one block of rows a program."""
     PAIRS: tl.constexpr = 16 // BITS
     R: tl.constexpr = BLOCK_K * BITS // 32
     b = tl.program_id(0)
@@ -233,7 +271,9 @@ def dequantize_kernel(
         k0 = b * BLOCK_K + t * 2 * R
         s, s_act, z, zz_e, zz_o, s2 = load_group(s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, N, n_ok,
                                                  ZERO_CONST, HAS_ZEROS, BITS, IS_BF16)
-        lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, BITS, IS_BF16, True, ASM, ASM_ODD)
+        m_act, m2 = _group_offset(z_ptr, k0 // GROUP_SIZE, offs_n, N, n_ok, s_act, s2, IS_BF16, HAS_OFFSET)
+        lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, m_act, m2, BITS, IS_BF16, True, ASM, ASM_ODD,
+                             HAS_OFFSET)
         w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))
         kk = k0 + offs_2r
         tl.store(out_ptr + offs_n[:, None] * K + kk[None, :], w, mask=n_ok[:, None] & (kk < K)[None, :])

@@ -19,6 +19,8 @@ activations through `perm` (x[:, perm[k]]).
 
 Zero points: symmetric checkpoints (every zero the same value) keep the zero as a constant and
 store no zero tensor; otherwise zeros are stored as uint8 [groups, out]. Scales stay fp16.
+Float offsets (`offsets`, GGUF forms with a min: w = s * (q - z) + m; kernels.triton_ggml builds
+them) are [groups, out] in the activation dtype, as are those forms' scales.
 The input axis is padded with zero codes to a multiple of `block_k` (and the group tensors to
 cover the padding); the kernels mask the activations there, so padding never contributes.
 
@@ -49,6 +51,7 @@ class TritonLayout:
     block_k: int
     in_features: int
     out_features: int
+    offsets: torch.Tensor | None = None  # [groups_padded, out] float offset m per group, or None
 
     @property
     def rows_per_field(self) -> int:
@@ -65,7 +68,8 @@ class TritonLayout:
 
     def nbytes(self) -> int:
         """Bytes a kernel reads for the weight (codes, scales, zeros)."""
-        total = self.words.numel() * 4 + self.scales.numel() * 2
+        total = self.words.numel() * 4 + self.scales.numel() * self.scales.element_size()
+        total += self.offsets.numel() * self.offsets.element_size() if self.offsets is not None else 0
         return total + (self.zeros.numel() if self.zeros is not None else 0)
 
 
@@ -135,35 +139,41 @@ def repack(w: GPTQWeight, block_k: int | None = None) -> TritonLayout:
     if one_group:
         gs = k_padded
     groups = -(-k_padded // gs)
-    scales = _pad_rows(w.scales.to(torch.float16), groups)
+    scales = pad_rows(w.scales.to(torch.float16), groups)
     zeros = w.zeros()
     zero_vals = torch.unique(zeros)
     if zero_vals.numel() == 1:
         zero_const, zeros_t = int(zero_vals.item()), None
     else:
-        zero_const, zeros_t = 0, _pad_rows(zeros.to(torch.uint8), groups)
+        zero_const, zeros_t = 0, pad_rows(zeros.to(torch.uint8), groups)
     return TritonLayout(words=words.contiguous(), scales=scales.contiguous(), zeros=zeros_t,
                         zero_const=zero_const, perm=perm, bits=w.bits, group_size=gs, block_k=block_k,
                         in_features=k, out_features=n)
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] >= rows:
         return t[:rows].contiguous()
     return torch.cat([t, t[-1:].expand(rows - t.shape[0], -1)]).contiguous()
 
 
-def unpack_layout(layout: TritonLayout) -> torch.Tensor:
-    """Inverse of the packing: codes [in, out] in the original (unsorted) row order. For tests."""
-    fields, bits = layout.fields_per_word, layout.bits
-    r = layout.rows_per_field
-    words = layout.words.t().to(torch.int64) & 0xFFFFFFFF  # [k_padded / fields, out]
+def unpack_words(words: torch.Tensor, bits: int, block_k: int, rows: int) -> torch.Tensor:
+    """Inverse of interleave_block_rows: words [cols, k_padded * bits / 32] -> codes [rows, cols]
+    (int64), in the layout's row order."""
+    fields = 32 // bits
+    r = block_k // fields
+    words = words.t().to(torch.int64) & 0xFFFFFFFF  # [k_padded / fields, cols]
     blocks = words.shape[0] // r
     w = words.reshape(blocks, r, 1, -1)
     shifts = (torch.arange(fields, device=words.device) * bits).view(1, 1, fields, 1)
-    q = (w >> shifts) & ((1 << bits) - 1)  # [blocks, r, j * P + t, out]
-    q = q.reshape(blocks, r, 2, fields // 2, -1).permute(0, 3, 1, 2, 4)  # [b, t, r, j, out]
-    q = q.reshape(blocks * layout.block_k, -1)[: layout.in_features]
+    q = (w >> shifts) & ((1 << bits) - 1)  # [blocks, r, j * P + t, cols]
+    q = q.reshape(blocks, r, 2, fields // 2, -1).permute(0, 3, 1, 2, 4)  # [b, t, r, j, cols]
+    return q.reshape(blocks * block_k, -1)[:rows]
+
+
+def unpack_layout(layout: TritonLayout) -> torch.Tensor:
+    """Inverse of the packing: codes [in, out] in the original (unsorted) row order. For tests."""
+    q = unpack_words(layout.words, layout.bits, layout.block_k, layout.in_features)
     if layout.perm is not None:
         out = torch.empty_like(q)
         out[layout.perm.long()] = q

@@ -3,6 +3,9 @@
     kernel = TritonGPTQKernel(gptq_weight, torch.float16)   # repacks once (triton_layout)
     y = kernel(x, bias)                                      # x [..., in] -> y [..., out]
 
+`TritonLayoutKernel(layout, dtype)` is the same object over a layout built elsewhere (the GGUF
+forms: kernels.triton_ggml).
+
 Paths, chosen per call from the number of rows M (`choose_config`):
   * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K: for decode batches this
               is the split-K GEMV (16-row tile, split until every SM streams weights), for medium
@@ -16,6 +19,7 @@ check it.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -42,10 +46,17 @@ DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     """Tile shape and split count for M rows: the winners of `tune` on an H200 (bench/NOTES-kernels.md),
-    as rules. Decode tiles are narrow (64 out-features) and split until ~4 programs per SM."""
+    as rules. Decode tiles are narrow (64 out-features) and split until ~4 programs per SM, except
+    over layouts with short blocks (group 32), whose decode tiles are 256 wide."""
     n, blocks = layout.out_features, layout.k_padded // layout.block_k
     if m >= DENSE_MIN_ROWS:
         return GemmConfig("dense")
+    if m <= 16 and layout.rows_per_field < 32:
+        # Fewer than 32 words per column per block (group-32 layouts: the GGUF forms, GPTQ g32): a
+        # 64-wide tile leaves each step too little work (one short wgmma chain); 256 wide, split to
+        # ~2 programs per SM, ran 1.3-1.9x faster on the H200 (bench/NOTES-kernels.md, GGUF forms).
+        tiles = -(-n // 256)
+        return GemmConfig("dot", 16, 256, split_for(tiles, blocks, 2 * num_sms), num_warps=4, num_stages=3)
     if m <= 16:
         tiles = -(-n // 64)
         return GemmConfig("dot", 16, 64, split_for(tiles, blocks, 4 * num_sms), num_warps=4, num_stages=3)
@@ -60,6 +71,13 @@ def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     tiles = -(-m // block_m) * -(-n // 128)
     return GemmConfig("dot", block_m, 128, split_for(tiles, blocks, num_sms), num_warps=8, num_stages=3,
                       scale_w=True)
+
+
+def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
+    """The config a layout can run: float offsets need the group scale on the weight side."""
+    if cfg.kind == "dot" and layout.offsets is not None and not cfg.scale_w:
+        return dataclasses.replace(cfg, scale_w=True)
+    return cfg
 
 
 def split_for(tiles: int, blocks: int, target_programs: int) -> int:
@@ -87,19 +105,20 @@ def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmCo
     for bm, bn, warps, stages, sw in grid:
         tiles = -(-m // bm) * -(-n // bn)
         for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4)}):
-            out.append(GemmConfig("dot", bm, bn, s, warps, stages, sw))
-    return out
+            out.append(weight_side(GemmConfig("dot", bm, bn, s, warps, stages, sw), layout))
+    return list(dict.fromkeys(out))
 
 
-class TritonGPTQKernel:
-    """y = x @ W for one GPTQ linear, in fp16 or bf16, on the GPU (or the Triton interpreter)."""
+class TritonLayoutKernel:
+    """y = x @ W for one weight in the Triton layout, in fp16 or bf16, on the GPU (or the Triton
+    interpreter)."""
 
     name = "triton"
 
-    def __init__(self, w: GPTQWeight, dtype: torch.dtype, block_k: int | None = None):
+    def __init__(self, layout: TritonLayout, dtype: torch.dtype):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the Triton kernel computes in float16 or bfloat16, not {dtype}")
-        self.layout = repack(w, block_k)
+        self.layout = layout
         self.dtype = dtype
         device = self.layout.words.device
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -110,7 +129,7 @@ class TritonGPTQKernel:
     def config_for(self, m: int) -> GemmConfig:
         cfg = self._configs.get(m)
         if cfg is None:
-            cfg = self._configs[m] = choose_config(m, self.layout, self.num_sms)
+            cfg = self._configs[m] = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
         return cfg
 
     def tune(self, batch_sizes, candidates=None) -> dict[int, tuple[float, GemmConfig]]:
@@ -135,7 +154,9 @@ class TritonGPTQKernel:
         return chosen
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: GemmConfig | None = None) -> torch.Tensor:
+                 config: GemmConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y [..., out]; with `out` (a [M, out] view, e.g. a column slice of a merged output)
+        the result is written there and `out` returned."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
@@ -147,8 +168,13 @@ class TritonGPTQKernel:
                 x2 = x2.index_select(1, perm)  # the dense weight keeps the sorted row order
             w_t = dequantize_layout(self.layout, self.dtype)
             y = torch.nn.functional.linear(x2, w_t, None if bias is None else bias.to(x2.dtype))
+            if out is not None:
+                return out.copy_(y)
         else:
-            y = matmul_layout(x2, self.layout, cfg, bias, self._counter_buffer(x2.shape[0], cfg))
+            y = matmul_layout(x2, self.layout, weight_side(cfg, self.layout), bias,
+                              self._counter_buffer(x2.shape[0], cfg), out)
+            if out is not None:
+                return y
         return y.reshape(*lead, self.layout.out_features)
 
     def _counter_buffer(self, m: int, cfg: GemmConfig) -> torch.Tensor:
@@ -159,9 +185,19 @@ class TritonGPTQKernel:
         return self._counters
 
 
+class TritonGPTQKernel(TritonLayoutKernel):
+    """y = x @ W for one GPTQ linear: repacked once into the Triton layout."""
+
+    def __init__(self, w: GPTQWeight, dtype: torch.dtype, block_k: int | None = None):
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the Triton kernel computes in float16 or bfloat16, not {dtype}")
+        super().__init__(repack(w, block_k), dtype)
+
+
 def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias: torch.Tensor | None,
-                  counters: torch.Tensor) -> torch.Tensor:
-    """Launch the tensor-core kernel for x2 [M, in]; returns [M, out] in x2's dtype."""
+                  counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the tensor-core kernel for x2 [M, in]; returns [M, out] in x2's dtype (written into
+    `out`, a [M, out] view with unit column stride, when given)."""
     from .triton_gemm import w_dot_kernel
 
     m, k = x2.shape
@@ -170,23 +206,31 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
     if cfg.kind != "dot":
         raise ValueError(f"matmul_layout runs the 'dot' path, not {cfg.kind!r}")
     n = layout.out_features
+    has_offset = layout.offsets is not None
+    if has_offset and not cfg.scale_w:
+        raise ValueError("a layout with float offsets runs with the scale on the weight side (scale_w)")
     blocks = layout.k_padded // layout.block_k
     split = cfg.split_k if blocks % cfg.split_k == 0 else 1
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x2.dtype:
+        raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} view with unit column stride, "
+                         f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     is_bf16 = x2.dtype == torch.bfloat16
     scale_w = cfg.scale_w
     w_dot_kernel[grid](
-        x2, layout.words, layout.scales, _or(layout.zeros, layout.scales), _or(layout.perm, layout.words),
+        x2, layout.words, layout.scales, _group_table(layout), _or(layout.perm, layout.words),
         _or(bias, out), out, ws, counters, m, n, k, layout.words.shape[1], x2.stride(0), out.stride(0),
         blocks // split,
         BITS=layout.bits, BLOCK_K=layout.block_k, GROUP_SIZE=layout.group_size,
         ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None,
         HAS_PERM=layout.perm is not None, HAS_BIAS=bias is not None, SCALE_W=scale_w, SPLIT=split > 1,
-        IS_BF16=is_bf16, ASM=_asm(layout.bits, is_bf16, scale_w),
-        ASM_ODD=_asm(layout.bits, is_bf16, scale_w, odd=True), EVEN_N=n % cfg.block_n == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IS_BF16=is_bf16, ASM=_asm(layout.bits, is_bf16, scale_w, offset=has_offset),
+        ASM_ODD=_asm(layout.bits, is_bf16, scale_w, odd=True, offset=has_offset), EVEN_N=n % cfg.block_n == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_OFFSET=has_offset, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -198,19 +242,28 @@ def dequantize_layout(layout: TritonLayout, dtype: torch.dtype, block_n: int = 6
     out = torch.empty((n, k), dtype=dtype, device=layout.words.device)
     grid = (layout.k_padded // layout.block_k, -(-n // block_n))
     is_bf16 = dtype == torch.bfloat16
+    has_offset = layout.offsets is not None
     dequantize_kernel[grid](
-        layout.words, layout.scales, _or(layout.zeros, layout.scales), out, n, k, layout.words.shape[1],
+        layout.words, layout.scales, _group_table(layout), out, n, k, layout.words.shape[1],
         BITS=layout.bits, BLOCK_K=layout.block_k, GROUP_SIZE=layout.group_size,
         ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None, IS_BF16=is_bf16,
-        ASM=_asm(layout.bits, is_bf16, True), ASM_ODD=_asm(layout.bits, is_bf16, True, odd=True),
-        BLOCK_N=block_n, num_warps=4)
+        ASM=_asm(layout.bits, is_bf16, True, offset=has_offset),
+        ASM_ODD=_asm(layout.bits, is_bf16, True, odd=True, offset=has_offset),
+        BLOCK_N=block_n, HAS_OFFSET=has_offset, num_warps=4)
     return out
 
 
-def _asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False) -> str:
+def _asm(bits: int, is_bf16: bool, scale_w: bool, odd: bool = False, offset: bool = False) -> str:
     from .triton_gemm import pair_asm
 
-    return "" if os.environ.get("TRITON_INTERPRET") == "1" else pair_asm(bits, is_bf16, scale_w, odd)
+    return "" if os.environ.get("TRITON_INTERPRET") == "1" else pair_asm(bits, is_bf16, scale_w, odd, offset)
+
+
+def _group_table(layout: TritonLayout) -> torch.Tensor:
+    """The kernels' z_ptr: the integer zeros, or the float offsets (a layout has at most one)."""
+    if layout.zeros is not None and layout.offsets is not None:
+        raise ValueError("a Triton layout holds integer zeros or float offsets, not both")
+    return _or(layout.zeros if layout.zeros is not None else layout.offsets, layout.scales)
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -243,5 +296,5 @@ def register_kernels(register) -> None:
     register(KernelEntry("triton", make_kernel, supports, priority=20))
 
 
-__all__ = ["GemmConfig", "TritonGPTQKernel", "choose_config", "matmul_layout", "dequantize_layout",
+__all__ = ["GemmConfig", "TritonGPTQKernel", "TritonLayoutKernel", "choose_config", "matmul_layout", "dequantize_layout",
            "register_kernels"]

@@ -70,13 +70,11 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     source = open_source(path)
     if progress is None:
         progress = sys.stderr.isatty()
-    # the tokenizer first: a bad one fails before the long part, and parsing it (a transient of
-    # ~25 MB for a 49k vocabulary) peaks before the weights are in memory, not on top of them
-    tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None
     m = load_stage(source, stage, dev, dt, progress=progress)
     if isinstance(source, GGUFSource) and source.native and _reports():
         for line in load_report(source, m):
             print(line, file=sys.stderr)
+    tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None
     return LoadedModel(path, source.config, m, tok, dev, dt)
 
 

@@ -48,8 +48,8 @@ from flotilla.models.parallel_state import TPGroup, check_divisible, tensor_para
 from flotilla.models.sources import open_source
 
 from .default_model import resolve_model_path
-from .kv_cache import KVCache, KVCacheSpec
 from .host_memory import lean_cpu_load
+from .kv_cache import KVCache, KVCacheSpec
 from .loader import LoadedModel, load_model, parse_device, parse_dtype
 from .model_runner import ModelRunner, StepInput
 from .sampler import SamplerOutput

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flotilla.errors import FlotillaError
-from flotilla.runtime import kv_cache
 from flotilla.kernels.fused import store_kv_slots
+from flotilla.runtime import kv_cache
 from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, plan_kv_cache
 
 # SmolLM2-135M in fp32: 30 layers x 3 KV heads x 64 x (k, v) x 4 bytes x 16 tokens = 720 KiB a block

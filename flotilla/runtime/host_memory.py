@@ -11,7 +11,7 @@ import contextlib
 import math
 import mmap
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

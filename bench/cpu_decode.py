@@ -16,7 +16,8 @@ Rows (SmolLM2-135M-Instruct; greedy, EOS ignored; the same prompt token ids ever
     fp32                  the GGUF dequantized to fp32 (what the runtime did before it ran GGUF natively)
     transformers          fp32 generate, eager, from the same GGUF
     peak RSS              VmHWM of a `runtime generate` subprocess on the default model with a
-                          2048-token context (--max-model-len 2048 and a KV cache sized for it)
+                          2048-token context (--max-model-len 2048; the default KV cache, which is
+                          sized for that context), and what of that the KV cache held
 
 decode tok/s = (tokens - 1) / (time of the last token - time of the first), best of --repeats.
 prefill tok/s = 512 / time to the first token of a 512-token prompt (prefix cache cleared), best
@@ -41,7 +42,6 @@ sys.path.insert(0, str(ROOT))
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 PREFILL_TOKENS = 512
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2: layers x (k, v) x KV heads x head dim x fp32
 
 
 def int4_checkpoint(gguf: Path, group_size: int) -> Path:
@@ -84,14 +84,16 @@ def engine_measure(model: str, native: bool, chat: list[int], long: list[int], t
     from flotilla.models.sources import open_source
     from flotilla.models.weights import load_stage
     from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.host_memory import lean_cpu_load
     from flotilla.runtime.loader import LoadedModel, load_model
     from flotilla.runtime.sampling import SamplingParams
 
-    if native:
-        lm = load_model(model, "cpu", "float32", with_tokenizer=False, progress=False)
-    else:  # the GGUF dequantized to fp32, as the runtime loaded GGUF files before
-        source = open_source(model, native_gguf=False)
-        lm = LoadedModel(Path(model), source.config, load_stage(source), None, torch.device("cpu"), torch.float32)
+    with lean_cpu_load("cpu"):  # glibc as `runtime chat` sets it around its load
+        if native:
+            lm = load_model(model, "cpu", "float32", with_tokenizer=False, progress=False)
+        else:  # the GGUF dequantized to fp32, as the runtime loaded GGUF files before
+            source = open_source(model, native_gguf=False)
+            lm = LoadedModel(Path(model), source.config, load_stage(source), None, torch.device("cpu"), torch.float32)
     engine = build_engine(lm, EngineArgs(kv_cache_memory="128MiB", max_num_seqs=1))
     best_decode, best_prefill, out = 0.0, 0.0, []
     with torch.inference_mode():
@@ -239,18 +241,18 @@ print("VMHWM_KB", int(hwm.split()[1]), rc)
 
 
 def rss_row(args) -> dict:
-    """Peak RSS of `runtime generate` (no MODEL: the embedded default) with a 2048-token context."""
-    kv = -(-2048 * KV_BYTES_PER_TOKEN // 2**20)  # MiB: the cache a 2048-token context needs
-    cli = ["generate", "--prompt", PROMPT, "--chat", "--max-tokens", "32", "--max-model-len", "2048",
-           "--kv-cache-memory", f"{kv}MiB"]
+    """Peak RSS of `runtime generate` (no MODEL: the embedded default, default options) with a
+    2048-token context."""
+    cli = ["generate", "--prompt", PROMPT, "--chat", "--max-tokens", "32", "--max-model-len", "2048"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FLOTILLA_CPU_ISA", None)
     proc = subprocess.run([sys.executable, "-c", RSS_WORKER, *cli], capture_output=True, text=True, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VMHWM_KB")), None)
     if proc.returncode != 0 or line is None:
         return {"impl": "peak RSS of runtime generate", "error": (proc.stderr.strip() or "no output")[-300:]}
+    kv = next((ln for ln in proc.stderr.splitlines() if ln.startswith("KV cache:")), "")
     return {"impl": "peak RSS of runtime generate", "file": "(default)", "peak_rss_mb": int(line.split()[1]) / 1024,
-            "command": "runtime " + " ".join(cli), "kv_cache_mib": kv}
+            "command": "runtime " + " ".join(cli), "kv_cache": kv}
 
 
 # ------------------------------------------------------------------------------ main

@@ -2,12 +2,15 @@
 fraction of RAM), on a GPU a fraction of its free memory; the flags override both."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.kernels.fused import store_kv_slots
 from flotilla.runtime import kv_cache
-from flotilla.runtime.kv_cache import KVCacheSpec, plan_kv_cache
+from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, plan_kv_cache
 
 # SmolLM2-135M in fp32: 30 layers x 3 KV heads x 64 x (k, v) x 4 bytes x 16 tokens = 720 KiB a block
 SPEC = KVCacheSpec(tuple(range(30)), 3, 64, torch.float32, 16)
@@ -70,3 +73,20 @@ def test_a_fraction_out_of_range_is_an_error(free):
     for bad in (0.0, 1.5):
         with pytest.raises(FlotillaError, match=r"must be in \(0, 1\]"):
             plan_kv_cache(SPEC, CPU, 8192, 64, fraction=bad)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mapping's Rss in /proc/self/smaps")
+def test_cpu_cache_holds_ram_only_for_the_blocks_written():
+    """The pool is reserved, not filled: RAM grows with the blocks steps write, and reading an
+    untouched block (padding reads the null block) sees zeros without making it resident."""
+    spec = KVCacheSpec(tuple(range(4)), 2, 64, torch.float32, 16)  # 16 x 2 x 64 x 4 B = 8 KiB a layer's k or v
+    cache = KVCache(spec, 1024, CPU)
+    assert cache.reserved_bytes == 4 * 2 * 1024 * 8192  # 64 MiB
+    assert cache.resident_bytes() == 0
+    assert cache.storage.abs().sum().item() == 0 and cache.resident_bytes() == 0
+    slots = torch.arange(16, 64)  # the 48 token slots of blocks 1, 2 and 3
+    k, v = torch.randn(48, 2, 64), torch.randn(48, 2, 64)
+    for layer in spec.layers:
+        store_kv_slots(cache.key[layer], cache.value[layer], k, v, slots)
+    assert cache.resident_bytes() == 3 * 4 * 2 * 8192  # 3 blocks x 4 layers x (k, v), not the pool
+    assert torch.equal(cache.key[3][1:4].reshape(48, 2, 64), k) and cache.value[0][4:].abs().sum().item() == 0

@@ -13,6 +13,7 @@ tensor's bytes with one positional read, so a load holds no more than the tensor
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import numpy as np
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class GGUFFormatError(ValueError):
@@ -51,17 +53,66 @@ class _Array:
     offset: int  # of the first element
 
 
+class _Header:
+    """Reads the header, checking every length against the bytes left in the file before it reads
+    (a corrupt length must be an error naming it, not a multi-GB allocation)."""
+
+    def __init__(self, f, size: int):
+        self.f, self.size = f, size
+
+    def room(self, n: int, what: str) -> None:
+        pos = self.f.tell()
+        if n > self.size - pos:
+            raise GGUFFormatError(f"{what} at byte {pos} needs {n} bytes; the {self.size}-byte file has "
+                                  f"{self.size - pos} left (truncated or corrupt)")
+
+    def take(self, n: int, what: str) -> bytes:
+        self.room(n, what)
+        return self.f.read(n)
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+
+    def string(self, what: str) -> str:
+        n = self.unpack("<Q", f"the length of {what}")[0]
+        pos = self.f.tell()
+        try:
+            return self.take(n, what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFFormatError(f"{what} at byte {pos} is not UTF-8") from None
+
+    def value(self, vtype: int, what: str):
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype], what)[0]
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            item, count = self.unpack("<IQ", f"the item type and count of {what}")
+            arr = _Array(item, count, self.f.tell())
+            if item in _SCALARS:  # skipped now, read when asked for
+                n = count * struct.calcsize(_SCALARS[item])
+                self.room(n, f"{what}'s {count} values")
+                self.f.seek(n, os.SEEK_CUR)
+            else:  # strings (a length each, at least) or arrays (an item type and a count)
+                self.room(count * (8 if item == _STRING else 12), f"{what}'s {count} items")
+                for i in range(count):
+                    self.value(item, f"{what}[{i}]")
+            return arr
+        raise GGUFFormatError(f"{what}: unknown metadata value type {vtype}")
+
+
 class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._fd = -1
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, OverflowError) as e:
-            os.close(self._fd)
+        except struct.error as e:  # _Header checks lengths first; this is a last guard
+            self.close()
             raise GGUFFormatError(f"truncated or malformed header ({e})") from None
-        except GGUFFormatError:
-            os.close(self._fd)
+        except BaseException:
+            self.close()
             raise
 
     def close(self) -> None:
@@ -74,64 +125,50 @@ class GGUFFile:
 
     # ------------------------------------------------------------------------------ header
     def _parse(self) -> None:
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
+            h = _Header(f, size)
             if f.read(4) != b"GGUF":
                 raise GGUFFormatError("no GGUF magic")
-            version, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+            version, n_tensors, n_kv = h.unpack("<IQQ", "the version and counts")
             if version not in (2, 3):
                 raise GGUFFormatError(f"GGUF version {version} is not supported (2, 3)")
+            h.room(n_kv * 12, f"{n_kv} metadata entries")  # each at least a key length and a type
             self._fields: dict[str, object] = {}
-            for _ in range(n_kv):
-                key = self._string(f)
-                self._fields[key] = self._value(f, struct.unpack("<I", f.read(4))[0])
+            for i in range(n_kv):
+                key = h.string(f"metadata key {i}")
+                self._fields[key] = h.value(h.unpack("<I", f"the type of {key!r}")[0], repr(key))
+            h.room(n_tensors * 24, f"{n_tensors} tensor entries")  # each at least a name length, type, offset
             infos = []
-            for _ in range(n_tensors):
-                name = self._string(f)
-                n_dims = struct.unpack("<I", f.read(4))[0]
-                dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
-                ttype, offset = struct.unpack("<IQ", f.read(12))
+            for i in range(n_tensors):
+                name = h.string(f"tensor name {i}")
+                n_dims = h.unpack("<I", f"the dimension count of tensor {name!r}")[0]
+                if n_dims > MAX_DIMS:
+                    raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions; GGUF allows at most {MAX_DIMS}")
+                dims = h.unpack(f"<{n_dims}Q", f"the dimensions of tensor {name!r}")
+                ttype, offset = h.unpack("<IQ", f"the type and offset of tensor {name!r}")
                 infos.append((name, tuple(reversed(dims)), ttype, offset))
-            align = int(self._fields.get("general.alignment", DEFAULT_ALIGNMENT))
+            align = self._fields.get("general.alignment", DEFAULT_ALIGNMENT)
+            if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
+                raise GGUFFormatError(f"general.alignment is {align!r}; expected a positive integer")
             start = -(-f.tell() // align) * align
-        size = self.path.stat().st_size
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, ttype, offset in infos:
-            info = TensorInfo(name, shape, ttype, start + offset, _nbytes(shape, ttype))
+            info = TensorInfo(name, shape, ttype, start + offset, _nbytes(name, shape, ttype))
             if info.offset + info.nbytes > size:
                 raise GGUFFormatError(f"tensor {name!r} ends at byte {info.offset + info.nbytes}, past the end of "
                                       f"the {size}-byte file (truncated?)")
             self.tensors[name] = info
 
-    @staticmethod
-    def _string(f) -> str:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return f.read(n).decode("utf-8")
-
-    def _value(self, f, vtype: int):
-        if vtype in _SCALARS:
-            fmt = _SCALARS[vtype]
-            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-        if vtype == _STRING:
-            return self._string(f)
-        if vtype == _ARRAY:
-            item, count = struct.unpack("<IQ", f.read(12))
-            arr = _Array(item, count, f.tell())
-            if item in _SCALARS:
-                f.seek(count * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    self._value(f, item)
-            return arr
-        raise GGUFFormatError(f"unknown metadata value type {vtype}")
-
     # ------------------------------------------------------------------------------ access
     def field(self, key: str, default=None):
         """A metadata value (arrays are read now, as lists)."""
         value = self._fields.get(key, default)
-        if isinstance(value, _Array):
+        if isinstance(value, _Array):  # checked when the header was parsed
             with open(self.path, "rb") as f:
+                h = _Header(f, self.path.stat().st_size)
                 f.seek(value.offset)
-                return [self._value(f, value.item_type) for _ in range(value.count)]
+                return [h.value(value.item_type, f"{key!r}[{i}]") for i in range(value.count)]
         return value
 
     def array_length(self, key: str) -> int | None:
@@ -143,18 +180,18 @@ class GGUFFile:
         data = os.pread(self._fd, info.nbytes, info.offset)
         if len(data) != info.nbytes:
             raise GGUFFormatError(f"tensor {info.name!r}: read {len(data)} of {info.nbytes} bytes")
-        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        rows = math.prod(info.shape[:-1])
         return np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
 
 
-def _nbytes(shape: tuple[int, ...], ttype: int) -> int:
+def _nbytes(name: str, shape: tuple[int, ...], ttype: int) -> int:
     import gguf
 
     try:
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
     except (ValueError, KeyError):
-        raise GGUFFormatError(f"unknown tensor type {ttype}") from None
-    n = int(np.prod(shape)) if shape else 1
+        raise GGUFFormatError(f"tensor {name!r}: unknown tensor type {ttype}") from None
+    n = math.prod(shape)  # Python ints: no overflow, however corrupt the dimensions
     if n % block:
-        raise GGUFFormatError(f"{n} values are not whole blocks of {block} of type {ttype}")
+        raise GGUFFormatError(f"tensor {name!r}: {n} values are not whole blocks of {block} of type {ttype}")
     return n // block * size

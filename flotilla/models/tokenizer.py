@@ -2,7 +2,9 @@
 
 Loaded from `tokenizer.json` + `tokenizer_config.json` in a model directory, or from the
 metadata of a GGUF file (converted once by transformers and cached next to flotilla's other
-cached files, since the conversion takes seconds). Never touches a model hub.
+cached files, since the conversion takes seconds). Files that transformers would load as they
+are go through `tokenizer_files` (no transformers import); others through transformers. Never
+touches a model hub.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from flotilla.envs import cache_dir  # noqa: E402
 from flotilla.errors import FlotillaError  # noqa: E402
+
+from .tokenizer_files import FileTokenizer, loads_as_is  # noqa: E402
 
 
 class Tokenizer:
@@ -93,13 +97,21 @@ def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tok
         return Tokenizer(_gguf_tokenizer(p), eos_token_ids)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer.model").is_file():
         raise FlotillaError(f"{p}: no tokenizer.json (the model directory needs its tokenizer files)")
-    from transformers import AutoTokenizer
-
     try:
-        hf = AutoTokenizer.from_pretrained(str(p))
+        hf = _from_directory(p)
     except Exception as e:
         raise FlotillaError(f"{p}: cannot load the tokenizer ({e})") from None
     return Tokenizer(hf, eos_token_ids + _generation_eos(p))
+
+
+def _from_directory(directory: Path):
+    """The files as they are (tokenizers + jinja2) where transformers would load them unchanged,
+    else transformers' AutoTokenizer."""
+    if loads_as_is(directory):
+        return FileTokenizer(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
 
 
 def _generation_eos(directory: Path) -> tuple[int, ...]:
@@ -114,13 +126,13 @@ def _generation_eos(directory: Path) -> tuple[int, ...]:
 
 
 def _gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        return _from_directory(cached)
+    from transformers import AutoTokenizer
+
     try:
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
@@ -130,5 +142,5 @@ def _gguf_tokenizer(path: Path):
         hf.save_pretrained(str(tmp))
         os.replace(tmp, cached)
     except OSError:
-        pass  # a read-only cache only costs the conversion next time
-    return hf
+        return hf  # a read-only cache only costs the conversion next time
+    return _from_directory(cached)  # as every later run will read it

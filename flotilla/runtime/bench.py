@@ -143,12 +143,14 @@ def _batches(text: str) -> list[int]:
 
 
 def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
+    from .host_memory import lean_cpu_load
     from .loader import load_model, parse_device, parse_dtype
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     if args.random is None:
-        lm = load_model(args.model, device, args.dtype, with_tokenizer=False)
+        with lean_cpu_load(device):  # the `runtime bench` process
+            lm = load_model(args.model, device, args.dtype, with_tokenizer=False)
         return lm.model, str(lm.path)
     if args.model is not None:
         raise FlotillaError(f"give a model path or --random, not both (got {args.model!r} and --random {args.random})")

@@ -53,11 +53,14 @@ def load_with_progress(args: argparse.Namespace, say: Callable[[str], None]):
     """Load the model of `args` (the --tp ranks too), saying through `say` what loads and, when
     done, how long it took."""
     from .default_model import DEFAULT_MODEL_NAME
+    from .host_memory import lean_cpu_load
+    from .loader import parse_device
     from .tp import load_model_parallel
 
     start = time.perf_counter()
     say(f"loading {args.model or DEFAULT_MODEL_NAME}…")
-    lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
+    with lean_cpu_load(parse_device(args.device)):  # a CLI process: its malloc settings are ours to set
+        lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
     dtype = str(lm.dtype).removeprefix("torch.")
     say(f"loaded {lm.path.name} in {time.perf_counter() - start:.1f} s ({lm.device}, {dtype}"
         f"{f', {args.tp} ranks' if args.tp > 1 else ''}); building the engine")

@@ -74,7 +74,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .loader import load_model
+    from .host_memory import lean_cpu_load
+    from .loader import load_model, parse_device
 
     if not args.text.is_file():
         raise FlotillaError(f"--text {args.text}: no such file")
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         raise FlotillaError(f"--text {args.text}: not UTF-8 text ({e})") from None
     if args.ctx < 2:
         raise FlotillaError(f"--ctx {args.ctx} must be at least 2")
-    lm = load_model(args.model, args.device, args.dtype)
+    with lean_cpu_load(parse_device(args.device)):  # the `runtime eval-ppl` process
+        lm = load_model(args.model, args.device, args.dtype)
     ctx = min(args.ctx, lm.config.max_model_len)
     stride = args.stride or max(1, ctx // 2)
     ids = lm.tokenizer.encode(text)

@@ -14,6 +14,8 @@ import torch
 from flotilla.errors import FlotillaError
 from flotilla.kernels.attention import PagedAttentionMetadata, paged_attention, store_kv
 
+from .host_memory import resident_bytes, zero_pages
+
 DEFAULT_FRACTION = 0.3  # of free memory: a GPU's default KV cache, and the most a CPU's default may take
 CPU_SHARED_TOKENS = 8192  # a CPU's default holds this many tokens across sequences (or one whole context)
 
@@ -131,15 +133,30 @@ def plan_kv_cache(spec: KVCacheSpec, device: torch.device, max_model_len: int, m
 
 class KVCache:
     """Per-layer key and value caches [num_blocks, block_size, Hkv, D], zero-filled (padding
-    reads the null block and stale slots; they must hold finite numbers)."""
+    reads the null block and stale slots; they must hold finite numbers).
+
+    On a CPU the storage is untouched anonymous pages (host_memory.zero_pages): a block takes RAM
+    only once a step writes it, so the process holds the blocks in use, not the whole pool."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
-        self.spec, self.num_blocks, self.device = spec, num_blocks, device
+        self.spec, self.num_blocks, self.device = spec, num_blocks, torch.device(device)
+        # [layers, (k, v), blocks, block_size, Hkv, D]
         shape = (len(spec.layers), 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.storage = torch.zeros(shape, dtype=spec.dtype, device=device)
+        if self.device.type == "cpu":
+            self.storage = zero_pages(shape, spec.dtype)
+        else:
+            self.storage = torch.zeros(shape, dtype=spec.dtype, device=device)
         index = {layer: i for i, layer in enumerate(spec.layers)}
         self.key = {layer: self.storage[i, 0] for layer, i in index.items()}
         self.value = {layer: self.storage[i, 1] for layer, i in index.items()}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def resident_bytes(self) -> int | None:
+        """Of reserved_bytes, what is in RAM now (CPU; None where it cannot tell)."""
+        return resident_bytes(self.storage) if self.device.type == "cpu" else None
 
 
 class PagedAttentionBackend:

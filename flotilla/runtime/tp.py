@@ -48,6 +48,7 @@ from flotilla.models.parallel_state import TPGroup, check_divisible, tensor_para
 from flotilla.models.sources import open_source
 
 from .default_model import resolve_model_path
+from .host_memory import lean_cpu_load
 from .kv_cache import KVCache, KVCacheSpec
 from .loader import LoadedModel, load_model, parse_device, parse_dtype
 from .model_runner import ModelRunner, StepInput
@@ -270,7 +271,7 @@ def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
             torch.set_num_threads(spec.threads)
         conn.send_bytes(_pack("hello"))
         _join_group(spec, rank, init_method)
-        with tensor_parallel(TPGroup(rank, spec.world_size)):
+        with lean_cpu_load(spec.device_for(rank)), tensor_parallel(TPGroup(rank, spec.world_size)):
             lm = load_model(spec.model, spec.device_for(rank), spec.dtype, spec.stage_of(), with_tokenizer=False,
                             progress=False)
         conn.send_bytes(_pack("ready"))

@@ -87,7 +87,10 @@ class StageRuntime:
             return plan_num_blocks(self.spec, self.lm.device, req.exact_blocks * self.spec.bytes_per_block)
         memory = req.kv_memory  # per rank, as --kv-cache-memory is for a local TP engine
         if not memory:  # a fraction of what is free, counting the pool this stage already holds as free
-            held = self.cache.storage.numel() * self.cache.storage.element_size() if self.cache is not None else 0
+            held = 0  # what of the held pool is in RAM (untouched CPU pages already count as free)
+            if self.cache is not None:
+                resident = self.cache.resident_bytes()
+                held = self.cache.reserved_bytes if resident is None else resident
             memory = int((free_memory(self.lm.device) + held) * req.kv_fraction / self.memory_shares)
         return plan_num_blocks(self.spec, self.lm.device, memory, req.kv_fraction, req.max_blocks)
 

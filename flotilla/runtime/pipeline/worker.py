@@ -30,6 +30,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 from flotilla.models.llama import Stage
+from flotilla.runtime.host_memory import lean_cpu_load
 from flotilla.runtime.tp import load_model_parallel
 
 from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
@@ -247,8 +248,9 @@ class Worker:
         await asyncio.to_thread(self._swap, None)  # free the old stage's memory first
         stage = Stage(req.start, req.end, req.num_layers)
         torch.set_num_threads(self._threads)  # a TP group divides them among its ranks at each load
-        lm = await asyncio.to_thread(on_device, self.config.device, load_model_parallel, directory,
-                                     str(self.config.device), req.dtype, self.config.tp, stage, False, False)
+        with lean_cpu_load(self.config.device):  # the `runtime worker` process
+            lm = await asyncio.to_thread(on_device, self.config.device, load_model_parallel, directory,
+                                         str(self.config.device), req.dtype, self.config.tp, stage, False, False)
         runtime = StageRuntime(lm, req, source)
         capacity = runtime.capacity(req)
         await asyncio.to_thread(self._swap, runtime)

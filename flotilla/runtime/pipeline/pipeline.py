@@ -97,8 +97,6 @@ class Pipeline:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-pipeline", daemon=True)
         self._thread.start()
-        self._outbox: asyncio.Queue | None = None
-        self._sender: asyncio.Task | None = None
         self.on_close: list[Callable[[], None]] = []  # e.g. stop the local worker processes
 
     @property
@@ -114,7 +112,7 @@ class Pipeline:
             raise
 
     def send_step(self, msg: Step) -> None:
-        self._loop.call_soon_threadsafe(self._queue_step, msg)
+        self._loop.call_soon_threadsafe(self._write_step, msg)
 
     def get_results(self, timeout: float) -> list[StepResult]:
         try:
@@ -167,8 +165,6 @@ class Pipeline:
     async def _setup(self) -> None:
         s = self.settings
         self._fingerprint = await asyncio.to_thread(fingerprint, self.model)
-        self._outbox = asyncio.Queue()
-        self._sender = asyncio.create_task(self._send_steps())
         await self._gather([self._connect(p) for p in self.peers])
         probe = Probe(json.dumps(self.config.to_hf_dict()), s.layers is None, s.dtype)
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
@@ -233,19 +229,10 @@ class Pipeline:
             raise
 
     # ------------------------------------------------------------------ the data path
-    def _queue_step(self, msg: Step) -> None:
+    def _write_step(self, msg: Step) -> None:
+        """On the loop's thread: the step goes to stage 0's socket now (no queue, no task)."""
         if self.ready.is_set() and msg.epoch == self.epoch:
-            self._outbox.put_nowait(msg)
-
-    async def _send_steps(self) -> None:
-        while True:
-            msg = await self._outbox.get()
-            if msg.epoch != self.epoch or not self.ready.is_set():
-                continue
-            try:
-                await self.peers[0].send(msg)
-            except (PeerLost, *GONE):
-                pass  # the reader reports the loss
+            self.peers[0].write(msg)
 
     def _on_data(self, peer: StagePeer, msg) -> None:
         if msg.epoch != self.epoch or not self.ready.is_set():
@@ -316,8 +303,6 @@ class Pipeline:
     async def _shutdown(self) -> None:
         if self._repair is not None:
             self._repair.cancel()
-        if self._sender is not None:
-            self._sender.cancel()
         for p in self.peers:
             p.close()
 

@@ -55,9 +55,9 @@ class PipelineSettings:
     wire_dtype: str = "fp16"
     dtype: str = "auto"
     block_size: int = 16
-    kv_memory: int = 0  # bytes per stage; 0: kv_fraction of each stage's free memory
-    kv_fraction: float = 0.3
-    max_blocks: int = 1 << 30
+    kv_memory: int = 0  # bytes per stage (--kv-cache-memory); 0: not given
+    kv_fraction: float = 0.0  # of each stage's free memory (--kv-cache-fraction); 0: not given
+    max_num_seqs: int = 64  # with neither given, a stage's pool is sized as a single-process run's
     stage_timeout: float = 60.0
     load_timeout: float = 3600.0
     graph_tokens: int = 0  # GPU stages replay decode steps of up to this many tokens from CUDA graphs (0: eager)
@@ -200,9 +200,9 @@ class Pipeline:
     async def _load(self, peer: StagePeer, exact_blocks: int) -> StageLoaded:
         s = self.settings
         req = load_request(self.model, self._fingerprint, self.stages[peer.index], dtype=s.dtype,
-                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction / self.shares[peer.index],
-                           max_blocks=s.max_blocks,
-                           block_size=s.block_size, exact_blocks=exact_blocks)
+                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction,
+                           max_model_len=s.max_model_len or self.config.max_model_len, max_num_seqs=s.max_num_seqs,
+                           memory_shares=self.shares[peer.index], block_size=s.block_size, exact_blocks=exact_blocks)
         return await asyncio.wait_for(peer.load(req, self.model), s.load_timeout)
 
     async def _configure_all(self) -> None:

@@ -238,6 +238,9 @@ class Worker:
 
     async def _load(self, req: LoadStage, outbox: Outbox, inbox: asyncio.Queue) -> StageLoaded:
         if self.runtime is not None and self.runtime.serves(req):
+            if not req.exact_blocks:  # a new head sizes the pool afresh, from all the free memory
+                self.epoch = -1
+                await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.drop_pool)
             return StageLoaded(self.runtime.capacity(req), f"already loaded ({self.runtime.source})", 0)
         self.epoch = -1  # drop whatever steps are still queued for the old stage
         received, directory = 0, None

@@ -3,6 +3,7 @@ nothing, against pp=1 in the same run (issue 19's per-hop cost, measured on a CP
 
     python bench/pp_hop.py                       # tiny random INT4 model, pp=1 vs pp=2 (local CPU workers)
     python bench/pp_hop.py --pp 2,3 --tokens 256 --repeats 5 --json
+    python bench/pp_hop.py --device cuda:0        # GPU stages (all on that GPU) and pp=1 there
 
 The model is the `tiny` random shape (hidden 128, --layers layers, INT4 g128; written to a temporary
 directory), so a stage's compute is a few hundred µs and what remains of a token's time is the ring:
@@ -91,7 +92,8 @@ def pp1_row(checkpoint: Path, prompts, args) -> dict:
     from flotilla.runtime.loader import load_model
 
     torch.set_num_threads(args.threads)
-    lm = load_model(checkpoint, "cpu", "float32", with_tokenizer=False, progress=False)
+    lm = load_model(checkpoint, args.device, "float32" if args.device == "cpu" else None, with_tokenizer=False,
+                    progress=False)
     engine = build_engine(lm, engine_args(args.streams))
     runner = engine.executor
     compute = [0.0, 0]
@@ -118,7 +120,8 @@ def ring_row(checkpoint: Path, pp: int, prompts, args, base: dict) -> dict:
     from flotilla.runtime.pipeline.pipeline import PipelineSettings
 
     token = secrets.token_hex(16).encode()
-    workers = LocalWorkers(pp, checkpoint, token, threads=args.threads, log=lambda line: None)
+    workers = LocalWorkers(pp, checkpoint, token, devices=[args.device] * pp, threads=args.threads,
+                           log=lambda line: None)
     engine = None
     try:
         hosts = workers.start()
@@ -154,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of pp=1 and of each worker")
+    ap.add_argument("--device", default="cpu", help="pp=1's device and every stage's (e.g. cuda:0: stages share it)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
     from flotilla.runtime.random_model import write_random_checkpoint
@@ -170,13 +174,14 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     for r in rows:
         r.update(tokens_per_stream=args.tokens, streams=args.streams, repeats=args.repeats, threads=args.threads,
-                 load_avg=[round(x, 2) for x in load])
+                 device=args.device, load_avg=[round(x, 2) for x in load])
         r.pop("tokens"), r.pop("single")
     if args.json:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"tiny random INT4 model ({layers} layers), local CPU workers on loopback, {args.threads} thread(s) a "
+    print(f"tiny random INT4 model ({layers} layers), local workers on {args.device} over loopback, "
+          f"{args.threads} thread(s) a "
           f"stage; one stream of {args.tokens} tokens (median of {args.repeats}); load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'pp':>3s} {'ms/token':>9s} {'tok/s':>7s} {'x pp1':>6s} {'stages ms':>10s} {'µs/hop':>7s} "

@@ -2,7 +2,8 @@
 
 `run` takes a `Step` from the previous hop and returns what goes to the next: the same step with
 this stage's hidden states (packed in the wire dtype), or, on the last stage, the sampled tokens.
-Called only from the worker's compute thread.
+Called under the worker's lock, from its event-loop thread (decode steps) or its compute thread
+(longer steps).
 
 On a GPU the stage runs like a local GPU engine: Triton kernels, paged attention, and decode
 steps replayed from CUDA graphs captured when the head configures the pool (`Configure` says

@@ -182,3 +182,27 @@ def test_probe_reports_whose_memory_and_the_stage_tp(tiny):
     assert info.layer_ms > 0 and info.head_ms > 0 and info.layer_bytes > 0 and info.free_memory > 0
     quick = worker_info(Probe(config, False, "auto"), torch.device("cpu"), "v")
     assert quick.layer_ms == 0 and quick.layer_bytes == info.layer_bytes and quick.tp == 1
+
+
+def test_a_cpu_stage_sizes_its_kv_pool_as_a_single_process_run(tiny):
+    """By default a CPU stage holds room for the CPU default's tokens (a context, or a few
+    sequences' worth), as `runtime serve` without --pp does, not a fraction of the host's RAM;
+    --kv-cache-memory and a rejoining stage's exact size still rule."""
+    from flotilla.runtime.kv_cache import CPU_SHARED_TOKENS
+    from flotilla.runtime.pipeline.messages import LoadStage
+    from flotilla.runtime.pipeline.stage_runtime import StageRuntime
+
+    lm = load_model(tiny, "cpu", None, Stage(0, 2, 4), with_tokenizer=False, progress=False)
+    runtime = StageRuntime(lm, LoadStage("f" * 64, {}, {}, 0, 2, 4, "auto", 0, 0.0, 1024, 64, 2, 16, 0), "test")
+
+    def capacity(max_model_len, max_num_seqs, kv_memory=0, exact=0):
+        req = LoadStage("f" * 64, {}, {}, 0, 2, 4, "auto", kv_memory, 0.0, max_model_len, max_num_seqs, 2, 16, exact)
+        return runtime.capacity(req)
+
+    # 64 sequences of 1024: the shared CPU_SHARED_TOKENS (8192) tokens, 512 blocks + the null block
+    assert capacity(1024, 64) == CPU_SHARED_TOKENS // 16 + 1
+    assert capacity(1024, 2) == 2 * 1024 // 16 + 1  # never more than max_num_seqs whole contexts
+    assert capacity(32768, 4) == 32768 // 16 + 1  # one whole context when it is longer
+    per_block = runtime.spec.bytes_per_block
+    assert capacity(1024, 64, kv_memory=10 * per_block) == 10
+    assert capacity(1024, 64, exact=7) == 7

@@ -186,13 +186,13 @@ def test_shard_receiver_checks_order_size_and_sha256(tmp_path):
 
 def test_weight_cache_refuses_what_the_head_should_not_send(tmp_path):
     cache = WeightCache(tmp_path)
-    req = m.LoadStage("../x", {}, {"a": "b"}, 0, 1, 2, "auto", 0, 0.3, 10, 16, 0)
+    req = m.LoadStage("../x", {}, {"a": "b"}, 0, 1, 2, "auto", 0, 0.0, 64, 1, 1, 16, 0)
     with pytest.raises(FlotillaError, match="fingerprint"):
         cache.prepare(req)
-    req = m.LoadStage("a" * 64, {"../../evil": "x"}, {"a": "b"}, 0, 1, 2, "auto", 0, 0.3, 10, 16, 0)
+    req = m.LoadStage("a" * 64, {"../../evil": "x"}, {"a": "b"}, 0, 1, 2, "auto", 0, 0.0, 64, 1, 1, 16, 0)
     with pytest.raises(FlotillaError, match="unexpected file"):
         cache.prepare(req)
-    req = m.LoadStage("a" * 64, {}, {}, 0, 1, 2, "auto", 0, 0.3, 10, 16, 0)
+    req = m.LoadStage("a" * 64, {}, {}, 0, 1, 2, "auto", 0, 0.0, 64, 1, 1, 16, 0)
     with pytest.raises(FlotillaError, match="cannot be pushed"):
         cache.prepare(req)
 

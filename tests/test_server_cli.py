@@ -166,14 +166,41 @@ def test_port_in_use_is_one_line_exit_2_before_the_model_loads(smollm2_gguf):
 
 
 def test_bound_sockets_share_one_port_and_refuse_until_served():
+    from flotilla.errors import FlotillaError
     from flotilla.server.listen import bind_sockets
 
     sockets = bind_sockets("localhost", 0)
     try:
         ports = {s.getsockname()[1] for s in sockets}
         assert len(ports) == 1 and ports != {0}
+        port = ports.pop()
         with pytest.raises(ConnectionRefusedError):  # bound, not yet listening: an early client is refused
-            socket.create_connection(("127.0.0.1", ports.pop()), timeout=5).close()
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        # a second server starting meanwhile cannot bind the port (SO_REUSEADDR is off while loading)
+        with pytest.raises(FlotillaError, match="already in use"):
+            bind_sockets("127.0.0.1", port)
     finally:
         for s in sockets:
             s.close()
+
+
+def test_a_restart_binds_past_time_wait_and_listens():
+    from flotilla.server.listen import bind_sockets, prepare_to_listen
+
+    (first,) = bind_sockets("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    prepare_to_listen([first])
+    first.listen()
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    served, _ = first.accept()
+    served.close()  # the server closes first: its end of the connection waits in TIME_WAIT
+    assert client.recv(1) == b""
+    client.close()
+    first.close()
+    (again,) = bind_sockets("127.0.0.1", port)
+    try:
+        prepare_to_listen([again])
+        again.listen()
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        again.close()

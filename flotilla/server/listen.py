@@ -4,6 +4,12 @@
 after a minute of loading weights and reserving the KV cache, and no other process can take the
 port while the model loads. The sockets are bound but not listening until the server starts
 (asyncio calls listen()), so a client that comes early is refused rather than left hanging.
+
+SO_REUSEADDR lets a restarted server bind past its old connections in TIME_WAIT, but on Linux it
+also lets a second socket with the option bind the same port while ours is not listening yet (a
+second server started during our load would take the port from under us). So the option is on
+only for the bind itself, off while the model loads (a second bind is refused: "already in use"),
+and on again just before listen() (`prepare_to_listen`), which checks the port once more.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ def _bind(family: int, kind: int, proto: int, address: tuple, host: str) -> sock
         if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # the IPv4 address gets its own socket
         sock.bind(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)  # held alone until prepare_to_listen
     except OSError as e:
         sock.close()
         where = f"{host or address[0]}:{address[1]}"
@@ -56,3 +63,10 @@ def _bind(family: int, kind: int, proto: int, address: tuple, host: str) -> sock
         raise FlotillaError(f"cannot listen on {where}: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock
+
+
+def prepare_to_listen(sockets: list[socket.socket]) -> None:
+    """Just before listen(): SO_REUSEADDR on again, so that listen() passes old connections of
+    this port in TIME_WAIT (listen re-checks the port against them)."""
+    for sock in sockets:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -13,6 +13,7 @@ from aiohttp import web
 from flotilla.errors import FlotillaError
 
 from .app import build_app
+from .listen import prepare_to_listen
 from .state import ServerState
 
 
@@ -40,6 +41,7 @@ class Server:
     async def start(self) -> None:
         cfg = self.state.config
         await self.runner.setup()
+        prepare_to_listen(self.sockets)
         sites = [web.SockSite(self.runner, sock) for sock in self.sockets] or [
             web.TCPSite(self.runner, cfg.host, cfg.port, reuse_address=True)]
         try:

@@ -28,6 +28,7 @@ TAG_BYTES = 32
 HANDSHAKE_MAX_FRAME = 4096
 MIN_TOKEN_LENGTH = 16
 STREAM_LIMIT = 4 << 20  # asyncio's read buffer: large frames arrive in fewer pauses
+_SEQ = struct.Struct(">Q")  # a frame's sequence number, under its MAC
 
 
 class AuthError(ProtocolError):
@@ -57,6 +58,15 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
 
 
+def _frame_tag(keyed, seq: int, body: bytes) -> bytes:
+    """HMAC(key, seq | body), from an HMAC state already keyed with `key`."""
+    h = keyed.copy()
+    h.update(_SEQ.pack(seq))
+    h.update(b"|")
+    h.update(body)
+    return h.digest()
+
+
 def check_token(token: str | bytes) -> bytes:
     raw = token.encode() if isinstance(token, str) else token
     if len(raw) < MIN_TOKEN_LENGTH:
@@ -71,27 +81,38 @@ class Connection:
                  recv_key: bytes, peer: str, max_frame: int = DEFAULT_MAX_FRAME):
         self.reader, self.writer = reader, writer
         self._send_key, self._recv_key = send_key, recv_key
+        # HMAC states keyed once; each frame's tag continues a copy (same tag as _mac(key, seq, body))
+        self._send_mac = hmac.new(send_key, digestmod="sha256")
+        self._recv_mac = hmac.new(recv_key, digestmod="sha256")
         self._send_seq = self._recv_seq = 0
         self.peer = peer
         self.max_frame = max_frame
         self.bytes_sent = self.bytes_received = 0
         self._send_lock = asyncio.Lock()
 
-    async def send(self, msg) -> None:
+    def write(self, msg) -> int:
+        """Frame `msg` and hand it to the transport now, in one write (the loop's thread only;
+        no await, so frames from any caller stay whole and in sequence). Returns its bytes. The
+        transport sends at once when its buffer is empty and keeps the rest; `send` also waits
+        for the buffer to drain (flow control for bulk data such as a weight push)."""
         body = encode(msg)
+        tag = _frame_tag(self._send_mac, self._send_seq, body)
+        self._send_seq += 1
+        data = frame(tag + body)
+        self.writer.write(data)
+        self.bytes_sent += len(data)
+        return len(data)
+
+    async def send(self, msg) -> None:
         async with self._send_lock:
-            tag = _mac(self._send_key, struct.pack(">Q", self._send_seq), body)
-            self._send_seq += 1
-            data = frame(tag + body)
-            self.writer.write(data)
-            self.bytes_sent += len(data)
+            self.write(msg)
             await self.writer.drain()
 
     async def recv(self):
         body = await read_frame(self.reader, self.max_frame + TAG_BYTES)
         self.bytes_received += len(body) + 4
         tag, payload = body[:TAG_BYTES], body[TAG_BYTES:]
-        expected = _mac(self._recv_key, struct.pack(">Q", self._recv_seq), payload)
+        expected = _frame_tag(self._recv_mac, self._recv_seq, payload)
         if not hmac.compare_digest(tag, expected):
             raise AuthError(f"frame from {self.peer} failed its integrity check")
         self._recv_seq += 1

@@ -58,9 +58,13 @@ class LoadStage:
     end: int
     num_layers: int
     dtype: str
-    kv_memory: int  # bytes of KV cache for this stage; 0: kv_fraction of free memory
-    kv_fraction: float
-    max_blocks: int  # more blocks than this would never be used
+    kv_memory: int  # bytes of KV cache for this stage (--kv-cache-memory); 0: not given
+    kv_fraction: float  # of free memory (--kv-cache-fraction); 0: not given
+    # with neither, the default of a single-process run (kv_cache.plan_kv_cache): a GPU's share of
+    # its free memory, a CPU's room for its default tokens; never more than max_num_seqs contexts
+    max_model_len: int
+    max_num_seqs: int
+    memory_shares: int  # stages that share this worker's memory (several on one GPU or host)
     block_size: int
     exact_blocks: int  # > 0: the pool is already sized (a stage rejoining): hold exactly this many
 

@@ -1,4 +1,4 @@
-"""Frames to one peer, in order, from any thread."""
+"""Frames to one peer, in order, written at once from the loop's thread."""
 from __future__ import annotations
 
 import asyncio
@@ -10,28 +10,26 @@ GONE = (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError, asy
 
 
 class Outbox:
-    """Frames to one peer, sent in order by one task (any thread may `put` via the loop)."""
+    """Frames to one peer, in order. `put` (on the loop's thread; other threads go through
+    `call_soon_threadsafe`) writes the frame to the transport right away: no queue and no task
+    between a computed step and its socket. What the socket does not take at once waits in the
+    transport's buffer, which the pipeline's depth bounds (at most one frame per micro-batch in
+    flight). A connection that is gone is closed; its reader reports the loss."""
 
     def __init__(self, conn: Connection, on_sent=None):
         self.conn = conn
-        self._queue: asyncio.Queue = asyncio.Queue()
         self._on_sent = on_sent
-        self._task = asyncio.create_task(self._run())
 
     def put(self, msg) -> None:
-        self._queue.put_nowait(msg)
-
-    async def _run(self) -> None:
+        if self.conn.writer.is_closing():
+            return
         try:
-            while True:
-                msg = await self._queue.get()
-                before = self.conn.bytes_sent
-                await self.conn.send(msg)
-                if self._on_sent is not None:
-                    self._on_sent(msg, self.conn.bytes_sent - before)
+            nbytes = self.conn.write(msg)
         except GONE:
             self.conn.close()
+            return
+        if self._on_sent is not None:
+            self._on_sent(msg, nbytes)
 
     def close(self) -> None:
-        self._task.cancel()
         self.conn.close()

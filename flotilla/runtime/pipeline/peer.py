@@ -89,9 +89,16 @@ class StagePeer:
                 raise RemoteFailure(f"{self.address}: answered LoadStage with {reply.WIRE_NAME}")
             return reply
 
-    async def send(self, msg) -> None:
-        """A data frame (a Step to stage 0)."""
-        await self._send(msg)
+    def write(self, msg) -> None:
+        """A data frame (a Step to stage 0), written now on the loop's thread; a lost connection
+        is the reader's to report."""
+        conn = self.conn
+        if conn is None or conn.writer.is_closing():
+            return
+        try:
+            conn.write(msg)
+        except GONE:
+            pass
 
     async def _send(self, msg) -> None:
         conn = self.conn

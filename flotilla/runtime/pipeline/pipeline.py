@@ -55,9 +55,9 @@ class PipelineSettings:
     wire_dtype: str = "fp16"
     dtype: str = "auto"
     block_size: int = 16
-    kv_memory: int = 0  # bytes per stage; 0: kv_fraction of each stage's free memory
-    kv_fraction: float = 0.3
-    max_blocks: int = 1 << 30
+    kv_memory: int = 0  # bytes per stage (--kv-cache-memory); 0: not given
+    kv_fraction: float = 0.0  # of each stage's free memory (--kv-cache-fraction); 0: not given
+    max_num_seqs: int = 64  # with neither given, a stage's pool is sized as a single-process run's
     stage_timeout: float = 60.0
     load_timeout: float = 3600.0
     graph_tokens: int = 0  # GPU stages replay decode steps of up to this many tokens from CUDA graphs (0: eager)
@@ -97,8 +97,6 @@ class Pipeline:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-pipeline", daemon=True)
         self._thread.start()
-        self._outbox: asyncio.Queue | None = None
-        self._sender: asyncio.Task | None = None
         self.on_close: list[Callable[[], None]] = []  # e.g. stop the local worker processes
 
     @property
@@ -114,7 +112,7 @@ class Pipeline:
             raise
 
     def send_step(self, msg: Step) -> None:
-        self._loop.call_soon_threadsafe(self._queue_step, msg)
+        self._loop.call_soon_threadsafe(self._write_step, msg)
 
     def get_results(self, timeout: float) -> list[StepResult]:
         try:
@@ -167,8 +165,6 @@ class Pipeline:
     async def _setup(self) -> None:
         s = self.settings
         self._fingerprint = await asyncio.to_thread(fingerprint, self.model)
-        self._outbox = asyncio.Queue()
-        self._sender = asyncio.create_task(self._send_steps())
         await self._gather([self._connect(p) for p in self.peers])
         probe = Probe(json.dumps(self.config.to_hf_dict()), s.layers is None, s.dtype)
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
@@ -204,9 +200,9 @@ class Pipeline:
     async def _load(self, peer: StagePeer, exact_blocks: int) -> StageLoaded:
         s = self.settings
         req = load_request(self.model, self._fingerprint, self.stages[peer.index], dtype=s.dtype,
-                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction / self.shares[peer.index],
-                           max_blocks=s.max_blocks,
-                           block_size=s.block_size, exact_blocks=exact_blocks)
+                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction,
+                           max_model_len=s.max_model_len or self.config.max_model_len, max_num_seqs=s.max_num_seqs,
+                           memory_shares=self.shares[peer.index], block_size=s.block_size, exact_blocks=exact_blocks)
         return await asyncio.wait_for(peer.load(req, self.model), s.load_timeout)
 
     async def _configure_all(self) -> None:
@@ -233,19 +229,10 @@ class Pipeline:
             raise
 
     # ------------------------------------------------------------------ the data path
-    def _queue_step(self, msg: Step) -> None:
+    def _write_step(self, msg: Step) -> None:
+        """On the loop's thread: the step goes to stage 0's socket now (no queue, no task)."""
         if self.ready.is_set() and msg.epoch == self.epoch:
-            self._outbox.put_nowait(msg)
-
-    async def _send_steps(self) -> None:
-        while True:
-            msg = await self._outbox.get()
-            if msg.epoch != self.epoch or not self.ready.is_set():
-                continue
-            try:
-                await self.peers[0].send(msg)
-            except (PeerLost, *GONE):
-                pass  # the reader reports the loss
+            self.peers[0].write(msg)
 
     def _on_data(self, peer: StagePeer, msg) -> None:
         if msg.epoch != self.epoch or not self.ready.is_set():
@@ -316,8 +303,6 @@ class Pipeline:
     async def _shutdown(self) -> None:
         if self._repair is not None:
             self._repair.cancel()
-        if self._sender is not None:
-            self._sender.cancel()
         for p in self.peers:
             p.close()
 

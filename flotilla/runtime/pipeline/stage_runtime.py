@@ -2,7 +2,8 @@
 
 `run` takes a `Step` from the previous hop and returns what goes to the next: the same step with
 this stage's hidden states (packed in the wire dtype), or, on the last stage, the sampled tokens.
-Called only from the worker's compute thread.
+Called under the worker's lock, from its event-loop thread (decode steps) or its compute thread
+(longer steps).
 
 On a GPU the stage runs like a local GPU engine: Triton kernels, paged attention, and decode
 steps replayed from CUDA graphs captured when the head configures the pool (`Configure` says
@@ -20,7 +21,7 @@ import torch
 
 from flotilla.models.llama import Stage
 from flotilla.runtime.cuda_graphs import capture_sizes
-from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, free_memory, plan_num_blocks
+from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, plan_kv_cache, plan_num_blocks
 from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.model_runner import ModelRunner
 
@@ -82,24 +83,26 @@ class StageRuntime:
                (req.fingerprint, req.start, req.end, req.num_layers, req.dtype, req.block_size)
 
     def capacity(self, req: LoadStage) -> int:
-        """KV blocks this stage can hold (null block included) within the request's budget."""
+        """KV blocks this stage can hold (null block included): exactly the pool's size for a stage
+        rejoining, else as a single-process run sizes its pool (plan_kv_cache) for this stage's
+        layers, the memory shared with the other stages and TP ranks on it. Call it without a
+        pool held (`drop_pool`), so that free memory counts all there is."""
         if req.exact_blocks:
             return plan_num_blocks(self.spec, self.lm.device, req.exact_blocks * self.spec.bytes_per_block)
-        memory = req.kv_memory  # per rank, as --kv-cache-memory is for a local TP engine
-        if not memory:  # a fraction of what is free, counting the pool this stage already holds as free
-            held = 0  # what of the held pool is in RAM (untouched CPU pages already count as free)
-            if self.cache is not None:
-                resident = self.cache.resident_bytes()
-                held = self.cache.reserved_bytes if resident is None else resident
-            memory = int((free_memory(self.lm.device) + held) * req.kv_fraction / self.memory_shares)
-        return plan_num_blocks(self.spec, self.lm.device, memory, req.kv_fraction, req.max_blocks)
+        plan = plan_kv_cache(self.spec, self.lm.device, req.max_model_len, req.max_num_seqs, req.kv_memory or None,
+                             req.kv_fraction or None, req.memory_shares * self.memory_shares)
+        return plan.num_blocks
+
+    def drop_pool(self) -> None:
+        """Free the KV pool and its graphs (the next Configure builds them again)."""
+        self.executor = self.runner = self.cache = self.shape = None
 
     def configure(self, msg: Configure) -> None:
         """A new epoch: a pool of `num_blocks` with its decode graphs (rebuilt only if they change)
         and empty mirrors."""
         shape = RunnerShape.of(msg)
         if shape != self.shape:
-            self.executor = self.runner = self.cache = None  # the old pool and graphs go first
+            self.drop_pool()  # the old pool and graphs go first
             self.cache = KVCache(self.spec, shape.num_blocks, self.lm.device)
             eager = shape.graph_tokens < 1 or self.lm.parallel is not None  # TP ranks step eagerly
             sizes = () if eager else capture_sizes(shape.graph_tokens)

@@ -21,8 +21,9 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 3  # 2: speculative steps (drafts, draft distributions, table trims, accepted drafts);
-#                      3: decode graphs per stage (Configure), shared memory and TP in WorkerInfo
+PROTOCOL_VERSION = 4  # 2: speculative steps (drafts, draft distributions, table trims, accepted drafts);
+#                      3: decode graphs per stage (Configure), shared memory and TP in WorkerInfo;
+#                      4: LoadStage sizes the KV pool as a single-process run does (context, sequences)
 DEFAULT_MAX_FRAME = 64 << 20  # 64 MiB: a prefill chunk of 2048 tokens x 8192 hidden in fp16 is 32 MiB
 MAX_TENSOR_DIMS = 8
 _FRAME_HEADER = struct.Struct(">I")
@@ -42,6 +43,7 @@ class ProtocolError(Exception):
 
 _MESSAGES: dict[str, type] = {}
 _VALIDATORS: dict[type, list[tuple[str, Callable[[Any, str], Any]]]] = {}
+_ENCODERS: dict[type, list[tuple[str, Callable[[Any], Any] | None]]] = {}  # None: msgpack takes the value as is
 
 
 def message(name: str):
@@ -54,6 +56,7 @@ def message(name: str):
         cls.WIRE_NAME = name
         hints = typing.get_type_hints(cls)
         _VALIDATORS[cls] = [(f.name, _validator(hints[f.name])) for f in dataclasses.fields(cls)]
+        _ENCODERS[cls] = [(f.name, _encoder(hints[f.name])) for f in dataclasses.fields(cls)]
         _MESSAGES[name] = cls
         return cls
 
@@ -91,6 +94,8 @@ def _validator(tp) -> Callable[[Any, str], Any]:
         return check_none
     if origin is list:
         (item_tp,) = typing.get_args(tp)
+        if item_tp in (int, bool):  # the hot lists of a step (handles, positions, flags): checked in C
+            return lambda v, where: _plain_list(v, item_tp, where)
         item = _validator(item_tp)
         return lambda v, where: [item(x, where) for x in _expect(v, list, where)]
     if origin is tuple:
@@ -119,6 +124,30 @@ def _validator(tp) -> Callable[[Any, str], Any]:
     raise TypeError(f"unsupported wire field type {tp!r}")
 
 
+def _plain_list(v, item_tp: type, where: str) -> list:
+    """A list whose items are all exactly `item_tp` (a bool is not an int here)."""
+    if type(v) is not list or not {item_tp}.issuperset(map(type, v)):
+        _expect(v, list, where)
+        bad = next(x for x in v if type(x) is not item_tp)
+        raise ProtocolError(f"{where}: expected {item_tp.__name__}, got {type(bad).__name__}")
+    return v
+
+
+def _encoder(tp) -> Callable[[Any], Any] | None:
+    """How a field of annotation `tp` goes to msgpack: None when as it is (numbers, strings, bytes
+    and lists of them), else a function (tensors and nested messages, or containers of them)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if tp is torch.Tensor or tp in _VALIDATORS:
+        return _to_wire
+    if typing.get_origin(tp) is dict and any(_encoder(a) is not None for a in args):
+        return _to_wire
+    if typing.get_origin(tp) is tuple:
+        return list
+    if any(_encoder(a) is not None for a in args):
+        return lambda v: None if v is None else _to_wire(v)
+    return None
+
+
 def _expect(v, tp, where):
     if not isinstance(v, tp):
         name = tp.__name__ if isinstance(tp, type) else "/".join(t.__name__ for t in tp)
@@ -129,9 +158,10 @@ def _expect(v, tp, where):
 # ------------------------------------------------------------------------------------- tensors
 
 def encode_tensor(t: torch.Tensor) -> list:
-    t = t.detach().contiguous().cpu()
     if t.dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {t.dtype} cannot go on the wire")
+    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
+        t = t.detach().contiguous().cpu()
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return [_DTYPE_NAMES[t.dtype], list(t.shape), raw]
 
@@ -151,8 +181,7 @@ def decode_tensor(v, where: str = "tensor") -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize != len(data):
+    if numel * dtype.itemsize != len(data):
         raise ProtocolError(f"{where}: {len(data)} bytes for shape {shape} of {dtype_name}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
@@ -177,7 +206,7 @@ def encode(msg) -> bytes:
     cls = type(msg)
     if cls not in _VALIDATORS:
         raise TypeError(f"{cls.__name__} is not a registered wire message")
-    values = [_to_wire(getattr(msg, name)) for name, _ in _VALIDATORS[cls]]
+    values = [getattr(msg, name) if enc is None else enc(getattr(msg, name)) for name, enc in _ENCODERS[cls]]
     return msgpack.packb([cls.WIRE_NAME, values], use_bin_type=True)
 
 

@@ -10,10 +10,13 @@ Anything else — a failed handshake, an oversized frame, malformed msgpack, an 
 unexpected message — closes that one connection; the worker goes on serving its head. A new head
 connection replaces the old one (a restarted head); the loaded stage is kept.
 
-Threads: the asyncio loop does all network I/O (and answers heartbeats at once); one compute
-thread runs the steps in arrival order, so receiving the next micro-batch overlaps computing
-this one. Each step carries the epoch it was sent in; `Configure` starts a new epoch, and steps
-of any other epoch are dropped.
+Threads: the asyncio loop does all network I/O and answers heartbeats. A decode step (every
+sequence brings at most the configured query length, as in a replayed decode graph) runs right
+where it arrives, on the loop's thread, and its output is written to the next hop's socket before
+the loop reads on: a hop costs no thread hand-off. Longer steps (prefill chunks) go to one compute
+thread, and so does every step behind them until it has caught up, so steps always run in
+arrival order and heartbeats are answered while a long chunk computes. Each step carries the
+epoch it was sent in; `Configure` starts a new epoch, and steps of any other epoch are dropped.
 """
 from __future__ import annotations
 
@@ -102,7 +105,9 @@ class Worker:
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
         self._fingerprint: str | None = None
-        self._steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue = queue.SimpleQueue()  # steps for the compute thread
+        self._behind = 0  # steps handed to the compute thread and not yet emitted
+        self._inline_query_len = 1  # a step whose sequences bring at most this many tokens runs on the loop
         self._lock = threading.Lock()  # held while a step runs or the stage changes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -113,6 +118,8 @@ class Worker:
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen; returns the bound address (port 0 picks a free one)."""
         self._loop = asyncio.get_running_loop()
+        if self.config.device.type == "cuda":
+            torch.cuda.set_device(self.config.device)  # decode steps launch from the loop's thread
         self._compute = threading.Thread(target=self._compute_loop, name="flotilla-stage", daemon=True)
         self._compute.start()
         self._server = await asyncio.start_server(self._accept, host, port, ssl=self.config.ssl_server,
@@ -173,7 +180,7 @@ class Worker:
                 if isinstance(msg, Ping):
                     outbox.put(Pong(msg.nonce))
                 elif isinstance(msg, Step):
-                    self._steps.put(msg)  # stage 0's data comes from the head
+                    self._step_arrived(msg)  # stage 0's data comes from the head
                 elif isinstance(msg, (Probe, LoadStage, Configure, StatsRequest, FileChunk, FileEnd)):
                     control.put_nowait(msg)
                 else:
@@ -194,7 +201,7 @@ class Worker:
                 msg = await conn.recv()
                 if not isinstance(msg, Step):
                     raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
-                self._steps.put(msg)
+                self._step_arrived(msg)
         except _GONE:
             if self.upstream is conn:
                 self._fault(first.epoch, f"the connection from stage {first.stage_index} was lost")
@@ -232,6 +239,9 @@ class Worker:
 
     async def _load(self, req: LoadStage, outbox: Outbox, inbox: asyncio.Queue) -> StageLoaded:
         if self.runtime is not None and self.runtime.serves(req):
+            if not req.exact_blocks:  # a new head sizes the pool afresh, from all the free memory
+                self.epoch = -1
+                await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.drop_pool)
             return StageLoaded(self.runtime.capacity(req), f"already loaded ({self.runtime.source})", 0)
         self.epoch = -1  # drop whatever steps are still queued for the old stage
         received, directory = 0, None
@@ -278,6 +288,7 @@ class Worker:
             raise FlotillaError("Configure before LoadStage: this worker has no stage loaded")
         self.epoch = msg.epoch
         self.stage_index = msg.stage_index
+        self._inline_query_len = max(1, msg.graph_query_len)
         await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.configure, msg)
         self._drop_downstream()
         if msg.downstream is not None:
@@ -334,6 +345,15 @@ class Worker:
         if old is not None and old is not runtime:
             old.close()
 
+    def _step_arrived(self, msg: Step) -> None:
+        """On the loop's thread: run a decode step here and now, unless steps wait for the compute
+        thread (then it queues behind them); hand anything longer to the compute thread."""
+        if self._behind == 0 and sum(msg.query_lens) <= len(msg.query_lens) * self._inline_query_len:
+            self._emit(self._run_step(msg))
+            return
+        self._behind += 1
+        self._steps.put(msg)
+
     def _compute_loop(self) -> None:
         if self.config.device.type == "cuda":
             torch.cuda.set_device(self.config.device)  # this thread's launches go to the stage's GPU
@@ -341,26 +361,37 @@ class Worker:
             msg = self._steps.get()
             if msg is None:
                 return
-            if msg.epoch != self.epoch:
-                continue  # a step of a broken ring
-            with self._lock:
-                if self.runtime is None or msg.epoch != self.epoch:
-                    continue
-                try:
-                    start = time.perf_counter()
-                    out = self.runtime.run(msg)
-                    self.counters.compute_seconds += time.perf_counter() - start
-                except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
-                    log.exception("step %d failed", msg.mb)
-                    self._loop.call_soon_threadsafe(self._fault, msg.epoch, f"stage {self.stage_index} failed a "
-                                                    f"step: {type(e).__name__}: {e}")
-                    continue
-            self._loop.call_soon_threadsafe(self._emit, out)
+            self._loop.call_soon_threadsafe(self._caught_up, self._run_step(msg))
 
-    def _emit(self, out: Step | StepResult) -> None:
-        if out.epoch != self.epoch:
+    def _caught_up(self, out: Step | StepResult | Fault | None) -> None:
+        self._behind -= 1
+        self._emit(out)
+
+    def _run_step(self, msg: Step) -> Step | StepResult | Fault | None:
+        """Run one step (on either thread): what goes to the next hop, a Fault for the head if the
+        step failed, or None for a step of a broken ring."""
+        if msg.epoch != self.epoch:
+            return None
+        with self._lock:
+            if self.runtime is None or msg.epoch != self.epoch:
+                return None
+            try:
+                start = time.perf_counter()
+                out = self.runtime.run(msg)
+                self.counters.compute_seconds += time.perf_counter() - start
+            except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
+                log.exception("step %d failed", msg.mb)
+                return Fault(msg.epoch, f"stage {self.stage_index} failed a step: {type(e).__name__}: {e}")
+        return out
+
+    def _emit(self, out: Step | StepResult | Fault | None) -> None:
+        if out is None:
             return
-        if isinstance(out, StepResult):
+        if isinstance(out, Fault):
+            self._fault(out.epoch, out.message)
+        elif out.epoch != self.epoch:
+            return
+        elif isinstance(out, StepResult):
             if self.head is not None:
                 self.head.put(out)
         elif self.downstream is not None and self.downstream.epoch == out.epoch:

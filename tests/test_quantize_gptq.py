@@ -243,3 +243,12 @@ def test_searched_grid_equals_the_plain_search(sym, monkeypatch):
         best_err = torch.minimum(err, best_err)
     scale, zero = grid.search_params(w, spec)
     assert torch.equal(scale, best[0]) and torch.equal(zero, best[1])
+
+
+@pytest.mark.parametrize("sym,group", [(True, 128), (False, 48), (False, -1)])
+def test_fake_quantize_is_rtn_on_the_minmax_grid(sym, group):
+    from flotilla.quantize.grid import fake_quantize
+
+    w = torch.randn(12, 200) * 0.1
+    spec = GridSpec(4, sym=sym)
+    assert torch.equal(fake_quantize(w, spec, group), rtn_quantize(w, spec, group).dequantize())

@@ -1,6 +1,7 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
-    quantize SRC -o OUT [--bits 4|8] [--group-size G|-1] [--method gptq|rtn] [--sym|--asym]
+    quantize SRC -o OUT [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
+             [--keep BITS:PATTERN]... [--sensitive N]
              [--grid mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -37,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inputs per group: a multiple of 16 such as 32, 64, 128 (a size that does not divide a "
                         "linear's input leaves a partial last group), or -1 for one group per output channel "
                         "(default 128)")
-    p.add_argument("--method", default=_DEFAULTS.method, metavar="{gptq,rtn}", help="gptq or rtn (default gptq)")
+    p.add_argument("--method", default=_DEFAULTS.method, metavar="{gptq,rtn,awq,awq+gptq}",
+                   help="gptq, rtn, awq (activation-aware scales folded into the model, then rounding) or "
+                        "awq+gptq (the scales, then GPTQ) (default gptq)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
                      help="symmetric grid, zero point 2^(bits-1) (default)")
@@ -50,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",
                    help="GPTQ damping as a fraction of the Hessian's mean diagonal (default 0.01; raised "
                         "automatically when needed)")
+    p.add_argument("--keep", action="append", default=[], metavar="BITS:PATTERN",
+                   help="keep the linears whose checkpoint names (model.layers.0.self_attn.q_proj, ...) match "
+                        "the regex PATTERN at BITS = 8, or 16 (unquantized); repeatable")
+    p.add_argument("--sensitive", type=int, default=0, metavar="N",
+                   help="also keep at 8 bits the N linears whose INT4 error, measured on the calibration text, "
+                        "is largest (default 0)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
@@ -71,7 +80,8 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
     return QuantizeOptions(bits=args.bits, group_size=args.group_size, method=args.method, sym=args.sym,
                            act_order=args.act_order, grid=args.grid, damp_percent=args.damp_percent, calib_file=args.calib,
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
-                           shard_size=parse_size(args.shard_size), device=args.device, force=args.force)
+                           shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
+                           keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,162 @@
+"""Activation-aware weight scaling (AWQ, Lin et al. 2023), folded into the layer.
+
+A few input channels of a linear carry much larger activations than the rest, and rounding error
+on their weights costs the most. AWQ multiplies those weights' input channels by s > 1 before
+quantizing (finer relative grid for them) and divides the op that feeds the linear by s, so the
+float layer computes exactly what it did:
+
+    y = W x = (W diag(s)) (diag(s)⁻¹ x)
+
+The division is folded into the op before the linear, so the checkpoint is a plain GPTQ-layout
+one that any GPTQ reader decodes:
+
+    qkv_proj      <- input_layernorm weight / s
+    o_proj        <- v_proj output rows / s       (only when every o_proj input reads one v output:
+                                                   as many KV heads as heads; skipped under GQA)
+    gate_up_proj  <- post_attention_layernorm weight / s
+    down_proj     <- up_proj output rows / s      (silu(gate) * up is linear in up)
+
+The search, per linear, over the grid of AutoAWQ (`duo_scaling`):
+
+    s(α) = mean|x|^α / mean_w^(1-α),  α in {0, 1/20, ..., 19/20},  normalised by sqrt(max s · min s)
+
+where mean|x| is each input channel's mean absolute activation over the calibration tokens and
+mean_w the channel's mean weight magnitude relative to its group's largest. Each candidate is
+scored by the linear's output error over all calibration tokens,
+‖X (Q(W diag(s)) diag(s)⁻¹ − W)ᵀ‖² = Σ ΔW H ΔWᵀ with H = XᵀX (exact, and one [in, in] matmul per
+candidate instead of a pass over the tokens; over at most SEARCH_ROWS evenly strided output channels),
+Q being round-to-nearest on the min/max grid. s = 1
+(no scaling) is a candidate too, so AWQ never scores worse than plain rounding. The grid search of
+flotilla.quantize.grid then picks each group's clipping range when the scaled weights are quantized
+for real (RTN, or GPTQ for awq+gptq).
+
+Norm weights are written in fp16, so a folded norm is rounded to fp16 first and s adjusted to the
+rounded value: the quantizer and a reader of the checkpoint compute the same layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flotilla.models.linear import Linear
+from flotilla.models.llama import DecoderLayer, RMSNorm
+
+from .activations import CalibrationActivations
+from .gptq import HessianAccumulator
+from .grid import GridSpec, fake_quantize
+
+GRID = 20
+S_MIN = 1e-4
+SEARCH_ROWS = 1024  # output channels scored per candidate (evenly strided; all of them in smaller linears)
+
+
+@dataclass(frozen=True)
+class ScaleSite:
+    """A linear whose input channels AWQ scales, and the op that absorbs the inverse."""
+
+    name: str
+    linear: Linear
+    norm: RMSNorm | None = None  # the RMSNorm before the linear, or
+    rows_of: Linear | None = None  # the linear whose output rows `rows` feed it
+    rows: slice | None = None
+
+
+def scale_sites(layer: DecoderLayer) -> list[ScaleSite]:
+    a, m = layer.self_attn, layer.mlp
+    sites = [ScaleSite("qkv_proj", a.qkv_proj, norm=layer.input_layernorm)]
+    if a.num_kv_heads == a.num_heads:
+        sites.append(ScaleSite("o_proj", a.o_proj, rows_of=a.qkv_proj, rows=a.qkv_proj.shard_slice(2)))
+    sites += [ScaleSite("gate_up_proj", m.gate_up_proj, norm=layer.post_attention_layernorm),
+              ScaleSite("down_proj", m.down_proj, rows_of=m.gate_up_proj, rows=m.gate_up_proj.shard_slice(1))]
+    return sites
+
+
+class InputStats:
+    """H = 2/n XᵀX and mean|x| per input channel over every row fed to a linear."""
+
+    def __init__(self, in_features: int, device):
+        self.hessian = HessianAccumulator(in_features, device)
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # [N, in]
+        self.hessian.add(x)
+        self.abs_sum += x.abs().sum(dim=0, dtype=torch.float64)
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return (self.abs_sum / max(1, self.hessian.count)).float()
+
+
+def weight_magnitude(W: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mean over output channels of |w| / max |w| of its group, per input channel [in]."""
+    out_f, in_f = W.shape
+    gs = in_f if group_size == -1 else group_size
+    groups = -(-in_f // gs)
+    w = F.pad(W.abs(), (0, groups * gs - in_f)).view(out_f, groups, gs)  # a partial last group padded with 0
+    w = w / (w.amax(dim=2, keepdim=True) + 1e-6)
+    return w.view(out_f, groups * gs)[:, :in_f].mean(dim=0)
+
+
+def output_error(W: torch.Tensor, s: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: int) -> float:
+    """Σ over outputs of ΔW H ΔWᵀ for ΔW = Q(W diag(s)) diag(s)⁻¹ − W."""
+    delta = fake_quantize(W * s, spec, group_size).div_(s).sub_(W)  # [out, in]
+    return float((delta @ H).mul_(delta).sum())
+
+
+def search_scale(W: torch.Tensor, stats: InputStats, spec: GridSpec, group_size: int) -> tuple[torch.Tensor, float]:
+    """The s of least output error for W [out, in] (see the module docstring), and its α (-1: s = 1)."""
+    W = W.float()
+    H = stats.hessian.hessian()
+    x_mean, w_mean = stats.abs_mean.to(W.device), weight_magnitude(W, group_size)
+    W = W[::-(-W.shape[0] // SEARCH_ROWS)]  # every k-th output channel: the error sum, estimated at a fraction
+    best_s, best_alpha = torch.ones_like(x_mean), -1.0
+    best_err = output_error(W, best_s, H, spec, group_size)
+    for i in range(GRID):
+        alpha = i / GRID
+        s = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=S_MIN)).clamp(min=S_MIN)
+        s = s / (s.max() * s.min()).sqrt()
+        err = output_error(W, s, H, spec, group_size)
+        if err < best_err:
+            best_s, best_alpha, best_err = s, alpha, err
+    return best_s, best_alpha
+
+
+@torch.no_grad()
+def apply_scale(site: ScaleSite, s: torch.Tensor) -> None:
+    """W <- W diag(s), the op before it <- itself / s; the layer's float outputs are unchanged."""
+    if site.norm is not None:
+        old = site.norm.weight.float()
+        new = (old / s).half().float()  # what the checkpoint will hold
+        s = torch.where(new != 0, old / new, s)
+        site.norm.weight.copy_(new)
+    else:
+        prev = site.rows_of
+        prev.weight[site.rows] /= s.unsqueeze(1)
+        if prev.bias is not None:
+            prev.bias[site.rows] /= s
+    site.linear.weight.mul_(s.unsqueeze(0))
+
+
+def scale_layer(layer: DecoderLayer, acts: CalibrationActivations,
+                config_of: Callable[[nn.Module], tuple[int, int, bool] | None]) -> dict[str, float]:
+    """Search and fold AWQ scales into every site of `layer`, in the order the forward reaches them.
+    `config_of(linear)` -> (bits, group size, sym) of its quantization, or None if it stays float.
+    Returns the α chosen per site (-1: left unscaled)."""
+    chosen = {}
+    for site in scale_sites(layer):
+        cfg = config_of(site.linear)
+        if cfg is None:
+            continue
+        bits, group_size, sym = cfg
+        stats = InputStats(site.linear.in_features, site.linear.weight.device)
+        acts.feed(layer, site.linear, stats.add)
+        s, alpha = search_scale(site.linear.weight, stats, GridSpec(bits, sym), group_size)
+        if alpha >= 0:
+            apply_scale(site, s)
+        chosen[site.name] = alpha
+    return chosen

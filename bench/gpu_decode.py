@@ -5,7 +5,9 @@ against transformers (fp16 eager, and bitsandbytes nf4) and the physical bound, 
     python bench/gpu_decode.py --json           # one JSON object per row
 
 Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
-  flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, Triton kernels, sampler)
+  flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, the registry's kernels:
+                          Triton on NVIDIA GPUs, sampler)
+  flotilla int4 CUDA      the same with the CUDA dequant-matmul (FLOTILLA_KERNEL=cuda)
   flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
   flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
   flotilla fp16           unquantized linears (cuBLAS) through the same engine and graphs
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -35,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flotilla.kernels import registry  # noqa: E402
 from flotilla.models.linear import QuantLinear  # noqa: E402
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
@@ -111,6 +115,8 @@ def hf_decode(model, batch: int, prompt_len: int, tokens: int) -> DecodeRun:
 # ------------------------------------------------------------------------------------- profile
 
 def kernel_family(name: str) -> str:
+    if "wqa16_kernel" in name or "flotilla::dequant_kernel" in name:
+        return "int4 linears (CUDA)"
     if "w_dot" in name or "dequantize_kernel" in name:
         return "int4 linears (Triton)"
     if "_decode_kernel" in name or "_combine_kernel" in name:
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tune", action="store_true", help="also the int4 rows after tuning tile configs on the GPU")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
-                                               "transformers rows), nf4, fp16")
+                                               "transformers rows), nf4, fp16, cuda")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -235,6 +241,16 @@ def main(argv=None) -> int:
     print(section("sync check", lambda: check_syncs(model)), flush=True)
     print(section("engine spec check", check_engine_spec), flush=True)
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
+    if "cuda" not in skip:
+        def cuda_rows():
+            os.environ[registry.ENV_KERNEL] = "cuda"
+            try:
+                forced = build_random_model(args.shape, 4, "cuda", torch.float16)
+            finally:
+                del os.environ[registry.ENV_KERNEL]
+            ours("flotilla int4 CUDA", forced)
+        section("flotilla int4 CUDA", cuda_rows)
+        torch.cuda.empty_cache()
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))
     if "profile" not in skip:

@@ -1,12 +1,15 @@
-"""Dequant-matmul on the GPU: flotilla's Triton W4A16 / W8A16 against fp16 and other libraries.
+"""Dequant-matmul on the GPU: flotilla's W4A16 / W8A16 kernels against fp16 and other libraries.
 
     python bench/kernels.py                 # the table: 4 weight shapes x batches 1..2048
     python bench/kernels.py --json          # one JSON object per (shape, batch) row
     python bench/kernels.py --sweep         # also time a grid of tile configs per case (tuning)
+    python bench/kernels.py --gguf --batches 1,16   # the GGUF forms' kernels (bench/kernels_gguf.py)
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
 triton.testing.do_bench, which clears the L2 cache before every call) for
-  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations;
+  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations, twice:
+  the CUDA kernels (flotilla/kernels/cuda; columns "CUDA", with TB/s and x fp16) and the Triton
+  kernels (flotilla/kernels/triton_linear; the registry's choice on NVIDIA GPUs);
   fp16 torch.nn.functional.linear (cuBLAS);
   tinygemm int4 weight-only (torch.ops.aten._weight_int4pack_mm, what torchao calls; bf16);
   bitsandbytes nf4 (Linear4bit) and int8 (Linear8bitLt), when bitsandbytes imports;
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups  # noqa: E402
 from flotilla.kernels.reference import dequantize  # noqa: E402
+from flotilla.kernels.cuda.kernel import CudaGPTQKernel  # noqa: E402
 from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, split_for  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
@@ -134,7 +138,11 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def check(kernel: TritonGPTQKernel, w: GPTQWeight, batches, dtype, tol: float, w32=None) -> list[str]:
+def plan_of(kernel, m: int):
+    return kernel.plan_for(m) if hasattr(kernel, "plan_for") else kernel.config_for(m)
+
+
+def check(kernel, w: GPTQWeight, batches, dtype, tol: float, w32=None) -> list[str]:
     """Every batch's path against the reference on this weight; returns failure lines."""
     failures = []
     w32 = dequantize(w, torch.float32) if w32 is None else w32
@@ -146,8 +154,8 @@ def check(kernel: TritonGPTQKernel, w: GPTQWeight, batches, dtype, tol: float, w
         err = rel_err(y, ref)
         ok = err < tol and bool(torch.isfinite(y).all())
         if not ok:
-            failures.append(f"{w.in_features}x{w.out_features} bits={w.bits} m={m} {dtype} "
-                            f"{kernel.config_for(m)}: rel err {err:.2e}")
+            failures.append(f"{kernel.name} {w.in_features}x{w.out_features} bits={w.bits} m={m} {dtype} "
+                            f"{plan_of(kernel, m)}: rel err {err:.2e}")
     return failures
 
 
@@ -161,12 +169,14 @@ def correctness_suite(args) -> list[str]:
             tol = 2e-3 if dtype == torch.float16 else 1.2e-2
             for group, sym, act in ((128, True, False), (128, False, True), (32, False, False), (-1, True, True)):
                 w = random_gptq(1024, 768, bits, group, sym, act, "cuda")
-                failures += check(TritonGPTQKernel(w, dtype), w, [1, 40, 1100], dtype, tol)
+                for make in (CudaGPTQKernel, TritonGPTQKernel):
+                    failures += check(make(w, dtype), w, [1, 40, 1100], dtype, tol)
     for k, n in args.shapes:
         for bits in (4, 8):
             w = random_gptq(k, n, bits, 128, True, False, "cuda")
             w32 = dequantize(w, torch.float32)
-            failures += check(TritonGPTQKernel(w, torch.float16), w, args.batches, torch.float16, 2e-3, w32)
+            for make in (CudaGPTQKernel, TritonGPTQKernel):
+                failures += check(make(w, torch.float16), w, args.batches, torch.float16, 2e-3, w32)
             del w32
     return failures
 
@@ -263,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    ap.add_argument("--gguf", action="store_true", help="the GGUF forms' table instead (bench/kernels_gguf.py)")
     args = ap.parse_args(argv)
     global GRAPHS
     GRAPHS = args.graph
@@ -277,6 +288,11 @@ def main(argv=None) -> int:
     args.sweep_block_k = [int(b) for b in args.sweep_block_k.split(",") if b]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    if args.gguf:
+        from bench.kernels_gguf import run_gguf
+
+        return run_gguf(args, time_us, lambda k, n: TritonGPTQKernel(random_gptq(k, n, 4, 128, True, False, "cuda"),
+                                                                    torch.float16))
 
     if not args.skip_check:
         failures = correctness_suite(args)
@@ -292,10 +308,11 @@ def main(argv=None) -> int:
         peers = Peers(k, n)
         if peers.bnb_error:
             print(f"bitsandbytes unavailable: {peers.bnb_error}", flush=True)
-        ours = {bits: TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.float16)
-                for bits in (4, 8)}
+        weights = {bits: random_gptq(k, n, bits, 128, True, False, "cuda") for bits in (4, 8)}
+        ours = {bits: CudaGPTQKernel(w, torch.float16) for bits, w in weights.items()}
+        previous = {bits: TritonGPTQKernel(w, torch.float16) for bits, w in weights.items()}
         if args.tune:
-            for kern in ours.values():
+            for kern in previous.values():
                 kern.tune(args.batches)
         for m in args.batches:
             row = {"shape": f"{k}x{n}", "batch": m}
@@ -307,11 +324,13 @@ def main(argv=None) -> int:
                 row[f"w{bits}_us"] = t
                 row[f"w{bits}_tbps"] = nbytes / (t * 1e-6) / 1e12
                 row[f"w{bits}_floor_us"] = nbytes / bw * 1e6
-                row[f"w{bits}_config"] = str(kern.config_for(m))
+                row[f"w{bits}_config"] = str(kern.plan_for(m))
                 row[f"w{bits}_speedup"] = row["fp16_us"] / t
+            for bits, kern in previous.items():
+                row[f"triton_w{bits}_us"] = time_us(lambda: kern(x))
             rows.append(row)
             print(("  " + json.dumps(row)) if args.json else _line(row), flush=True)
-        del peers, ours
+        del peers, ours, previous, weights
         torch.cuda.empty_cache()
     print()
     print(_table(rows), flush=True)
@@ -326,14 +345,16 @@ def main(argv=None) -> int:
 
 def _line(r: dict) -> str:
     return (f"{r['shape']:>11} m={r['batch']:<5} fp16 {r['fp16_us']:8.1f}  w4 {r['w4_us']:8.1f} "
-            f"({r['w4_speedup']:.2f}x, {r['w4_tbps']:.2f} TB/s)  w8 {r['w8_us']:8.1f} ({r['w8_speedup']:.2f}x)")
+            f"({r['w4_speedup']:.2f}x, {r['w4_tbps']:.2f} TB/s)  w8 {r['w8_us']:8.1f} ({r['w8_speedup']:.2f}x)  "
+            f"triton w4 {r['triton_w4_us']:8.1f} w8 {r['triton_w8_us']:8.1f}")
 
 
 def _table(rows: list) -> str:
     cols = [("shape", "shape", "{}"), ("batch", "batch", "{}"), ("fp16 µs", "fp16_us", "{:.1f}"),
-            ("W4A16 µs", "w4_us", "{:.1f}"), ("×fp16", "w4_speedup", "{:.2f}"), ("W4 TB/s", "w4_tbps", "{:.2f}"),
-            ("W4 floor µs", "w4_floor_us", "{:.1f}"), ("W8A16 µs", "w8_us", "{:.1f}"),
+            ("CUDA W4 µs", "w4_us", "{:.1f}"), ("×fp16", "w4_speedup", "{:.2f}"), ("W4 TB/s", "w4_tbps", "{:.2f}"),
+            ("W4 floor µs", "w4_floor_us", "{:.1f}"), ("CUDA W8 µs", "w8_us", "{:.1f}"),
             ("×fp16", "w8_speedup", "{:.2f}"), ("W8 TB/s", "w8_tbps", "{:.2f}"),
+            ("Triton W4 µs", "triton_w4_us", "{:.1f}"), ("Triton W8 µs", "triton_w8_us", "{:.1f}"),
             ("tinygemm µs", "tinygemm_us", "{:.1f}"), ("bnb nf4 µs", "bnb_nf4_us", "{:.1f}"),
             ("bnb int8 µs", "bnb_int8_us", "{:.1f}")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
@@ -341,7 +362,9 @@ def _table(rows: list) -> str:
         lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "n/a" for _, key, fmt in cols) + " |")
     if rows:
         w4 = [r["w4_speedup"] for r in rows]
-        lines.append(f"\nW4A16 speedup over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x")
+        w8 = [r["w8_speedup"] for r in rows]
+        lines.append(f"\nCUDA W4A16 speedup over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x; "
+                     f"W8A16: min {min(w8):.2f}x, median {statistics.median(w8):.2f}x")
     return "\n".join(lines)
 
 

@@ -31,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# the repository root instead of bench/ (python puts the script's folder first): bench/kernels.py
+# would shadow the `kernels` package that transformers looks for when it loads the tokenizer
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 from bench.cpu_throughput import TOPICS  # noqa: E402  (the same 32 chat prompts)
 

@@ -6,6 +6,9 @@
                          by flotilla.kernels.cpu.build, which imports nothing of flotilla's
     TORCH_EXTENSIONS_DIR torch's own variable: when set, the compiled CPU kernels go there instead
     CXX                  the C++ compiler for the CPU kernels (default: c++; none: dense fallback)
+    FLOTILLA_CPU_ISA     avx2 or avx512: the instruction set of the compiled CPU kernels (default: the
+                         widest this CPU runs; avx2 on an AVX-512 CPU runs the AVX2 build, as CI
+                         does to test both); read by flotilla.kernels.cpu.build
     FLOTILLA_KERNEL      force one dequant-matmul kernel by name (read by flotilla.kernels.registry,
                          which imports nothing of flotilla's)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)

@@ -36,3 +36,11 @@ def test_bad_engine_flags_are_one_line_errors(smollm2_gguf):
     p = runtime("generate", str(smollm2_gguf), "-p", "hi", "--kv-cache-memory", "lots")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: --kv-cache-memory 'lots': expected a size")
+
+
+def test_the_default_kv_cache_on_a_cpu_comes_from_the_context(smollm2_gguf):
+    p = runtime("generate", str(smollm2_gguf), "-p", "Hi", "--max-tokens", "2", "--max-model-len", "2048")
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stderr.splitlines() if ln.startswith("KV cache:"))
+    assert line.startswith("KV cache: 129 blocks x 16 tokens = 2064 tokens, 90.7 MiB"), line  # 2048 + the null block
+    assert "default on CPU: 2048 tokens for up to 1 sequence of up to 2048" in line

@@ -118,7 +118,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_avx2_build_gives_the_same_bits_as_avx512():
-    if build.best_isa() != "avx512":
+    if build.cpu_isa() != "avx512":
         pytest.skip("this CPU has no AVX-512: only one build to test")
     avx2 = build.load("avx2")
     assert avx2 is not None and avx2.isa() == "avx2" and build.load("avx512").isa() == "avx512"
@@ -251,3 +251,16 @@ def test_a_cached_build_loads_without_compiling():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["PackedLinear", "PackedLinear"]
     assert "compiling" not in out.stderr
+
+
+def test_two_installs_of_the_same_sources_get_their_own_builds(tmp_path, monkeypatch):
+    """torch's ninja file names the source paths: sharing a build, two installs (worktrees, venvs)
+    would rebuild it for each other on every start."""
+    import shutil
+
+    name = build.build_name("avx2")
+    assert build.build_name("avx2") == name  # stable
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    assert build.build_name("avx2") != name

@@ -154,32 +154,55 @@ def test_cli_error_corrupt_checkpoint_shard_is_named(tiny_hf, tmp_path):
     assert_one_line_error(run_cli("generate", str(ckpt), "-p", "x"), shard, "sha256")
 
 
-def test_cli_error_gguf_with_unsupported_tensor_type(tmp_path):
+def gguf_with_embedding_as(tmp_path, qtype: str, name: str) -> Path:
+    """A tiny Llama GGUF whose token_embd (256 rows of 64) is zero bytes of `qtype`."""
     import gguf
     import numpy as np
 
     hf = make_hf_model(tiny_config("llama"), seed=1)
     path = write_llama_gguf(hf, tmp_path / "ok.gguf")
     reader = gguf.GGUFReader(str(path))
-    bad = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(bad), "llama")
+    out = tmp_path / name
+    w = gguf.GGUFWriter(str(out), "llama")
     for key, field in reader.fields.items():
         if key.startswith("llama.") or key.startswith("tokenizer."):
-            value = field.contents()
-            vtype = field.types[0]
-            w.add_key_value(key, value, vtype)
+            w.add_key_value(key, field.contents(), field.types[0])
+    qt = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[qt]
     for t in reader.tensors:
-        if t.name == "token_embd.weight":  # 256 rows of 64 values as IQ4_NL: 2 blocks of 18 bytes a row
-            w.add_tensor(t.name, np.zeros((256, 36), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        if t.name == "token_embd.weight":
+            w.add_tensor(t.name, np.zeros((256, 64 // block * size if block <= 64 else size), dtype=np.uint8),
+                         raw_dtype=qt)
         else:
             w.add_tensor(t.name, np.array(t.data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(FlotillaError, match="IQ4_NL"):
+    return out
+
+
+def test_gguf_type_without_a_kernel_runs_in_fp32_with_a_warning(tmp_path):
+    path = gguf_with_embedding_as(tmp_path, "IQ4_NL", "iq4.gguf")
+    model = load_stage(GGUFSource(path))
+    assert torch.equal(model.embed(torch.tensor([3, 7])), torch.zeros(2, 64))  # IQ4_NL zero bytes: all zeros
+    proc = subprocess.run([sys.executable, "-c", "from flotilla.runtime.loader import load_model; "
+                           f"load_model({str(path)!r}, 'cpu', with_tokenizer=False)"],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    report = next(ln for ln in lines if ln.startswith("GGUF iq4.gguf: "))
+    assert "IQ4_NL: 1 tensor -> " in report and "F32: " in report
+    warning = [ln for ln in lines if ln.startswith("warning:")]
+    assert len(warning) == 1 and "IQ4_NL" in warning[0] and "model.embed_tokens.weight" in warning[0]
+    assert "fp32" in warning[0] and "7.1x" in warning[0]  # 32 bits against IQ4_NL's 4.5
+
+
+def test_cli_error_gguf_with_a_type_nothing_can_read(tmp_path):
+    bad = gguf_with_embedding_as(tmp_path, "Q8_1", "bad.gguf")
+    with pytest.raises(FlotillaError, match="Q8_1"):
         load_stage(GGUFSource(bad))
-    assert_one_line_error(run_cli("generate", str(bad), "-p", "x"), "bad.gguf", "IQ4_NL", "token_embd.weight")
+    assert_one_line_error(run_cli("generate", str(bad), "-p", "x"), "bad.gguf", "Q8_1", "token_embd.weight")
 
 
 def test_cli_error_not_a_model_file(tmp_path):

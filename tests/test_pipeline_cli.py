@@ -5,8 +5,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -95,3 +97,38 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return status.exists() and "zombie" not in status.read_text()
+
+
+def test_pp3_with_workers_that_never_answer_or_are_not_workers_is_one_line_in_bounded_time():
+    silent = socket.socket()  # the kernel completes the TCP handshake; nothing ever answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    web = socket.socket()  # something else: answers every connection with an HTTP response
+    web.bind(("127.0.0.1", 0))
+    web.listen(8)
+
+    def answer_http():
+        while True:
+            try:
+                conn, _ = web.accept()
+            except OSError:
+                return
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    token = {"FLOTILLA_TOKEN": "0123456789abcdef-env"}
+    try:
+        hosts = ",".join(f"127.0.0.1:{silent.getsockname()[1]}" for _ in range(3))
+        r = runtime("serve", "--port", "0", "--pp", "3", "--hosts", hosts, env=token)  # bounded: 120 s at most
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert "no answer within 10 s" in lines[0] and "runtime worker --listen" in lines[0]
+        hosts = ",".join(f"127.0.0.1:{web.getsockname()[1]}" for _ in range(3))
+        r = runtime("serve", "--port", "0", "--pp", "3", "--hosts", hosts, env=token)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert "something answered, but not a flotilla worker" in lines[0]
+    finally:
+        silent.close()
+        web.close()

@@ -171,3 +171,28 @@ def test_force_replaces_an_existing_checkpoint(src, tmp_path):
     assert open_source(out).config.quant.bits == 4
     assert listing(tmp_path) == {"q"}
     assert os.access(next(out.glob("model-*.safetensors")), os.R_OK)
+
+
+# ------------------------------------------------------------------------------- no -o: a default
+
+def test_without_out_the_card_form_writes_beside_the_source(tmp_path):
+    src = tiny_model_dir(tmp_path / "model", seed=9)
+    proc = subprocess.run([sys.executable, "-m", "flotilla.quantize.cli", "--bits", "4", f"{src}/"],
+                          capture_output=True, text=True, env=cli_env(), timeout=300)  # the design card's form
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "model-gptq-int4"
+    assert f"writing the checkpoint to {out}" in proc.stdout.splitlines()[0]
+    assert "sampling 128 x 128 tokens from the model itself (--calib FILE or --method rtn skip this)" in proc.stderr
+    assert listing(tmp_path) == {"model", "model-gptq-int4"}
+    cfg = open_source(out).config
+    assert (cfg.quant.bits, cfg.quant.method, cfg.quant.group_size) == (4, "gptq", 128)
+    again = quantize_main([str(src), "--quiet", "--method", "rtn", "--bits", "8"])  # method and bits in the name
+    assert again == 0 and open_source(tmp_path / "model-rtn-int8").config.quant.bits == 8
+
+
+def test_default_out_of_a_gguf_file_is_its_name_beside_it(tmp_path):
+    from flotilla.quantize.cli import default_out
+    from flotilla.quantize.options import QuantizeOptions
+
+    assert default_out(tmp_path / "SmolLM2.Q4_1.gguf", QuantizeOptions()) == tmp_path / "SmolLM2.Q4_1-gptq-int4"
+    assert default_out(Path("~/m/Llama"), QuantizeOptions(bits=8)) == Path.home() / "m" / "Llama-gptq-int8"

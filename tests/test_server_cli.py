@@ -25,9 +25,9 @@ def env(**extra) -> dict:
     return e
 
 
-def runtime(*args, **kw) -> subprocess.CompletedProcess:
+def runtime(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flotilla.server.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env(), **kw)
+                          timeout=timeout, env=env(), **kw)
 
 
 class Serve:
@@ -89,6 +89,10 @@ def test_serve_prints_url_uses_env_key_and_drains_on_sigterm(smollm2_gguf):
     server = Serve(smollm2_gguf, "--grace-period", "60", FLOTILLA_API_KEY="envkey")
     try:
         assert re.match(r"http://127\.0\.0\.1:\d+$", server.url)
+        log = "".join(server.lines)  # what it said while starting, in order
+        said = [log.index(f"flotilla: loading {smollm2_gguf}…"), log.index(f"flotilla: loaded {smollm2_gguf.name} in "),
+                log.index("KV cache: "), log.index("flotilla: serving")]
+        assert said == sorted(said), log
         status, page = get(server.url + "/")
         assert status == 200 and "<title>flotilla chat</title>" in page
         assert get(server.url + "/health")[0] == 200
@@ -142,3 +146,41 @@ def test_runtime_script_has_serve_and_runtime_does_not_import_the_server():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), check=True)
     assert out.stdout.strip() == "False"
     assert 'runtime = "flotilla.server.cli:main"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_port_in_use_is_one_line_exit_2_before_the_model_loads(smollm2_gguf):
+    import time
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        start = time.monotonic()
+        assert runtime("serve", "--help").returncode == 0  # starting Python and importing, nothing more
+        baseline = time.monotonic() - start
+        start = time.monotonic()
+        r = runtime("serve", str(smollm2_gguf), "--port", str(port), timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        taken.close()
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the port is already in "
+                                             "use (is another server running?); pick another --port"]
+    assert r.stdout == ""  # nothing was loaded: no "loading" line, no KV cache
+    # within 10 s; on a loaded machine, within 3x the time it takes to start at all
+    assert elapsed < max(10.0, 3 * baseline), (elapsed, baseline)
+
+
+def test_bound_sockets_share_one_port_and_refuse_until_served():
+    from flotilla.server.listen import bind_sockets
+
+    sockets = bind_sockets("localhost", 0)
+    try:
+        ports = {s.getsockname()[1] for s in sockets}
+        assert len(ports) == 1 and ports != {0}
+        with pytest.raises(ConnectionRefusedError):  # bound, not yet listening: an early client is refused
+            socket.create_connection(("127.0.0.1", ports.pop()), timeout=5).close()
+    finally:
+        for s in sockets:
+            s.close()

@@ -58,6 +58,12 @@ BAD = [  # (path, body, status, param, words in the message)
     ("chat", b"\xff\xfe{}", 400, None, ["UTF-8"]),
     ("chat", b"[1, 2, 3]", 400, None, ["must be a JSON object", "an array"]),
     ("chat", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, ["nested too deeply"]),
+    ("chat", b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": %s}'
+     % (MODEL.encode(), b"1" * 5000), 400, None, ["integer of 5000 digits"]),
+    ("completion", b'{"model": "%s", "prompt": "Hi", "max_tokens": %s}' % (MODEL.encode(), b"1" * 5000), 400, None,
+     ["integer of 5000 digits"]),
+    ("completion", b'{"model": "%s", "prompt": "Hi", "seed": -%s}' % (MODEL.encode(), b"9" * 65), 400, None,
+     ["integer of 65 digits"]),
     ("chat", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}' % MODEL.encode(), 400,
      "messages[0].content", ["unpaired surrogate", "valid Unicode"]),
     ("chat", b'{"model": "%s", "messages": [{"role": "user", "content": "a"}], "stop": ["\\udc00"]}' % MODEL.encode(),

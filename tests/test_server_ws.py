@@ -105,6 +105,35 @@ def test_cancel_mid_stream_frees_the_blocks(live):
     assert done2["finish_reason"] in ("stop", "length")  # the same socket carries on
 
 
+def test_cancel_with_no_reply_is_ignored_and_a_cancel_right_after_chat_holds(live):
+    async def session():
+        async with aiohttp.ClientSession() as s:
+            ws = await connect(s, live)
+            await ws.send_json({"type": "cancel"})  # nothing streaming: no frame at all
+            await ws.send_json({"type": "ping"})
+            pong = await recv(ws)
+            # sent back to back: the cancel may arrive before the reply reaches the engine
+            await ws.send_json({"type": "chat", "messages": [{"role": "user", "content": "Count to 500."}],
+                                "max_tokens": 1000, "ignore_eos": True})
+            await ws.send_json({"type": "cancel"})
+            frames = [await recv(ws)]
+            while frames[-1]["type"] != "done":
+                frames.append(await recv(ws))
+            await ws.send_json({"type": "cancel"})  # after "done": ignored too
+            text, done2, _ = await reply(ws, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+            await ws.close()
+            return pong, frames, done2
+
+    pong, frames, done2 = run(session())
+    assert pong == {"type": "pong"}
+    assert frames[0]["type"] == "start" and frames[-1]["finish_reason"] == "cancelled"
+    assert frames[-1]["usage"]["completion_tokens"] < 1000
+    assert not [f for f in frames if f["type"] == "error"]
+    assert done2["finish_reason"] in ("stop", "length")  # the next reply is not cancelled
+    stats = live.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
 def test_bad_frames_get_error_frames_and_the_socket_keeps_working(live):
     good = {"type": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
@@ -117,7 +146,9 @@ def test_bad_frames_get_error_frames_and_the_socket_keeps_working(live):
                         json.dumps({"type": "chat", "messages": [{"role": "user", "content": 5}]}),
                         json.dumps({**good, "max_tokens": -1}), json.dumps({**good, "temperature": "hot"}),
                         json.dumps({**good, "model": "gpt-4o"}),
-                        '{"type": "chat", "messages": [{"role": "user", "content": "\\ud800"}]}']:
+                        '{"type": "chat", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                        '{"type": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": %s}'
+                        % ("1" * 5000)]:
                 await ws.send_str(bad)
                 f = await recv(ws)
                 assert f["type"] == "error", (bad, f)
@@ -138,7 +169,7 @@ def test_bad_frames_get_error_frames_and_the_socket_keeps_working(live):
 
     errors, busy, frames = run(session())
     messages = [f["message"] for _, f in errors]
-    assert "not JSON" in messages[0] and '"type": "chat"' in messages[0]
+    assert "not valid JSON" in messages[0] and '"type": "chat"' in messages[0]
     assert "JSON object" in messages[1]
     assert "unknown frame type" in messages[2]
     assert "'messages' is required" in messages[3]
@@ -147,6 +178,7 @@ def test_bad_frames_get_error_frames_and_the_socket_keeps_working(live):
     assert "'max_tokens'" in messages[6] and "'temperature'" in messages[7]
     assert errors[8][1]["code"] == 404 and "SmolLM2" in messages[8]
     assert "unpaired surrogate" in messages[9]
+    assert "integer of 5000 digits" in messages[10]
     assert all(400 <= f["code"] < 500 for _, f in errors)
     assert len(busy) == 1 and busy[0]["code"] == 409 and "cancel" in busy[0]["message"]
     assert frames[-1]["usage"]["completion_tokens"] == 8

@@ -22,8 +22,8 @@ with the same signatures:
 
 Per-step index tensors (gather indices, masks) are built once per step by `meta.plan()` and
 shared by every layer; the per-layer work is a store, two gathers and one SDPA per group. On
-CUDA the decodes go to the Triton kernel (flotilla.kernels.triton_attention), which reads the
-blocks in place; prefills stay on SDPA.
+CUDA the decodes go to the Triton kernel (flotilla.kernels.triton_attention), on the CPU (fp32) to
+a compiled one (flotilla.kernels.cpu.ops), both reading the blocks in place; prefills stay on SDPA.
 
 This module imports nothing of flotilla's.
 """
@@ -87,6 +87,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     parts = []
     if meta.num_decodes and plan.triton_decode is not None:
         parts.append(plan.triton_decode(query[:meta.num_decodes], key_cache, value_cache, scale))
+    elif meta.num_decodes and plan.cpu_decode is not None:
+        parts.append(plan.cpu_decode(query[:meta.num_decodes], key_cache, value_cache, scale))
     elif meta.num_decodes:
         parts.append(_decode(query[:meta.num_decodes], flat_k, flat_v, plan, scale))
     if meta.num_prefills:
@@ -151,6 +153,7 @@ class _TorchPlan:
         bs, nd = meta.block_size, meta.num_decodes
         self.dtype = dtype
         self.triton_decode = _TritonDecode.for_step(meta) if nd and meta.slot_mapping.is_cuda else None
+        self.cpu_decode = _cpu_decode(meta) if nd and dtype == torch.float32 and not meta.slot_mapping.is_cuda else None
         self.contiguous = None  # slots of the lone sequence, when its blocks are consecutive
         if meta.first_block >= 0:
             n = max(meta.max_decode_seq_len, meta.max_prefill_seq_len)
@@ -215,6 +218,12 @@ class _TritonDecode:
 
     def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float):
         return self.kernel(q, key_cache, value_cache, self.tables, self.lens, scale=scale, num_splits=self.num_splits)
+
+
+def _cpu_decode(meta: PagedAttentionMetadata):
+    from .cpu.ops import CpuDecode
+
+    return CpuDecode.for_step(meta)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

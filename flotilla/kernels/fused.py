@@ -6,7 +6,8 @@
     rope(x, cos, sin)                         x [T, H, D] -> x * cos + roll(x, D/2) * sin
     store_kv_slots(key_cache, value_cache, key, value, slot_mapping)
 
-On CUDA (fp16/bf16) they run the Triton kernels of flotilla.kernels.triton_fused. A batch-1
+On CUDA (fp16/bf16) they run the Triton kernels of flotilla.kernels.triton_fused; on the CPU
+(fp32) rms_norm, add_rms_norm, silu_mul and rope run one compiled pass each (flotilla.kernels.cpu.ops). A batch-1
 llama-3-8b decode step spends 0.92 ms of its 3.0 ms of GPU time in ~360 small torch kernels
 (bench/NOTES-gpu-decode.md); torch's layer-norm kernel alone takes ~5.8 µs for one 4096-wide row,
 65 times a step. Elsewhere, and for inputs the kernels do not take, each function is the torch
@@ -32,11 +33,24 @@ def _on_gpu(*tensors: torch.Tensor) -> bool:
             and all(u.stride(-1) == 1 for u in tensors))
 
 
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    """fp32 CPU tensors, and flotilla's compiled CPU ops available (kernels/cpu/ops.py)."""
+    if tensors[0].device.type != "cpu":
+        return False
+    from .cpu import ops
+
+    return ops.ready(*tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and _on_gpu(x, weight):
         from .triton_fused import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight, eps)
+    if _on_cpu(x, weight):
+        from .cpu import ops
+
+        return ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -46,6 +60,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         from .triton_fused import add_rms_norm as triton_add_rms_norm
 
         return triton_add_rms_norm(x, delta, weight, eps)
+    if delta.shape == x.shape and _on_cpu(x, delta, weight):
+        from .cpu import ops
+
+        return ops.add_rms_norm(x, delta, weight, eps)
     x = x + delta
     return x, F.rms_norm(x, weight.shape, weight, eps)
 
@@ -56,6 +74,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from .triton_fused import silu_mul as triton_silu_mul
 
         return triton_silu_mul(gate_up)
+    if _on_cpu(gate_up):
+        from .cpu import ops
+
+        return ops.silu_mul(gate_up)
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
@@ -66,6 +88,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from .triton_fused import rope as triton_rope
 
         return triton_rope(x, cos, sin)
+    if x.dim() == 3 and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, d) and _on_cpu(x, cos, sin):
+        from .cpu import ops
+
+        return ops.rope(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
 
 

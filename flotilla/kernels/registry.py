@@ -72,6 +72,7 @@ def _load_optional() -> None:
 
 _OPTIONAL_MODULES: list[str] = [
     f"{__package__}.triton_linear",  # Triton on CUDA
+    f"{__package__}.cuda",  # compiled CUDA kernels (nvcc): where Triton is missing, or forced
     f"{__package__}.cpu",  # compiled CPU kernels (AVX2/AVX-512)
 ]
 

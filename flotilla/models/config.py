@@ -138,6 +138,18 @@ def _describe(q: "QuantConfig | None") -> str:
 
 
 @dataclass(frozen=True)
+class GGUFQuant:
+    """The weights stay in a GGUF file's own blocks, each tensor in its type (Q4_K, Q6_K, … mixed
+    within one model), and run through flotilla's kernels for those forms (models/gguf_linear.py).
+    Nothing to write into a config.json: a checkpoint is never in this form."""
+
+    method: str = "gguf"
+
+    def to_hf(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a key of ARCHITECTURES
     vocab_size: int
@@ -159,7 +171,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
-    quant: QuantConfig | None = None
+    quant: QuantConfig | GGUFQuant | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -182,7 +194,7 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    def linear_quant(self, prefix: str, projections: Sequence[str]) -> QuantConfig | None:
+    def linear_quant(self, prefix: str, projections: Sequence[str]) -> QuantConfig | GGUFQuant | None:
         """The quantization of the linear made of checkpoint projections `prefix` + each of
         `projections` (e.g. "model.layers.3.self_attn.", ("q_proj", "k_proj", "v_proj")), after any
         per-module `dynamic` override; None for a plain linear."""
@@ -190,7 +202,7 @@ class ModelConfig:
             return self.quant.for_module([prefix + p for p in projections])
         return self.quant
 
-    def with_quant(self, quant: QuantConfig | None) -> "ModelConfig":
+    def with_quant(self, quant: QuantConfig | GGUFQuant | None) -> "ModelConfig":
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["quant"] = quant
         return ModelConfig(**d)
@@ -287,7 +299,7 @@ class ModelConfig:
         if self.rope_scaling is not None:
             d["rope_scaling"] = asdict(self.rope_scaling)
             d["rope_scaling"]["type"] = self.rope_scaling.rope_type
-        if self.quant is not None:
+        if self.quant is not None and self.quant.to_hf() is not None:
             d["quantization_config"] = self.quant.to_hf()
         return d
 

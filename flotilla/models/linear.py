@@ -29,7 +29,7 @@ from flotilla.kernels import registry
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
 
 from . import parallel_state
-from .config import QuantConfig
+from .config import GGUFQuant, QuantConfig
 
 
 class _Shards:
@@ -105,7 +105,7 @@ class QuantLinear(nn.Module, _Shards):
         cols = self.shard_slice(shard)
         if suffix == "g_idx":
             if self._g_idx_loaded:
-                if not torch.equal(self.g_idx, value.to(torch.int32)):
+                if not torch.equal(self.g_idx, value.to(self.g_idx.device, torch.int32)):
                     raise FlotillaError("the merged projections have different g_idx (act-order permutations); "
                                         "this checkpoint cannot be loaded")
                 return
@@ -156,7 +156,7 @@ class LMHead(nn.Linear):
         return kernel
 
 
-def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | None,
+def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | GGUFQuant | None,
                 split: str | None = None) -> nn.Module:
     """A linear in_features -> sum(out_sizes) made of `len(out_sizes)` checkpoint projections.
     `split`: "column" (the output axis may be divided), "row" (the input axis), or None."""
@@ -167,24 +167,45 @@ def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: Quant
         return parallel_linear(in_features, out_sizes, bias, quant, split, group)
     if quant is None:
         return Linear(in_features, out_sizes, bias)
+    if isinstance(quant, GGUFQuant):
+        from .gguf_linear import GGUFLinear
+
+        return GGUFLinear(in_features, out_sizes, bias)
     return QuantLinear(in_features, out_sizes, bias, quant)
 
 
-def make_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
+def make_embedding(vocab_size: int, hidden_size: int, quant: QuantConfig | GGUFQuant | None = None) -> nn.Module:
+    """The token embedding (GPTQ checkpoints keep it unquantized; a GGUF one stays in its blocks)."""
     group = parallel_state.current()
+    if group is not None and isinstance(quant, GGUFQuant):
+        from .gguf_parallel import VocabParallelGGUFEmbedding
+
+        return VocabParallelGGUFEmbedding(vocab_size, hidden_size, group)
     if group is not None:
         from .parallel import VocabParallelEmbedding
 
         return VocabParallelEmbedding(vocab_size, hidden_size, group)
+    if isinstance(quant, GGUFQuant):
+        from .gguf_linear import GGUFEmbedding
+
+        return GGUFEmbedding(vocab_size, hidden_size)
     return nn.Embedding(vocab_size, hidden_size)
 
 
-def make_lm_head(hidden_size: int, vocab_size: int) -> LMHead:
+def make_lm_head(hidden_size: int, vocab_size: int, quant: QuantConfig | GGUFQuant | None = None) -> nn.Module:
     group = parallel_state.current()
+    if group is not None and isinstance(quant, GGUFQuant):
+        from .gguf_parallel import ParallelGGUFLMHead
+
+        return ParallelGGUFLMHead(hidden_size, vocab_size, group)
     if group is not None:
         from .parallel import ParallelLMHead
 
         return ParallelLMHead(hidden_size, vocab_size, group)
+    if isinstance(quant, GGUFQuant):
+        from .gguf_linear import GGUFLMHead
+
+        return GGUFLMHead(hidden_size, vocab_size)
     return LMHead(hidden_size, vocab_size)
 
 

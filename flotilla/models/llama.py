@@ -160,7 +160,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, stage: Stage):
         super().__init__()
-        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size) if stage.is_first else None
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, cfg.quant) if stage.is_first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in stage.layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
 
@@ -173,7 +173,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.stage = stage or Stage.whole(cfg.num_hidden_layers)
         self.model = DecoderStack(cfg, self.stage)
-        self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size) if self.stage.is_last else None
+        self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.quant) if self.stage.is_last else None
         self.rope: RotaryEmbedding | None = None
         self._frozen: list[LayerOps] | None = None
         self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -44,7 +44,7 @@ from torch import nn
 from flotilla.errors import FlotillaError
 from flotilla.kernels.gptq import default_g_idx, num_groups
 
-from .config import QuantConfig
+from .config import GGUFQuant, QuantConfig
 from .linear import Linear, LMHead, QuantLinear
 from .parallel_state import TPGroup
 
@@ -177,10 +177,14 @@ _LINEARS = {("column", False): ColumnParallelLinear, ("row", False): RowParallel
             ("column", True): ColumnParallelQuantLinear, ("row", True): RowParallelQuantLinear}
 
 
-def parallel_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | None, split: str,
+def parallel_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | GGUFQuant | None, split: str,
                     group: TPGroup) -> nn.Module:
     if split not in ("column", "row"):
         raise ValueError(f"split {split!r}: expected 'column', 'row' or None")
+    if isinstance(quant, GGUFQuant):
+        from .gguf_parallel import parallel_gguf_linear
+
+        return parallel_gguf_linear(in_features, out_sizes, bias, split, group)
     cls = _LINEARS[(split, quant is not None)]
     return cls(in_features, out_sizes, bias, quant, group) if quant is not None else cls(in_features, out_sizes, bias, group)
 

@@ -118,7 +118,7 @@ def _problems(cfg, n: int) -> list[str]:
     for name, size in axes:
         if size % n:
             out.append(f"{size} {name} % {n} = {size % n}")
-    if cfg.quant is not None and not out:
+    if getattr(cfg.quant, "bits", None) and not out:  # GPTQ packing (GGUF blocks: models.gguf_parallel)
         per_word = 32 // cfg.quant.bits
         shares = (("a rank's query width", cfg.q_size // n), ("a rank's KV width", cfg.kv_size // n),
                   ("a rank's intermediate width", cfg.intermediate_size // n))

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from flotilla.errors import FlotillaError
 
 from .config import ModelConfig
+from .gguf_linear import GGUFEmbedding, GGUFLinear, GGUFLMHead
 from .linear import Linear, QuantLinear
 from .llama import CausalLM, DecoderLayer, RMSNorm, Stage
 from .parallel import VocabParallel
@@ -36,23 +37,27 @@ def _linear_items(root: nn.Module, name: str, mod: nn.Module, prefix: str = "") 
             for shard, proj in enumerate(merged) for suffix in mod.tensor_suffixes()]
 
 
+LINEARS = (Linear, QuantLinear, GGUFLinear)
+GGUF_TABLES = (GGUFEmbedding, GGUFLMHead)
+
+
 def _whole(mod: nn.Module) -> int:
-    """Shard 0 (loaded through the module's `load`, which slices it) for a tensor-parallel
-    vocabulary share; -1 (copied as it is) otherwise."""
-    return 0 if isinstance(mod, VocabParallel) else -1
+    """Shard 0 (loaded through the module's `load`) for a tensor-parallel vocabulary share, which
+    slices it, and a GGUF table, which keeps its blocks; -1 (copied as it is) otherwise."""
+    return 0 if isinstance(mod, (VocabParallel, *GGUF_TABLES)) else -1
 
 
 def load_plan(model: CausalLM) -> list[LoadItem]:
     """Every checkpoint tensor this stage needs, with its destination."""
     cfg, plan = model.config, []
     for name, mod in model.named_modules():
-        if isinstance(mod, (Linear, QuantLinear)):
+        if isinstance(mod, LINEARS):
             plan.extend(_linear_items(model, name, mod))
         elif name == "lm_head":
             if cfg.tie_word_embeddings and model.stage.is_first:
                 continue  # the same Parameter as the embedding
             plan.append(LoadItem(EMBED if cfg.tie_word_embeddings else HEAD, mod, "weight", _whole(mod)))
-        elif isinstance(mod, (nn.Embedding, RMSNorm)):
+        elif isinstance(mod, (nn.Embedding, GGUFEmbedding, RMSNorm)):
             plan.append(LoadItem(f"{name}.weight", mod, "weight", _whole(mod)))
     return plan
 
@@ -65,7 +70,7 @@ def layer_plan(layer: DecoderLayer, index: int) -> list[LoadItem]:
     """Every checkpoint tensor of decoder layer `index`, with its destination in `layer`."""
     prefix, plan = layer_prefix(index), []
     for name, mod in layer.named_modules():
-        if isinstance(mod, (Linear, QuantLinear)):
+        if isinstance(mod, LINEARS):
             plan.extend(_linear_items(layer, name, mod, prefix))
         elif isinstance(mod, RMSNorm):
             plan.append(LoadItem(f"{prefix}{name}.weight", mod, "weight"))
@@ -81,11 +86,17 @@ def required_tensor_names(config: ModelConfig) -> list[str]:
 
 def _materialize(module: nn.Module, device, dtype: torch.dtype) -> None:
     """Give a meta-built module uninitialised storage on `device`, floating parameters in `dtype`
-    (cast on meta first, so no full-size fp32 copy is ever allocated)."""
-    for p in module.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
-    module.to_empty(device=device)
+    (allocated in that dtype directly, so no full-size fp32 copy is ever made; and not through
+    Module.to_empty, whose meta-tensor path imports sympy: ~36 MB of a CPU process)."""
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                dt = dtype if p.is_floating_point() else p.dtype
+                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
+                                                     requires_grad=p.requires_grad)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def build_stage(config: ModelConfig, stage: Stage | None, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
@@ -109,9 +120,9 @@ def load_stage(source, stage: Stage | None = None, device: torch.device | str = 
                dtype: torch.dtype = torch.float32, progress: bool = False) -> CausalLM:
     """Load the layers of `stage` (default: all) from `source`; only their tensors are read."""
     model = build_stage(source.config, stage, device, dtype)
-    _fill(source, load_plan(model), progress)
+    _fill(source, load_plan(model), progress, finish=_gguf_finisher(dtype, device))
     model.build_rope()
-    _prepare_quant(model, dtype)
+    _prepare_quant(model, dtype, device)
     return model
 
 
@@ -119,21 +130,26 @@ def load_layer(source, index: int, device: torch.device | str = "cpu", dtype: to
     """Load decoder layer `index` alone (only its tensors are read). The caller supplies rope and
     attention when running it, as CausalLM does."""
     layer = build_layer(source.config, index, device, dtype)
-    _fill(source, layer_plan(layer, index))
-    _prepare_quant(layer, dtype)
+    _fill(source, layer_plan(layer, index), finish=_gguf_finisher(dtype, device))
+    _prepare_quant(layer, dtype, device)
     return layer
 
 
-def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
+def _fill(source, plan: list[LoadItem], progress: bool = False, finish=None) -> None:
+    """Copy every item's tensor into place. `finish(module)` is called for each module once its
+    last item is in (the plan lists a module's items together)."""
     available = set(source.names())
+    read = getattr(source, "get_native", source.get)  # a GGUF source hands its blocks to the GGUF layers
     with torch.no_grad():
-        for item in tqdm(plan, desc="loading", unit="tensor", disable=not progress, leave=False):
+        for i, item in enumerate(tqdm(plan, desc="loading", unit="tensor", disable=not progress, leave=False)):
+            if finish is not None and i and plan[i - 1].module is not item.module:
+                finish(plan[i - 1].module)
             if item.source_name not in available:
                 if item.suffix == "g_idx":  # older GPTQ files omit g_idx when desc_act is off
                     item.module.load("g_idx", item.shard, item.module.missing_g_idx())
                     continue
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r} is missing")
-            value = source.get(item.source_name)
+            value = read(item.source_name)
             try:
                 if item.shard >= 0:
                     item.module.load(item.suffix, item.shard, value)
@@ -144,9 +160,22 @@ def _fill(source, plan: list[LoadItem], progress: bool = False) -> None:
                     target.copy_(value.to(target.dtype))
             except FlotillaError as e:
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r}: {e}") from None
+        if finish is not None and plan:
+            finish(plan[-1].module)
 
 
-def _prepare_quant(module: nn.Module, dtype: torch.dtype) -> None:
+def _gguf_finisher(dtype: torch.dtype, device: torch.device | str):
+    """Pack each GGUF module as soon as it is loaded, so that a load holds one tensor's decoded
+    blocks at a time, not the whole model's."""
+    def finish(module: nn.Module) -> None:
+        if isinstance(module, (GGUFLinear, *GGUF_TABLES)):
+            module.prepare(dtype, device)
+    return finish
+
+
+def _prepare_quant(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
     for mod in module.modules():
         if isinstance(mod, QuantLinear):
             mod.prepare(dtype)
+        elif isinstance(mod, (GGUFLinear, *GGUF_TABLES)) and not mod.prepared:
+            mod.prepare(dtype, device)

@@ -4,14 +4,16 @@ Both give a LongTensor [samples, seq_len]: equal lengths, so every batch runs th
 one dense causal-attention call.
 
 Self-generated calibration needs no dataset: each sequence starts from BOS and one uniformly
-random token, then the model samples (temperature 1, top-p 0.95, seeded, end-of-sequence banned
+random token, then the model samples (temperature 1, top-k 256, top-p 0.95, seeded, end-of-sequence banned
 so every sequence reaches seq_len). The whole model is loaded for this, in bf16 on CPU (fp16 on
 CUDA) to halve its memory, and freed before quantization begins.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -21,7 +23,8 @@ from flotilla.models.attention import LockstepKVCache
 from flotilla.models.weights import load_stage
 
 TOP_P = 0.95
-GENERATION_BATCH = 32
+TOP_K = 256
+GENERATION_BATCH = 128  # sequences sampled together (the default --calib-samples: one batch)
 
 
 def read_texts(path: Path) -> list[str]:
@@ -81,19 +84,35 @@ def tokens_from_file(path: Path, tokenizer, vocab_size: int, samples: int, seq_l
 def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch.device,
                     progress: bool = True) -> torch.Tensor:
     """Sample `samples` sequences of `seq_len` tokens from the model of `source`."""
-    cfg = source.config
     dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
     model = load_stage(source, device=device, dtype=dtype)
     source.release()  # the model holds its own copy; unmap the source files
+    prompt_len = min(seq_len, 1 if source.config.bos_token_id is None else 2)
+    total = samples * (seq_len - prompt_len)
+    if progress:
+        print(f"calibration: sampling {samples} x {seq_len} tokens from the model itself "
+              "(--calib FILE or --method rtn skip this)", file=sys.stderr)
+    with tqdm(total=total, desc="calibration text", unit="tok", disable=not progress, leave=False) as bar:
+        tokens = sample_sequences(model, samples, seq_len, seed, on_step=lambda n: _show_expected(bar, n, total))
+    del model
+    return tokens
+
+
+@torch.inference_mode()
+def sample_sequences(model, samples: int, seq_len: int, seed: int, batch: int = GENERATION_BATCH,
+                     sample: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+                     on_step: Callable[[int], None] | None = None) -> torch.Tensor:
+    """`samples` sequences from BOS and a random token, `batch` of them at a time, each step's
+    tokens drawn by `sample` (default sample_top_p); `on_step(tokens)` after each step."""
+    cfg, weight = model.config, next(model.parameters())
+    device, dtype = weight.device, weight.dtype
+    sample = sample or sample_top_p
     model.build_rope(seq_len)
     gen = torch.Generator(device=device).manual_seed(seed)
     banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)
     out = []
-    prompt_len = min(seq_len, 1 if cfg.bos_token_id is None else 2)
-    bar = tqdm(total=samples * (seq_len - prompt_len), desc="calibration text", unit="tok", disable=not progress,
-               leave=False)
-    for start in range(0, samples, GENERATION_BATCH):
-        B = min(GENERATION_BATCH, samples - start)
+    for start in range(0, samples, batch):
+        B = min(batch, samples - start)
         first = torch.randint(0, cfg.vocab_size, (B, 1), generator=gen, device=device)
         prompt = first if cfg.bos_token_id is None else torch.cat(
             [torch.full((B, 1), cfg.bos_token_id, device=device), first], dim=1)
@@ -109,20 +128,32 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
             last = hidden.view(B, step.shape[1], -1)[:, -1]  # [B, hidden]
             logits = model.compute_logits(last)  # fp32 [B, vocab]
             logits[:, banned] = float("-inf")
-            seqs[:, n] = _sample_top_p(logits, gen)
+            seqs[:, n] = sample(logits, gen)
             step = seqs[:, n:n + 1]
             n += 1
-            bar.update(B)
+            if on_step is not None:
+                on_step(B)
         out.append(seqs.cpu())
-    bar.close()
-    del model
     return torch.cat(out)
 
 
-def _sample_top_p(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logits) restricted to the top-p nucleus."""
-    probs = torch.softmax(logits, dim=-1)
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
+def _show_expected(bar: tqdm, tokens: int, total: int) -> None:
+    """Advance the bar; beside it, once the rate is steady, the expected time of the whole
+    generation and how to skip it."""
+    bar.update(tokens)
+    if bar.disable or bar.n * 16 < total:
+        return
+    seconds = total * bar.format_dict["elapsed"] / max(bar.n, 1)
+    bar.set_postfix_str(f"about {seconds:.0f} s in all; --calib FILE or --method rtn skip this", refresh=False)
+
+
+def sample_top_p(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row: the TOP_K likeliest tokens, renormalized, cut to the top-p nucleus (the
+    tokens, by decreasing probability, whose preceding mass is at most TOP_P), then sampled.
+    (topk of a few hundred costs a fraction of sorting the whole vocabulary each step.)"""
+    k = min(TOP_K, logits.shape[-1])
+    top_logits, idx = logits.topk(k, dim=-1)  # [B, k], descending
+    sorted_p = torch.softmax(top_logits, dim=-1)
     sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > TOP_P, 0.0)
     choice = torch.multinomial(sorted_p, 1, generator=gen)  # [B, 1] index into the sorted order
     return idx.gather(-1, choice).squeeze(-1)

@@ -1,11 +1,13 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
-    quantize SRC -o OUT [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
+    quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
              [--keep BITS:PATTERN]... [--sensitive N]
              [--grid mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
-User mistakes print one line (`error: ...`) and exit 2, with nothing written.
+Without -o the checkpoint goes beside the source: `DIR-gptq-int4/` for `DIR/`, `NAME-gptq-int4/`
+for `NAME.gguf` (method and bits as asked). User mistakes print one line (`error: ...`) and exit
+2, with nothing written.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="quantize", description="Quantize a model to INT4/INT8 (GPTQ or RTN) into a sharded "
                 "GPTQ-layout checkpoint that flotilla, vLLM and transformers load.")
     p.add_argument("src", help="a Hugging Face model directory or a .gguf file")
-    p.add_argument("-o", "--out", required=True, help="the checkpoint directory to create")
+    p.add_argument("-o", "--out", type=Path, default=None,
+                   help="the checkpoint directory to create (default: beside SRC, named SRC-METHOD-intBITS)")
     p.add_argument("--bits", type=int, default=_DEFAULTS.bits, metavar="{4,8}", help="4 or 8 (default 4)")
     p.add_argument("--group-size", type=int, default=_DEFAULTS.group_size, metavar="G",
                    help="inputs per group: a multiple of 16 such as 32, 64, 128 (a size that does not divide a "
@@ -84,13 +87,26 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive)
 
 
+def default_out(src: Path, options: QuantizeOptions) -> Path:
+    """Where a checkpoint goes without -o: beside the source, `model/` -> `model-gptq-int4/`,
+    `model.gguf` -> `model-gptq-int4/`."""
+    src = src.expanduser()
+    name = src.stem if src.suffix.lower() == ".gguf" else src.name
+    return src.parent / f"{name}-{options.method}-int{options.bits}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         from .pipeline import quantize_model
 
-        report = quantize_model(args.src, args.out, options_from_args(args), progress=not args.quiet)
+        options = options_from_args(args)
+        out = args.out
+        if out is None:
+            out = default_out(Path(args.src), options)
+            print(f"writing the checkpoint to {out} (no -o given)", flush=True)
+        report = quantize_model(args.src, out, options, progress=not args.quiet)
     except FlotillaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

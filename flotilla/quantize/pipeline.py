@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from flotilla.errors import FlotillaError
 from flotilla.models.checkpoint import CheckpointWriter, TOKENIZER_FILES
 from flotilla.models.config import ModelConfig, QuantConfig
+from flotilla.models.gguf_source import GGUFSource
 from flotilla.models.llama import CausalLM, DecoderLayer
 from flotilla.models.sources import open_source
 from flotilla.models.tokenizer import load_tokenizer
@@ -51,7 +53,11 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     each layer is quantized (tests use it to see the in-memory result)."""
     start = time.perf_counter()
     src = Path(src).expanduser()
-    source = open_source(src)
+    source = open_source(src, native_gguf=False)  # a GGUF is read dequantized to fp32
+    if isinstance(source, GGUFSource) and source.quantized_types():
+        print(f"note: {src.name} is already quantized ({', '.join(source.quantized_types())}); quantize dequantizes "
+              "it to fp32 and requantizes it, so the result carries both roundings (runtime runs the GGUF as it is)",
+              file=sys.stderr)
     cfg = source.config
     check_model(cfg, options, str(src))
     check_tensors(source, cfg)

@@ -49,14 +49,35 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           stop=tuple(args.stop), seed=args.seed)
 
 
-def _engine(args: argparse.Namespace):
-    """Load the model and build the engine; the KV cache report goes to stderr."""
-    from .engine_args import EngineArgs, build_engine
+def load_with_progress(args: argparse.Namespace, say: Callable[[str], None]):
+    """Load the model of `args` (the --tp ranks too), saying through `say` what loads and, when
+    done, how long it took."""
+    from .default_model import DEFAULT_MODEL_NAME
     from .tp import load_model_parallel
 
-    engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
+    start = time.perf_counter()
+    say(f"loading {args.model or DEFAULT_MODEL_NAME}…")
     lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
-    return build_engine(lm, engine_args, report=lambda line: print(line, file=sys.stderr))
+    dtype = str(lm.dtype).removeprefix("torch.")
+    say(f"loaded {lm.path.name} in {time.perf_counter() - start:.1f} s ({lm.device}, {dtype}"
+        f"{f', {args.tp} ranks' if args.tp > 1 else ''}); building the engine")
+    return lm
+
+
+def _say_on_terminal(line: str) -> None:
+    """Progress for a person at a terminal; a pipe or a log keeps only the KV cache line and errors."""
+    if sys.stderr.isatty():
+        print(line, file=sys.stderr, flush=True)
+
+
+def _engine(args: argparse.Namespace):
+    """Load the model and build the engine; progress (at a terminal) and the KV cache report go
+    to stderr."""
+    from .engine_args import EngineArgs, build_engine
+
+    engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
+    lm = load_with_progress(args, _say_on_terminal)
+    return build_engine(lm, engine_args, report=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout):

@@ -1,5 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch bucket, captured when the runner starts.
 
+Any pipeline stage replays them: the first takes token ids, a later one hidden states [n, hidden]
+copied into the bucket's static input; the last writes fp32 logits, an earlier one hidden states
+[n, hidden] (a view of the bucket's static output).
+
 A decode-only step of B sequences replays the graph of the smallest bucket n >= B; rows B..n-1
 are padding. With `max_query_len` q > 1 a step whose sequences bring up to q new tokens each
 (a speculative verify step: the decoded token and its drafts) replays too, one row per token:
@@ -11,8 +15,9 @@ all rows' keys and values before attending). T new tokens take the bucket n >= T
 
 (W = blocks of the longest context served) and a pinned host twin. A step fills the host twin
 with numpy, sends it in one asynchronous copy and replays the graph, which writes fp32 logits
-[n, vocab] into the bucket's static output. Nothing here waits on the device: reading the
-sampled token ids (the sampler's `tolist`) is the step's one sync.
+[n, vocab] (or, before the last stage, hidden states [n, hidden]) into the bucket's static
+output. Nothing here waits on the device: reading the sampled token ids (the sampler's
+`tolist`), or a stage's hidden states for the next hop, is the step's one sync.
 
 Padding rows hold token 0 at position 0 with one token of context, and a block table of null
 blocks (block 0): their key and value land in slot 0 of the null block, which no real sequence
@@ -62,7 +67,9 @@ def bucket_for(batch: int, sizes: tuple[int, ...]) -> int | None:
 class DecodeInputs:
     """The static inputs of one bucket: device views into one int64 buffer, a pinned host twin."""
 
-    def __init__(self, size: int, width: int, block_size: int, device: torch.device):
+    def __init__(self, size: int, width: int, block_size: int, device: torch.device,
+                 hidden: tuple[int, torch.dtype] | None = None):
+        """`hidden` = (hidden_size, dtype): a later pipeline stage's static input [n, hidden_size]."""
         self.size, self.width, self.block_size = size, width, block_size
         numel = size * (_FIELDS + width)
         cuda = device.type == "cuda"
@@ -75,6 +82,7 @@ class DecodeInputs:
         self.token_ids, self.positions, self.slot_mapping, self.seq_lens = fields  # [n] each
         self.block_tables = self.device_buf[_FIELDS * n:].view(n, width)  # [n, W]
         self.query_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(n, hidden[0], dtype=hidden[1], device=device) if hidden else None  # [n, H]
         self.fill([], [], [])  # all padding
 
     def host_views(self) -> tuple[np.ndarray, ...]:
@@ -136,14 +144,12 @@ class _Bucket:
 
 
 class DecodeGraphRunner:
-    """Decode steps of a whole model (first and last stage) through per-bucket CUDA graphs."""
+    """Decode steps of a model stage through per-bucket CUDA graphs."""
 
     def __init__(self, model: CausalLM, cache: KVCache, sizes: tuple[int, ...], max_model_len: int,
                  scale: float, capture: bool = True, max_query_len: int = 1):
         """`max_query_len`: the most new tokens of one sequence in a step the graphs serve (1:
         decodes only; 1 + k: also verify steps of up to k drafts a sequence)."""
-        if not (model.stage.is_first and model.stage.is_last):
-            raise ValueError("decode graphs run a whole model (token ids in, logits out), not a pipeline stage")
         if max_query_len < 1:
             raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
         self.model, self.cache, self.scale = model, cache, scale
@@ -166,27 +172,38 @@ class DecodeGraphRunner:
                 and max(len(t) for t in block_tables) <= self.width)
 
     def run(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
-            query_lens: list[int] | None = None) -> torch.Tensor:
-        """fp32 logits [T, vocab], one row per new token (a view of the bucket's static output:
-        read it before the next step)."""
+            query_lens: list[int] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, vocab] on the last stage, else hidden states [T, hidden]: one row per
+        new token (a view of the bucket's static output: read it before the next step). A later
+        stage passes the previous stage's hidden states [T, hidden] on this device."""
         T = len(token_ids)
         bucket = self.buckets[bucket_for(T, self.sizes)]
+        if bucket.inputs.hidden is not None:
+            if hidden is None or hidden.shape[0] != T:
+                raise ValueError(f"a stage after the first replays with hidden states for its {T} tokens")
+            bucket.inputs.hidden[:T].copy_(hidden, non_blocking=True)  # rows T.. keep finite stale values
         bucket.inputs.fill(token_ids, starts, block_tables, query_lens)
         return bucket.replay()[:T]
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
         backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)
-        h = self.model(inputs.token_ids, inputs.positions, backend)  # [n, hidden]
-        return self.model.compute_logits(h)  # [n, vocab] fp32
+        x = inputs.token_ids if self.model.stage.is_first else inputs.hidden
+        h = self.model(x, inputs.positions, backend)  # [n, hidden]
+        return self.model.compute_logits(h) if self.model.stage.is_last else h  # [n, vocab] fp32, or [n, hidden]
+
+    def _inputs(self, n: int) -> DecodeInputs:
+        cfg = self.model.config
+        hidden = None if self.model.stage.is_first else (cfg.hidden_size, self.cache.spec.dtype)
+        return DecodeInputs(n, self.width, self.block_size, self.cache.device, hidden)
 
     @torch.inference_mode()
     def _eager(self, n: int) -> _Bucket:
-        inputs = DecodeInputs(n, self.width, self.block_size, self.cache.device)
+        inputs = self._inputs(n)
         return _Bucket(inputs, self._forward, None, self._forward(inputs))
 
     @torch.inference_mode()
     def _capture(self, n: int) -> _Bucket:
-        inputs = DecodeInputs(n, self.width, self.block_size, self.cache.device)
+        inputs = self._inputs(n)
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -10,7 +10,7 @@ import torch
 
 from .cuda_graphs import capture_sizes
 from .engine import EngineConfig, LLMEngine
-from .kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from .kv_cache import CPU_SHARED_TOKENS, DEFAULT_FRACTION, KVCache, KVCacheSpec, plan_kv_cache
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig
@@ -22,8 +22,8 @@ log = logging.getLogger("flotilla.runtime")
 
 @dataclass(frozen=True)
 class EngineArgs:
-    kv_cache_memory: str | None = None  # e.g. "2GiB"; default: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.3
+    kv_cache_memory: str | None = None  # e.g. "2GiB"; default: see kv_cache.plan_kv_cache
+    kv_cache_fraction: float | None = None  # of free memory, instead of the default
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -46,9 +46,11 @@ class EngineArgs:
     def add_args(cls, p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("engine")
         g.add_argument("--kv-cache-memory", default=None,
-                       help="memory for the KV cache, e.g. 2GiB or 512MiB (default: a fraction of free memory)")
-        g.add_argument("--kv-cache-fraction", type=float, default=cls.kv_cache_fraction,
-                       help="fraction of free memory for the KV cache without --kv-cache-memory (default %(default)s)")
+                       help=f"memory for the KV cache, e.g. 2GiB or 512MiB (default: on a GPU "
+                            f"{DEFAULT_FRACTION * 100:.0f}%% of free memory; on a CPU room for {CPU_SHARED_TOKENS} "
+                            "tokens, or one whole context if longer, never more than --max-num-seqs contexts)")
+        g.add_argument("--kv-cache-fraction", type=float, default=None,
+                       help="fraction of free memory for the KV cache, instead of the default")
         g.add_argument("--block-size", type=int, default=cls.block_size, help="tokens per KV block (default %(default)s)")
         g.add_argument("--max-num-seqs", type=int, default=cls.max_num_seqs,
                        help="most sequences in one step (default %(default)s)")
@@ -81,12 +83,12 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
     # the KV heads this process's layers cache (a share of them under tensor parallelism)
     spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, cfg.head_dim, lm.dtype, args.block_size)
-    # more than max_num_seqs full contexts (plus the null block) would never be used
-    cap = args.max_num_seqs * -(-max_len // args.block_size) + 1
     shares = lm.parallel.memory_shares if lm.parallel else 1  # TP ranks on a CPU share its memory
-    num_blocks = plan_num_blocks(spec, lm.device, args.kv_cache_memory, args.kv_cache_fraction / shares, cap)
+    plan = plan_kv_cache(spec, lm.device, max_len, args.max_num_seqs, args.kv_cache_memory, args.kv_cache_fraction,
+                         shares)
+    num_blocks = plan.num_blocks
     cache = KVCache(spec, num_blocks, lm.device)
-    line = spec.describe(num_blocks)
+    line = f"{spec.describe(num_blocks)} [{plan.reason}]"
     log.info("%s", line)
     if report is not None:
         report(line)

@@ -14,6 +14,9 @@ import torch
 from flotilla.errors import FlotillaError
 from flotilla.kernels.attention import PagedAttentionMetadata, paged_attention, store_kv
 
+DEFAULT_FRACTION = 0.3  # of free memory: a GPU's default KV cache, and the most a CPU's default may take
+CPU_SHARED_TOKENS = 8192  # a CPU's default holds this many tokens across sequences (or one whole context)
+
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -63,23 +66,67 @@ class KVCacheSpec:
 
 
 def plan_num_blocks(spec: KVCacheSpec, device: torch.device, memory: str | int | None = None,
-                    fraction: float = 0.3, max_blocks: int | None = None) -> int:
+                    fraction: float = DEFAULT_FRACTION, max_blocks: int | None = None) -> int:
     """Blocks for a budget of `memory` bytes, or else `fraction` of the device's free memory;
     capped at `max_blocks` (no point holding more than max_num_seqs full contexts)."""
     if memory is not None:
         budget = parse_memory(memory) if isinstance(memory, str) else int(memory)
         where = f"--kv-cache-memory {memory}"
     else:
-        if not 0 < fraction <= 1:
-            raise FlotillaError(f"the KV cache memory fraction must be in (0, 1], got {fraction}")
-        budget = int(free_memory(device) * fraction)
-        where = f"{fraction:.0%} of the free memory"
+        budget, where = _fraction_budget(device, fraction)
     n = spec.num_blocks_for(budget)
     if max_blocks is not None:
         n = min(n, max_blocks)
     if n < 2:
         raise FlotillaError(f"{where} gives room for {n} KV blocks of {spec.bytes_per_block} bytes; need at least 2")
     return n
+
+
+def _fraction_budget(device: torch.device, fraction: float) -> tuple[int, str]:
+    if not 0 < fraction <= 1:
+        raise FlotillaError(f"the KV cache memory fraction must be in (0, 1], got {fraction}")
+    return int(free_memory(device) * fraction), f"{fraction:.0%} of the free memory"
+
+
+def cpu_default_tokens(max_model_len: int, max_num_seqs: int) -> int:
+    """A CPU's default KV cache in tokens: max_num_seqs whole contexts, but no more than
+    CPU_SHARED_TOKENS in all unless one context alone needs more (a CPU decodes a few thousand
+    tokens a second at best, so a bigger pool would sit idle while holding the memory)."""
+    return max(max_model_len, min(max_num_seqs * max_model_len, CPU_SHARED_TOKENS))
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    reason: str  # how the size was chosen, for the report
+
+
+def plan_kv_cache(spec: KVCacheSpec, device: torch.device, max_model_len: int, max_num_seqs: int,
+                  memory: str | None = None, fraction: float | None = None, shares: int = 1) -> KVCachePlan:
+    """The KV pool of one engine: `--kv-cache-memory`, else `--kv-cache-fraction` of free memory;
+    by default a GPU takes DEFAULT_FRACTION of its free memory and a CPU room for
+    cpu_default_tokens (at most DEFAULT_FRACTION of free memory). Never more than max_num_seqs whole
+    contexts; `shares`: processes sharing this memory (tensor-parallel ranks on one CPU)."""
+    cap = max_num_seqs * -(-max_model_len // spec.block_size) + 1  # (+ the null block)
+    if memory is not None or fraction is not None:
+        n = plan_num_blocks(spec, device, memory, (DEFAULT_FRACTION if fraction is None else fraction) / shares, cap)
+        flag = f"--kv-cache-memory {memory}" if memory is not None else f"--kv-cache-fraction {fraction}"
+        return KVCachePlan(n, flag)
+    if device.type != "cpu":
+        n = plan_num_blocks(spec, device, None, DEFAULT_FRACTION / shares, cap)
+        return KVCachePlan(n, f"default: {DEFAULT_FRACTION:.0%} of free GPU memory")
+    tokens = cpu_default_tokens(max_model_len, max_num_seqs)
+    want = min(-(-tokens // spec.block_size) + 1, cap)
+    ceiling, _ = _fraction_budget(device, DEFAULT_FRACTION / shares)
+    n = min(want, spec.num_blocks_for(ceiling))
+    if n < 2:
+        raise FlotillaError(f"{DEFAULT_FRACTION:.0%} of the free memory holds {n} KV blocks of "
+                            f"{spec.bytes_per_block} bytes; need at least 2: free memory or pass --kv-cache-memory")
+    if n < want:
+        return KVCachePlan(n, f"default: {tokens} tokens did not fit, capped at {DEFAULT_FRACTION:.0%} of free memory")
+    seqs = f"{max_num_seqs} sequences" if max_num_seqs > 1 else "1 sequence"
+    return KVCachePlan(n, f"default on CPU: {tokens} tokens for up to {seqs} of up to {max_model_len}; "
+                          "--kv-cache-memory to change")
 
 
 class KVCache:

@@ -15,6 +15,7 @@ import torch
 
 from flotilla.kernels import registry
 from flotilla.kernels.attention import PagedAttentionMetadata
+from flotilla.models.gguf_linear import GGUFLMHead
 from flotilla.models.llama import CausalLM
 
 from .cuda_graphs import DecodeGraphRunner
@@ -52,11 +53,11 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None,
                  graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None, graph_query_len: int = 1):
-        """`graph_sizes`: on CUDA, for a whole model, steps of up to max(graph_sizes) new tokens
-        in which every sequence samples and brings at most `graph_query_len` tokens (1: decodes;
-        1 + k: speculative verify steps) replay CUDA graphs captured now for these token buckets
+        """`graph_sizes`: on CUDA, steps of up to max(graph_sizes) new tokens in which every
+        sequence samples and brings at most `graph_query_len` tokens (1: decodes; 1 + k:
+        speculative verify steps) replay CUDA graphs captured now for these token buckets
         (runtime.cuda_graphs), with block tables wide enough for `max_model_len` tokens (default:
-        the model's)."""
+        the model's). Any stage: a pipeline stage's decodes replay too."""
         self.model = model
         model.freeze(logits_kernel(model, cache.device))  # the step loop looks nothing up per layer
         self.cache = cache
@@ -65,7 +66,7 @@ class ModelRunner:
         self.scale = model.config.head_dim ** -0.5
         self.sampler = sampler or (Sampler(model.config.vocab_size) if model.stage.is_last else None)
         self.graphs = None
-        if graph_sizes and self.device.type == "cuda" and model.stage.is_first and model.stage.is_last:
+        if graph_sizes and self.device.type == "cuda":
             self.graphs = DecodeGraphRunner(model, cache, graph_sizes, max_model_len or model.config.max_model_len,
                                             self.scale, max_query_len=graph_query_len)
         self.verifier = RejectionSampler(self.sampler) if self.sampler is not None else None
@@ -73,13 +74,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        if self._replays(step):  # decodes (and drafts to verify): the captured graph
-            logits = self._replay(step)
+        if self._replays(step):  # decodes (drafts to verify, short chunks): the captured graph
+            out = self._replay(step, hidden)
+            if not self.model.stage.is_last:
+                return out
+            if not any(step.sample):  # only partial prefill chunks this step
+                return SamplerOutput([])
+            logits = out
         else:
             h = self._forward(step, hidden)
             if not self.model.stage.is_last:
                 return h
-            if not any(step.sample):  # only partial prefill chunks this step
+            if not any(step.sample):
                 return SamplerOutput([])
             logits = self.compute_logits(step, h)
         if step.spec_token_ids is not None:
@@ -100,14 +106,18 @@ class ModelRunner:
         return self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
 
     def _replays(self, step: StepInput) -> bool:
-        """Whether a captured CUDA graph serves this step."""
-        return (self.graphs is not None and all(step.sample)
-                and self.graphs.can_run(step.token_ids, step.query_lens, step.block_tables))
+        """Whether a captured CUDA graph serves this step: every sequence brings at most
+        `graph_query_len` tokens, one graph row each (a prefill chunk that short too; only the
+        sampling sequences' rows are read)."""
+        return self.graphs is not None and self.graphs.can_run(step.token_ids, step.query_lens, step.block_tables)
 
-    def _replay(self, step: StepInput) -> torch.Tensor:
-        logits = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens)  # [T, vocab]
-        rows = logit_rows(step)
-        if len(rows) < logits.shape[0]:  # some sequence brought more tokens than it samples (a catch-up)
+    def _replay(self, step: StepInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The last stage's logits of the sampling rows; an earlier stage's hidden states [T, H]."""
+        out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden)
+        if not self.model.stage.is_last:
+            return out
+        logits, rows = out, logit_rows(step)  # [T, vocab]
+        if len(rows) < logits.shape[0]:  # some sequence brought more tokens than it samples (a chunk, a catch-up)
             logits = logits.index_select(0, _to(np.asarray(rows, dtype=np.int64), logits.device))
         return logits
 
@@ -138,6 +148,8 @@ def logits_kernel(model: CausalLM, device: torch.device):
     kernels' layout. Fewer bytes a step, and batch-invariant, unlike MKL. None (the plain lm_head
     module) off the CPU, where the kernels are unavailable, or when FLOTILLA_KERNEL forces the
     dense or reference kernel (debugging: torch all the way)."""
+    if model.stage.is_last and isinstance(model.lm_head, GGUFLMHead):
+        return model.lm_head.fn()  # a GGUF head runs its blocks through its own kernel, on any device
     if device.type != "cpu" or not model.stage.is_last or model.lm_head.weight.dtype != torch.float32:
         return None
     if os.environ.get(registry.ENV_KERNEL, "").strip() in ("dense", "reference"):

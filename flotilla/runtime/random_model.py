@@ -1,20 +1,25 @@
 """Random-weight models of named shapes, built straight on the device: benchmarks need no checkpoint.
 
     model = build_random_model("llama-3-8b", bits=4, device="cuda", dtype=torch.float16)
+    write_random_checkpoint("llama-3-8b", "/tmp/llama8b-int4", device="cuda")   # for pipeline workers
 
 Quantized linears get random GPTQ tensors (uniform codes, symmetric zero, one scale per group
 and output) and choose their kernel through the registry exactly as a loaded checkpoint does;
 `bits=16` builds plain fp linears. Scales are sized so that each linear roughly preserves the
 variance of its input, which keeps the activations of a deep random model finite in fp16.
+`write_random_checkpoint` writes the same kind of weights (generated on the device, one layer at
+a time) as a flotilla checkpoint, for processes that load a path: pipeline workers.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.models.checkpoint import CheckpointWriter
 from flotilla.models.config import ModelConfig, QuantConfig
 from flotilla.models.linear import Linear, QuantLinear
 from flotilla.models.llama import CausalLM, RMSNorm
@@ -46,9 +51,9 @@ def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: i
     if bits not in BITS:
         raise FlotillaError(f"--bits {bits}: expected one of {', '.join(map(str, BITS))}")
     cfg = SHAPES[name]
-    if num_layers is not None:
-        if not 1 <= num_layers <= cfg.num_hidden_layers:
-            raise FlotillaError(f"{name} has {cfg.num_hidden_layers} layers; asked for {num_layers}")
+    if num_layers is not None:  # fewer layers than the shape's, or more (small shapes, deep splits)
+        if num_layers < 1:
+            raise FlotillaError(f"--layers {num_layers}: a model needs at least one layer")
         cfg = replace(cfg, num_hidden_layers=num_layers)
     quant = None if bits == 16 else QuantConfig(bits=bits, group_size=group_size, sym=True, method="rtn")
     return cfg.with_quant(quant)
@@ -82,20 +87,69 @@ def build_random_model(name: str, bits: int = 4, device: torch.device | str = "c
 
 
 def _fill_quant(mod: QuantLinear, gen: torch.Generator) -> None:
-    """Uniform random codes (uniform random words), zero at the middle code, scales around
-    1 / (std(code - zero) * sqrt(in))."""
-    bits = mod.bits
-    mod.qweight.random_(-2**31, 2**31, generator=gen)
-    field = (1 << (bits - 1)) - 1  # the stored zero - 1 (gptq convention)
-    word = sum(field << (i * bits) for i in range(32 // bits))
-    mod.qzeros.fill_(word - 2**32 if word >= 2**31 else word)
-    code_std = math.sqrt(((1 << bits) ** 2 - 1) / 12)
-    base = 1.0 / (code_std * math.sqrt(mod.in_features))
-    mod.scales.uniform_(0.5 * base, 1.5 * base, generator=gen)
-    mod.g_idx.copy_(torch.arange(mod.in_features, device=mod.g_idx.device, dtype=torch.int32)
-                    // (mod.in_features if mod.group_size == -1 else mod.group_size))
+    _random_gptq(mod.qweight, mod.qzeros, mod.scales, mod.g_idx, mod.bits, mod.group_size, gen)
     if mod.bias is not None:
         mod.bias.zero_()
+
+
+def _random_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
+                 group_size: int, gen: torch.Generator) -> None:
+    """Fill one linear's GPTQ tensors in place: uniform random codes (uniform random words), zero
+    at the middle code, scales around 1 / (std(code - zero) * sqrt(in))."""
+    n_in = g_idx.numel()
+    qweight.random_(-2**31, 2**31, generator=gen)
+    field = (1 << (bits - 1)) - 1  # the stored zero - 1 (gptq convention)
+    word = sum(field << (i * bits) for i in range(32 // bits))
+    qzeros.fill_(word - 2**32 if word >= 2**31 else word)
+    code_std = math.sqrt(((1 << bits) ** 2 - 1) / 12)
+    base = 1.0 / (code_std * math.sqrt(n_in))
+    scales.uniform_(0.5 * base, 1.5 * base, generator=gen)
+    g_idx.copy_(torch.arange(n_in, device=g_idx.device, dtype=torch.int32) // (n_in if group_size == -1 else group_size))
+
+
+def _projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(checkpoint name, input features, output features) of each decoder linear."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return [("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+            ("self_attn.o_proj", q, h), ("mlp.gate_proj", h, i), ("mlp.up_proj", h, i), ("mlp.down_proj", i, h)]
+
+
+@torch.no_grad()
+def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_size: int = 128, seed: int = 0,
+                            device: torch.device | str = "cpu", num_layers: int | None = None) -> Path:
+    """A flotilla checkpoint (GPTQ layout, fp16 embedding, norms and lm_head) of shape `name` with
+    the weights `build_random_model` makes, generated on `device` from one seeded generator (same
+    seed and device: the same bytes), one layer at a time through the checkpoint writer. No
+    tokenizer: drive it with token ids. Replaces `out` if it exists."""
+    if bits not in (4, 8):
+        raise FlotillaError(f"a random checkpoint is quantized: --bits 4 or 8, got {bits}")
+    cfg = shape_config(name, bits, group_size, num_layers)
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, per_word = cfg.hidden_size, 32 // bits
+
+    def normal(rows: int, std: float) -> torch.Tensor:
+        return torch.empty(rows, h, device=device).normal_(0, std, generator=gen).half()
+
+    with CheckpointWriter(out, cfg, force=True) as w:
+        w.add_layer("embed", {"model.embed_tokens.weight": normal(cfg.vocab_size, 1.0)})
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            tensors = {f"{p}{norm}.weight": torch.ones(h, dtype=torch.float16)
+                       for norm in ("input_layernorm", "post_attention_layernorm")}
+            for proj, n_in, n_out in _projections(cfg):
+                groups = 1 if group_size == -1 else n_in // group_size
+                t = {"qweight": torch.empty(n_in // per_word, n_out, dtype=torch.int32, device=device),
+                     "qzeros": torch.empty(groups, n_out // per_word, dtype=torch.int32, device=device),
+                     "scales": torch.empty(groups, n_out, dtype=torch.float16, device=device),
+                     "g_idx": torch.empty(n_in, dtype=torch.int32, device=device)}
+                _random_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, group_size, gen)
+                tensors.update({f"{p}{proj}.{k}": v for k, v in t.items()})
+            w.add_layer(str(layer), tensors)
+        w.add_layer("head", {"model.norm.weight": torch.ones(h, dtype=torch.float16),
+                             "lm_head.weight": normal(cfg.vocab_size, h ** -0.5)})
+        return w.commit()
 
 
 def weight_bytes(model: CausalLM) -> int:

@@ -17,11 +17,11 @@ cache holds its own KV heads, with the block ids rank 0's block manager hands ou
 The control messages go over pipes rather than the process group, so that an idle server has no
 collective waiting out a timeout, and a rank whose parent dies reads EOF and exits.
 
-Pipeline parallelism combines with this as one TP group per stage: `start(..., stage=Stage(...))`
-builds the group of one stage, and `TPExecutor.execute(step, hidden)` broadcasts a later stage's
-incoming hidden states to its ranks. What remains for `--pp` with `--tp` is the pipeline side:
-a stage worker (`runtime worker`) calling `load_model_parallel(..., stage=...)` and handing its
-runner to `TPExecutor`, and the head sizing the KV pool to the smallest stage as before.
+Pipeline parallelism combines with this as one TP group per stage (`runtime serve --pp N --tp M`,
+`runtime worker --tp M`): the stage's worker is rank 0, `load_model_parallel(..., stage=...)`
+builds its group, and `TPExecutor.execute(step, hidden)` broadcasts the stage's incoming hidden
+states to the other ranks (pipeline/stage_runtime.py). Each stage's group is its own: its
+processes, its rendezvous, its default process group.
 """
 from __future__ import annotations
 

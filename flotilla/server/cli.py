@@ -52,13 +52,19 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from .engine_client import EngineClient
+    from .listen import bind_sockets
     from .serve import serve
     from .state import ServerState
 
     config = ServerConfig(host=args.host, port=args.port, api_key=resolve_api_key(args), max_queue=args.max_queue,
                           max_body_bytes=args.max_body_bytes, grace_period=args.grace_period)
-    engine = EngineClient.from_args(args)
-    asyncio.run(serve(ServerState(config, engine)))
+    sockets = bind_sockets(config.host, config.port)  # a port in use fails now, before the model loads
+    try:
+        engine = EngineClient.from_args(args)
+        asyncio.run(serve(ServerState(config, engine), sockets=sockets))
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
 
 

@@ -20,14 +20,14 @@ from typing import AsyncIterator
 
 from flotilla.errors import FlotillaError
 from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from flotilla.runtime.cli import add_model_args
+from flotilla.runtime.cli import add_model_args, load_with_progress
 from flotilla.runtime.engine import LLMEngine
 from flotilla.runtime.engine_args import EngineArgs, build_engine
 from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.pipeline.cli import add_pipeline_args, is_pipeline, pipeline_engine_from_args
 from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampling import SamplingParams
-from flotilla.runtime.tp import add_tp_args, load_model_parallel
+from flotilla.runtime.tp import add_tp_args
 
 __all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StepOutput", "TokenLogprob",
            "add_engine_args"]
@@ -108,15 +108,12 @@ class EngineClient:
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
         engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
         report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        if is_pipeline(args):
-            if args.tp != 1:
-                raise FlotillaError("--tp with --pp: tensor parallel inside pipeline stages is not supported yet; "
-                                    "use one of them")
+        if is_pipeline(args):  # with --tp M, every local stage is a group of M processes
             from flotilla.runtime.default_model import resolve_model_path
 
             llm = pipeline_engine_from_args(args, report)
             return cls(llm, args.served_model_name or _default_name(resolve_model_path(args.model)))
-        lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
+        lm = load_with_progress(args, lambda line: print(f"flotilla: {line}", flush=True))  # stdout: the log
         llm = build_engine(lm, engine_args, report=report)
         return cls(llm, args.served_model_name or _default_name(lm.path), parallel=lm.parallel)
 

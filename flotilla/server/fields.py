@@ -29,21 +29,43 @@ def text(value: str, param: str) -> str:
     return value
 
 
-def parse_json_object(raw: bytes, what: str = "request body") -> dict:
+MAX_INT_DIGITS = 64  # no field takes an integer near this long (a seed has at most 19 digits)
+
+
+class _IntegerTooLong(ValueError):
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _parse_int(literal: str) -> int:
+    digits = len(literal.lstrip("-"))
+    if digits > MAX_INT_DIGITS:  # int() of thousands of digits is slow, and past 4300 it raises
+        raise _IntegerTooLong(digits)
+    return int(literal)
+
+
+def parse_json_object(raw: bytes | str, what: str = "request body", example: str = "") -> dict:
+    """The JSON object in a request body (bytes, UTF-8) or a websocket frame (text); every way it
+    can be malformed is a 400 that says so."""
+    fix = f"send a JSON object like {example}" if example else "send a JSON object"
     if not raw.strip():
-        raise bad_request(f"the {what} is empty; send a JSON object")
+        raise bad_request(f"the {what} is empty; {fix}")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw, parse_int=_parse_int)
     except UnicodeDecodeError as e:
         raise bad_request(f"the {what} is not UTF-8 text (byte {e.start}); send a JSON object encoded as "
                           f"UTF-8") from None
     except json.JSONDecodeError as e:
         raise bad_request(f"the {what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                          f"send a JSON object") from None
+                          f"{fix}") from None
+    except _IntegerTooLong as e:
+        raise bad_request(f"the {what} holds an integer of {e.digits} digits; no field takes one longer than "
+                          f"{MAX_INT_DIGITS} digits") from None
     except RecursionError:
-        raise bad_request(f"the {what} is nested too deeply; send a flat JSON object") from None
+        raise bad_request(f"the {what} is nested too deeply; {fix.replace('a JSON', 'a flat JSON')}") from None
     if not isinstance(data, dict):
-        raise bad_request(f"the {what} must be a JSON object, got {describe(data)}")
+        raise bad_request(f"the {what} must be a JSON object{example and ' like ' + example}, got {describe(data)}")
     return data
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 from typing import Callable
 
@@ -22,10 +23,14 @@ def display_url(host: str, port: int) -> str:
 
 
 class Server:
-    def __init__(self, state: ServerState, manage_engine: bool = True):
+    """`sockets`: already bound sockets to serve on (listen.bind_sockets); without them the server
+    binds the config's host and port when it starts."""
+
+    def __init__(self, state: ServerState, manage_engine: bool = True, sockets: list[socket.socket] | None = None):
         self.state = state
         self.app = build_app(state, manage_engine)
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        self.sockets = sockets or []
         self.port: int | None = None
 
     @property
@@ -35,9 +40,11 @@ class Server:
     async def start(self) -> None:
         cfg = self.state.config
         await self.runner.setup()
-        site = web.TCPSite(self.runner, cfg.host, cfg.port, reuse_address=True)
+        sites = [web.SockSite(self.runner, sock) for sock in self.sockets] or [
+            web.TCPSite(self.runner, cfg.host, cfg.port, reuse_address=True)]
         try:
-            await site.start()
+            for site in sites:
+                await site.start()
         except OSError as e:
             await self.runner.cleanup()
             raise FlotillaError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
@@ -62,8 +69,8 @@ class Server:
 
 
 async def serve(state: ServerState, announce: Callable[[str], None] | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    server = Server(state)
+                stop: asyncio.Event | None = None, sockets: list[socket.socket] | None = None) -> None:
+    server = Server(state, sockets=sockets)
     await server.start()
     (announce or _announce)(f"flotilla: serving '{state.engine.model_name}' — OpenAI API at {server.url}/v1\n"
                             f"flotilla: chat page: {server.url}/")

@@ -2,7 +2,7 @@
 
 Client -> server (JSON text frames):
     {"type": "chat", "messages": [...], "max_tokens": 256, "temperature": 0.7, ...}  one reply
-    {"type": "cancel"}                                                               stop it
+    {"type": "cancel"}                         stop the reply streaming (ignored when none is)
     {"type": "ping"}                                                                 -> pong
 Server -> client:
     {"type": "ready", "model", "max_model_len"}            once, on connect
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -27,7 +26,7 @@ from flotilla.errors import FlotillaError
 
 from .engine_client import EngineUnavailable
 from .errors import ApiError, bad_request
-from .fields import describe
+from .fields import describe, parse_json_object
 from .generation import Generation, new_request_id
 from .protocol import parse_chat
 from .state import ServerState
@@ -92,13 +91,9 @@ class _Conversation:
 
     async def on_text(self, text: str) -> None:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            return await self.error(bad_request(f"the frame is not JSON ({e.msg}); send a JSON object like {EXAMPLE}"))
-        except RecursionError:
-            return await self.error(bad_request(f"the frame is nested too deeply; send a JSON object like {EXAMPLE}"))
-        if not isinstance(data, dict):
-            return await self.error(bad_request(f"the frame must be a JSON object like {EXAMPLE}, got {describe(data)}"))
+            data = parse_json_object(text, "frame", EXAMPLE)
+        except ApiError as e:
+            return await self.error(e)
         kind = data.get("type")
         if kind == "chat":
             return await self.on_chat(data, text)
@@ -132,8 +127,12 @@ class _Conversation:
         self.reply = asyncio.create_task(self.run(req, arrival))
 
     async def cancel(self) -> None:
+        """Stop the reply in flight; with none, nothing to do (a cancel that crosses the reply's
+        "done" frame is not a mistake). A reply not yet in the engine never enters it."""
+        if self.reply is None or self.reply.done():
+            return
+        self.cancelled = True
         if self.generation is not None:
-            self.cancelled = True
             await self.generation.abort()
 
     async def run(self, req, arrival: float) -> None:
@@ -144,14 +143,9 @@ class _Conversation:
                 async with Generation(self.state.engine, self.state.metrics, req, rid, arrival) as gen:
                     self.generation = gen
                     await ws.send_json({"type": "start", "id": rid, "prompt_tokens": gen.prompt_tokens})
-                    first = last = None
-                    finish = None
-                    async for choice, out in gen.outputs():
-                        if out.token_ids:
-                            first, last = first or time.perf_counter(), time.perf_counter()
-                        if out.text:
-                            await ws.send_json({"type": "delta", "id": rid, "text": out.text})
-                        finish = out.finish_reason
+                    # cancelled before reaching the engine: it never gets there. No await between
+                    # this check and outputs() adding the request, so a later cancel finds it there.
+                    finish, first, last = ("abort", None, None) if self.cancelled else await self._stream(gen, rid)
                     if finish == "abort" and self.cancelled:
                         finish = "cancelled"
                     n = gen.completion_tokens
@@ -170,6 +164,17 @@ class _Conversation:
             pass  # the socket closed; leaving the Generation aborted the request
         finally:
             self.generation = None
+
+    async def _stream(self, gen: Generation, rid: str) -> tuple[str | None, float | None, float | None]:
+        """Send the reply's deltas; (finish_reason, time of the first token, time of the last)."""
+        first = last = finish = None
+        async for _, out in gen.outputs():
+            if out.token_ids:
+                first, last = first or time.perf_counter(), time.perf_counter()
+            if out.text:
+                await self.ws.send_json({"type": "delta", "id": rid, "text": out.text})
+            finish = out.finish_reason
+        return finish, first, last
 
     async def stop(self) -> None:
         if self.reply is not None and not self.reply.done():

@@ -3,10 +3,12 @@
 The sources ship as package data (csrc/). The first process that needs them compiles them with
 torch.utils.cpp_extension (g++ and ninja), saying so on stderr; later processes load the cached
 shared library. A build is named after the instruction set and a hash of the sources, the flags,
-torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded.
+torch and Python, so an edit or an upgrade gets its own build and a stale one is never loaded; the
+hash covers where the sources are too, since torch's ninja file names their paths and two installs
+sharing one build directory would rebuild it for each other, silently, on every start.
 
 Where builds go (this package imports nothing of flotilla's, so it reads the variables that
-flotilla/envs.py documents itself):
+flotilla/envs.py documents itself; FLOTILLA_CPU_ISA=avx2 forces the AVX2 build on an AVX-512 CPU):
 
     TORCH_EXTENSIONS_DIR   if set, builds go there (torch's own convention)
     FLOTILLA_CACHE_DIR     else $FLOTILLA_CACHE_DIR/torch_extensions
@@ -22,13 +24,14 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("module.cpp", "kernels.cpp")
-HEADERS = ("kernels.h",)
+SOURCES = ("module.cpp", "kernels.cpp", "ops.cpp", "ops_module.cpp")
+HEADERS = ("kernels.h", "ops.h", "simd.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -39,7 +42,10 @@ _loaded: dict[str, object] = {}
 _failed: dict[str, str] = {}
 
 
-def best_isa() -> str | None:
+ENV_ISA = "FLOTILLA_CPU_ISA"  # avx2 | avx512: build and use that instruction set (flotilla/envs.py)
+
+
+def cpu_isa() -> str | None:
     """The widest instruction set of ISA_FLAGS this CPU runs, or None (not x86, or no AVX2)."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", …
     if capability == "AVX512":
@@ -47,6 +53,22 @@ def best_isa() -> str | None:
     if capability == "AVX2":
         return "avx2"
     return None
+
+
+def best_isa() -> str | None:
+    """The instruction set the kernels use: FLOTILLA_CPU_ISA when set (avx2 on an AVX-512 CPU runs
+    and tests the AVX2 build), else the widest this CPU runs. A forced ISA the CPU lacks, or an
+    unknown name, is a ValueError naming the valid ones."""
+    detected = cpu_isa()
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    if not forced:
+        return detected
+    if forced not in ISA_FLAGS:
+        raise ValueError(f"{ENV_ISA}={forced!r} is not an instruction set; valid: {', '.join(ISA_FLAGS)}")
+    order = list(ISA_FLAGS)
+    if detected is None or order.index(forced) > order.index(detected):
+        raise ValueError(f"{ENV_ISA}={forced}: this CPU runs at most {detected or 'none of ' + ', '.join(order)}")
+    return forced
 
 
 def extensions_dir() -> Path:
@@ -65,13 +87,16 @@ def build_name(isa: str) -> str:
     for name in SOURCES + HEADERS:
         h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
-    h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {CSRC}".encode())
     return f"flotilla_cpu_{isa}_{h.hexdigest()[:12]}"
 
 
 def load(isa: str | None = None):
     """The compiled extension module for `isa` (default: the best this CPU runs), or None."""
-    isa = isa or best_isa()
+    try:
+        isa = isa or best_isa()
+    except ValueError as e:
+        return _fail("cpu", str(e))
     if isa is None:
         return _fail("cpu", "this CPU lacks AVX2/FMA/F16C")
     if isa in _loaded:
@@ -108,11 +133,17 @@ def _compile(isa: str):
     name = build_name(isa)
     directory = extensions_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").is_file():
-        print(f"compiling flotilla CPU kernels once ({isa}, into {directory})…", file=sys.stderr, flush=True)
+    fresh = not (directory / f"{name}.so").is_file()
+    if fresh:
+        print(f"compiling flotilla CPU kernels once ({isa}, under a minute; cached in {directory})…",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
     flags = list(BASE_FLAGS + ISA_FLAGS[isa])
-    return cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    module = cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    if fresh:
+        print(f"compiled flotilla CPU kernels in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return module
 
 
 def _fail(isa: str, why: str) -> None:

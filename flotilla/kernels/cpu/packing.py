@@ -25,22 +25,28 @@ from ..gptq import GPTQWeight, pack_rows
 TILE = 32  # csrc/kernels.h kTile
 
 
+# csrc/kernels.h Format: signed (two's complement) or unsigned 4- and 5-bit fields, int8, fp16, fp32
+W4, U4, W5, U5, W8, F16, F32 = 4, 3, 5, 6, 8, 16, 32
+
+
 @dataclass(frozen=True)
 class Packed:
     """Arguments of the extension's PackedLinear constructor."""
 
-    format: int  # 4, 8, 16 (fp16) or 32 (fp32)
+    format: int  # one of W4 … F32 above
     in_features: int
     out_features: int
     codes: torch.Tensor
-    scales: torch.Tensor | None
+    scales: torch.Tensor | None  # fp32, or fp16 (then zoff and mins are fp16 too)
     zoff: torch.Tensor | None
     gstart: torch.Tensor
     src: torch.Tensor | None
+    mins: torch.Tensor | None = None
+    hi: torch.Tensor | None = None  # W5/U5: the high-bit plane
 
     def build(self, ext):
         return ext.PackedLinear(self.format, self.in_features, self.out_features, self.codes, self.scales,
-                                self.zoff, self.gstart, self.src)
+                                self.zoff, self.gstart, self.src, self.mins, self.hi)
 
 
 def _tiles(n: int) -> int:
@@ -55,8 +61,8 @@ def _tile_major(rows_by_cols: torch.Tensor, fill) -> torch.Tensor:
     return padded.view(rows, -1, TILE).permute(1, 0, 2).contiguous()
 
 
-def _pad_cols(t: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(t.shape[0], _tiles(t.shape[1]) * TILE, dtype=torch.float32)
+def _pad_cols(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out = torch.zeros(t.shape[0], _tiles(t.shape[1]) * TILE, dtype=dtype)
     out[:, :t.shape[1]] = t
     return out
 

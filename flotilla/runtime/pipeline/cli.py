@@ -87,7 +87,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="where pushed shards are kept (default: FLOTILLA_CACHE_DIR/worker)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the stage's compute (default: torch's, one per core)")
+                   help="CPU threads for the stage's compute (default: torch's, one per core; with --tp on a CPU "
+                        "the ranks split them)")
+    p.add_argument("--tp", type=int, default=1, metavar="M",
+                   help="tensor-parallel ranks for this worker's stage: M processes share every layer of it "
+                        "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     _add_token_args(p)
@@ -101,6 +105,8 @@ def run_worker(args: argparse.Namespace) -> int:
     from .worker import Worker, WorkerConfig
 
     token = read_token(args)
+    if args.tp < 1:
+        raise FlotillaError(f"--tp must be at least 1, got {args.tp}")
     try:
         host, port = parse_address(args.listen)
     except ValueError as e:
@@ -115,7 +121,9 @@ def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else envs.cache_dir() / "worker"
-    config = WorkerConfig(token, parse_device(args.device), cache, model, server_ssl, client_ssl)
+    device = parse_device(args.device)
+    check_devices([device], args.tp, "--device")
+    config = WorkerConfig(token, device, cache, model, server_ssl, client_ssl, tp=args.tp)
 
     async def main() -> None:
         worker = Worker(config)
@@ -123,7 +131,8 @@ def run_worker(args: argparse.Namespace) -> int:
             bound = await worker.start(host, port)
         except OSError as e:
             raise FlotillaError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
-        print(f"flotilla worker: listening on {bound[0]}:{bound[1]} (device {config.device}, "
+        tp = f" x tp {args.tp}" if args.tp > 1 else ""
+        print(f"flotilla worker: listening on {bound[0]}:{bound[1]} (device {config.device}{tp}, "
               f"model {model or 'pushed by the head'}, cache {cache}{', TLS' if server_ssl else ''})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -153,6 +162,10 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hosts", default=None,
                    help=f"the workers, one per stage in order: host[:port],… (default port {DEFAULT_PORT}); "
                         "without it, --pp N starts N workers on this machine")
+    g.add_argument("--devices", default=None, metavar="D,D,…",
+                   help="where the local workers run, one device per stage in order, repeats allowed: e.g. "
+                        "cuda:0,cuda:0,cpu (two stages on one GPU and one on the CPU); gives --pp. Default: one "
+                        "stage per GPU (cuda:0, cuda:1, …; with --tp M every M-th), else CPU processes")
     g.add_argument("--layers", default=None, help="layers per stage, e.g. 10,10,12 (default: by free memory and speed)")
     g.add_argument("--stage-timeout", type=float, default=60.0,
                    help="seconds a lost stage may take to come back before its requests fail (default 60)")
@@ -162,7 +175,39 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def is_pipeline(args: argparse.Namespace) -> bool:
-    return getattr(args, "pp", 1) > 1 or getattr(args, "hosts", None) is not None
+    return (getattr(args, "pp", 1) > 1 or getattr(args, "hosts", None) is not None
+            or getattr(args, "devices", None) is not None)
+
+
+def parse_devices(text: str, pp: int) -> list[str]:
+    """`--devices cuda:0,cuda:0,cpu` -> the devices of the local stages, checked against --pp
+    (1, the default, takes the count from the list)."""
+    from flotilla.runtime.loader import parse_device
+
+    names = [d.strip() for d in text.split(",")]
+    if not all(names):
+        raise FlotillaError(f"--devices {text!r}: expected devices separated by commas, e.g. cuda:0,cuda:0,cpu")
+    if pp > 1 and len(names) != pp:
+        raise FlotillaError(f"--devices names {len(names)} devices, but --pp is {pp}")
+    devices = []
+    for name in names:
+        try:
+            devices.append(parse_device(name))
+        except FlotillaError as e:
+            raise FlotillaError(f"--devices {text!r}: {e}") from None
+    return [str(d) for d in devices]
+
+
+def check_devices(devices: list, tp: int, flag: str) -> None:
+    """Every CUDA device (with the tp - 1 after it, under tensor parallelism) exists here."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for d in map(torch.device, devices):
+        last = (d.index or 0) + tp - 1
+        if d.type == "cuda" and last >= count:
+            need = f"cuda:{d.index or 0}..cuda:{last} (--tp {tp})" if tp > 1 else str(d)
+            raise FlotillaError(f"{flag}: {need} asked for; this host has {count} GPU{'s' * (count != 1)}")
 
 
 def pipeline_engine_from_args(args: argparse.Namespace, report=None):
@@ -177,8 +222,17 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     from .pipeline import PipelineSettings
 
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
-    if args.pp < 1:
-        raise FlotillaError(f"--pp must be at least 1, got {args.pp}")
+    pp, tp = args.pp, getattr(args, "tp", 1)
+    if pp < 1 or tp < 1:
+        raise FlotillaError(f"--pp and --tp must be at least 1, got --pp {pp} --tp {tp}")
+    devices = None
+    if getattr(args, "devices", None) is not None:
+        if args.hosts:
+            raise FlotillaError("--devices places local workers; with --hosts each `runtime worker` picks its own "
+                                "--device")
+        devices = parse_devices(args.devices, pp)
+        check_devices(devices, tp, "--devices")
+        pp = len(devices)
     model = resolve_model_path(args.model)
     _, client_ssl = _tls(args)
     local = None
@@ -187,13 +241,16 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
             hosts = [parse_address(h, DEFAULT_PORT) for h in args.hosts.split(",")]
         except ValueError as e:
             raise FlotillaError(f"--hosts: {e}") from None
-        if len(hosts) != args.pp:
-            raise FlotillaError(f"--hosts names {len(hosts)} workers, but --pp is {args.pp}")
+        if len(hosts) != pp:
+            raise FlotillaError(f"--hosts names {len(hosts)} workers, but --pp is {pp}")
+        if tp > 1:
+            raise FlotillaError("--tp with --hosts: each worker's stage is as tensor-parallel as its own "
+                                "`runtime worker --tp M` makes it")
         token = read_token(args)
     else:
         token = read_token(args, required=False) or secrets.token_hex(16).encode()
-        local = LocalWorkers(args.pp, model, token, log=report)
-        report(f"starting {args.pp} local workers ({', '.join(local.devices)})")
+        local = LocalWorkers(pp, model, token, devices, log=report, tp=tp)
+        report(f"starting {pp} local workers ({local.describe()})")
         hosts = local.start()
     layers = None
     settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), layers, args.wire_dtype,
@@ -203,7 +260,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
             from flotilla.models.sources import open_source
             from .partition import parse_layers
 
-            layers = parse_layers(args.layers, open_source(model).config.num_hidden_layers, args.pp)
+            layers = parse_layers(args.layers, open_source(model).config.num_hidden_layers, pp)
             settings = replace(settings, layers=tuple(layers))
         engine = build_pipeline_engine(model, EngineArgs.from_args(args), settings, report, device=args.device)
     except BaseException:

@@ -8,7 +8,7 @@ from flotilla.models.sources import open_source
 from flotilla.models.tokenizer import load_tokenizer
 from flotilla.runtime.engine import EngineConfig
 from flotilla.runtime.engine_args import EngineArgs
-from flotilla.runtime.kv_cache import parse_memory
+from flotilla.runtime.kv_cache import DEFAULT_FRACTION, parse_memory
 from flotilla.runtime.scheduler import SchedulerConfig
 from flotilla.runtime.spec.builder import spec_decoder
 
@@ -28,8 +28,17 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
     tokenizer = load_tokenizer(path, cfg.eos_token_ids) if with_tokenizer else None
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
     cap = args.max_num_seqs * -(-max_len // args.block_size) + 1  # never more than max_num_seqs full contexts
-    settings = replace(settings, block_size=args.block_size, kv_fraction=args.kv_cache_fraction, max_blocks=cap,
-                       kv_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else 0)
+    # GPU stages capture decode graphs as a local engine does: buckets up to max_num_seqs tokens
+    # (x 1 + K with speculative verify steps; `settings` may ask for longer rows), never more than
+    # a step's token budget
+    query_len = max(settings.graph_query_len, 1 + args.speculative_config.num_speculative_tokens
+                    if args.speculative_config is not None else 1)
+    graph_tokens = 0 if args.enforce_eager else min(max(settings.graph_tokens, args.max_num_seqs * query_len),
+                                                     args.max_num_batched_tokens)
+    fraction = DEFAULT_FRACTION if args.kv_cache_fraction is None else args.kv_cache_fraction  # of free memory
+    settings = replace(settings, block_size=args.block_size, kv_fraction=fraction, max_blocks=cap,
+                       kv_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else 0,
+                       graph_tokens=graph_tokens, graph_query_len=query_len, max_model_len=max_len)
     pipeline = Pipeline(path, cfg, settings, report)
     pipeline.start()
     config = EngineConfig(num_blocks=pipeline.num_blocks, block_size=args.block_size, max_model_len=max_len,

@@ -2,8 +2,11 @@
 
 One `runtime worker` per stage, listening on a free loopback port, with the model path (so no
 weights are pushed) and the token in its environment (never on a command line). On a machine
-with at least N GPUs each worker gets its own (`cuda:i`); otherwise they are CPU processes that
-split the cores between them. The workers exit when the head does.
+with at least N GPUs each worker gets its own (`cuda:i`; with --tp M, GPUs i*M .. i*M+M-1);
+otherwise they are CPU processes. `--devices` places them by hand, repeats allowed: several
+stages on one GPU (each worker its own CUDA context), CPU stages beside GPU ones. CPU workers
+split the cores between them (less one core per GPU worker, which drives its GPU). The workers
+exit when the head does.
 """
 from __future__ import annotations
 
@@ -22,34 +25,51 @@ from flotilla.errors import FlotillaError
 _LISTENING = re.compile(r"flotilla worker: listening on (\S+):(\d+)")
 
 
-def local_devices(n: int) -> list[str]:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= n:
-        return [f"cuda:{i}" for i in range(n)]
+def local_devices(n: int, tp: int = 1) -> list[str]:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= n * tp:
+        return [f"cuda:{i * tp}" for i in range(n)]
     return ["cpu"] * n
+
+
+def worker_threads(devices: list[str], cores: int) -> list[int | None]:
+    """CPU threads per local worker: the CPU workers split the cores, less one per GPU worker
+    (which gets one thread: it only drives its GPU); None (torch's default) on an all-GPU host.
+    Otherwise the idle stages' spinning OpenMP threads take the cores from the stage that
+    computes (2x slower on 2 cores)."""
+    on_cpu = sum(d == "cpu" for d in devices)
+    if not on_cpu:
+        return [None] * len(devices)
+    share = max(1, (cores - (len(devices) - on_cpu)) // on_cpu)
+    return [share if d == "cpu" else 1 for d in devices]
 
 
 class LocalWorkers:
     def __init__(self, n: int, model: Path, token: bytes, devices: list[str] | None = None,
-                 threads: int | None = None, log=None):
-        self.n, self.model, self.token = n, Path(model), token
-        self.devices = devices or local_devices(n)
-        if threads is None and all(d == "cpu" for d in self.devices):
-            # CPU workers share this machine's cores: split them, or the idle stages' spinning OpenMP
-            # threads take the cores from the stage that computes (2x slower on 2 cores)
-            threads = max(1, len(os.sched_getaffinity(0)) // len(self.devices))
-        self.threads = threads
+                 threads: int | None = None, log=None, tp: int = 1):
+        self.n, self.model, self.token, self.tp = n, Path(model), token, tp
+        self.devices = devices or local_devices(n, tp)
+        if len(self.devices) != n:
+            raise ValueError(f"{n} local workers need {n} devices, got {self.devices}")
+        self.threads = ([threads] * n if threads is not None
+                        else worker_threads(self.devices, len(os.sched_getaffinity(0))))
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []
+
+    def describe(self) -> str:
+        """e.g. 'cuda:0, cuda:0, cpu', and ', each a group of tp 2' under tensor parallelism."""
+        return ", ".join(self.devices) + (f", each a group of tp {self.tp}" if self.tp > 1 else "")
 
     def start(self, timeout: float = 600.0) -> list[tuple[str, int]]:
         env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
         root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-        for i, device in enumerate(self.devices):
+        for device, threads in zip(self.devices, self.threads):
             cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", "127.0.0.1:0",
                    "--device", device, "--model", str(self.model), "--exit-with-parent"]
-            if self.threads:
-                cmd += ["--threads", str(self.threads)]
+            if threads:
+                cmd += ["--threads", str(threads)]
+            if self.tp > 1:
+                cmd += ["--tp", str(self.tp)]
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1))
         try:
             return [self._address(i, p, time.monotonic() + timeout) for i, p in enumerate(self.procs)]

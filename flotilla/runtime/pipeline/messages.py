@@ -5,7 +5,8 @@ Control, on the head's connection to each worker (one request at a time, answere
     Probe            -> WorkerInfo       free memory and a speed probe on this model's layer shape
     LoadStage        -> NeedFiles        the shards the worker lacks; the head sends FileChunk…FileEnd
                      -> StageLoaded      its layers are loaded; how many KV blocks it can hold
-    Configure        -> Configured       a new epoch: KV pool size, the next hop, the wire dtype
+    Configure        -> Configured       a new epoch: KV pool size, the next hop, the wire dtype,
+                                         the decode graphs to capture
     Ping             -> Pong             heartbeat
     StatsRequest     -> WorkerStats      byte counters (tests and benchmarks)
     any              -> Failure          the request failed; the message says why
@@ -44,6 +45,8 @@ class WorkerInfo:
     layer_ms: float  # one decoder layer for one decode token (0 when not measured)
     head_ms: float  # the lm_head for one token (0 when not measured)
     head_bytes: int  # the embedding / lm_head matrix on this device
+    memory_id: str  # whose memory free_memory counts (host and GPU): stages that share it split it
+    tp: int  # tensor-parallel ranks serving this worker's stage (their memory and speed are counted)
 
 
 @message("load_stage")
@@ -94,6 +97,9 @@ class Configure:
     downstream: str | None  # "host:port" of the next stage; None: the last stage answers the head
     wire_dtype: str
     stage_index: int
+    graph_tokens: int  # CUDA graphs for decode steps of up to this many tokens (0: eager)
+    graph_query_len: int  # most new tokens of one sequence in a replayed step (1 + speculative tokens)
+    max_model_len: int  # longest context: the graphs' block-table width
 
 
 @message("configured")
@@ -125,6 +131,7 @@ class WorkerStats:
     decode_bytes: int  # bytes those decode-only steps took on the wire to the next hop
     bytes_sent: int  # everything sent on the data path (to the next stage or the head)
     shard_bytes_received: int  # weight-push payload received since the worker started
+    compute_seconds: float  # time in steps: inputs to the device, the stage's compute, outputs back to the host
 
 
 @message("failure")

@@ -7,10 +7,13 @@ the slowest stage's time per token,
     time_i = layers_i x layer_ms_i  (+ head_ms_i on the last stage),
 
 subject to every stage's weights fitting in a fraction of its free memory (the rest is left for
-the KV cache and activations). `--layers 10,10,12` replaces all of this.
+the KV cache and activations). Stages whose workers share memory (several on one GPU, or CPU
+workers of one machine) each count an equal share of it. A mixed ring needs nothing more: a CPU
+worker's probe is slow, so it gets few layers. `--layers 10,10,12` replaces all of this.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from flotilla.errors import FlotillaError
@@ -38,6 +41,12 @@ class StageBudget:
 
     def per_layer_ms(self) -> float:
         return self.layer_ms if self.layer_ms > 0 else 1.0
+
+
+def sharing(memory_ids: list[str]) -> list[int]:
+    """For each stage, how many stages (itself included) report the same memory."""
+    counts = Counter(memory_ids)
+    return [counts[m] for m in memory_ids]
 
 
 def stages_from_counts(counts: list[int]) -> list[Stage]:

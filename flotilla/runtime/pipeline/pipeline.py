@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ from flotilla.models.llama import Stage
 from .activations import check_wire_dtype
 from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
     WorkerStats
-from .partition import StageBudget, describe, split_layers, stages_from_counts
+from .connection import AuthError
+from .partition import StageBudget, describe, sharing, split_layers, stages_from_counts
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
 from .weight_push import fingerprint, load_request
+from .wire import ProtocolError
 
 log = logging.getLogger("flotilla.pipeline")
 
@@ -57,6 +60,9 @@ class PipelineSettings:
     max_blocks: int = 1 << 30
     stage_timeout: float = 60.0
     load_timeout: float = 3600.0
+    graph_tokens: int = 0  # GPU stages replay decode steps of up to this many tokens from CUDA graphs (0: eager)
+    graph_query_len: int = 1  # 1 + the speculative tokens a sequence may verify in a replayed step
+    max_model_len: int = 0  # the longest context (the graphs' block-table width); 0: the model's
 
     def __post_init__(self):
         check_wire_dtype(self.wire_dtype)
@@ -74,6 +80,7 @@ class Pipeline:
         self.peers = [StagePeer(i, h, p, settings.link, self._on_data, self._on_lost)
                       for i, (h, p) in enumerate(settings.hosts)]
         self.stages: list[Stage] = []
+        self.shares = [1] * len(self.peers)  # stages that share each stage's memory (e.g. one GPU)
         self.num_blocks = 0
         self.generation = 0  # bumped at every fault
         self.epoch = 0
@@ -165,11 +172,12 @@ class Pipeline:
         await self._gather([self._connect(p) for p in self.peers])
         probe = Probe(json.dumps(self.config.to_hf_dict()), s.layers is None, s.dtype)
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
+        self.shares = sharing([i.memory_id for i in infos])
         if s.layers is not None:
             counts, how = list(s.layers), "--layers"
         else:
-            budgets = [StageBudget(p.address, i.free_memory, i.layer_bytes, i.head_bytes, i.layer_ms, i.head_ms)
-                       for p, i in zip(self.peers, infos)]
+            budgets = [StageBudget(p.address, i.free_memory // n, i.layer_bytes, i.head_bytes, i.layer_ms, i.head_ms)
+                       for p, i, n in zip(self.peers, infos, self.shares)]
             counts, how = split_layers(self.config.num_hidden_layers, budgets), "by free memory and speed probe"
         self.stages = stages_from_counts(counts)
         self.report(describe(self.stages, [p.address for p in self.peers], how))
@@ -190,20 +198,24 @@ class Pipeline:
         try:
             await peer.connect()
         except GONE as e:
-            raise FlotillaError(f"cannot connect to worker {peer.address}: {_why(e)}") from None
+            raise FlotillaError(f"cannot connect to worker {peer.address}: {_why_unreachable(e, self.settings)}; "
+                                f"start `runtime worker --listen HOST:PORT` there, or fix --hosts") from None
 
     async def _load(self, peer: StagePeer, exact_blocks: int) -> StageLoaded:
         s = self.settings
         req = load_request(self.model, self._fingerprint, self.stages[peer.index], dtype=s.dtype,
-                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction, max_blocks=s.max_blocks,
+                           kv_memory=s.kv_memory, kv_fraction=s.kv_fraction / self.shares[peer.index],
+                           max_blocks=s.max_blocks,
                            block_size=s.block_size, exact_blocks=exact_blocks)
         return await asyncio.wait_for(peer.load(req, self.model), s.load_timeout)
 
     async def _configure_all(self) -> None:
         self.epoch += 1
         peers = self.peers
+        s = self.settings
         msgs = [Configure(self.epoch, self.num_blocks, peers[i + 1].address if i + 1 < len(peers) else None,
-                          self.settings.wire_dtype, i) for i in range(len(peers))]
+                          s.wire_dtype, i, s.graph_tokens, s.graph_query_len, s.max_model_len)
+                for i in range(len(peers))]
         # from the last stage back, so each stage's next hop is already in the new epoch
         for peer, msg in reversed(list(zip(peers, msgs))):
             reply = await peer.call(msg, 60)
@@ -308,6 +320,17 @@ class Pipeline:
             self._sender.cancel()
         for p in self.peers:
             p.close()
+
+
+def _why_unreachable(e: BaseException, s: PipelineSettings) -> str:
+    """Why the first connection to a worker failed, in words (each bounded by the connect timeout)."""
+    if isinstance(e, socket.gaierror):
+        return f"unknown host ({e.strerror})"
+    if isinstance(e, asyncio.TimeoutError):
+        return f"no answer within {s.link.connect_timeout:g} s"
+    if isinstance(e, ProtocolError) and not isinstance(e, AuthError):
+        return f"something answered, but not a flotilla worker ({e})"
+    return _why(e)
 
 
 def _why(e: BaseException) -> str:

@@ -4,10 +4,16 @@ The probe builds one decoder layer of the model (same sizes, same quantization, 
 kernels) with made-up weights, and times it for one decode token; then a slice of the lm_head
 matmul, scaled to the vocabulary. Well under a second on a CPU for a small model; the head
 splits the layers with these figures (partition.py).
+
+On a GPU both are timed as a stage runs its decodes: GRAPH_CALLS calls captured in one CUDA
+graph and replayed, so kernel launches do not count (timed call by call, a layer's dozen small
+launches made an 8B layer look 10x slower than it runs, and a CPU stage of a mixed ring got a
+third of the layers).
 """
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import time
 
@@ -26,6 +32,7 @@ from flotilla.runtime.loader import parse_dtype
 from .messages import Probe, WorkerInfo
 
 PROBE_SECONDS = 0.1
+GRAPH_CALLS = 8  # calls per replayed CUDA graph
 
 
 class _NoAttention:
@@ -35,7 +42,11 @@ class _NoAttention:
         return q
 
 
-def worker_info(probe: Probe, device: torch.device, version: str) -> WorkerInfo:
+def worker_info(probe: Probe, device: torch.device, version: str, tp: int = 1) -> WorkerInfo:
+    """With `tp` ranks (cuda:K … cuda:K+tp-1, or CPU processes sharing the cores) the stage has
+    their memory together, and each rank computes 1/tp of every layer: the probe's whole-layer
+    times on one device are divided by tp (on a CPU the ranks split the cores, and this process
+    already has only its share of the threads, so the division holds there too)."""
     config = ModelConfig.from_hf_dict(json.loads(probe.config_json), where="the head's config.json")
     dtype = parse_dtype(probe.dtype, device)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -44,11 +55,37 @@ def worker_info(probe: Probe, device: torch.device, version: str) -> WorkerInfo:
     if probe.measure:
         layer = _random_layer(config, device, dtype)
         layer_bytes = _bytes(layer)
-        layer_ms, head_ms = _time_layer(layer, config, device, dtype), _time_head(config, device, dtype)
+        layer_ms, head_ms = _time_layer(layer, config, device, dtype) / tp, _time_head(config, device, dtype) / tp
         del layer
     else:
         layer_bytes = _bytes(build_layer(config, 0, "meta", dtype))
-    return WorkerInfo(version, str(device), free_memory(device), layer_bytes, layer_ms, head_ms, head_bytes)
+    devices = [device] if device.type == "cpu" else [torch.device("cuda", (device.index or 0) + r) for r in range(tp)]
+    return WorkerInfo(version, str(device), sum(free_memory(d) for d in devices), layer_bytes, layer_ms, head_ms,
+                      head_bytes, memory_id(device), tp)
+
+
+def memory_id(device: torch.device) -> str:
+    """Names the memory `free_memory(device)` counts: the host's RAM (machine id and host name:
+    containers may share the one but not the other), or one GPU (by its UUID, which no other GPU
+    has, whichever index a process sees it under). Stages whose workers report the same id
+    share that memory."""
+    host = f"{_machine_id()}/{socket.gethostname()}"
+    if device.type != "cuda":
+        return f"{host}/cpu"
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"gpu-{uuid}" if uuid is not None else f"{host}/{device}"
+
+
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                return text
+        except OSError:
+            pass
+    return ""
 
 
 def _bytes(module: torch.nn.Module) -> int:
@@ -79,6 +116,34 @@ def _random_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype)
 
 
 def _median_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of one fn(); on a GPU through a CUDA graph where fn captures."""
+    replay = _graphed(fn, device) if device.type == "cuda" else None
+    if replay is not None:
+        return _median_call_ms(replay, device) / GRAPH_CALLS
+    return _median_call_ms(fn, device)
+
+
+def _graphed(fn, device: torch.device):
+    """GRAPH_CALLS calls of fn in one captured CUDA graph (its replay), or None if fn does not capture."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm up off the capture: compile kernels, pick tile configs
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                fn()
+        return graph.replay
+    except Exception:  # noqa: BLE001 - time it call by call instead
+        torch.cuda.synchronize(device)
+        return None
+
+
+def _median_call_ms(fn, device: torch.device) -> float:
     for _ in range(3):
         fn()
     times, start = [], time.perf_counter()

@@ -3,21 +3,53 @@
 `run` takes a `Step` from the previous hop and returns what goes to the next: the same step with
 this stage's hidden states (packed in the wire dtype), or, on the last stage, the sampled tokens.
 Called only from the worker's compute thread.
+
+On a GPU the stage runs like a local GPU engine: Triton kernels, paged attention, and decode
+steps replayed from CUDA graphs captured when the head configures the pool (`Configure` says
+for how many tokens); hidden states cross host memory through pinned buffers (HostStaging).
+Under tensor parallelism (`runtime worker --tp M`) this process is rank 0 of the stage's group:
+the runner's steps go through the TPExecutor, which hands every step (and the incoming hidden
+states) to the other ranks; TP ranks step eagerly.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from flotilla.models.llama import Stage
+from flotilla.runtime.cuda_graphs import capture_sizes
 from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, free_memory, plan_num_blocks
 from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.model_runner import ModelRunner
 
-from .activations import pack, unpack
-from .messages import LoadStage, Step, StepResult
+from .activations import HostStaging, pack, unpack
+from .messages import Configure, LoadStage, Step, StepResult
 from .step_codec import StageSequences, step_result
+
+
+def on_device(device: torch.device, fn, *args):
+    """fn(*args) with `device` as the calling thread's current CUDA device (kernels that launch
+    on the current device, such as Triton's, then find their tensors)."""
+    if device.type != "cuda":
+        return fn(*args)
+    with torch.cuda.device(device):
+        return fn(*args)
+
+
+@dataclass(frozen=True)
+class RunnerShape:
+    """What the runner is built for; a Configure that changes it rebuilds the pool and the graphs."""
+
+    num_blocks: int
+    graph_tokens: int = 0
+    graph_query_len: int = 1
+    max_model_len: int = 0
+
+    @classmethod
+    def of(cls, msg: Configure) -> "RunnerShape":
+        return cls(msg.num_blocks, msg.graph_tokens, msg.graph_query_len, msg.max_model_len)
 
 
 class StageRuntime:
@@ -27,12 +59,21 @@ class StageRuntime:
         self.request = request
         self.source = source  # where the weights came from, for the worker's log
         self.stage = Stage(request.start, request.end, request.num_layers)
-        self.spec = KVCacheSpec(tuple(self.stage.layers), cfg.num_key_value_heads, cfg.head_dim, lm.dtype,
+        # this rank's KV heads (a share of them under tensor parallelism)
+        self.spec = KVCacheSpec(tuple(self.stage.layers), lm.model.num_kv_heads, cfg.head_dim, lm.dtype,
                                 request.block_size)
         self.cache: KVCache | None = None
         self.runner: ModelRunner | None = None
+        self.executor = None  # the runner, or the TPExecutor over it
+        self.shape: RunnerShape | None = None
         self.seqs = StageSequences()
         self.wire_dtype = "fp16"
+        self.staging = HostStaging(lm.device)
+
+    @property
+    def memory_shares(self) -> int:
+        """Ranks of this stage that share one device's memory (TP ranks on a CPU)."""
+        return self.lm.parallel.memory_shares if self.lm.parallel is not None else 1
 
     def serves(self, req: LoadStage) -> bool:
         """Whether this loaded stage is what `req` asks for (then nothing is reloaded)."""
@@ -44,20 +85,27 @@ class StageRuntime:
         """KV blocks this stage can hold (null block included) within the request's budget."""
         if req.exact_blocks:
             return plan_num_blocks(self.spec, self.lm.device, req.exact_blocks * self.spec.bytes_per_block)
-        memory = req.kv_memory
+        memory = req.kv_memory  # per rank, as --kv-cache-memory is for a local TP engine
         if not memory:  # a fraction of what is free, counting the pool this stage already holds as free
             held = self.cache.storage.numel() * self.cache.storage.element_size() if self.cache is not None else 0
-            memory = int((free_memory(self.lm.device) + held) * req.kv_fraction)
+            memory = int((free_memory(self.lm.device) + held) * req.kv_fraction / self.memory_shares)
         return plan_num_blocks(self.spec, self.lm.device, memory, req.kv_fraction, req.max_blocks)
 
-    def configure(self, num_blocks: int, wire_dtype: str) -> None:
-        """A new epoch: a pool of `num_blocks` (reallocated only if the size changes) and empty mirrors."""
-        if self.cache is None or self.cache.num_blocks != num_blocks:
-            self.runner = self.cache = None
-            self.cache = KVCache(self.spec, num_blocks, self.lm.device)
-            self.runner = ModelRunner(self.lm.model, self.cache)
+    def configure(self, msg: Configure) -> None:
+        """A new epoch: a pool of `num_blocks` with its decode graphs (rebuilt only if they change)
+        and empty mirrors."""
+        shape = RunnerShape.of(msg)
+        if shape != self.shape:
+            self.executor = self.runner = self.cache = None  # the old pool and graphs go first
+            self.cache = KVCache(self.spec, shape.num_blocks, self.lm.device)
+            eager = shape.graph_tokens < 1 or self.lm.parallel is not None  # TP ranks step eagerly
+            sizes = () if eager else capture_sizes(shape.graph_tokens)
+            self.runner = ModelRunner(self.lm.model, self.cache, graph_sizes=sizes,
+                                      max_model_len=shape.max_model_len or None, graph_query_len=shape.graph_query_len)
+            self.executor = self.lm.parallel.executor(self.runner) if self.lm.parallel is not None else self.runner
+            self.shape = shape
         self.seqs = StageSequences()
-        self.wire_dtype = wire_dtype
+        self.wire_dtype = msg.wire_dtype
 
     @torch.inference_mode()
     def run(self, msg: Step) -> Step | StepResult:
@@ -67,10 +115,16 @@ class StageRuntime:
             if msg.hidden is None or msg.hidden.shape != (step.num_tokens, self.lm.config.hidden_size):
                 raise ValueError(f"step {msg.mb}: hidden states of shape "
                                  f"{None if msg.hidden is None else tuple(msg.hidden.shape)} for {step.num_tokens} tokens")
-            hidden = unpack(msg.hidden, msg.scales, self.lm.dtype, self.lm.device)
-        out = self.runner.execute(step, hidden)
+            hidden = unpack(self.staging.to_device(msg.hidden), self.staging.to_device(msg.scales), self.lm.dtype,
+                            self.lm.device)
+        out = self.executor.execute(step, hidden)
         if self.stage.is_last:
             self.seqs.record(msg, out.token_ids, out.accepted)
             return step_result(msg.epoch, msg.mb, out)
-        data, scales = pack(out, self.wire_dtype)
+        data, scales = self.staging.to_host(*pack(out, self.wire_dtype))
         return dataclasses.replace(msg, hidden=data, scales=scales)
+
+    def close(self) -> None:
+        """Stop the stage's other TP ranks, if any."""
+        if self.lm.parallel is not None:
+            self.lm.parallel.close()

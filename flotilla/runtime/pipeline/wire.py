@@ -21,7 +21,8 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 2  # 2: speculative steps (drafts, draft distributions, table trims, accepted drafts)
+PROTOCOL_VERSION = 3  # 2: speculative steps (drafts, draft distributions, table trims, accepted drafts);
+#                      3: decode graphs per stage (Configure), shared memory and TP in WorkerInfo
 DEFAULT_MAX_FRAME = 64 << 20  # 64 MiB: a prefill chunk of 2048 tokens x 8192 hidden in fp16 is 32 MiB
 MAX_TENSOR_DIMS = 8
 _FRAME_HEADER = struct.Struct(">I")

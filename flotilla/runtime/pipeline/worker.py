@@ -22,6 +22,7 @@ import logging
 import queue
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,20 +30,19 @@ import torch
 
 from flotilla.errors import FlotillaError
 from flotilla.models.llama import Stage
-from flotilla.runtime.loader import load_model
+from flotilla.runtime.tp import load_model_parallel
 
 from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
                          server_handshake)
 from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
                        Pong, Probe, StageLoaded, StatsRequest, Step, StepResult, Upstream, WorkerStats)
 from .probe import worker_info
-from .stage_runtime import StageRuntime
+from .outbox import GONE as _GONE, Outbox
+from .stage_runtime import StageRuntime, on_device
 from .weight_push import ShardReceiver, WeightCache, fingerprint
 from .wire import DEFAULT_MAX_FRAME, ProtocolError
 
 log = logging.getLogger("flotilla.pipeline.worker")
-
-_GONE = (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError, asyncio.TimeoutError)
 
 
 def version() -> str:
@@ -63,6 +63,7 @@ class WorkerConfig:
     ssl_client: ssl.SSLContext | None = None
     max_frame: int = DEFAULT_MAX_FRAME
     handshake_timeout: float = 10.0
+    tp: int = 1  # tensor-parallel ranks of the stage (this process is rank 0; `runtime worker --tp`)
 
 
 @dataclass
@@ -73,34 +74,7 @@ class _Counters:
     decode_tokens: int = 0
     decode_bytes: int = 0
     bytes_sent: int = 0
-
-
-class Outbox:
-    """Frames to one peer, sent in order by one task (any thread may `put` via the loop)."""
-
-    def __init__(self, conn: Connection, on_sent=None):
-        self.conn = conn
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._on_sent = on_sent
-        self._task = asyncio.create_task(self._run())
-
-    def put(self, msg) -> None:
-        self._queue.put_nowait(msg)
-
-    async def _run(self) -> None:
-        try:
-            while True:
-                msg = await self._queue.get()
-                before = self.conn.bytes_sent
-                await self.conn.send(msg)
-                if self._on_sent is not None:
-                    self._on_sent(msg, self.conn.bytes_sent - before)
-        except _GONE:
-            self.conn.close()
-
-    def close(self) -> None:
-        self._task.cancel()
-        self.conn.close()
+    compute_seconds: float = 0.0
 
 
 @dataclass
@@ -132,6 +106,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._compute: threading.Thread | None = None
+        self._threads = torch.get_num_threads()  # the stage's CPU threads (`--threads`)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int) -> tuple[str, int]:
@@ -153,6 +128,7 @@ class Worker:
         if self.upstream is not None:
             self.upstream.close()
         self._steps.put(None)
+        await asyncio.to_thread(self._swap, None)
 
     # ------------------------------------------------------------------ connections
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -238,7 +214,8 @@ class Worker:
 
     async def _control(self, msg, outbox: Outbox, inbox: asyncio.Queue):
         if isinstance(msg, Probe):
-            return await asyncio.to_thread(worker_info, msg, self.config.device, version())
+            return await asyncio.to_thread(on_device, self.config.device, worker_info, msg, self.config.device,
+                                           version(), self.config.tp)
         if isinstance(msg, LoadStage):
             return await self._load(msg, outbox, inbox)
         if isinstance(msg, Configure):
@@ -246,7 +223,7 @@ class Worker:
         if isinstance(msg, StatsRequest):
             c = self.counters
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
-                                self.shard_bytes_received)
+                                self.shard_bytes_received, c.compute_seconds)
             if msg.reset:
                 self.counters = _Counters()
             return stats
@@ -269,7 +246,9 @@ class Worker:
                 source = f"its cache {directory}"
         await asyncio.to_thread(self._swap, None)  # free the old stage's memory first
         stage = Stage(req.start, req.end, req.num_layers)
-        lm = await asyncio.to_thread(load_model, directory, self.config.device, req.dtype, stage, False, False)
+        torch.set_num_threads(self._threads)  # a TP group divides them among its ranks at each load
+        lm = await asyncio.to_thread(on_device, self.config.device, load_model_parallel, directory,
+                                     str(self.config.device), req.dtype, self.config.tp, stage, False, False)
         runtime = StageRuntime(lm, req, source)
         capacity = runtime.capacity(req)
         await asyncio.to_thread(self._swap, runtime)
@@ -297,7 +276,7 @@ class Worker:
             raise FlotillaError("Configure before LoadStage: this worker has no stage loaded")
         self.epoch = msg.epoch
         self.stage_index = msg.stage_index
-        await asyncio.to_thread(self._locked, self.runtime.configure, msg.num_blocks, msg.wire_dtype)
+        await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.configure, msg)
         self._drop_downstream()
         if msg.downstream is not None:
             host, port = parse_address(msg.downstream)
@@ -349,9 +328,13 @@ class Worker:
 
     def _swap(self, runtime: StageRuntime | None) -> None:
         with self._lock:
-            self.runtime = runtime
+            old, self.runtime = self.runtime, runtime
+        if old is not None and old is not runtime:
+            old.close()
 
     def _compute_loop(self) -> None:
+        if self.config.device.type == "cuda":
+            torch.cuda.set_device(self.config.device)  # this thread's launches go to the stage's GPU
         while True:
             msg = self._steps.get()
             if msg is None:
@@ -362,7 +345,9 @@ class Worker:
                 if self.runtime is None or msg.epoch != self.epoch:
                     continue
                 try:
+                    start = time.perf_counter()
                     out = self.runtime.run(msg)
+                    self.counters.compute_seconds += time.perf_counter() - start
                 except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
                     log.exception("step %d failed", msg.mb)
                     self._loop.call_soon_threadsafe(self._fault, msg.epoch, f"stage {self.stage_index} failed a "

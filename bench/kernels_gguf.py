@@ -1,0 +1,128 @@
+"""GGUF forms on the GPU: flotilla's Triton kernels for GGUF blocks (kernels/triton_ggml.py) next to
+fp16 cuBLAS and the GPTQ-layout W4A16 kernel, in the same run (`python bench/kernels.py --gguf`).
+
+Per weight shape (in x out, bench/kernels.py's four) and batch (default 1 and 16): µs per call
+(median, L2 cleared; with --graph, CUDA-graph replays) of fp16 F.linear, the GPTQ W4 kernel
+(group 128) and each GGUF form, with the form's bytes a call reads and the bandwidth that makes.
+Before timing, every form is checked against its exact dequantized weight (fp32 matmul), in fp16
+and in bf16, and the embedded default GGUF's logits on CUDA against the CPU's: a FAIL line names
+what is off.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight
+from flotilla.kernels.triton_ggml import TRITON_FORMS, TritonGGMLKernel
+
+GGUF_FORMS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def random_ggml(qtype: str, k: int, n: int, device="cuda") -> GGMLWeight:
+    """Random codes, scales and mins of a form, built on the device (scales exact in the form's
+    precision, about the size of a real model's)."""
+    fmt = GGML_FORMATS[qtype]
+    codes = torch.randint(fmt.code_min, fmt.code_max + 1, (n, k), dtype=torch.int8, device=device)
+    scales = torch.rand(n, k // fmt.group, device=device) * 0.002 + 0.0005
+    mins = -torch.rand(n, k // fmt.group, device=device) * 0.01 if fmt.has_min else None
+    if fmt.fp16_scales:
+        scales = scales.half().float()
+        mins = None if mins is None else mins.half().float()
+    return GGMLWeight(qtype, codes, scales, mins)
+
+
+def check_forms(k: int = 4096, n: int = 4096) -> list[str]:
+    """Every Triton form against its dequantized weight, fp16 and bf16, decode and wider batches."""
+    lines = []
+    for qtype in TRITON_FORMS:
+        w = random_ggml(qtype, k, n)
+        dense = w.dequantize()
+        for dtype, tol in TOLERANCE.items():
+            kernel = TritonGGMLKernel([w], torch.device("cuda"), dtype)
+            for m in (1, 16, 100):
+                x = torch.randn(m, k, device="cuda").to(dtype)
+                ref = x.float() @ dense.t()
+                err = ((kernel(x).float() - ref).norm() / ref.norm()).item()
+                if not err < tol:
+                    lines.append(f"FAIL {qtype} {str(dtype)[6:]} m={m}: relative error {err:.2e} (tolerance {tol})")
+    return lines
+
+
+def check_model() -> list[str]:
+    """The embedded default GGUF end to end on the GPU (fp16, Triton forms) against the CPU (fp32,
+    compiled kernels): logits of one prompt within 2% and the same argmax at almost every position."""
+    from flotilla.errors import FlotillaError
+    from flotilla.models.attention import DenseCausalAttention
+    from flotilla.models.sources import open_source
+    from flotilla.models.weights import load_stage
+    from flotilla.runtime.default_model import default_model_path
+
+    try:
+        path = default_model_path(fetch=False)
+    except FlotillaError as e:  # a GPU box with no way out: carry the file (FLOTILLA_CACHE_DIR) to check it
+        print(f"  default GGUF end to end: skipped ({e})", flush=True)
+        return []
+    ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for device, dtype in (("cuda", torch.float16), ("cpu", torch.float32)):
+        model = load_stage(open_source(path), device=device, dtype=dtype)
+        forms = model.model.layers["0"].mlp.gate_up_proj.kernel.name
+        with torch.inference_mode():
+            h = model(ids.to(device), torch.arange(64, device=device), DenseCausalAttention(1, 64))
+            logits[device] = model.compute_logits(h).float().cpu()
+        if device == "cuda" and not forms.startswith("triton"):
+            return [f"FAIL the model's linears run {forms!r} on CUDA, not the Triton forms"]
+    err = ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item()
+    agree = (logits["cuda"].argmax(-1) == logits["cpu"].argmax(-1)).float().mean().item()
+    return [] if err < 0.02 and agree > 0.9 else [f"FAIL default GGUF on CUDA: relative error {err:.3g}, argmax agree {agree:.0%}"]
+
+
+def run_gguf(args, time_us, gptq_kernel) -> int:
+    """The --gguf table. `time_us` and `gptq_kernel(k, n)` come from bench/kernels.py."""
+    torch.manual_seed(0)
+    fails = [] if args.skip_check else check_forms() + check_model()
+    print(f"GGUF forms vs their dequantized weights, and the default GGUF on CUDA vs CPU: "
+          f"{'OK' if not fails else f'{len(fails)} FAILED'}", flush=True)
+    for line in fails:
+        print("  " + line, flush=True)
+    rows = []
+    for k, n in args.shapes:
+        rows += shape_rows(k, n, args, time_us, gptq_kernel)
+        torch.cuda.empty_cache()
+    if not args.json:
+        print(_table(rows))
+    return 1 if fails else 0
+
+
+def shape_rows(k: int, n: int, args, time_us, gptq_kernel) -> list[dict]:
+    """The rows of one weight shape, per batch: fp16, GPTQ W4 and every GGUF form."""
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+    gptq = gptq_kernel(k, n)
+    forms = {q: TritonGGMLKernel([random_ggml(q, k, n)], torch.device("cuda"), torch.float16) for q in GGUF_FORMS}
+    rows = []
+    for m in args.batches:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        row = {"shape": f"{k}x{n}", "batch": m, "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
+               "gptq_w4_us": time_us(lambda: gptq(x))}
+        for q, kern in forms.items():
+            t = time_us(lambda: kern(x))
+            row[f"{q}_us"] = t
+            row[f"{q}_tbps"] = kern.nbytes / (t * 1e-6) / 1e12
+            row[f"{q}_x_fp16"] = row["fp16_us"] / t
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    head = ["shape", "batch", "fp16 µs", "GPTQ W4 µs"] + [f"{q} µs (×fp16, TB/s)" for q in GGUF_FORMS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["shape"], str(r["batch"]), f"{r['fp16_us']:.1f}", f"{r['gptq_w4_us']:.1f}"]
+        cells += [f"{r[f'{q}_us']:.1f} ({r[f'{q}_x_fp16']:.2f}, {r[f'{q}_tbps']:.2f})" for q in GGUF_FORMS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

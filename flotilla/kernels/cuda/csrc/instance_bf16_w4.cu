@@ -1,0 +1,4 @@
+#include "instances.cuh"
+namespace flotilla {
+FLOTILLA_INSTANTIATE(__nv_bfloat16, 4)
+}

@@ -1,0 +1,4 @@
+#include "instances.cuh"
+namespace flotilla {
+FLOTILLA_INSTANTIATE(half, 4)
+}

@@ -1,0 +1,217 @@
+"""A GGUF file as a weight source (see flotilla.models.sources for the interface).
+
+Tensor names are mapped to Hugging Face's and llama.cpp's q/k row permutation is undone. Opened
+`native` (the runtime's way), quantized tensors come as their blocks, decoded into
+flotilla.kernels.ggml's exact form straight from the file's bytes (models/gguf_file.py); otherwise (and for the
+types without flotilla kernels) as fp32.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flotilla.errors import FlotillaError
+from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight, decode, is_supported
+
+from .config import GGUFQuant, ModelConfig, RopeScaling
+from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized: read as they are (fp32)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation (interleaved rope pairs back to HF's rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A GGUF file, names mapped to Hugging Face's.
+
+    `get(name)` gives any tensor dequantized to fp32 (what `quantize` reads). With `native` (the
+    runtime's way), `config.quant` is GGUFQuant and `get_native(name)` gives a quantized tensor
+    as a flotilla.kernels.ggml.GGMLWeight, decoded straight from the file's bytes (never through
+    fp32), for the types flotilla has kernels for; other types come dequantized to fp32 (the
+    load report of models/gguf_report.py warns about them)."""
+
+    def __init__(self, path: str | Path, native: bool = True):
+        self.path = Path(path)
+        try:
+            self.file = GGUFFile(self.path)
+        except (GGUFFormatError, OSError) as e:
+            raise FlotillaError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.opened_files = [self.path.name]
+        self.arch = self._field("general.architecture")
+        if self.arch not in _GGUF_ARCHS:
+            raise FlotillaError(f"{self.path}: unsupported GGUF architecture {self.arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
+        self._tensors = {self._hf_name(t.name): t for t in self.file.tensors.values()}
+        self.native = native
+        config = self._config()
+        self.config = config.with_quant(GGUFQuant()) if native else config
+
+    def _field(self, key: str, default=None):
+        return self.file.field(key, default)
+
+    def _hf_name(self, name: str) -> str:
+        if name in _GGUF_GLOBAL_NAMES:
+            return _GGUF_GLOBAL_NAMES[name]
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        if name == "rope_freqs.weight":
+            return name
+        raise FlotillaError(f"{self.path}: unexpected GGUF tensor {name!r}")
+
+    def _config(self) -> ModelConfig:
+        a = self.arch
+        n_layers = self._field(f"{a}.block_count")
+        hidden = self._field(f"{a}.embedding_length")
+        heads = self._field(f"{a}.attention.head_count")
+        if None in (n_layers, hidden, heads):
+            raise FlotillaError(f"{self.path}: GGUF metadata lacks {a}.block_count/embedding_length/attention.head_count")
+        kv_heads = self._field(f"{a}.attention.head_count_kv", heads)
+        head_dim = self._field(f"{a}.attention.key_length", hidden // heads)
+        vocab = self._field(f"{a}.vocab_size")
+        if vocab is None:
+            vocab = self.file.array_length("tokenizer.ggml.tokens")
+        if vocab is None:
+            raise FlotillaError(f"{self.path}: GGUF metadata has neither {a}.vocab_size nor tokenizer.ggml.tokens")
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        eot = self._field("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        return ModelConfig(
+            architecture=_GGUF_ARCHS[a],
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(self._field(f"{a}.feed_forward_length")),
+            num_hidden_layers=int(n_layers),
+            num_attention_heads=int(heads),
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self._field(f"{a}.context_length", 2048)),
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            qkv_bias=a == "qwen2",
+            rope_scaling=self._rope_scaling(int(head_dim)),
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype="float32",
+        )
+
+    def _rope_scaling(self, head_dim: int) -> RopeScaling | None:
+        a = self.arch
+        kind = self._field(f"{a}.rope.scaling.type")
+        if "rope_freqs.weight" in self._tensors:
+            return self._llama3_from_rope_freqs(head_dim)
+        if kind in (None, "none"):
+            return None
+        if kind == "linear":
+            return RopeScaling("linear", factor=float(self._field(f"{a}.rope.scaling.factor", 1.0)))
+        raise FlotillaError(f"{self.path}: GGUF rope scaling type {kind!r} is not supported (none, linear, llama3)")
+
+    def _llama3_from_rope_freqs(self, head_dim: int) -> RopeScaling:
+        # llama.cpp stores Llama 3.1's scaling as per-frequency divisors; recover the parameters
+        # by checking them against the standard llama3 recipe.
+        from .rope import llama3_freq_factors
+
+        stored = torch.from_numpy(np.array(self._dequant(self._tensors["rope_freqs.weight"]))).float().flatten()
+        a = self.arch
+        orig = int(self._field(f"{a}.rope.scaling.original_context_length", 8192))
+        factor = float(self._field(f"{a}.rope.scaling.factor", 8.0))
+        theta = float(self._field(f"{a}.rope.freq_base", 10000.0))
+        scaling = RopeScaling("llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=orig)
+        expected = llama3_freq_factors(head_dim, theta, scaling)
+        if stored.shape != expected.shape or not torch.allclose(stored, expected, rtol=1e-3):
+            raise FlotillaError(f"{self.path}: rope_freqs.weight does not match the llama3 rope recipe; "
+                                "this rope scaling is not supported")
+        return scaling
+
+    def names(self) -> list[str]:
+        return [n for n in self._tensors if n != "rope_freqs.weight"]
+
+    def release(self) -> None:
+        """Nothing to release: each tensor is read with one positional read, and nothing is mapped."""
+
+    def type_of(self, name: str) -> str:
+        """The GGUF type name of tensor `name` (Q4_K, F32, …)."""
+        return self._tensor(name).type_name
+
+    def quantized_types(self) -> list[str]:
+        """The quantized GGUF types of the file's tensors, sorted."""
+        return sorted({self.type_of(n) for n in self.names()} - set(GGUF_DENSE_TYPES))
+
+    def _tensor(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise FlotillaError(f"{self.path}: tensor {name!r} is missing")
+        return t
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose llama.cpp row permutation `name` carries, or None."""
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            return self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+        return None
+
+    def _dequant(self, t: TensorInfo) -> np.ndarray:
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType(t.type)
+        try:
+            return gguf.quants.dequantize(self.file.read(t), qtype)
+        except NotImplementedError:
+            raise FlotillaError(f"{self.path}: tensor {t.name!r} has GGUF type {qtype.name}, which flotilla cannot "
+                                f"read; supported: {', '.join(GGUF_DENSE_TYPES + tuple(GGML_FORMATS))} natively, "
+                                "and most other llama.cpp types through fp32") from None
+        except Exception as e:
+            raise FlotillaError(f"{self.path}: cannot decode tensor {t.name!r} of type {qtype.name} ({e})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor `name` in fp32."""
+        t = self._tensor(name)
+        w = np.ascontiguousarray(self._dequant(t), dtype=np.float32)
+        shape = t.shape
+        w = w.reshape(shape) if w.size == int(np.prod(shape)) else w
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            w = _unpermute(w, heads)
+        return torch.from_numpy(np.array(w, copy=True, order="C"))
+
+    def get_native(self, name: str) -> GGMLWeight | torch.Tensor:
+        """Tensor `name` as the runtime's GGUF layers take it: a GGMLWeight for the types with
+        flotilla kernels, else fp32 (`get`). Without `native`, always `get`."""
+        t = self._tensor(name)
+        qtype = self.type_of(name)
+        if not self.native or not is_supported(qtype):
+            return self.get(name)
+        shape = t.shape
+        if len(shape) != 2:
+            raise FlotillaError(f"{self.path}: tensor {name!r} of type {qtype} has shape {shape}; expected a matrix")
+        try:
+            w = decode(self.file.read(t), qtype, *shape)
+        except ValueError as e:
+            raise FlotillaError(f"{self.path}: tensor {name!r}: {e}") from None
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            w = w.take_rows(torch.from_numpy(_unpermute(np.arange(shape[0]), heads)))
+        return w

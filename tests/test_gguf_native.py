@@ -1,0 +1,70 @@
+"""GGUF models on their own blocks: the default model against its fp32 path, mixed-type files,
+and what the load and `quantize` say."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flotilla.models.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFLMHead
+from flotilla.models.gguf_report import load_report
+from flotilla.models.sources import GGUFSource, open_source
+from flotilla.models.weights import load_stage
+
+from conftest import make_hf_model, tiny_config, write_llama_gguf
+from ggml_helpers import mixed_gguf
+from test_models import our_logits
+
+
+def test_default_model_native_logits_match_its_fp32_path(smollm2_gguf):
+    """Same weights, other arithmetic (flotilla's kernels against MKL on the dequantized file):
+    logits within 5e-4 (1.5e-5 of the largest), the same argmax everywhere."""
+    native = load_stage(open_source(smollm2_gguf))
+    fp32 = load_stage(open_source(smollm2_gguf, native_gguf=False))
+    assert isinstance(native.model.layers["0"].mlp.down_proj, GGUFLinear)
+    assert isinstance(native.model.embed_tokens, GGUFEmbedding) and isinstance(native.lm_head, GGUFLMHead)
+    assert native.lm_head.weight is native.model.embed_tokens.weight  # tied: one table
+    ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
+    got, ref = our_logits(native, ids), our_logits(fp32, ids)
+    assert (got - ref).abs().max().item() < 5e-4
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    with torch.no_grad():  # the embedding lookup is exact: the rows the file dequantizes to
+        assert torch.equal(native.embed(ids[0]), fp32.embed(ids[0]))
+    line = load_report(open_source(smollm2_gguf), native)[0]
+    assert "Q4_1: 210 tensors -> cpu 4-bit x fp16 scale + min per 32" in line and "Q8_0: 1 tensor -> cpu int8" in line
+
+
+def test_projections_of_different_types_merge_into_one_linear(tmp_path):
+    path = mixed_gguf(tmp_path)
+    native = load_stage(GGUFSource(path))
+    qkv = native.model.layers["0"].self_attn.qkv_proj
+    forms = [qkv.part_form(i) for i in range(3)]
+    assert "4-bit" in forms[0] and "int8" in forms[1] and "5-bit" in forms[2] and "min" in forms[2]
+    fp32 = load_stage(GGUFSource(path, native=False))
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(2))
+    assert (our_logits(native, ids) - our_logits(fp32, ids)).abs().max().item() < 1e-4
+
+
+def test_dense_and_reference_kernels_run_the_torch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
+    native = load_stage(GGUFSource(mixed_gguf(tmp_path)))
+    assert native.model.layers["1"].mlp.gate_up_proj.kernel.name.startswith("torch")
+
+
+def test_quantize_says_it_requantizes_a_quantized_gguf(tmp_path, capsys):
+    from flotilla.quantize import QuantizeOptions, quantize_model
+
+    path = mixed_gguf(tmp_path)
+    quantize_model(path, tmp_path / "out", QuantizeOptions(bits=8, method="rtn", group_size=32), progress=False)
+    err = capsys.readouterr().err
+    assert "mixed.gguf is already quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)" in err and "requantizes" in err
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_gguf_of_unquantized_tensors_loads_either_way(native, tmp_path):
+    hf = make_hf_model(tiny_config("llama"), seed=6)
+    path = write_llama_gguf(hf, tmp_path / "f16.gguf", "F16")
+    model = load_stage(GGUFSource(path, native=native))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (our_logits(model, ids) - ref).abs().max().item() < 0.05

@@ -1,0 +1,180 @@
+"""What a GPU pipeline stage does, checked on the CPU: decode graphs per stage (the static-buffer
+path a CUDA graph replays, run eagerly here) for a first and a last stage, prefill chunks
+included; the placement of local workers (`--devices`, threads of a mixed ring); stages that
+share one device's memory; the random-weight checkpoint the GPU proof loads."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from flotilla.errors import FlotillaError
+from flotilla.models.llama import Stage
+from flotilla.runtime.cuda_graphs import DecodeGraphRunner
+from flotilla.runtime.engine import EngineConfig, LLMEngine
+from flotilla.runtime.engine_args import generate
+from flotilla.runtime.kv_cache import KVCache, KVCacheSpec
+from flotilla.runtime.loader import load_model
+from flotilla.runtime.model_runner import ModelRunner
+from flotilla.runtime.pipeline.activations import HostStaging
+from flotilla.runtime.pipeline.cli import check_devices, parse_devices, pipeline_engine_from_args
+from flotilla.runtime.pipeline.local import LocalWorkers, local_devices, worker_threads
+from flotilla.runtime.pipeline.partition import StageBudget, sharing, split_layers
+from flotilla.runtime.pipeline.probe import memory_id
+from flotilla.runtime.random_model import write_random_checkpoint
+from flotilla.runtime.sampling import SamplingParams
+from flotilla.runtime.scheduler import SchedulerConfig
+
+BLOCK, BLOCKS, BUDGET = 4, 48, 8  # tokens a block, blocks in the pool, tokens a step
+PROMPTS = [[5, 17, 42, 99, 3, 8, 1, 2, 9, 11, 13], [7] * 6, [300, 1], [33]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_random_checkpoint("tiny", tmp_path_factory.mktemp("random") / "tiny4", num_layers=4, seed=1)
+
+
+def engine_over(executor, vocab: int) -> LLMEngine:
+    config = EngineConfig(num_blocks=BLOCKS, block_size=BLOCK, max_model_len=64,
+                          scheduler=SchedulerConfig(4, BUDGET), enable_prefix_caching=False)
+    return LLMEngine(executor, config, None, (), vocab)
+
+
+def stage_runner(path, stage: Stage | None, graphs: bool) -> ModelRunner:
+    lm = load_model(path, "cpu", None, stage, with_tokenizer=False, progress=False)
+    spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, lm.config.head_dim, lm.dtype, BLOCK)
+    runner = ModelRunner(lm.model, KVCache(spec, BLOCKS, lm.device))
+    if graphs:  # what a GPU stage captures (runtime/pipeline/stage_runtime.py), without CUDA
+        runner.graphs = DecodeGraphRunner(lm.model, runner.cache, (1, 2, 4, 8), 64, runner.scale, capture=False,
+                                          max_query_len=BUDGET)
+    return runner
+
+
+class TwoStages:
+    """A first and a last stage in this process, every step through their decode graphs; counts
+    the replays."""
+
+    def __init__(self, first: ModelRunner, last: ModelRunner):
+        self.first, self.last, self.steps, self.replays = first, last, 0, 0
+
+    def execute(self, step):
+        self.steps += 1
+        self.replays += self.first._replays(step) and self.last._replays(step)
+        hidden = self.first.execute(step)  # [T, hidden]
+        assert hidden.shape == (step.num_tokens, self.first.model.config.hidden_size)
+        return self.last.execute(step, hidden.clone())  # a copy, as the hop makes one
+
+
+@torch.inference_mode()
+def test_stage_graphs_serve_decodes_and_chunks_with_the_tokens_of_the_eager_whole_model(tiny):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    whole = stage_runner(tiny, None, graphs=False)
+    want = generate(engine_over(whole, 512), PROMPTS, params)
+    stages = TwoStages(stage_runner(tiny, Stage(0, 2, 4), True), stage_runner(tiny, Stage(2, 4, 4), True))
+    got = generate(engine_over(stages, 512), PROMPTS, params)
+    assert got == want
+    # every step replayed on both stages: prefill chunks (up to 8 tokens of one sequence, some not
+    # sampling), chunks beside decodes, and decodes with padding rows
+    assert stages.replays == stages.steps > 10
+    assert not stages.first.graphs.can_run([1] * 9, [9], [[1, 2, 3]])  # longer chunks run eagerly
+
+
+def test_a_stage_graph_needs_its_hidden_states(tiny):
+    runner = stage_runner(tiny, Stage(2, 4, 4), True)
+    with pytest.raises(ValueError, match="hidden states"):
+        runner.graphs.run([1, 2], [0, 0], [[1], [2]])
+
+
+def test_host_staging_on_a_cpu_stage_hands_the_tensors_through():
+    staging = HostStaging(torch.device("cpu"))
+    t = torch.arange(6.0).view(2, 3)
+    assert staging.to_device(t) is t and staging.to_device(None) is None
+    data, scales = staging.to_host(t, None)
+    assert data is t and scales is None
+
+
+def test_random_checkpoint_is_seeded_and_loads_as_a_checkpoint(tiny, tmp_path):
+    again = write_random_checkpoint("tiny", tmp_path / "again", num_layers=4, seed=1)
+    other = write_random_checkpoint("tiny", tmp_path / "other", num_layers=4, seed=2)
+    manifest = lambda p: [s["sha256"] for s in json.loads((p / "flotilla.json").read_text())["shards"]]  # noqa: E731
+    assert manifest(again) == manifest(tiny) != manifest(other)
+    cfg = json.loads((tiny / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 and cfg["quantization_config"]["bits"] == 4
+    lm = load_model(tiny, "cpu", None, with_tokenizer=False, progress=False)
+    logits = lm.model.compute_logits(lm.model.embed(torch.tensor([1, 2])))
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+# ------------------------------------------------------------------------------ placement
+
+def test_devices_give_the_stages_and_their_count():
+    assert parse_devices("cpu,cpu,cpu", 1) == ["cpu"] * 3  # --pp taken from the list
+    assert parse_devices(" cpu , cpu ", 2) == ["cpu", "cpu"]
+    with pytest.raises(FlotillaError, match="names 2 devices, but --pp is 3"):
+        parse_devices("cpu,cpu", 3)
+    with pytest.raises(FlotillaError, match="unknown device 'tpu:0'"):
+        parse_devices("cpu,tpu:0", 2)
+    with pytest.raises(FlotillaError, match="expected devices separated by commas"):
+        parse_devices("cpu,,cpu", 3)
+    check_devices(["cpu", "cpu"], 3, "--devices")  # CPU stages: any --tp
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(FlotillaError, match=f"cuda:{count}..cuda:{count + 1} .--tp 2. asked for; this host has"):
+        check_devices([f"cuda:{count}"], 2, "--devices")
+
+
+def test_cpu_workers_split_the_cores_left_by_the_gpu_workers():
+    assert worker_threads(["cpu", "cpu"], 2) == [1, 1]
+    assert worker_threads(["cpu", "cpu", "cpu"], 16) == [5, 5, 5]
+    assert worker_threads(["cuda:0", "cpu", "cuda:0"], 16) == [1, 14, 1]  # one core drives each GPU stage
+    assert worker_threads(["cuda:0", "cuda:1"], 16) == [None, None]  # torch's default
+    assert worker_threads(["cuda:0", "cpu"], 1) == [1, 1]
+    workers = LocalWorkers(3, "model", b"t" * 16, ["cuda:0", "cuda:0", "cpu"], tp=2)
+    assert workers.describe() == "cuda:0, cuda:0, cpu, each a group of tp 2"
+    if not torch.cuda.is_available():
+        assert local_devices(2, tp=2) == ["cpu", "cpu"]
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    from flotilla.runtime.cli import COMMANDS, build_parser
+    from flotilla.server.cli import SERVE
+
+    return build_parser(COMMANDS + [SERVE]).parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "cpu,cpu", "--hosts", "a,b"], "with --hosts each `runtime worker` picks its own --device"),
+    (["--pp", "2", "--hosts", "a,b", "--tp", "2"], "as tensor-parallel as its own `runtime worker --tp M`"),
+    (["--pp", "3", "--devices", "cpu,cpu"], "names 2 devices, but --pp is 3"),
+    (["--pp", "2", "--tp", "0"], "at least 1"),
+])
+def test_bad_placements_are_one_line_errors_before_anything_starts(argv, message):
+    with pytest.raises(FlotillaError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pipeline_engine_from_args(serve_args(*argv), report=lambda line: None)
+
+
+# --------------------------------------------------------------------------- shared memory
+
+def test_stages_that_share_a_device_split_its_memory():
+    assert sharing(["gpu-a", "gpu-a", "host/cpu"]) == [2, 2, 1]
+    a = memory_id(torch.device("cpu"))
+    assert a == memory_id(torch.device("cpu")) and a.endswith("/cpu")
+    gib = 2**30
+    # two stages on a 20 GiB GPU: each would take 16 layers of 1 GiB on its own, 8 when they share it
+    budgets = lambda free: [StageBudget(f"w{i}", free, gib, 0, 1.0, 0.0) for i in range(2)]  # noqa: E731
+    assert split_layers(24, budgets(20 * gib)) == [12, 12]
+    with pytest.raises(FlotillaError, match="do not fit"):
+        split_layers(24, budgets(20 * gib // 2))
+
+
+def test_probe_reports_whose_memory_and_the_stage_tp(tiny):
+    from flotilla.runtime.pipeline.messages import Probe
+    from flotilla.runtime.pipeline.probe import worker_info
+
+    config = (tiny / "config.json").read_text()
+    info = worker_info(Probe(config, True, "auto"), torch.device("cpu"), "v", tp=2)
+    assert info.memory_id == memory_id(torch.device("cpu")) and info.tp == 2
+    assert info.layer_ms > 0 and info.head_ms > 0 and info.layer_bytes > 0 and info.free_memory > 0
+    quick = worker_info(Probe(config, False, "auto"), torch.device("cpu"), "v")
+    assert quick.layer_ms == 0 and quick.layer_bytes == info.layer_bytes and quick.tp == 1

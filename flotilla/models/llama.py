@@ -142,7 +142,17 @@ class LayerOps:
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                attn: AttentionBackend) -> torch.Tensor:
-    """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math)."""
+    """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math;
+    quantize's calibration pass, flotilla.quantize.activations, runs the same steps in stages)."""
+    out = attention_output(ops, x, cos, sin, attn)
+    x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
+    gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
+    return x + ops.down(silu_mul(gate_up))  # silu(gate) * up
+
+
+def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attn: AttentionBackend) -> torch.Tensor:
+    """The first half of layer_step: x [T, hidden] -> the attention's output [T, Hq * D], o_proj's input."""
     T = x.shape[0]
     hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
@@ -150,9 +160,7 @@ def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
-    x, h = add_rms_norm(x, ops.o(out.reshape(T, hq * d)), ops.post_norm, ops.eps)  # x + o(out), and its norm
-    gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
-    return x + ops.down(silu_mul(gate_up))  # silu(gate) * up
+    return out.reshape(T, hq * d)
 
 
 class DecoderStack(nn.Module):

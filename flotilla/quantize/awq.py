@@ -144,18 +144,22 @@ def apply_scale(site: ScaleSite, s: torch.Tensor) -> None:
 
 def scale_layer(layer: DecoderLayer, acts: CalibrationActivations,
                 config_of: Callable[[nn.Module], tuple[int, int, bool] | None]) -> dict[str, float]:
-    """Search and fold AWQ scales into every site of `layer`, in the order the forward reaches them.
-    `config_of(linear)` -> (bits, group size, sym) of its quantization, or None if it stays float.
-    Returns the α chosen per site (-1: left unscaled)."""
+    """Search and fold AWQ scales into every site of `layer`. `config_of(linear)` -> (bits, group
+    size, sym) of its quantization, or None if it stays float. Returns the α chosen per site (-1:
+    left unscaled).
+
+    Every site's input statistics come from one pass of the float layer before any scaling: the
+    scales of one site leave the float outputs of the others, hence their inputs, unchanged."""
+    sites = [s for s in scale_sites(layer) if config_of(s.linear) is not None]
+    stats = {s.linear: InputStats(s.linear.in_features, s.linear.weight.device) for s in sites}
+    for mod, inputs in acts.linear_inputs(layer, advance=False):
+        if mod in stats:
+            for x in inputs:
+                stats[mod].add(x)
     chosen = {}
-    for site in scale_sites(layer):
-        cfg = config_of(site.linear)
-        if cfg is None:
-            continue
-        bits, group_size, sym = cfg
-        stats = InputStats(site.linear.in_features, site.linear.weight.device)
-        acts.feed(layer, site.linear, stats.add)
-        s, alpha = search_scale(site.linear.weight, stats, GridSpec(bits, sym), group_size)
+    for site in sites:
+        bits, group_size, sym = config_of(site.linear)
+        s, alpha = search_scale(site.linear.weight, stats.pop(site.linear), GridSpec(bits, sym), group_size)
         if alpha >= 0:
             apply_scale(site, s)
         chosen[site.name] = alpha

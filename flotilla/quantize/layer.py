@@ -47,18 +47,20 @@ def projection_names(layer: DecoderLayer, index: int) -> dict[nn.Module, list[st
 
 
 def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, quant: QuantConfig,
-                   acts: CalibrationActivations | None) -> LayerResult:
-    """Quantize every linear of `layer` (GPTQ and AWQ need `acts`; RTN ignores it)."""
+                   acts: CalibrationActivations | None, advance: bool = False) -> LayerResult:
+    """Quantize every linear of `layer` (GPTQ and AWQ need `acts`; RTN ignores it). With
+    `advance`, `acts` ends holding the quantized layer's outputs (the next layer's inputs)."""
     configs = {mod: quant.for_module(names) for mod, names in projection_names(layer, index).items()}
-    linears = [m for m in layer.modules() if isinstance(m, Linear)]
     result = LayerResult({})
-    if options.uses_activations:
-        if acts is None:
-            raise ValueError(f"--method {options.method} needs calibration activations")
-        linears = acts.call_order(layer, linears)
+    if options.uses_activations and acts is None:
+        raise ValueError(f"--method {options.method} needs calibration activations")
     if options.method in ("awq", "awq+gptq"):
         result.awq_alpha = scale_layer(layer, acts, lambda m: _triple(configs[m]))
-    for mod in linears:
+    if acts is None or (options.method == "awq" and not advance):
+        stages = ((m, iter(())) for m in configs)  # rounding alone: no inputs to run
+    else:
+        stages = acts.linear_inputs(layer, advance)  # true-sequential: each linear's inputs through the ones before
+    for mod, inputs in stages:
         cfg = configs[mod]
         if cfg is None:
             continue  # kept in float (a "-:" dynamic pattern)
@@ -67,7 +69,8 @@ def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, qu
             q = rtn_quantize(mod.weight, spec, cfg.group_size)
         else:
             acc = HessianAccumulator(mod.in_features, mod.weight.device)
-            acts.feed(layer, mod, acc.add)
+            for x in inputs:
+                acc.add(x)
             g = gptq_quantize(mod.weight, acc.hessian(), spec, cfg.group_size, options.damp_percent,
                               options.block_size, options.act_order)
             q = g.weight

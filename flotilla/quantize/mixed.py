@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from flotilla.errors import FlotillaError
 from flotilla.models.config import ModelConfig
+from flotilla.models.linear import Linear
 from flotilla.models.llama import MLP, Attention
 from flotilla.models.weights import load_layer
 
@@ -114,17 +115,15 @@ def measure_errors(source, cfg: ModelConfig, acts: CalibrationActivations, optio
     device = acts.hidden.device
     for i in tqdm(range(cfg.num_hidden_layers), desc="measure sensitivity", unit="layer", disable=not progress):
         layer = load_layer(source, i, device, torch.float32)
-        a, m = layer.self_attn, layer.mlp
-        for merged, mod in (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up_proj", m.gate_up_proj),
-                            ("down_proj", m.down_proj)):
+        merged = {mod: name for name, mod in layer.named_modules() if isinstance(mod, Linear)}
+        for mod, inputs in acts.linear_inputs(layer, advance=i + 1 < cfg.num_hidden_layers):
             acc = HessianAccumulator(mod.in_features, device)
-            acts.feed(layer, mod, acc.add)
+            for x in inputs:
+                acc.add(x)
             H, W = acc.hessian(), mod.weight.float()
             delta = rtn_quantize(W, spec, options.group_size).dequantize().sub_(W)
             err = float(((delta @ H) * delta).sum()) / max(float(((W @ H) * W).sum()), 1e-30)
-            errors[by_name[(i, merged)]] = err
-        if i + 1 < cfg.num_hidden_layers:
-            acts.advance(layer)
+            errors[by_name[(i, merged[mod].rsplit(".", 1)[-1])]] = err
         del layer
         source.release()
     return errors

@@ -6,8 +6,9 @@
                    worst stay at 8 bits (with --keep's choice: quantization_config.dynamic)
     embeddings -> fp16 into the checkpoint; hidden states = embed(tokens), fp32
     for each layer: load it alone in fp32, AWQ-scale it (awq, awq+gptq), quantize its linears
-                    (true-sequential), write it, run the calibration hidden states through the
-                    quantized layer, free it
+                    (true-sequential: the calibration hidden states go through the layer once, each
+                    linear quantized before the stage after it runs, ending as the next layer's
+                    inputs), write it, free it
     final norm (+ lm_head when untied) -> fp16; tokenizer and generation config; commit
 
 Peak memory is one layer's fp32 weights, the calibration hidden states and the shard being
@@ -94,7 +95,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)
             try:
-                result = quantize_layer(layer, i, options, quant, acts)
+                result = quantize_layer(layer, i, options, quant, acts, advance=i + 1 < cfg.num_hidden_layers)
             except ValueError as e:  # degenerate weights or calibration data
                 raise FlotillaError(f"{src}: layer {i}: {e}") from None
             damp_raised += result.damp_raised
@@ -103,8 +104,6 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             tensors = layer_tensors(layer, i, result.weights)
             linear_bytes += linear_storage(tensors)
             writer.add_layer(str(i), tensors)
-            if acts is not None and i + 1 < cfg.num_hidden_layers:
-                acts.advance(layer)
             del layer, result
             source.release()
         writer.add_layer("head", _head_tensors(source, cfg))

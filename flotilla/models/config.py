@@ -35,6 +35,8 @@ class RopeScaling:
 
 
 DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")  # per-module overrides flotilla honours
+CONVERTED = ("awq", "bitsandbytes")  # community layouts read as gptq_v2 tensors
+FORMATS = ("gptq", "gptq_v2", *CONVERTED)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,12 @@ class QuantConfig:
     `dynamic` is GPTQModel's per-module override table, as vLLM reads it too: (pattern, overrides)
     pairs tried in order against a checkpoint module name (`model.layers.3.mlp.down_proj`) with
     `re.match`; the first that matches decides. A "-:" pattern leaves the module unquantized (a
-    plain fp16 `weight`); "+:" or no prefix overrides bits/group_size/sym/desc_act for it."""
+    plain fp16 `weight`); "+:" or no prefix overrides bits/group_size/sym/desc_act for it.
+
+    `checkpoint_format` is how the files store the linears: "gptq" (zeros stored minus one),
+    "gptq_v2" (GPTQModel: zeros as they are), or a community layout that the source converts to
+    gptq_v2 tensors as it reads them (CONVERTED: AutoAWQ's GEMM layout, bitsandbytes'; see
+    models/converted_source.py)."""
 
     bits: int
     group_size: int
@@ -74,6 +81,11 @@ class QuantConfig:
                 return dataclasses.replace(self, dynamic=(), **dict(overrides))
         return dataclasses.replace(self, dynamic=()) if self.dynamic else self
 
+    @property
+    def zero_offset(self) -> int:
+        """What a reader adds to a stored zero field (kernels/gptq.py)."""
+        return 1 if self.checkpoint_format == "gptq" else 0
+
     def to_hf(self) -> dict[str, Any]:
         return {
             "quant_method": "gptq",
@@ -92,11 +104,17 @@ class QuantConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "QuantConfig":
         method = d.get("quant_method")
+        if method in CONVERTED:
+            from .converted_source import community_quant
+
+            return community_quant(d, where)
         if method != "gptq":
-            raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; only 'gptq' is supported")
+            raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; supported: gptq, "
+                                f"{', '.join(CONVERTED)}")
         fmt = d.get("checkpoint_format", "gptq")
-        if fmt != "gptq":
-            raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported (expected 'gptq')")
+        if fmt not in FORMATS:  # (a flotilla config of a converted layout says so here: pipeline probes)
+            raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported "
+                                f"(expected one of {', '.join(FORMATS)})")
         bits = d.get("bits")
         if bits not in (4, 8):
             raise FlotillaError(f"{where}: quantization_config.bits is {bits!r}; supported: 4, 8")

@@ -193,6 +193,23 @@ def test_registry_lists_cuda_below_triton_and_never_picks_it_on_cpu():
     assert registry.select(w, torch.device("cpu"), torch.float32).name != "cuda"
 
 
+def test_supports_never_builds_the_library(monkeypatch):
+    """The registry asks every entry's `supports` before it picks Triton: that must not run nvcc
+    (nor warn); the build waits until the entry is chosen."""
+    def no_build(capability):
+        raise AssertionError(f"supports() built the library for {capability}")
+
+    monkeypatch.setattr(cuda_kernel.build, "load", no_build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = {"cap": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["cap"])
+    assert cuda_kernel.supports(torch.device("cuda:0"), 4) and cuda_kernel.supports("cuda", 8)
+    assert not cuda_kernel.supports(torch.device("cuda:0"), 3)
+    assert not cuda_kernel.supports(torch.device("cpu"), 4)
+    capability["cap"] = (7, 5)  # below sm_80: no cp.async, no bf16 MMA
+    assert not cuda_kernel.supports(torch.device("cuda:0"), 4)
+
+
 # ----------------------------------------------------------------------------------------------
 # On the GPU
 

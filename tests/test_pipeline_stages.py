@@ -149,7 +149,11 @@ def serve_args(*argv: str) -> argparse.Namespace:
     (["--pp", "3", "--devices", "cpu,cpu"], "names 2 devices, but --pp is 3"),
     (["--pp", "2", "--tp", "0"], "at least 1"),
 ])
-def test_bad_placements_are_one_line_errors_before_anything_starts(argv, message):
+def test_bad_placements_are_one_line_errors_before_anything_starts(argv, message, monkeypatch):
+    def no_model(path):  # resolving the default model may download it: placements are checked first
+        raise AssertionError("the model was resolved before the placement was checked")
+
+    monkeypatch.setattr("flotilla.runtime.default_model.resolve_model_path", no_model)
     with pytest.raises(FlotillaError, match=message.replace("(", r"\(").replace(")", r"\)")):
         pipeline_engine_from_args(serve_args(*argv), report=lambda line: None)
 

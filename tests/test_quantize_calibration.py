@@ -120,3 +120,16 @@ def test_eval_ppl_command(tiny, tmp_path, capsys):
     expected = perplexity(load_stage(open_source(tiny)), ids, 64, 32).ppl
     assert printed == pytest.approx(expected, rel=1e-4)
     assert runtime_main(["eval-ppl", str(tiny), "--text", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_generation_batch_keeps_the_lockstep_cache_within_its_budget():
+    from types import SimpleNamespace
+
+    from flotilla.quantize.calibration import GENERATION_BATCH, KV_BUDGET, generation_batch
+
+    smol = SimpleNamespace(num_key_value_heads=3, head_dim=64)  # SmolLM2-135M: 30 layers
+    assert generation_batch(smol, 30, 128, torch.bfloat16) == GENERATION_BATCH
+    llama8b = SimpleNamespace(num_key_value_heads=8, head_dim=128)  # 32 layers: 128 KiB a token in bf16
+    assert generation_batch(llama8b, 32, 128, torch.bfloat16) == GENERATION_BATCH  # 2 GiB for 128
+    assert generation_batch(llama8b, 32, 2048, torch.bfloat16) == KV_BUDGET // (2048 << 17) == 16
+    assert generation_batch(llama8b, 32, 1 << 20, torch.float32) == 1  # never zero

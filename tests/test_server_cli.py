@@ -149,27 +149,20 @@ def test_runtime_script_has_serve_and_runtime_does_not_import_the_server():
 
 
 def test_port_in_use_is_one_line_exit_2_before_the_model_loads(smollm2_gguf):
-    import time
-
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        start = time.monotonic()
-        assert runtime("serve", "--help").returncode == 0  # starting Python and importing, nothing more
-        baseline = time.monotonic() - start
-        start = time.monotonic()
         r = runtime("serve", str(smollm2_gguf), "--port", str(port), timeout=60)
-        elapsed = time.monotonic() - start
     finally:
         taken.close()
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the port is already in "
                                              "use (is another server running?); pick another --port"]
-    assert r.stdout == ""  # nothing was loaded: no "loading" line, no KV cache
-    # within 10 s; on a loaded machine, within 3x the time it takes to start at all
-    assert elapsed < max(10.0, 3 * baseline), (elapsed, baseline)
+    # nothing was loaded: no "flotilla: loading" line (which comes before any weight is read), no
+    # KV cache line; this, not a wall-clock bound, shows the port was checked first
+    assert r.stdout == ""
 
 
 def test_bound_sockets_share_one_port_and_refuse_until_served():

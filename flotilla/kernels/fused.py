@@ -10,8 +10,9 @@ On CUDA (fp16/bf16) they run the Triton kernels of flotilla.kernels.triton_fused
 (fp32) rms_norm, add_rms_norm, silu_mul and rope run one compiled pass each (flotilla.kernels.cpu.ops). A batch-1
 llama-3-8b decode step spends 0.92 ms of its 3.0 ms of GPU time in ~360 small torch kernels
 (bench/NOTES-gpu-decode.md); torch's layer-norm kernel alone takes ~5.8 µs for one 4096-wide row,
-65 times a step. Elsewhere, and for inputs the kernels do not take, each function is the torch
-expression it stands for, so CPU results are unchanged. `ENABLED = False` turns the Triton path
+65 times a step. Elsewhere (fp16/bf16 on a CPU, FLOTILLA_KERNEL=dense or reference, no compiled
+CPU kernels), and for inputs the kernels do not take, each function is the torch expression it
+stands for. `ENABLED = False` turns the Triton path
 off (the GPU benchmark's check compares both).
 
 This module imports nothing of flotilla's.

@@ -25,6 +25,7 @@ from flotilla.models.weights import load_stage
 TOP_P = 0.95
 TOP_K = 256
 GENERATION_BATCH = 128  # sequences sampled together (the default --calib-samples: one batch)
+KV_BUDGET = 4 << 30  # bytes of KV cache a batch may hold: 128 x 2048 tokens of an 8B model would take 32 GiB
 
 
 def read_texts(path: Path) -> list[str]:
@@ -99,14 +100,16 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
 
 
 @torch.inference_mode()
-def sample_sequences(model, samples: int, seq_len: int, seed: int, batch: int = GENERATION_BATCH,
+def sample_sequences(model, samples: int, seq_len: int, seed: int, batch: int | None = None,
                      sample: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
                      on_step: Callable[[int], None] | None = None) -> torch.Tensor:
-    """`samples` sequences from BOS and a random token, `batch` of them at a time, each step's
-    tokens drawn by `sample` (default sample_top_p); `on_step(tokens)` after each step."""
+    """`samples` sequences from BOS and a random token, `batch` of them at a time (default:
+    generation_batch), each step's tokens drawn by `sample` (default sample_top_p);
+    `on_step(tokens)` after each step."""
     cfg, weight = model.config, next(model.parameters())
     device, dtype = weight.device, weight.dtype
     sample = sample or sample_top_p
+    batch = batch or generation_batch(cfg, len(model.stage.layers), seq_len, dtype)
     model.build_rope(seq_len)
     gen = torch.Generator(device=device).manual_seed(seed)
     banned = torch.tensor([i for i in cfg.eos_token_ids if i < cfg.vocab_size], dtype=torch.long, device=device)
@@ -135,6 +138,14 @@ def sample_sequences(model, samples: int, seq_len: int, seed: int, batch: int = 
                 on_step(B)
         out.append(seqs.cpu())
     return torch.cat(out)
+
+
+def generation_batch(cfg, num_layers: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Sequences sampled together: GENERATION_BATCH, fewer where their lockstep KV cache of
+    `seq_len` tokens each would pass KV_BUDGET (long --calib-seq-len on a large model)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_seq = 2 * num_layers * cfg.num_key_value_heads * cfg.head_dim * seq_len * elem  # keys and values
+    return max(1, min(GENERATION_BATCH, KV_BUDGET // per_seq))
 
 
 def _show_expected(bar: tqdm, tokens: int, total: int) -> None:

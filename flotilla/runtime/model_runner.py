@@ -54,10 +54,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None,
                  graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None, graph_query_len: int = 1):
         """`graph_sizes`: on CUDA, steps of up to max(graph_sizes) new tokens in which every
-        sequence samples and brings at most `graph_query_len` tokens (1: decodes; 1 + k:
-        speculative verify steps) replay CUDA graphs captured now for these token buckets
-        (runtime.cuda_graphs), with block tables wide enough for `max_model_len` tokens (default:
-        the model's). Any stage: a pipeline stage's decodes replay too."""
+        sequence brings at most `graph_query_len` tokens (1: decodes; 1 + k: speculative verify
+        steps; prefill chunks that short too, sampling or not) replay CUDA graphs captured now for
+        these token buckets (runtime.cuda_graphs), with block tables wide enough for
+        `max_model_len` tokens (default: the model's). Any stage: a pipeline stage's steps replay
+        too."""
         self.model = model
         model.freeze(logits_kernel(model, cache.device))  # the step loop looks nothing up per layer
         self.cache = cache
@@ -74,20 +75,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        if self._replays(step):  # decodes (drafts to verify, short chunks): the captured graph
-            out = self._replay(step, hidden)
-            if not self.model.stage.is_last:
-                return out
-            if not any(step.sample):  # only partial prefill chunks this step
-                return SamplerOutput([])
-            logits = out
-        else:
-            h = self._forward(step, hidden)
-            if not self.model.stage.is_last:
-                return h
-            if not any(step.sample):
-                return SamplerOutput([])
-            logits = self.compute_logits(step, h)
+        replay = self._replays(step)  # decodes (drafts to verify, short chunks): the captured graph
+        out = self._replay(step, hidden) if replay else self._forward(step, hidden)
+        if not self.model.stage.is_last:
+            return out  # hidden states [T, H]
+        if not any(step.sample):  # only partial prefill chunks this step
+            return SamplerOutput([])
+        logits = out if replay else self.compute_logits(step, out)
         if step.spec_token_ids is not None:
             drafts = [d for d, samples in zip(step.spec_token_ids, step.sample) if samples]
             return self.verifier(logits, step.sampling, drafts, step.draft_probs)

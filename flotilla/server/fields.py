@@ -48,7 +48,8 @@ def _parse_int(literal: str) -> int:
 def parse_json_object(raw: bytes | str, what: str = "request body", example: str = "") -> dict:
     """The JSON object in a request body (bytes, UTF-8) or a websocket frame (text); every way it
     can be malformed is a 400 that says so."""
-    fix = f"send a JSON object like {example}" if example else "send a JSON object"
+    like = f" like {example}" if example else ""
+    fix = f"send a JSON object{like}"
     if not raw.strip():
         raise bad_request(f"the {what} is empty; {fix}")
     try:
@@ -63,9 +64,9 @@ def parse_json_object(raw: bytes | str, what: str = "request body", example: str
         raise bad_request(f"the {what} holds an integer of {e.digits} digits; no field takes one longer than "
                           f"{MAX_INT_DIGITS} digits") from None
     except RecursionError:
-        raise bad_request(f"the {what} is nested too deeply; {fix.replace('a JSON', 'a flat JSON')}") from None
+        raise bad_request(f"the {what} is nested too deeply; send a flat JSON object{like}") from None
     if not isinstance(data, dict):
-        raise bad_request(f"the {what} must be a JSON object{example and ' like ' + example}, got {describe(data)}")
+        raise bad_request(f"the {what} must be a JSON object{like}, got {describe(data)}")
     return data
 
 

@@ -7,8 +7,9 @@
 
 Ranked below the Triton kernels: on the H200 they are correct but not yet faster at batch 1-64
 (bench/NOTES-kernels.md); they serve where Triton is missing, or when forced. The sources (csrc/)
-are compiled with nvcc once per GPU architecture and cached (build.py); where nvcc is missing or
-the build fails, one warning line is printed and the entry is skipped.
+are compiled with nvcc once per GPU architecture and cached (build.py), when this entry is first
+chosen; where nvcc is missing or the build fails, one warning line is printed and the Triton
+kernels serve instead.
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ where the CPU kernels' builds go (flotilla/kernels/cpu/build.py: TORCH_EXTENSION
 FLOTILLA_CACHE_DIR/torch_extensions, else ~/.cache/flotilla/torch_extensions).
 
 nvcc is found as $CUDA_HOME/bin/nvcc (or $CUDA_PATH), else on PATH, else /usr/local/cuda. When
-it is missing or compiling fails, `load()` prints one warning line and returns None; the registry
-then uses the Triton kernels.
+it is missing or compiling fails, `load()` prints one warning line and returns None; `make_kernel`
+then uses the Triton kernels (or, without Triton, the dense one).
 """
 from __future__ import annotations
 
@@ -126,5 +126,6 @@ def _run(cmd: list[str]) -> None:
 def _fail(key: str, why: str) -> None:
     if key not in _failed:
         _failed[key] = why
-        print(f"warning: flotilla CUDA kernels unavailable ({why}); using the Triton kernels", file=sys.stderr)
+        print(f"warning: flotilla CUDA kernels unavailable ({why}); using the Triton kernels (the dense one "
+              "where Triton is not installed)", file=sys.stderr)
     return None

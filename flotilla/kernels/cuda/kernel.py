@@ -250,5 +250,10 @@ def make_kernel(w: GPTQWeight, dtype: torch.dtype):
 
 
 def supports(device: torch.device, bits: int) -> bool:
+    """Whether the kernels could serve this GPU, without building them: the registry asks every
+    entry before it picks the highest ranked, so a build here would run nvcc (minutes, or a
+    warning) on every GPU start that then uses Triton. The build happens in `make_kernel` once
+    the entry is chosen; a failed one falls back to Triton there."""
     device = torch.device(device)
-    return device.type == "cuda" and bits in (4, 8) and torch.cuda.is_available() and library(device) is not None
+    return (device.type == "cuda" and bits in (4, 8) and torch.cuda.is_available()
+            and tuple(torch.cuda.get_device_capability(device)) >= build.MIN_CAPABILITY)

@@ -233,10 +233,8 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         devices = parse_devices(args.devices, pp)
         check_devices(devices, tp, "--devices")
         pp = len(devices)
-    model = resolve_model_path(args.model)
-    _, client_ssl = _tls(args)
-    local = None
-    if args.hosts:
+    hosts = None
+    if args.hosts:  # every placement error before the model is resolved (which may download it)
         try:
             hosts = [parse_address(h, DEFAULT_PORT) for h in args.hosts.split(",")]
         except ValueError as e:
@@ -246,6 +244,10 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         if tp > 1:
             raise FlotillaError("--tp with --hosts: each worker's stage is as tensor-parallel as its own "
                                 "`runtime worker --tp M` makes it")
+    model = resolve_model_path(args.model)
+    _, client_ssl = _tls(args)
+    local = None
+    if hosts is not None:
         token = read_token(args)
     else:
         token = read_token(args, required=False) or secrets.token_hex(16).encode()

@@ -196,3 +196,18 @@ def test_default_out_of_a_gguf_file_is_its_name_beside_it(tmp_path):
 
     assert default_out(tmp_path / "SmolLM2.Q4_1.gguf", QuantizeOptions()) == tmp_path / "SmolLM2.Q4_1-gptq-int4"
     assert default_out(Path("~/m/Llama"), QuantizeOptions(bits=8)) == Path.home() / "m" / "Llama-gptq-int8"
+
+
+def test_default_out_of_dot_and_dotdot_names_the_directory(tmp_path, monkeypatch):
+    from flotilla.quantize.cli import default_out
+    from flotilla.quantize.options import QuantizeOptions
+
+    inner = tmp_path / "Llama" / "sub"
+    inner.mkdir(parents=True)
+    (tmp_path / "blob").write_bytes(b"")
+    (tmp_path / "model.gguf").symlink_to(tmp_path / "blob")
+    monkeypatch.chdir(tmp_path / "Llama")
+    assert default_out(Path("."), QuantizeOptions()) == tmp_path / "Llama-gptq-int4"
+    monkeypatch.chdir(inner)
+    assert default_out(Path(".."), QuantizeOptions(bits=8)) == tmp_path / "Llama-gptq-int8"
+    assert default_out(Path("../../model.gguf"), QuantizeOptions()) == tmp_path / "model-gptq-int4"

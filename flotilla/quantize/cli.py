@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -89,8 +90,10 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:
     """Where a checkpoint goes without -o: beside the source, `model/` -> `model-gptq-int4/`,
-    `model.gguf` -> `model-gptq-int4/`."""
-    src = src.expanduser()
+    `model.gguf` -> `model-gptq-int4/`. The path is made absolute first, `.` and `..` folded, so
+    `quantize .` names the directory it is run in; symlinks are kept (a GGUF linked from a hub cache
+    keeps its name, not its blob's hash)."""
+    src = Path(os.path.abspath(src.expanduser()))
     name = src.stem if src.suffix.lower() == ".gguf" else src.name
     return src.parent / f"{name}-{options.method}-int{options.bits}"
 

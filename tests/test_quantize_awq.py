@@ -100,7 +100,9 @@ def test_awq_checkpoint_is_plain_gptq_and_matches_the_quantizer(mha_src, tmp_pat
     raw = read_checkpoint(out)
     for index in (0, 1):
         p = f"model.layers.{index}."
-        assert torch.equal(torch.from_numpy(raw[p + "input_layernorm.weight"].copy()).float(), norms[index])
+        # a folded norm is fp16-exact already; an unscaled one (α -1) is the fp32 source's, stored in fp16
+        assert torch.equal(torch.from_numpy(raw[p + "input_layernorm.weight"].copy()).float(),
+                           norms[index].half().float())
         t = {s: raw[f"{p}self_attn.o_proj.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
         decoded = torch.from_numpy(decode_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4))
         assert torch.equal(decoded.t(), memory[f"{index}.self_attn.o_proj"])
@@ -134,3 +136,12 @@ def test_awq_beats_rtn_on_a_tiny_models_outputs(tmp_path):
                                                                    calib_samples=16, calib_seq_len=64), progress=False)
         err[method] = float((logits(load_stage(open_source(tmp_path / method))) - ref).pow(2).mean())
     assert err["awq"] < err["rtn"]
+
+
+def test_awq_rounds_on_the_min_max_grid_unless_told():
+    """A weight-space clipping search would clip the weights AWQ scaled up (options.default_grid)."""
+    assert QuantizeOptions(method="awq").grid == "minmax" and QuantizeOptions(method="awq+gptq").grid == "minmax"
+    assert QuantizeOptions(method="gptq").grid == "mse" and QuantizeOptions(method="rtn").grid == "mse"
+    assert QuantizeOptions(method="awq", grid="mse").grid == "mse"
+    assert QuantizeOptions(method="awq").label == "INT4 AWQ g128 sym"
+    assert QuantizeOptions(method="awq", grid="mse").label == "INT4 AWQ g128 sym mse"

@@ -25,10 +25,14 @@ mean_w the channel's mean weight magnitude relative to its group's largest. Each
 scored by the linear's output error over all calibration tokens,
 ‖X (Q(W diag(s)) diag(s)⁻¹ − W)ᵀ‖² = Σ ΔW H ΔWᵀ with H = XᵀX (exact, and one [in, in] matmul per
 candidate instead of a pass over the tokens; over at most SEARCH_ROWS evenly strided output channels),
-Q being round-to-nearest on the min/max grid. s = 1
-(no scaling) is a candidate too, so AWQ never scores worse than plain rounding. The grid search of
-flotilla.quantize.grid then picks each group's clipping range when the scaled weights are quantized
-for real (RTN, or GPTQ for awq+gptq).
+Q being round-to-nearest on the min/max grid. gate/up is scored where its error lands, at the MLP's
+output: ‖down(silu(gate')·up') − down(silu(gate)·up)‖² over MLP_TOKENS evenly strided calibration
+tokens (down in float), as AutoAWQ inspects the whole MLP: silu(gate)·up weighs gate's and up's
+errors unevenly, which gate/up's own output error does not see. s = 1
+(no scaling) is a candidate too, so AWQ never scores worse than plain rounding. The scaled weights
+are then rounded for real (RTN, or GPTQ for awq+gptq) on the same min/max grid by default
+(options.default_grid): a weight-space clipping search (`--grid mse`) would clip the very weights
+the scales made large because their inputs are.
 
 Norm weights are written in fp16, so a folded norm is rounded to fp16 first and s adjusted to the
 rounded value: the quantizer and a reader of the checkpoint compute the same layer.
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.kernels.fused import silu_mul
 from flotilla.models.linear import Linear
 from flotilla.models.llama import DecoderLayer, RMSNorm
 
@@ -52,6 +57,7 @@ from .grid import GridSpec, fake_quantize
 GRID = 20
 S_MIN = 1e-4
 SEARCH_ROWS = 1024  # output channels scored per candidate (evenly strided; all of them in smaller linears)
+MLP_TOKENS = 2048  # calibration tokens kept (evenly strided) to score gate/up at the MLP's output
 
 
 @dataclass(frozen=True)
@@ -76,16 +82,26 @@ def scale_sites(layer: DecoderLayer) -> list[ScaleSite]:
 
 
 class InputStats:
-    """H = 2/n XᵀX and mean|x| per input channel over every row fed to a linear."""
+    """H = 2/n XᵀX and mean|x| per input channel over every row fed to a linear; with `keep_every`,
+    also every keep_every-th row itself (`rows`)."""
 
-    def __init__(self, in_features: int, device):
+    def __init__(self, in_features: int, device, keep_every: int = 0):
         self.hessian = HessianAccumulator(in_features, device)
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
+        self.keep_every, self.seen, self.kept = keep_every, 0, []
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()  # [N, in]
         self.hessian.add(x)
         self.abs_sum += x.abs().sum(dim=0, dtype=torch.float64)
+        if self.keep_every:
+            first = -self.seen % self.keep_every  # the stride runs on across chunks
+            self.kept.append(x[first::self.keep_every].clone())
+            self.seen += x.shape[0]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return torch.cat(self.kept)
 
     @property
     def abs_mean(self) -> torch.Tensor:
@@ -108,19 +124,40 @@ def output_error(W: torch.Tensor, s: torch.Tensor, H: torch.Tensor, spec: GridSp
     return float((delta @ H).mul_(delta).sum())
 
 
-def search_scale(W: torch.Tensor, stats: InputStats, spec: GridSpec, group_size: int) -> tuple[torch.Tensor, float]:
-    """The s of least output error for W [out, in] (see the module docstring), and its α (-1: s = 1)."""
+def mlp_output_error(W: torch.Tensor, s: torch.Tensor, X: torch.Tensor, down: torch.Tensor, ref: torch.Tensor,
+                     spec: GridSpec, group_size: int) -> float:
+    """‖down(silu(gate')·up') − ref‖² over the rows of X [T, in], gate'/up' from the merged gate/up
+    weight W [2I, in] rounded as Q(W diag(s)) diag(s)⁻¹; `down` [hidden, I] stays float."""
+    Wq = fake_quantize(W * s, spec, group_size).div_(s)
+    return float(((silu_mul(X @ Wq.T) @ down.T) - ref).pow_(2).sum())
+
+
+def search_scale(W: torch.Tensor, stats: InputStats, spec: GridSpec, group_size: int,
+                 down: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The s of least output error for W [out, in] (see the module docstring), and its α (-1: s = 1).
+    With `down` (the MLP's down_proj weight), W is the merged gate/up, scored at the MLP's output on
+    stats.rows; else by its own output error."""
     W = W.float()
-    H = stats.hessian.hessian()
     x_mean, w_mean = stats.abs_mean.to(W.device), weight_magnitude(W, group_size)
-    W = W[::-(-W.shape[0] // SEARCH_ROWS)]  # every k-th output channel: the error sum, estimated at a fraction
+    if down is None:
+        H = stats.hessian.hessian()
+        W = W[::-(-W.shape[0] // SEARCH_ROWS)]  # every k-th output channel: the error sum, estimated at a fraction
+
+        def error(s):
+            return output_error(W, s, H, spec, group_size)
+    else:
+        X, down = stats.rows, down.float()
+        ref = silu_mul(X @ W.T) @ down.T  # [T, hidden]: the float MLP
+
+        def error(s):
+            return mlp_output_error(W, s, X, down, ref, spec, group_size)
     best_s, best_alpha = torch.ones_like(x_mean), -1.0
-    best_err = output_error(W, best_s, H, spec, group_size)
+    best_err = error(best_s)
     for i in range(GRID):
         alpha = i / GRID
         s = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=S_MIN)).clamp(min=S_MIN)
         s = s / (s.max() * s.min()).sqrt()
-        err = output_error(W, s, H, spec, group_size)
+        err = error(s)
         if err < best_err:
             best_s, best_alpha, best_err = s, alpha, err
     return best_s, best_alpha
@@ -151,7 +188,10 @@ def scale_layer(layer: DecoderLayer, acts: CalibrationActivations,
     Every site's input statistics come from one pass of the float layer before any scaling: the
     scales of one site leave the float outputs of the others, hence their inputs, unchanged."""
     sites = [s for s in scale_sites(layer) if config_of(s.linear) is not None]
-    stats = {s.linear: InputStats(s.linear.in_features, s.linear.weight.device) for s in sites}
+    gate_up = layer.mlp.gate_up_proj
+    keep_every = max(1, acts.num_tokens // MLP_TOKENS)
+    stats = {s.linear: InputStats(s.linear.in_features, s.linear.weight.device,
+                                  keep_every if s.linear is gate_up else 0) for s in sites}
     for mod, inputs in acts.linear_inputs(layer, advance=False):
         if mod in stats:
             for x in inputs:
@@ -159,7 +199,8 @@ def scale_layer(layer: DecoderLayer, acts: CalibrationActivations,
     chosen = {}
     for site in sites:
         bits, group_size, sym = config_of(site.linear)
-        s, alpha = search_scale(site.linear.weight, stats.pop(site.linear), GridSpec(bits, sym), group_size)
+        down = layer.mlp.down_proj.weight if site.linear is gate_up else None
+        s, alpha = search_scale(site.linear.weight, stats.pop(site.linear), GridSpec(bits, sym), group_size, down)
         if alpha >= 0:
             apply_scale(site, s)
         chosen[site.name] = alpha

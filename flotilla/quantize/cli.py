@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
                      help="symmetric grid, zero point 2^(bits-1) (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid, a zero point per group")
-    p.add_argument("--grid", default=_DEFAULTS.grid, metavar="{mse,minmax}",
+    p.add_argument("--grid", default="", metavar="{mse,minmax}",
                    help="how a group's scale is chosen: mse searches the clipping range with the least rounding "
-                        "error, minmax spans the group's min to max (default mse)")
+                        "error, minmax spans the group's min to max (default mse; minmax for awq and awq+gptq, whose "
+                        "scaled-up salient weights a clipping search would clip)")
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",

@@ -19,6 +19,13 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
+def default_grid(method: str) -> str:
+    """mse, except min/max for AWQ's scaled weights: a weight-space clipping search clips the very
+    input channels AWQ scaled up for being salient (on SmolLM2-135M layer 28 at g128 it made the
+    scaled gate/up's MLP output error 0.042 of the output's energy, against 0.0004 on min/max)."""
+    return "minmax" if method in ("awq", "awq+gptq") else "mse"
+
+
 def parse_size(text: str) -> int:
     """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '4096' -> 4096 (bytes)."""
     m = _SIZE.match(str(text))
@@ -41,7 +48,8 @@ class QuantizeOptions:
     method: str = "gptq"
     sym: bool = True
     act_order: bool = False
-    grid: str = "mse"  # mse: search each group's clipping range (least |w - w_hat|^2.4); minmax: span min..max
+    grid: str = ""  # mse: search each group's clipping range (least |w - w_hat|^2.4); minmax: span min..max;
+    #                 "": the method's default (default_grid)
     damp_percent: float = 0.01  # of the Hessian's mean diagonal; raised if Cholesky fails
     block_size: int = 128  # GPTQ's lazy-update block (rounded to whole groups)
     calib_file: Path | None = None  # text or JSONL; None: text sampled from the model itself
@@ -55,6 +63,8 @@ class QuantizeOptions:
     sensitive: int = 0  # this many linears, those of largest measured INT4 error, kept at 8 bits
 
     def __post_init__(self):
+        if not self.grid:
+            object.__setattr__(self, "grid", default_grid(self.method))
         checks = [
             (self.bits in BITS, f"--bits {self.bits} is not supported; choose one of {', '.join(map(str, BITS))}"),
             (self.group_size == -1 or (self.group_size > 0 and self.group_size % GROUP_MULTIPLE == 0),
@@ -108,6 +118,6 @@ class QuantizeOptions:
     def label(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         extra = " act-order" if self.act_order else ""
-        grid = "" if self.grid == "mse" else f" {self.grid}"
+        grid = "" if self.grid == default_grid(self.method) else f" {self.grid}"
         mixed = "".join(f" keep {b}:{p}" for b, p in self.keep) + (f" sensitive {self.sensitive}" if self.sensitive else "")
         return f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{grid}{extra}{mixed}"

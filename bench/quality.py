@@ -7,7 +7,7 @@ Rows, all measured in this run, each printed as soon as it is done:
   SmolLM2-135M-Instruct, the source (its GGUF dequantized to fp32): the peer of every other row
   INT8 RTN, INT4 RTN, INT4 GPTQ (quantize's default), GPTQ act-order, AWQ, AWQ+GPTQ, all at group
       128, quantized from that GGUF by the `quantize` CLI with its defaults otherwise (mse grid,
-      calibration text sampled from the model itself)
+      min/max for AWQ; calibration text sampled from the model itself)
   INT4 RTN / GPTQ with --grid minmax                    what the grid search is worth
   INT4 GPTQ --sensitive N, --keep 8:PATTERN             mixed precision (some linears at 8 bits)
   INT4 AWQ+GPTQ g64 asym act-order, GPTQ g32 asym act-order   the most accurate 4-bit settings
@@ -156,7 +156,7 @@ def smollm2_rows(args, env, work: Path, emit) -> None:
     from flotilla.runtime.default_model import default_model_path
 
     gguf = default_model_path()
-    cfg = open_source(gguf).config
+    cfg = open_source(gguf, native_gguf=False).config  # its linears as plain weights, to count them
     fp16_mb = parameter_count(cfg) * 2 / 1e6
     tokenizer = load_tokenizer(gguf)
     ids = {name: tokenizer.encode(text) for name, text in load_texts(args).items()}

@@ -1,13 +1,19 @@
-"""Quantization quality and cost: perplexity, size, time and peak memory of `quantize`.
+"""Quantization quality and cost: perplexity, bits per weight, size, time and peak memory of `quantize`.
 
-    python bench/quality.py [--json] [--asym] [--group-size G] [--models smollm2,llama-1b] [--threads N]
+    python bench/quality.py [--json] [--asym] [--group-size G] [--only SUBSTR,...] [--short]
+                            [--models smollm2,llama-1b] [--threads N]
 
 Rows, all measured in this run, each printed as soon as it is done:
   SmolLM2-135M-Instruct, the source (its GGUF dequantized to fp32): the peer of every other row
-  INT8 RTN, INT4 RTN, INT4 GPTQ, INT4 GPTQ act-order   quantized from that GGUF by the `quantize` CLI
-      with its defaults (mse grid, calibration text sampled from the model itself)
+  INT8 RTN, INT4 RTN, INT4 GPTQ (quantize's default), GPTQ act-order, AWQ, AWQ+GPTQ, all at group
+      128, quantized from that GGUF by the `quantize` CLI with its defaults otherwise (mse grid,
+      min/max for AWQ; calibration text sampled from the model itself)
   INT4 RTN / GPTQ with --grid minmax                    what the grid search is worth
-  INT4 GPTQ g32 asym act-order                          the most accurate 4-bit setting offered
+  INT4 GPTQ --sensitive N, --keep 8:PATTERN             mixed precision (some linears at 8 bits)
+  INT4 AWQ+GPTQ g64 asym act-order, GPTQ g32 asym act-order   the most accurate 4-bit settings
+  bitsandbytes NF4 (nested), written by transformers + bitsandbytes from the same fp32 weights and
+      read by flotilla (INT8 groups per block; bnb_layout.py); its note: the perplexity of
+      bitsandbytes' own dequantization of the same file
   llama-1b (optional, minutes): a random-weight 1.24B Llama (Llama-3.2-1B shapes), RTN and GPTQ:
   quantize time and peak RSS; llama-8b the same at Llama-3.1-8B's shapes (with --device cuda)
 
@@ -15,12 +21,13 @@ Perplexity is `runtime eval-ppl`'s sliding window (ctx 512, stride 256) over two
 texts: "licenses", Debian's GPL-3 and Apache-2.0 (/usr/share/common-licenses), and "docs", the
 first 60,000 characters of the Python documentation topics that ship with the interpreter
 (pydoc_data.topics). Each quantize runs as its own process: time is its wall clock (calibration
-text generation included), peak RSS its own (from wait4). Group size: 128 when it divides every
-linear's input, else the largest of 64 and 32 that does (SmolLM2's hidden size 576 is not a
-multiple of 128).
+text generation included), peak RSS its own, bits per weight its summary's (the decoder linears'
+stored bits: codes, scales, zeros and g_idx, over their weights). Every row also shows the greedy
+chat answer (20 tokens) to "What is the capital of France?".
 
-Targets checked at the end, on both texts: INT8 within +1% of the source; INT4 GPTQ strictly
-better than INT4 RTN and within +10% of the source.
+Targets checked at the end, on both texts (issue 21): INT8 within +0.5% of the source; an INT4
+setting at group 128 within +10%; the best INT4 setting at <= 4.6 bits per weight within +5%;
+AWQ or AWQ+GPTQ better than GPTQ at group 128; every INT4 answer names Paris.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 LICENSES = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 DOCS_CHARS = 60_000
+QUESTION = "What is the capital of France?"
 
 
 @dataclass
@@ -53,12 +61,14 @@ class Row:
     fp16_ratio: float  # fp16 size / this size
     quantize_s: float | None
     peak_rss_mb: float | None
+    bits: float | None = None  # stored bits per decoder-linear weight
+    answer: str = ""  # the greedy chat answer to QUESTION
     note: str = ""
 
 
-def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:
+def run_measured(cmd: list[str], env: dict) -> tuple[float, float, float]:
     """Run `quantize`; return (wall seconds, its peak RSS in MB as its summary reports it: VmHWM,
-    which unlike wait4's ru_maxrss does not include this process's memory at fork)."""
+    which unlike wait4's ru_maxrss does not include this process's memory at fork, bits per weight)."""
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
@@ -66,21 +76,21 @@ def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:
     if proc.returncode != 0:
         raise SystemExit(f"command failed: {' '.join(cmd)}\n{out}")
     peak = re.search(r"peak RSS ([\d,.]+) MB", out)
-    if peak is None:
-        raise SystemExit(f"no peak RSS in the summary of {' '.join(cmd)}\n{out}")
-    return seconds, float(peak.group(1).replace(",", ""))
+    bits = re.search(r"bits +([\d.]+) per linear weight", out)
+    if peak is None or bits is None:
+        raise SystemExit(f"no peak RSS or bits in the summary of {' '.join(cmd)}\n{out}")
+    return seconds, float(peak.group(1).replace(",", "")), float(bits.group(1))
+
+
+def safe_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {n: t for f in path.glob("*.safetensors") for n, t in load_file(str(f)).items()}
 
 
 def checkpoint_mb(path: Path) -> float:
     files = list(path.glob("*.safetensors")) if path.is_dir() else [path]
     return sum(f.stat().st_size for f in files) / 1e6
-
-
-def pick_group(cfg, wanted: int | None) -> int:
-    inputs = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
-    if wanted is not None:
-        return wanted
-    return next(g for g in (128, 64, 32) if all(i % g == 0 for i in inputs))
 
 
 def load_texts(args) -> dict[str, str]:
@@ -93,13 +103,50 @@ def load_texts(args) -> dict[str, str]:
     return texts
 
 
-def evaluate(path: Path, ids: dict[str, list[int]], ctx: int, stride: int) -> dict[str, float]:
+def evaluate(path: Path, ids: dict[str, list[int]], ctx: int, stride: int, tokenizer) -> tuple[dict[str, float], str]:
+    """Perplexity on each text, and the greedy chat answer to QUESTION."""
     from flotilla.models.sources import open_source
     from flotilla.models.weights import load_stage
     from flotilla.runtime.eval_ppl import perplexity
+    from flotilla.runtime.sampling import SamplingParams
+    from flotilla.runtime.simple import generate_tokens
 
     model = load_stage(open_source(path))
-    return {name: perplexity(model, toks, ctx, stride).ppl for name, toks in ids.items()}
+    ppl = {name: perplexity(model, toks, ctx, stride).ppl for name, toks in ids.items()}
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    answer = generate_tokens(model, prompt, SamplingParams(max_tokens=20, temperature=0), model.config.eos_token_ids)
+    return ppl, tokenizer.decode([t for t in answer if t not in model.config.eos_token_ids]).strip()
+
+
+def smollm2_configs(args) -> list[tuple[str, list[str]]]:
+    """(label, quantize flags) of each quantized row (module docstring)."""
+    sym = ["--asym"] if args.asym else ["--sym"]
+    calib = [*(["--calib-samples", str(args.calib_samples)] if args.calib_samples else []),
+             *(["--calib-seq-len", str(args.calib_seq_len)] if args.calib_seq_len else [])]
+    g = args.group_size
+    s = "asym" if args.asym else "sym"
+    configs = [
+        (f"INT8 RTN g{g} {s}", ["--bits", "8", "--method", "rtn", "--group-size", str(g), *sym]),
+        (f"INT4 RTN g{g} {s}", ["--method", "rtn", "--group-size", str(g), *sym]),
+        (f"INT4 GPTQ g{g} {s}", ["--method", "gptq", "--group-size", str(g), *sym, *calib]),
+        (f"INT4 GPTQ g{g} {s} act-order", ["--method", "gptq", "--group-size", str(g), *sym, "--act-order", *calib]),
+        (f"INT4 AWQ g{g} {s}", ["--method", "awq", "--group-size", str(g), *sym, *calib]),
+        (f"INT4 AWQ+GPTQ g{g} {s}", ["--method", "awq+gptq", "--group-size", str(g), *sym, *calib]),
+        (f"INT4 RTN g{g} {s} minmax", ["--method", "rtn", "--group-size", str(g), *sym, "--grid", "minmax"]),
+        (f"INT4 GPTQ g{g} {s} minmax", ["--method", "gptq", "--group-size", str(g), *sym, "--grid", "minmax", *calib]),
+        (f"INT4 GPTQ g{g} {s} sensitive {args.sensitive}",
+         ["--method", "gptq", "--group-size", str(g), *sym, "--sensitive", str(args.sensitive), *calib]),
+        (f"INT4 GPTQ g{g} {s} keep 8:{args.keep}",
+         ["--method", "gptq", "--group-size", str(g), *sym, "--keep", f"8:{args.keep}", *calib]),
+        ("INT4 AWQ+GPTQ g64 asym act-order", ["--method", "awq+gptq", "--group-size", "64", "--asym", "--act-order",
+                                              *calib]),
+        ("INT4 GPTQ g32 asym act-order", ["--group-size", "32", "--asym", "--act-order", *calib]),
+    ]
+    if args.short:
+        configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0]]
+    if args.only:
+        configs = [c for c in configs if any(o in c[0] for o in args.only.split(","))]
+    return configs
 
 
 def smollm2_rows(args, env, work: Path, emit) -> None:
@@ -109,44 +156,74 @@ def smollm2_rows(args, env, work: Path, emit) -> None:
     from flotilla.runtime.default_model import default_model_path
 
     gguf = default_model_path()
-    cfg = open_source(gguf).config
+    cfg = open_source(gguf, native_gguf=False).config  # its linears as plain weights, to count them
     fp16_mb = parameter_count(cfg) * 2 / 1e6
-    group = pick_group(cfg, args.group_size)
-    note = "" if group == 128 else f"g{group}: 128 does not divide hidden {cfg.hidden_size}"
     tokenizer = load_tokenizer(gguf)
     ids = {name: tokenizer.encode(text) for name, text in load_texts(args).items()}
-    source = evaluate(gguf, ids, args.ctx, args.stride)
+    source, answer = evaluate(gguf, ids, args.ctx, args.stride, tokenizer)
     counts = ", ".join(f"{name} {len(t)} tokens" for name, t in ids.items())
     emit(Row("SmolLM2-135M", "source (GGUF Q4_1 -> fp32)", source, {k: 0.0 for k in source}, checkpoint_mb(gguf),
-             fp16_mb / checkpoint_mb(gguf), None, None, f"{counts}; ctx {args.ctx} stride {args.stride}"))
-    grid = ["--asym"] if args.asym else ["--sym"]
-    calib = [*(["--calib-samples", str(args.calib_samples)] if args.calib_samples else []),
-             *(["--calib-seq-len", str(args.calib_seq_len)] if args.calib_seq_len else [])]
-    g = ["--group-size", str(group)]
-    configs = [
-        (f"INT8 RTN g{group}", ["--bits", "8", "--method", "rtn", *g, *grid]),
-        (f"INT4 RTN g{group}", ["--bits", "4", "--method", "rtn", *g, *grid]),
-        (f"INT4 GPTQ g{group}", ["--bits", "4", "--method", "gptq", *g, *grid, *calib]),
-        (f"INT4 GPTQ g{group} act-order", ["--bits", "4", "--method", "gptq", *g, *grid, "--act-order", *calib]),
-        (f"INT4 RTN g{group} minmax", ["--bits", "4", "--method", "rtn", *g, *grid, "--grid", "minmax"]),
-        (f"INT4 GPTQ g{group} minmax", ["--bits", "4", "--method", "gptq", *g, *grid, "--grid", "minmax", *calib]),
-    ]
-    if not args.asym and not args.short:
-        configs.append(("INT4 GPTQ g32 act-order", ["--bits", "4", "--group-size", "32", "--asym", "--act-order",
-                                                    *calib]))
-    for label, flags in configs:
-        out = work / label.replace(" ", "-")
+             fp16_mb / checkpoint_mb(gguf), None, None, None, answer, f"{counts}; ctx {args.ctx} stride {args.stride}"))
+
+    def delta(ppl):
+        return {k: 100 * (v / source[k] - 1) for k, v in ppl.items()}
+
+    for label, flags in smollm2_configs(args):
+        out = work / re.sub(r"[^\w.+-]", "-", label)
         cmd = [sys.executable, "-m", "flotilla.quantize.cli", str(gguf), "-o", str(out), "--quiet", *flags]
-        seconds, rss = run_measured(cmd, env)
+        seconds, rss, bits = run_measured(cmd, env)
         print(f"[{label}: quantized in {seconds:.0f} s, evaluating]", file=sys.stderr, flush=True)
-        ppl = evaluate(out, ids, args.ctx, args.stride)
+        ppl, answer = evaluate(out, ids, args.ctx, args.stride, tokenizer)
         size = checkpoint_mb(out)
-        sym = " asym" if "--asym" in flags else " sym"
-        method = label.replace(" act-order", sym + " act-order").replace(" minmax", sym + " minmax")
-        method = method if method != label else label + sym
-        emit(Row("SmolLM2-135M", method, ppl, {k: 100 * (v / source[k] - 1) for k, v in ppl.items()}, size,
-                 fp16_mb / size, seconds, rss, note if f"g{group}" in label else ""))
+        emit(Row("SmolLM2-135M", label, ppl, delta(ppl), size, fp16_mb / size, seconds, rss, bits, answer))
         shutil.rmtree(out, ignore_errors=True)
+    if not args.short and (not args.only or "bitsandbytes" in args.only):
+        bnb_rows(gguf, work, ids, args, tokenizer, fp16_mb, delta, emit)
+
+
+def bnb_rows(gguf: Path, work: Path, ids, args, tokenizer, fp16_mb: float, delta, emit) -> None:
+    """bitsandbytes NF4 (nested absmax) of the source's fp32 weights, written by transformers and read
+    by flotilla; beside it, the perplexity of bitsandbytes' own dequantization of the same file."""
+    import torch
+    from bitsandbytes.functional import dequantize_4bit
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from flotilla.models.sources import open_source
+    from flotilla.quantize.mixed import units
+
+    source = open_source(gguf, native_gguf=False)
+    fp32 = work / "smollm2-fp32"
+    fp32.mkdir()
+    (fp32 / "config.json").write_text(json.dumps(source.config.to_hf_dict()))
+    save_file({n: source.get(n).float().contiguous() for n in source.names()}, str(fp32 / "model.safetensors"))
+    start = time.perf_counter()
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.float32)
+    bnb = AutoModelForCausalLM.from_pretrained(str(fp32), quantization_config=config, device_map="cpu",
+                                               dtype=torch.float32)
+    out = work / "smollm2-bnb-nf4"
+    bnb.save_pretrained(str(out))
+    seconds = time.perf_counter() - start
+    ppl, answer = evaluate(out, ids, args.ctx, args.stride, tokenizer)
+    # bitsandbytes' own dequantization of every 4-bit linear, as a plain fp32 directory: the oracle
+    with torch.no_grad():
+        for mod in bnb.modules():
+            w = getattr(mod, "weight", None)
+            if hasattr(w, "quant_state"):
+                mod.weight = torch.nn.Parameter(dequantize_4bit(w.data, w.quant_state).float(), requires_grad=False)
+    tensors = {n: p.float().contiguous() for n, p in bnb.state_dict().items() if n in set(source.names())}
+    save_file(tensors, str(fp32 / "model.safetensors"))
+    oracle, _ = evaluate(fp32, ids, args.ctx, args.stride, tokenizer)
+    size = checkpoint_mb(out)
+    stored = sum(t.numel() * t.element_size() for n, t in safe_tensors(out).items() if "_proj." in n)
+    weights = sum(u.weights for u in units(source.config))
+    note = (f"bits: the file's (flotilla runs them as INT8 g64: 8.3); bitsandbytes' own dequantization: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in oracle.items()) + "; quantize s: transformers load + save")
+    emit(Row("SmolLM2-135M", "bitsandbytes NF4 -> INT8 g64", ppl, delta(ppl), size, fp16_mb / size, seconds, None,
+             8 * stored / weights, answer, note))
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(fp32, ignore_errors=True)
 
 
 SHAPES = {  # name: (hidden, intermediate, layers, heads, kv heads, tied embeddings) of the real model
@@ -207,13 +284,13 @@ def random_llama_rows(args, env, work: Path, emit, shape: str) -> None:
     calib = ["--calib-samples", str(args.calib_samples_1b), "--calib-seq-len", str(args.calib_seq_len_1b)]
     for label, flags in (("INT4 RTN g128", ["--method", "rtn"]), ("INT4 GPTQ g128", calib)):
         out = work / f"{shape}-{label.replace(' ', '-')}"
-        seconds, rss = run_measured([sys.executable, "-m", "flotilla.quantize.cli", str(src), "-o", str(out),
-                                     "--quiet", "--device", args.device, *flags], env)
+        seconds, rss, bits = run_measured([sys.executable, "-m", "flotilla.quantize.cli", str(src), "-o", str(out),
+                                           "--quiet", "--device", args.device, *flags], env)
         size = checkpoint_mb(out)
         note = f"{params / 1e9:.2f}B params, fp16 source {checkpoint_mb(src):.0f} MB, --device {args.device}"
         if "GPTQ" in label:
             note += f", calib {args.calib_samples_1b}x{args.calib_seq_len_1b} model-generated"
-        emit(Row(f"random {shape}", label + " sym", {}, {}, size, fp16_mb / size, seconds, rss, note))
+        emit(Row(f"random {shape}", label + " sym", {}, {}, size, fp16_mb / size, seconds, rss, bits, note=note))
         shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(src, ignore_errors=True)
 
@@ -225,7 +302,8 @@ class Table:
         self.texts, self.as_json, self.rows = texts, as_json, []
         if not as_json:
             cols = "".join(f" {'ppl ' + t:>13} {'Δ%':>7}" for t in texts)
-            head = f"{'model':<18} {'method':<32}{cols} {'size MB':>8} {'×fp16':>6} {'quant s':>8} {'peak RSS MB':>11}  note"
+            head = (f"{'model':<14} {'method':<42}{cols} {'bits/w':>6} {'size MB':>8} {'×fp16':>6} {'quant s':>8} "
+                    f"{'peak RSS MB':>11}  {'answer':<40}  note")
             print(head)
             print("-" * len(head), flush=True)
 
@@ -237,34 +315,40 @@ class Table:
         cols = ""
         for t in self.texts:
             cols += f" {r.ppl[t]:13.3f} {r.delta_pct[t]:+7.2f}" if t in r.ppl else f" {'-':>13} {'-':>7}"
+        bits = f"{r.bits:6.3f}" if r.bits is not None else f"{'-':>6}"
         qs = f"{r.quantize_s:8.1f}" if r.quantize_s is not None else f"{'-':>8}"
         rss = f"{r.peak_rss_mb:11.0f}" if r.peak_rss_mb is not None else f"{'-':>11}"
-        print(f"{r.model:<18} {r.method:<32}{cols} {r.size_mb:8.1f} {r.fp16_ratio:6.2f} {qs} {rss}  {r.note}",
-              flush=True)
+        print(f"{r.model:<14} {r.method:<42}{cols} {bits} {r.size_mb:8.1f} {r.fp16_ratio:6.2f} {qs} {rss}  "
+              f"{r.answer[:40]!r:<40}  {r.note}", flush=True)
 
 
 def check_targets(rows: list[Row], texts: list[str]) -> list[str]:
-    smol = [r for r in rows if r.model == "SmolLM2-135M"]
-
-    def find(prefix: str, *exclude: str) -> Row:
-        return next(r for r in smol if r.method.startswith(prefix) and not any(x in r.method for x in exclude))
-
-    int8 = find("INT8")
-    rtn = find("INT4 RTN", "minmax")
-    gptq = find("INT4 GPTQ", "minmax", "act-order", "asym")
-    act = next(r for r in smol if r.method.startswith("INT4 GPTQ") and "act-order" in r.method
-               and r.method.split()[2] == gptq.method.split()[2])  # same group size
+    """Issue 21's targets, on each text, from the SmolLM2 rows present."""
+    smol = [r for r in rows if r.model == "SmolLM2-135M" and r.bits is not None and "bitsandbytes" not in r.method]
     verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    int4 = [r for r in smol if r.method.startswith("INT4")]
     lines = []
     for t in texts:
-        lines += [
-            f"[{t}] INT8 within +1% of the source: {int8.delta_pct[t]:+.2f}% -> {verdict(int8.delta_pct[t] <= 1.0)}",
-            f"[{t}] INT4 GPTQ better than INT4 RTN: {gptq.ppl[t]:.3f} vs {rtn.ppl[t]:.3f} -> "
-            f"{verdict(gptq.ppl[t] < rtn.ppl[t])}",
-            f"[{t}] INT4 GPTQ within +10% of the source: {gptq.delta_pct[t]:+.2f}% -> "
-            f"{verdict(gptq.delta_pct[t] <= 10.0)} (act-order: {act.delta_pct[t]:+.2f}% -> "
-            f"{verdict(act.delta_pct[t] <= 10.0)})",
-        ]
+        for r in (r for r in smol if r.method.startswith("INT8")):
+            lines.append(f"[{t}] INT8 within +0.5% of the source: {r.method} {r.delta_pct[t]:+.2f}% -> "
+                         f"{verdict(r.delta_pct[t] <= 0.5)}")
+        g128 = [r for r in int4 if " g128 " in r.method + " "]
+        if g128:
+            best = min(g128, key=lambda r: r.delta_pct[t])
+            lines.append(f"[{t}] an INT4 setting at group 128 within +10%: {best.method} {best.delta_pct[t]:+.2f}% -> "
+                         f"{verdict(best.delta_pct[t] <= 10)}")
+        small = [r for r in int4 if r.bits <= 4.6]
+        if small:
+            best = min(small, key=lambda r: r.delta_pct[t])
+            lines.append(f"[{t}] the best INT4 setting at <= 4.6 bits/weight within +5%: {best.method} "
+                         f"({best.bits:.3f} bits) {best.delta_pct[t]:+.2f}% -> {verdict(best.delta_pct[t] <= 5)}")
+        for base in (r for r in g128 if re.fullmatch(r"INT4 GPTQ g128 (a?sym)", r.method)):
+            for awq in (r for r in g128 if r.method in (base.method.replace("GPTQ", "AWQ"),
+                                                        base.method.replace("GPTQ", "AWQ+GPTQ"))):
+                lines.append(f"[{t}] {awq.method} better than {base.method}: {awq.ppl[t]:.3f} vs {base.ppl[t]:.3f} -> "
+                             f"{verdict(awq.ppl[t] < base.ppl[t])}")
+    wrong = [r.method for r in rows if r.method.startswith(("INT4", "bitsandbytes")) and "paris" not in r.answer.lower()]
+    lines.append(f"every INT4 row answers Paris: " + (verdict(not wrong) + ("" if not wrong else f" ({', '.join(wrong)})")))
     return lines
 
 
@@ -276,10 +360,15 @@ def main() -> int:
     p.add_argument("--no-docs", action="store_true", help="do not score the Python documentation text")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--group-size", type=int, default=None, help="default: 128 if it divides the model, else 64/32")
-    p.add_argument("--asym", action="store_true", help="asymmetric grids for the quantized rows (default: sym, "
+    p.add_argument("--group-size", type=int, default=128, help="of the main rows (default 128)")
+    p.add_argument("--asym", action="store_true", help="asymmetric grids for the main rows (default: sym, "
                                                        "the quantize default)")
-    p.add_argument("--short", action="store_true", help="leave out the g32 asym act-order row")
+    p.add_argument("--short", action="store_true", help="leave out the minmax, g32 and bitsandbytes rows")
+    p.add_argument("--only", default="", help="comma-separated substrings: only the quantized rows whose label "
+                   "holds one (e.g. 'AWQ,GPTQ g128 sym,bitsandbytes')")
+    p.add_argument("--sensitive", type=int, default=12, help="the --sensitive row's N (default 12)")
+    p.add_argument("--keep", default=r"model\.layers\.(0|1|29)\.", help="the --keep 8:PATTERN row's pattern "
+                   "(default: the first two and the last layer)")
     p.add_argument("--calib-samples", type=int, default=None, help="default: quantize's default")
     p.add_argument("--calib-seq-len", type=int, default=None, help="default: quantize's default")
     p.add_argument("--models", default="smollm2", help="comma-separated: smollm2 (default), llama-1b (a random "

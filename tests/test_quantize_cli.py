@@ -64,19 +64,22 @@ BAD_INPUTS = {
     "out-not-writable": (["--out", "/sys/flotilla-quantize-out"], ["not writable"]),
     "out-exists": (["--out", "{tmp}/exists"], ["already exists", "--force"]),
     "act-order-rtn": (["--method", "rtn", "--act-order"], ["--act-order needs --method gptq"]),
+    "keep-no-pattern": (["--keep", "8"], ["expected BITS:PATTERN"]),
+    "keep-narrower": (["--keep", "4:.*"], ["more than --bits 4"]),
+    "keep-splits-a-merged-linear": (["--keep", "8:.*q_proj"], ["q_proj but not k_proj, v_proj", "share their bits"]),
+    "keep-bad-regex": (["--keep", "8:("], ["not a regular expression"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_line_and_writes_nothing(case, src, tmp_path, capsys):
-    narrow = tiny_model_dir(tmp_path / "narrow", tokenizer=False, hidden_size=64, intermediate_size=128)
     (tmp_path / "empty.txt").write_text("  \n\n")
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n{"text": "   "}\n')
     (tmp_path / "exists").mkdir()
     args, fragments = BAD_INPUTS[case]
     subs = {"tmp": tmp_path, "broken": _missing_tensor_source(src, tmp_path) if case == "missing-tensor" else ""}
     args = [a.format(**subs) for a in args]
-    source = str(narrow if case == "group-not-dividing" else src)
+    source = str(src)
     out = str(tmp_path / "out")
     if "--src" in args:
         source = args[args.index("--src") + 1]
@@ -193,3 +196,18 @@ def test_default_out_of_a_gguf_file_is_its_name_beside_it(tmp_path):
 
     assert default_out(tmp_path / "SmolLM2.Q4_1.gguf", QuantizeOptions()) == tmp_path / "SmolLM2.Q4_1-gptq-int4"
     assert default_out(Path("~/m/Llama"), QuantizeOptions(bits=8)) == Path.home() / "m" / "Llama-gptq-int8"
+
+
+def test_default_out_of_dot_and_dotdot_names_the_directory(tmp_path, monkeypatch):
+    from flotilla.quantize.cli import default_out
+    from flotilla.quantize.options import QuantizeOptions
+
+    inner = tmp_path / "Llama" / "sub"
+    inner.mkdir(parents=True)
+    (tmp_path / "blob").write_bytes(b"")
+    (tmp_path / "model.gguf").symlink_to(tmp_path / "blob")
+    monkeypatch.chdir(tmp_path / "Llama")
+    assert default_out(Path("."), QuantizeOptions()) == tmp_path / "Llama-gptq-int4"
+    monkeypatch.chdir(inner)
+    assert default_out(Path(".."), QuantizeOptions(bits=8)) == tmp_path / "Llama-gptq-int8"
+    assert default_out(Path("../../model.gguf"), QuantizeOptions()) == tmp_path / "model-gptq-int4"

@@ -18,7 +18,9 @@ four groups of 128 and one of 64). group_size -1 is one group over the whole inp
 
 Only 4 and 8 bits are supported: their fields never straddle an int32 word. A stored zero field
 is read as `field + 1` without masking, exactly as AutoGPTQ, GPTQModel, vLLM and transformers do;
-a writer must therefore keep zeros in [1, 2**bits - 1].
+a writer must therefore keep zeros in [1, 2**bits - 1]. GPTQModel's "gptq_v2" format stores the
+zero itself (`zero_offset` 0, zeros in [0, 2**bits - 1]); flotilla reads AutoAWQ and bitsandbytes
+checkpoints into that form (models/awq_layout.py, models/bnb_layout.py).
 
 This module imports nothing of flotilla's; the checkpoint format module and every kernel use it.
 """
@@ -92,6 +94,7 @@ class GPTQWeight:
     g_idx: torch.Tensor  # int32 [in]
     bits: int
     group_size: int  # -1: one group over the whole input axis
+    zero_offset: int = 1  # added to a stored zero field: 1 in the "gptq" (v1) format, 0 in "gptq_v2"
 
     @property
     def in_features(self) -> int:
@@ -112,25 +115,28 @@ class GPTQWeight:
         return unpack_rows(self.qweight, self.bits)
 
     def zeros(self) -> torch.Tensor:
-        """Zero points [groups, out] (int32), with the stored +1 applied."""
-        return unpack_cols(self.qzeros, self.bits) + 1
+        """Zero points [groups, out] (int32), with the stored offset (+1 in the gptq format) applied."""
+        return unpack_cols(self.qzeros, self.bits) + self.zero_offset
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                   g_idx: torch.Tensor, bits: int, group_size: int) -> "GPTQWeight":
-        """Pack codes q [in, out] and zero points [groups, out] into the GPTQ layout."""
+                   g_idx: torch.Tensor, bits: int, group_size: int, zero_offset: int = 1) -> "GPTQWeight":
+        """Pack codes q [in, out] and zero points [groups, out] into the GPTQ layout (zero_offset 1:
+        the "gptq" format, 0: "gptq_v2")."""
         check_bits(bits)
-        if int(zeros.min()) < 1 or int(zeros.max()) > (1 << bits) - 1:
-            raise ValueError(f"zero points must lie in [1, {(1 << bits) - 1}] for the gptq format")
+        if int(zeros.min()) < zero_offset or int(zeros.max()) > (1 << bits) - 1:
+            fmt = "gptq" if zero_offset else "gptq_v2"
+            raise ValueError(f"zero points must lie in [{zero_offset}, {(1 << bits) - 1}] for the {fmt} format")
         return cls(
             qweight=pack_rows(q, bits),
-            qzeros=pack_cols(zeros - 1, bits),
+            qzeros=pack_cols(zeros - zero_offset, bits),
             scales=scales.to(torch.float16).contiguous(),
             g_idx=g_idx.to(torch.int32).contiguous(),
             bits=bits,
             group_size=group_size,
+            zero_offset=zero_offset,
         )
 
     def to(self, device) -> "GPTQWeight":
         return GPTQWeight(self.qweight.to(device), self.qzeros.to(device), self.scales.to(device),
-                          self.g_idx.to(device), self.bits, self.group_size)
+                          self.g_idx.to(device), self.bits, self.group_size, self.zero_offset)

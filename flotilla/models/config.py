@@ -5,7 +5,10 @@ falls back to a silent default.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +34,24 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")  # per-module overrides flotilla honours
+CONVERTED = ("awq", "bitsandbytes")  # community layouts read as gptq_v2 tensors
+FORMATS = ("gptq", "gptq_v2", *CONVERTED)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """The `quantization_config` of a GPTQ checkpoint (ours or a community one)."""
+    """The `quantization_config` of a GPTQ checkpoint (ours or a community one).
+
+    `dynamic` is GPTQModel's per-module override table, as vLLM reads it too: (pattern, overrides)
+    pairs tried in order against a checkpoint module name (`model.layers.3.mlp.down_proj`) with
+    `re.match`; the first that matches decides. A "-:" pattern leaves the module unquantized (a
+    plain fp16 `weight`); "+:" or no prefix overrides bits/group_size/sym/desc_act for it.
+
+    `checkpoint_format` is how the files store the linears: "gptq" (zeros stored minus one),
+    "gptq_v2" (GPTQModel: zeros as they are), or a community layout that the source converts to
+    gptq_v2 tensors as it reads them (CONVERTED: AutoAWQ's GEMM layout, bitsandbytes'; see
+    models/converted_source.py)."""
 
     bits: int
     group_size: int
@@ -41,7 +59,32 @@ class QuantConfig:
     desc_act: bool = False
     damp_percent: float = 0.01
     checkpoint_format: str = "gptq"
-    method: str = "gptq"  # how it was made: gptq or rtn (both stored in the GPTQ layout)
+    method: str = "gptq"  # how it was made: gptq, rtn, awq or awq+gptq (all stored in the GPTQ layout)
+    dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def for_module(self, names: Sequence[str]) -> "QuantConfig | None":
+        """The config of one linear made of the checkpoint projections `names` (one, or the q/k/v or
+        gate/up of a merged linear, which must agree); None when `dynamic` leaves it unquantized."""
+        resolved = [self._resolve(n) for n in names]
+        if any(r != resolved[0] for r in resolved):
+            raise FlotillaError(f"quantization_config.dynamic gives {', '.join(names)} different settings "
+                                f"({', '.join(_describe(r) for r in resolved)}); flotilla merges these projections "
+                                "into one linear, so they must share one")
+        return resolved[0]
+
+    def _resolve(self, name: str) -> "QuantConfig | None":
+        for pattern, overrides in self.dynamic:
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], name):
+                    return None
+            elif re.match(pattern.removeprefix("+:"), name):
+                return dataclasses.replace(self, dynamic=(), **dict(overrides))
+        return dataclasses.replace(self, dynamic=()) if self.dynamic else self
+
+    @property
+    def zero_offset(self) -> int:
+        """What a reader adds to a stored zero field (kernels/gptq.py)."""
+        return 1 if self.checkpoint_format == "gptq" else 0
 
     def to_hf(self) -> dict[str, Any]:
         return {
@@ -55,16 +98,23 @@ class QuantConfig:
             "true_sequential": True,
             "lm_head": False,
             "flotilla_method": self.method,
+            **({"dynamic": {p: dict(o) for p, o in self.dynamic}} if self.dynamic else {}),
         }
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "QuantConfig":
         method = d.get("quant_method")
+        if method in CONVERTED:
+            from .converted_source import community_quant
+
+            return community_quant(d, where)
         if method != "gptq":
-            raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; only 'gptq' is supported")
+            raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; supported: gptq, "
+                                f"{', '.join(CONVERTED)}")
         fmt = d.get("checkpoint_format", "gptq")
-        if fmt != "gptq":
-            raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported (expected 'gptq')")
+        if fmt not in FORMATS:  # (a flotilla config of a converted layout says so here: pipeline probes)
+            raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported "
+                                f"(expected one of {', '.join(FORMATS)})")
         bits = d.get("bits")
         if bits not in (4, 8):
             raise FlotillaError(f"{where}: quantization_config.bits is {bits!r}; supported: 4, 8")
@@ -72,7 +122,37 @@ class QuantConfig:
             raise FlotillaError(f"{where}: a quantized lm_head is not supported")
         return cls(bits=bits, group_size=int(d.get("group_size", -1)), sym=bool(d.get("sym", True)),
                    desc_act=bool(d.get("desc_act", False)), damp_percent=float(d.get("damp_percent", 0.01)),
-                   checkpoint_format=fmt, method=d.get("flotilla_method", "gptq"))
+                   checkpoint_format=fmt, method=d.get("flotilla_method", "gptq"),
+                   dynamic=_parse_dynamic(d.get("dynamic"), where))
+
+
+def _parse_dynamic(d: Any, where: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    if not d:
+        return ()
+    if not isinstance(d, dict):
+        raise FlotillaError(f"{where}: quantization_config.dynamic must be an object of pattern -> overrides")
+    out = []
+    for pattern, overrides in d.items():
+        try:
+            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+        except re.error as e:
+            raise FlotillaError(f"{where}: quantization_config.dynamic pattern {pattern!r} is not a regex ({e})") from None
+        if not isinstance(overrides, dict):
+            raise FlotillaError(f"{where}: quantization_config.dynamic[{pattern!r}] must be an object")
+        unknown = sorted(set(overrides) - set(DYNAMIC_KEYS))
+        if unknown and not pattern.startswith("-:"):
+            raise FlotillaError(f"{where}: quantization_config.dynamic[{pattern!r}] overrides {', '.join(unknown)}; "
+                                f"flotilla honours {', '.join(DYNAMIC_KEYS)}")
+        if overrides.get("bits", 4) not in (4, 8):
+            raise FlotillaError(f"{where}: quantization_config.dynamic[{pattern!r}] bits {overrides['bits']!r}; "
+                                "supported: 4, 8")
+        kept = tuple((k, overrides[k]) for k in DYNAMIC_KEYS if k in overrides)
+        out.append((pattern, () if pattern.startswith("-:") else kept))
+    return tuple(out)
+
+
+def _describe(q: "QuantConfig | None") -> str:
+    return "unquantized" if q is None else f"{q.bits}-bit g{q.group_size}"
 
 
 @dataclass(frozen=True)
@@ -131,6 +211,14 @@ class ModelConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def linear_quant(self, prefix: str, projections: Sequence[str]) -> QuantConfig | GGUFQuant | None:
+        """The quantization of the linear made of checkpoint projections `prefix` + each of
+        `projections` (e.g. "model.layers.3.self_attn.", ("q_proj", "k_proj", "v_proj")), after any
+        per-module `dynamic` override; None for a plain linear."""
+        if isinstance(self.quant, QuantConfig):
+            return self.quant.for_module([prefix + p for p in projections])
+        return self.quant
 
     def with_quant(self, quant: QuantConfig | GGUFQuant | None) -> "ModelConfig":
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -84,6 +84,7 @@ class QuantLinear(nn.Module, _Shards):
                                 f"got in={in_features}, out={out_sizes}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, gs
+        self.zero_offset = quant.zero_offset  # 1: zeros stored minus one (gptq), 0: as they are (gptq_v2)
         groups = num_groups(in_features, gs) if groups is None else groups
         self.register_buffer("qweight", torch.zeros(in_features // per_word, out_features, dtype=torch.int32))
         self.register_buffer("qzeros", torch.zeros(groups, out_features // per_word, dtype=torch.int32))
@@ -122,7 +123,8 @@ class QuantLinear(nn.Module, _Shards):
         target.copy_(value.to(target.dtype))
 
     def gptq_weight(self) -> GPTQWeight:
-        return GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size)
+        return GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size,
+                          self.zero_offset)
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Pick and build the kernel for this device; call after the weights are loaded."""

@@ -74,9 +74,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        self.qkv_proj = make_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias, cfg.quant,
-                                    split="column")
-        self.o_proj = make_linear(cfg.q_size, [cfg.hidden_size], cfg.attention_bias, cfg.quant, split="row")
+        prefix = f"model.layers.{layer}.self_attn."  # the checkpoint's names, for per-module quantization
+        self.qkv_proj = make_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias,
+                                    cfg.linear_quant(prefix, self.MERGED["qkv_proj"]), split="column")
+        self.o_proj = make_linear(cfg.q_size, [cfg.hidden_size], cfg.attention_bias, cfg.linear_quant(prefix, ("o_proj",)),
+                                  split="row")
         # the heads this instance computes are those its qkv_proj produces (the factory may divide them)
         self.q_size, self.kv_size = self.qkv_proj.out_sizes[0], self.qkv_proj.out_sizes[1]
         self.head_dim = cfg.head_dim
@@ -86,11 +88,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     MERGED = {"gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        h, i, b, q = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant
-        self.gate_up_proj = make_linear(h, [i, i], b, q, split="column")
-        self.down_proj = make_linear(i, [h], b, q, split="row")
+        h, i, b, prefix = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, f"model.layers.{layer}.mlp."
+        self.gate_up_proj = make_linear(h, [i, i], b, cfg.linear_quant(prefix, self.MERGED["gate_up_proj"]),
+                                        split="column")
+        self.down_proj = make_linear(i, [h], b, cfg.linear_quant(prefix, ("down_proj",)), split="row")
         self.intermediate_size = self.gate_up_proj.out_sizes[0]  # the units this instance computes
 
 
@@ -100,7 +103,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
 
     def ops(self, frozen: bool = False) -> "LayerOps":
         """This layer's weights and linears. Live modules (their hooks run: quantize's calibration
@@ -139,7 +142,17 @@ class LayerOps:
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                attn: AttentionBackend) -> torch.Tensor:
-    """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math)."""
+    """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math;
+    quantize's calibration pass, flotilla.quantize.activations, runs the same steps in stages)."""
+    out = attention_output(ops, x, cos, sin, attn)
+    x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
+    gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
+    return x + ops.down(silu_mul(gate_up))  # silu(gate) * up
+
+
+def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attn: AttentionBackend) -> torch.Tensor:
+    """The first half of layer_step: x [T, hidden] -> the attention's output [T, Hq * D], o_proj's input."""
     T = x.shape[0]
     hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
@@ -147,9 +160,7 @@ def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
-    x, h = add_rms_norm(x, ops.o(out.reshape(T, hq * d)), ops.post_norm, ops.eps)  # x + o(out), and its norm
-    gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
-    return x + ops.down(silu_mul(gate_up))  # silu(gate) * up
+    return out.reshape(T, hq * d)
 
 
 class DecoderStack(nn.Module):

@@ -23,6 +23,7 @@ from flotilla.errors import FlotillaError
 
 from .checkpoint import INDEX_FILE, Manifest, is_checkpoint
 from .config import ModelConfig
+from .converted_source import converted
 from .gguf_source import GGUFSource
 
 
@@ -109,7 +110,7 @@ def open_source(path: str | Path, native_gguf: bool = True):
         if p.suffix == ".gguf" or _has_gguf_magic(p):
             return GGUFSource(p, native=native_gguf)
         raise FlotillaError(f"{p}: not a model (expected a .gguf file or a model directory)")
-    return SafetensorsSource(p)
+    return converted(SafetensorsSource(p))  # AWQ and bitsandbytes layouts read as GPTQ tensors
 
 
 def _has_gguf_magic(p: Path) -> bool:

@@ -1,6 +1,7 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
-    quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn] [--sym|--asym]
+    quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
+             [--keep BITS:PATTERN]... [--sensitive N]
              [--grid mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -40,19 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inputs per group: a multiple of 16 such as 32, 64, 128 (a size that does not divide a "
                         "linear's input leaves a partial last group), or -1 for one group per output channel "
                         "(default 128)")
-    p.add_argument("--method", default=_DEFAULTS.method, metavar="{gptq,rtn}", help="gptq or rtn (default gptq)")
+    p.add_argument("--method", default=_DEFAULTS.method, metavar="{gptq,rtn,awq,awq+gptq}",
+                   help="gptq, rtn, awq (activation-aware scales folded into the model, then rounding) or "
+                        "awq+gptq (the scales, then GPTQ) (default gptq)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
                      help="symmetric grid, zero point 2^(bits-1) (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid, a zero point per group")
-    p.add_argument("--grid", default=_DEFAULTS.grid, metavar="{mse,minmax}",
+    p.add_argument("--grid", default="", metavar="{mse,minmax}",
                    help="how a group's scale is chosen: mse searches the clipping range with the least rounding "
-                        "error, minmax spans the group's min to max (default mse)")
+                        "error, minmax spans the group's min to max (default mse; minmax for awq and awq+gptq, whose "
+                        "scaled-up salient weights a clipping search would clip)")
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",
                    help="GPTQ damping as a fraction of the Hessian's mean diagonal (default 0.01; raised "
                         "automatically when needed)")
+    p.add_argument("--keep", action="append", default=[], metavar="BITS:PATTERN",
+                   help="keep the linears whose checkpoint names (model.layers.0.self_attn.q_proj, ...) match "
+                        "the regex PATTERN at BITS = 8, or 16 (unquantized); repeatable")
+    p.add_argument("--sensitive", type=int, default=0, metavar="N",
+                   help="also keep at 8 bits the N linears whose INT4 error, measured on the calibration text, "
+                        "is largest (default 0)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
@@ -74,13 +85,16 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
     return QuantizeOptions(bits=args.bits, group_size=args.group_size, method=args.method, sym=args.sym,
                            act_order=args.act_order, grid=args.grid, damp_percent=args.damp_percent, calib_file=args.calib,
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
-                           shard_size=parse_size(args.shard_size), device=args.device, force=args.force)
+                           shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
+                           keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive)
 
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:
     """Where a checkpoint goes without -o: beside the source, `model/` -> `model-gptq-int4/`,
-    `model.gguf` -> `model-gptq-int4/`."""
-    src = src.expanduser()
+    `model.gguf` -> `model-gptq-int4/`. The path is made absolute first, `.` and `..` folded, so
+    `quantize .` names the directory it is run in; symlinks are kept (a GGUF linked from a hub cache
+    keeps its name, not its blob's hash)."""
+    src = Path(os.path.abspath(src.expanduser()))
     name = src.stem if src.suffix.lower() == ".gguf" else src.name
     return src.parent / f"{name}-{options.method}-int{options.bits}"
 

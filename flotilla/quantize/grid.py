@@ -164,6 +164,20 @@ class QuantizedWeight:
                                      self.scales[:, rows].cpu(), self.g_idx.cpu(), self.bits, self.group_size)
 
 
+def fake_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Tensor:
+    """rtn_quantize(w, spec, group_size).dequantize() on the min/max grid, without the codes: the
+    fast inner step of searches that try many candidate weights (AWQ's scales)."""
+    out_f, in_f = w.shape
+    gs = in_f if group_size == -1 else group_size
+    groups = num_groups(in_f, group_size)
+    w = w.float() if groups * gs == in_f else F.pad(w.float(), (0, groups * gs - in_f))  # zeros pad a partial group
+    wg = w.view(out_f, groups, gs)
+    scale, zero = _range_params(wg.amin(dim=2).flatten(), wg.amax(dim=2).flatten(), spec)
+    scale, zero = scale.view(out_f, groups, 1), zero.view(out_f, groups, 1)
+    q = torch.div(wg, scale).round_().add_(zero).clamp_(0, spec.maxq).sub_(zero).mul_(scale)
+    return q.view(out_f, groups * gs)[:, :in_f]
+
+
 def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedWeight:
     """Round-to-nearest of w [out, in] with one grid per output channel and input group."""
     out_f, in_f = w.shape

@@ -1,24 +1,30 @@
 """Quantize the linears of one decoder layer in place, and name its tensors for the checkpoint.
 
+Each linear gets its own settings from the checkpoint's QuantConfig (`for_module` of its
+projection names: mixed precision writes per-module `dynamic` overrides), or stays float.
+
 GPTQ is true-sequential: the linears are quantized in the order the layer's forward calls them
 (qkv, then o_proj, then gate/up, then down), and each one's Hessian comes from inputs computed by
-the already-quantized linears before it. After quantization the layer's fp32 weights are replaced
-by their dequantized values, so the layer's outputs feed the next layer exactly as a reader of the
-checkpoint would compute them.
+the already-quantized linears before it. AWQ (flotilla.quantize.awq) first scales the float layer
+(its outputs unchanged), then RTN or GPTQ quantizes the scaled weights. After quantization the
+layer's fp32 weights are replaced by their dequantized values, so the layer's outputs feed the next
+layer exactly as a reader of the checkpoint would compute them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from flotilla.models.checkpoint import gptq_tensors
+from flotilla.models.config import QuantConfig
 from flotilla.models.linear import Linear
 from flotilla.models.llama import DecoderLayer
 from flotilla.models.weights import layer_plan
 
 from .activations import CalibrationActivations
+from .awq import scale_layer
 from .gptq import HessianAccumulator, gptq_quantize
 from .grid import GridSpec, QuantizedWeight, rtn_quantize
 from .options import QuantizeOptions
@@ -26,27 +32,46 @@ from .options import QuantizeOptions
 
 @dataclass
 class LayerResult:
-    weights: dict[nn.Module, QuantizedWeight]  # per (merged) linear module
+    weights: dict[nn.Module, QuantizedWeight]  # per quantized (merged) linear module
     damp_raised: int = 0  # linears whose damping had to be raised
+    awq_alpha: dict[str, float] = field(default_factory=dict)  # AWQ's α per scaled site (-1: unscaled)
 
 
-def quantize_layer(layer: DecoderLayer, options: QuantizeOptions,
-                   acts: CalibrationActivations | None) -> LayerResult:
-    """Quantize every linear of `layer` (GPTQ needs `acts`; RTN ignores it)."""
-    spec = GridSpec(options.bits, options.sym, clip=options.grid == "mse")
-    linears = [m for m in layer.modules() if isinstance(m, Linear)]
+def projection_names(layer: DecoderLayer, index: int) -> dict[nn.Module, list[str]]:
+    """The checkpoint projections (`model.layers.3.self_attn.q_proj`, …) each linear is made of."""
+    names: dict[nn.Module, list[str]] = {}
+    for item in layer_plan(layer, index):
+        if isinstance(item.module, Linear) and item.suffix == "weight":
+            names.setdefault(item.module, []).append(item.source_name.rsplit(".", 1)[0])
+    return names
+
+
+def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, quant: QuantConfig,
+                   acts: CalibrationActivations | None, advance: bool = False) -> LayerResult:
+    """Quantize every linear of `layer` (GPTQ and AWQ need `acts`; RTN ignores it). With
+    `advance`, `acts` ends holding the quantized layer's outputs (the next layer's inputs)."""
+    configs = {mod: quant.for_module(names) for mod, names in projection_names(layer, index).items()}
     result = LayerResult({})
-    if options.method == "gptq":
-        if acts is None:
-            raise ValueError("GPTQ needs calibration activations")
-        linears = acts.call_order(layer, linears)
-    for mod in linears:
-        if options.method == "rtn":
-            q = rtn_quantize(mod.weight, spec, options.group_size)
+    if options.uses_activations and acts is None:
+        raise ValueError(f"--method {options.method} needs calibration activations")
+    if options.method in ("awq", "awq+gptq"):
+        result.awq_alpha = scale_layer(layer, acts, lambda m: _triple(configs[m]))
+    if acts is None or (options.method == "awq" and not advance):
+        stages = ((m, iter(())) for m in configs)  # rounding alone: no inputs to run
+    else:
+        stages = acts.linear_inputs(layer, advance)  # true-sequential: each linear's inputs through the ones before
+    for mod, inputs in stages:
+        cfg = configs[mod]
+        if cfg is None:
+            continue  # kept in float (a "-:" dynamic pattern)
+        spec = GridSpec(cfg.bits, cfg.sym, clip=options.grid == "mse")
+        if options.method in ("rtn", "awq"):
+            q = rtn_quantize(mod.weight, spec, cfg.group_size)
         else:
             acc = HessianAccumulator(mod.in_features, mod.weight.device)
-            acts.feed(layer, mod, acc.add)
-            g = gptq_quantize(mod.weight, acc.hessian(), spec, options.group_size, options.damp_percent,
+            for x in inputs:
+                acc.add(x)
+            g = gptq_quantize(mod.weight, acc.hessian(), spec, cfg.group_size, options.damp_percent,
                               options.block_size, options.act_order)
             q = g.weight
             result.damp_raised += g.damp_percent > options.damp_percent
@@ -56,15 +81,20 @@ def quantize_layer(layer: DecoderLayer, options: QuantizeOptions,
     return result
 
 
+def _triple(cfg: QuantConfig | None) -> tuple[int, int, bool] | None:
+    return None if cfg is None else (cfg.bits, cfg.group_size, cfg.sym)
+
+
 def layer_tensors(layer: DecoderLayer, index: int, weights: dict[nn.Module, QuantizedWeight]) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of a quantized layer, under the per-projection names of Hugging
-    Face / GPTQ checkpoints (a merged qkv_proj becomes q_proj, k_proj and v_proj)."""
+    Face / GPTQ checkpoints (a merged qkv_proj becomes q_proj, k_proj and v_proj). A linear left
+    in float is written as its fp16 `weight`."""
     tensors: dict[str, torch.Tensor] = {}
     for item in layer_plan(layer, index):
         mod = item.module
         if isinstance(mod, Linear):
             rows = mod.shard_slice(item.shard)
-            if item.suffix == "weight":
+            if item.suffix == "weight" and mod in weights:
                 tensors.update(gptq_tensors(item.source_name.rsplit(".", 1)[0], weights[mod].to_gptq(rows)))
             else:
                 tensors[item.source_name] = getattr(mod, item.suffix)[rows].to(torch.float16)

@@ -1,10 +1,14 @@
 """Quantize a model into a flotilla/GPTQ checkpoint, one decoder layer at a time.
 
     check the source and the options (nothing is written before all checks pass)
-    calibration tokens (GPTQ only): from --calib, or sampled from the model itself
+    calibration tokens (all but RTN): from --calib, or sampled from the model itself
+    --sensitive N: one pass through the float model measuring each linear's INT4 error; the N
+                   worst stay at 8 bits (with --keep's choice: quantization_config.dynamic)
     embeddings -> fp16 into the checkpoint; hidden states = embed(tokens), fp32
-    for each layer: load it alone in fp32, quantize its linears (true-sequential), write it, run
-                    the calibration hidden states through the quantized layer, free it
+    for each layer: load it alone in fp32, AWQ-scale it (awq, awq+gptq), quantize its linears
+                    (true-sequential: the calibration hidden states go through the layer once, each
+                    linear quantized before the stage after it runs, ending as the next layer's
+                    inputs), write it, free it
     final norm (+ lm_head when untied) -> fp16; tokenizer and generation config; commit
 
 Peak memory is one layer's fp32 weights, the calibration hidden states and the shard being
@@ -36,8 +40,9 @@ from flotilla.models.weights import EMBED, HEAD, load_layer, required_tensor_nam
 from .activations import CalibrationActivations
 from .calibration import generate_tokens, tokens_from_file
 from .layer import LayerResult, layer_tensors, quantize_layer
+from .mixed import dynamic_entries, keep_choice, measure_errors, most_sensitive, units
 from .options import QuantizeOptions
-from .report import QuantizeReport, peak_gpu_bytes, peak_rss_bytes, source_bytes
+from .report import QuantizeReport, linear_storage, peak_gpu_bytes, peak_rss_bytes, source_bytes
 
 NORM = "model.norm.weight"
 FP16_MAX = torch.finfo(torch.float16).max
@@ -61,6 +66,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     device = resolve_device(options.device)
     tokenizer = _try_tokenizer(src, cfg)
 
+    chosen = keep_choice(cfg, options.keep) if options.keep else {}  # before anything slow: a bad pattern fails at once
     tokens, calib_from = None, "none"
     if options.needs_calibration:
         if options.calib_file is not None:
@@ -72,31 +78,32 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
                                      progress)
             calib_from = "model-generated"
 
+    if options.sensitive:
+        acts = _activations(source, tokens, cfg, device)
+        errors = measure_errors(source, cfg, acts, options, progress)
+        del acts
+        chosen.update({u: 8 for u in most_sensitive(errors, options.sensitive, chosen)})
     quant = QuantConfig(bits=options.bits, group_size=options.group_size, sym=options.sym,
-                        desc_act=options.act_order, damp_percent=options.damp_percent, method=options.method)
+                        desc_act=options.act_order, damp_percent=options.damp_percent, method=options.method,
+                        dynamic=dynamic_entries(chosen))
     out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16")
-    damp_raised = 0
+    damp_raised, linear_bytes = 0, 0
     with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
-        embed = source.get(EMBED)  # in the source's dtype: no fp32 copy of the whole table
-        writer.add_layer("embed", {EMBED: _fp16(EMBED, embed)})
-        acts = None
-        if tokens is not None:
-            hidden = F.embedding(tokens, embed).to(device=device, dtype=torch.float32)  # [N, L, hidden]
-            acts = CalibrationActivations(hidden, cfg)
-        del embed
+        writer.add_layer("embed", {EMBED: _fp16(EMBED, source.get(EMBED))})
+        acts = _activations(source, tokens, cfg, device) if options.uses_activations else None
         bar = tqdm(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)
             try:
-                result = quantize_layer(layer, options, acts)
+                result = quantize_layer(layer, i, options, quant, acts, advance=i + 1 < cfg.num_hidden_layers)
             except ValueError as e:  # degenerate weights or calibration data
                 raise FlotillaError(f"{src}: layer {i}: {e}") from None
             damp_raised += result.damp_raised
             if on_layer is not None:
                 on_layer(i, layer, result)
-            writer.add_layer(str(i), layer_tensors(layer, i, result.weights))
-            if acts is not None and i + 1 < cfg.num_hidden_layers:
-                acts.advance(layer)
+            tensors = layer_tensors(layer, i, result.weights)
+            linear_bytes += linear_storage(tensors)
+            writer.add_layer(str(i), tensors)
             del layer, result
             source.release()
         writer.add_layer("head", _head_tensors(source, cfg))
@@ -106,7 +113,15 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         out=out, label=options.label, parameters=parameter_count(cfg), source_bytes=source_bytes(src),
         out_bytes=writer.total_bytes, shards=len(list(out.glob("model-*.safetensors"))),
         seconds=time.perf_counter() - start, peak_rss=peak_rss_bytes(), peak_gpu=peak_gpu_bytes(device),
-        calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised)
+        calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised,
+        bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)),
+        kept=tuple(f"{u.label}:{b}" for u, b in sorted(chosen.items(), key=lambda c: (c[0].layer, c[0].merged))))
+
+
+def _activations(source, tokens: torch.Tensor, cfg: ModelConfig, device: torch.device) -> CalibrationActivations:
+    """The calibration hidden states entering layer 0: embed(tokens) in fp32 [N, L, hidden]."""
+    embed = source.get(EMBED)  # in the source's dtype: no fp32 copy of the whole table
+    return CalibrationActivations(F.embedding(tokens, embed).to(device=device, dtype=torch.float32), cfg)
 
 
 def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:

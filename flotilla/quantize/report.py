@@ -33,6 +33,15 @@ def source_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+LINEAR_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", "_proj.weight")
+
+
+def linear_storage(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of a layer's linear weights as stored (codes, scales, zeros, g_idx; fp16 weights of
+    linears left unquantized), biases and norms excluded."""
+    return sum(t.numel() * t.element_size() for name, t in tensors.items() if name.endswith(LINEAR_SUFFIXES))
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -51,6 +60,8 @@ class QuantizeReport:
     calib_tokens: int  # 0 for RTN
     calib_from: str  # the file, "model-generated" or "none"
     damp_raised: int  # linears whose GPTQ damping had to be raised
+    bits_per_weight: float = 0.0  # stored bits per weight of the decoder's linears (scales etc. included)
+    kept: tuple[str, ...] = ()  # "layer.linear:bits" of the linears above the base bit width
 
     @property
     def fp16_bytes(self) -> int:
@@ -65,7 +76,10 @@ class QuantizeReport:
             f"  time      {self.seconds:.1f} s",
             f"  memory    peak RSS {_mb(self.peak_rss)}" + (f", peak GPU {_mb(self.peak_gpu)}" if self.peak_gpu else ""),
             f"  calib     {self.calib_tokens:,} tokens ({self.calib_from})",
+            f"  bits      {self.bits_per_weight:.3f} per linear weight on average (scales, zeros, g_idx included)",
         ]
+        if self.kept:
+            lines.append(f"  mixed     {len(self.kept)} linear(s) kept wider: {', '.join(self.kept)}")
         if self.damp_raised:
             lines.append(f"  note      GPTQ damping was raised for {self.damp_raised} linear(s)")
         return lines

@@ -117,3 +117,24 @@ def test_forced_avx2_build_runs_a_model_to_the_same_bits(tmp_path):
         assert proc.stdout.split()[-1] == isa
         out[isa] = load_file(tmp_path / f"{isa}.st")["logits"]
     assert torch.equal(out["avx2"], out["avx512"])
+
+
+def test_decode_rows_of_tiny_activations_give_the_same_bits():
+    """A decode row (M = 1) of the AVX2 build reads its codes against activations prescaled by
+    powers of two where that is exact; rows too small for it (below 2**-102, subnormal) take the
+    plain path. The same bits either way: alone or batched, in both builds."""
+    builds = [build.load("avx2")] + ([build.load("avx512")] if build.cpu_isa() == "avx512" else [])
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 512, generator=gen)
+    x[1] *= 1e-32  # all tiny
+    x[2] *= 1e-40  # subnormal
+    x[3, 77] = 1e-36  # one tiny input among normal ones
+    for qtype in ("Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"):
+        packed = pack_ggml(random_weight(qtype, 40, 512, seed=5, scale=0.01))
+        want = packed.build(builds[0])(x)
+        assert bool((want[1:3] != 0).any()), qtype
+        for ext in builds:
+            kernel = packed.build(ext)
+            assert torch.equal(kernel(x), want), qtype
+            for i in range(4):
+                assert torch.equal(kernel(x[i:i + 1]), want[i:i + 1]), (qtype, i)

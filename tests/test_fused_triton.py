@@ -89,10 +89,20 @@ def test_store_kv_writes_each_token_at_its_slot_and_nothing_else():
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
-def test_off_cuda_the_functions_are_torchs(monkeypatch):
+@pytest.fixture
+def torch_only_cpu_ops(monkeypatch):
+    """FLOTILLA_KERNEL=dense, decided afresh (the CPU ops decide once, at first use)."""
+    from flotilla.kernels.cpu import ops
+
+    monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
+    ops.reset()
+    yield
+    ops.reset()
+
+
+def test_off_cuda_the_functions_are_torchs(torch_only_cpu_ops):
     # FLOTILLA_KERNEL=dense keeps the CPU on torch; the compiled CPU ops are tested against
     # torch in tests/test_cpu_ops.py
-    monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
     x, d, w = torch.randn(4, 64), torch.randn(4, 64), torch.rand(64)
     assert torch.equal(fused.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
     s, y = fused.add_rms_norm(x, d, w, 1e-5)

@@ -34,13 +34,18 @@ def _on_gpu(*tensors: torch.Tensor) -> bool:
             and all(u.stride(-1) == 1 for u in tensors))
 
 
-def _on_cpu(*tensors: torch.Tensor) -> bool:
-    """fp32 CPU tensors, and flotilla's compiled CPU ops available (kernels/cpu/ops.py)."""
-    if tensors[0].device.type != "cpu":
-        return False
-    from .cpu import ops
+_cpu_ops = None  # kernels/cpu/ops, imported at first use
 
-    return ops.ready(*tensors)
+
+def _on_cpu(*tensors: torch.Tensor):
+    """flotilla's compiled CPU ops (the extension module of kernels/cpu/ops.py) when they take
+    these tensors (fp32 on the CPU, the ops enabled: decided once, at first use), else None."""
+    global _cpu_ops
+    if _cpu_ops is None:
+        from .cpu import ops
+
+        _cpu_ops = ops
+    return _cpu_ops.extension() if _cpu_ops.ready(*tensors) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,10 +53,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from .triton_fused import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight, eps)
-    if _on_cpu(x, weight):
-        from .cpu import ops
-
-        return ops.rms_norm(x, weight, eps)
+    cpu = _on_cpu(x, weight)
+    if cpu is not None:
+        return cpu.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -61,10 +65,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         from .triton_fused import add_rms_norm as triton_add_rms_norm
 
         return triton_add_rms_norm(x, delta, weight, eps)
-    if delta.shape == x.shape and _on_cpu(x, delta, weight):
-        from .cpu import ops
-
-        return ops.add_rms_norm(x, delta, weight, eps)
+    cpu = _on_cpu(x, delta, weight) if delta.shape == x.shape else None
+    if cpu is not None:
+        total, normed = cpu.add_rms_norm(x, delta, weight, eps)
+        return total, normed
     x = x + delta
     return x, F.rms_norm(x, weight.shape, weight, eps)
 
@@ -75,10 +79,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from .triton_fused import silu_mul as triton_silu_mul
 
         return triton_silu_mul(gate_up)
-    if _on_cpu(gate_up):
-        from .cpu import ops
-
-        return ops.silu_mul(gate_up)
+    cpu = _on_cpu(gate_up)
+    if cpu is not None:
+        return cpu.silu_mul(gate_up)
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
@@ -89,10 +92,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from .triton_fused import rope as triton_rope
 
         return triton_rope(x, cos, sin)
-    if x.dim() == 3 and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, d) and _on_cpu(x, cos, sin):
-        from .cpu import ops
-
-        return ops.rope(x, cos, sin)
+    cpu = (_on_cpu(x, cos, sin) if x.dim() == 3 and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, d)
+           else None)
+    if cpu is not None:
+        return cpu.rope(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
 
 

@@ -165,5 +165,7 @@ class GGUFLMHead(_TableModule):
     def fn(self):
         return self.weight.kernel
 
-    def with_kernel(self, kernel):
-        return kernel
+    def logits_fn(self, device: torch.device):
+        """What a step computes the logits with (see LMHead.logits_fn): the blocks' own kernel, on
+        any device."""
+        return self.fn()

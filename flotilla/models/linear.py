@@ -18,6 +18,7 @@ tensors at load and run the collectives. A linear's `out_sizes` are what this in
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import torch
@@ -156,6 +157,24 @@ class LMHead(nn.Linear):
     def with_kernel(self, kernel: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         """The logits function when `kernel` computes x @ weight.T in place of this module."""
         return kernel
+
+    def logits_fn(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What a step computes the logits with in place of this module (every lm head has one):
+        on the CPU, the compiled kernels (`plain_linear`): the weight's smallest exact form (int8 x
+        block scale, e.g. a GGUF Q8_0 embedding tied to the head, or fp16), else fp32 in the
+        kernels' layout; fewer bytes a step, and batch-invariant, unlike MKL. None (this module)
+        off the CPU, for a weight that is not fp32, where the kernels are unavailable, or when
+        FLOTILLA_KERNEL forces the dense or reference kernel (debugging: torch all the way)."""
+        if device.type != "cpu" or self.weight.dtype != torch.float32:
+            return None
+        if os.environ.get(registry.ENV_KERNEL, "").strip() in ("dense", "reference"):
+            return None
+        try:
+            from flotilla.kernels.cpu import available, plain_linear
+        except ImportError:
+            return None
+        kernel = plain_linear(self.weight) if available() else None
+        return self.with_kernel(kernel) if kernel is not None else None
 
 
 def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | GGUFQuant | None,

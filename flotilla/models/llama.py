@@ -191,9 +191,9 @@ class CausalLM(nn.Module):
         tensor ops (no module calls, no attribute chains). Call once the weights and kernels are
         final (the runtime does, after loading); forward hooks on the linears no longer run.
         `logits`, if given, computes the logits in place of the lm_head module (a faster kernel
-        for the same weights)."""
+        for the same weights: the lm head's `logits_fn`)."""
         self._frozen = [layer.ops(frozen=True) for layer in self.model.layers.values()]
-        self._logits = self.lm_head.with_kernel(logits) if logits is not None else None
+        self._logits = logits
 
     @property
     def num_kv_heads(self) -> int:

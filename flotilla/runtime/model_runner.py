@@ -7,15 +7,12 @@ rows and samples them.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from flotilla.kernels import registry
 from flotilla.kernels.attention import PagedAttentionMetadata
-from flotilla.models.gguf_linear import GGUFLMHead
 from flotilla.models.llama import CausalLM
 
 from .cuda_graphs import DecodeGraphRunner
@@ -137,22 +134,9 @@ def logit_rows(step: StepInput) -> list[int]:
 
 
 def logits_kernel(model: CausalLM, device: torch.device):
-    """The lm_head through the compiled CPU kernels (`plain_linear`): its smallest exact form (int8
-    x block scale, e.g. a GGUF Q8_0 embedding tied to the head, or fp16), else fp32 in the
-    kernels' layout. Fewer bytes a step, and batch-invariant, unlike MKL. None (the plain lm_head
-    module) off the CPU, where the kernels are unavailable, or when FLOTILLA_KERNEL forces the
-    dense or reference kernel (debugging: torch all the way)."""
-    if model.stage.is_last and isinstance(model.lm_head, GGUFLMHead):
-        return model.lm_head.fn()  # a GGUF head runs its blocks through its own kernel, on any device
-    if device.type != "cpu" or not model.stage.is_last or model.lm_head.weight.dtype != torch.float32:
-        return None
-    if os.environ.get(registry.ENV_KERNEL, "").strip() in ("dense", "reference"):
-        return None
-    try:
-        from flotilla.kernels.cpu import available, plain_linear
-    except ImportError:
-        return None
-    return plain_linear(model.lm_head.weight) if available() else None
+    """What the last stage computes its logits with in place of its lm_head module (the head's
+    `logits_fn`: e.g. the compiled CPU kernels, or a GGUF head's own blocks), or None."""
+    return model.lm_head.logits_fn(device) if model.stage.is_last else None
 
 
 def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tuple[torch.Tensor, PagedAttentionMetadata]:

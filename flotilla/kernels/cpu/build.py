@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .._build_util import failure_reason
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("module.cpp", "kernels.cpp", "ops.cpp", "ops_module.cpp")
 HEADERS = ("kernels.h", "ops.h", "simd.h")
@@ -109,9 +111,7 @@ def load(isa: str | None = None):
     try:
         module = _compile(isa)
     except Exception as e:  # a compile error, an unwritable cache, a broken toolchain
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = lines[0] if lines else type(e).__name__
-        return _fail(isa, why if len(why) <= 160 else why[:157] + "…")
+        return _fail(isa, failure_reason(e, 160))
     _loaded[isa] = module
     return module
 

@@ -25,6 +25,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .._build_util import failure_reason
 from ..cpu.build import extensions_dir
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -87,9 +88,7 @@ def load(capability: tuple[int, int]) -> ctypes.CDLL | None:
             compile_library(nvcc, capability, path)
         lib = ctypes.CDLL(str(path))
     except Exception as e:  # a compile error, an unwritable cache, a broken toolchain
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = lines[0] if lines else type(e).__name__
-        return _fail(key, why if len(why) <= 200 else why[:197] + "…")
+        return _fail(key, failure_reason(e, 200))
     _loaded[key] = lib
     return lib
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "simd.h"
 
@@ -52,6 +53,9 @@ struct W5Decoder {  // nibble J and high bit J as a 5-bit index into a 32-entry 
 inline vf load_w8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+constexpr bool kHasScaled = false;  // its table decoders already take one instruction a nibble
+template <Format F>
+struct ScaledDecoder {};
 const char* kIsa = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ----------------------------------------------------------------------------------- AVX2
@@ -90,6 +94,31 @@ struct W5Decoder {  // (nibble J) | (high bit J) << 4, sign-extended from 5 bits
 inline vf load_w8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// Decode on prescaled x (see run and scale_x): nibble J of each lane read in place, as its code
+// times 2**(4J) for J < 7 (one mask where the plain decoders shift and mask; the high bit of a
+// 5-bit code is moved to bit 4J + 4), the code itself for J == 7. Every such value is exact in
+// fp32, and x' = x * 2**-(4J) then gives x' c' == x c exactly: the same products, the same sums.
+// Signed 5-bit codes are the nibble minus 16 times the stored bit (the code's sign), unsigned
+// ones the nibble plus 16 times it.
+constexpr bool kHasScaled = true;
+template <Format F>
+struct ScaledDecoder {
+  template <int J>
+  vf decode(vi q, vi h) const {
+    constexpr bool five = F == Format::W5 || F == Format::U5;
+    vi v, hb;
+    if constexpr (J == 7) {
+      v = _mm256_srli_epi32(q, 28);
+      if constexpr (five) hb = _mm256_and_si256(_mm256_srli_epi32(h, 3), _mm256_set1_epi32(16));
+    } else {
+      v = _mm256_and_si256(q, _mm256_set1_epi32(0xF << (4 * J)));
+      if constexpr (five) hb = _mm256_and_si256(_mm256_slli_epi32(h, 3 * J + 4), _mm256_set1_epi32(1 << (4 * J + 4)));
+    }
+    if constexpr (F == Format::W5) v = _mm256_sub_epi32(v, hb);
+    if constexpr (F == Format::U5) v = _mm256_or_si256(v, hb);
+    return _mm256_cvtepi32_ps(v);
+  }
+};
 const char* kIsa = "avx2";
 #endif
 
@@ -131,12 +160,14 @@ struct GroupPtrs {
 
 // acc[r][v] = sum over the group's n inputs, ascending, of x[r][k] * c[v][k] (fma chain);
 // xr[r] points at the group's first input. `ahead`: the prefetch distance in bytes (0: none).
-template <Format F, int R, int NV>
+// Scaled: the codes come from ScaledDecoder, x from scale_x.
+template <Format F, int R, int NV, bool Scaled>
 inline void accumulate_group(const float* const* xr, const GroupPtrs (&gp)[NV], int64_t n, int64_t ahead,
                              vf (&acc)[R][NV]) {
   if constexpr (kNibbles<F>) {
     const W4Decoder<kSigned<F>> dec4;
     const W5Decoder<kSigned<F>> dec5;
+    const ScaledDecoder<F> scaled;
     for (int64_t k = 0; k < n; k += 8) {
       vi q[NV], h[NV];
       for (int v = 0; v < NV; ++v) {
@@ -152,7 +183,8 @@ inline void accumulate_group(const float* const* xr, const GroupPtrs (&gp)[NV], 
       for_each_nibble([&](auto J) {
         vf c[NV];
         for (int v = 0; v < NV; ++v) {
-          if constexpr (kFive<F>) c[v] = dec5.template decode<J()>(q[v], h[v]);
+          if constexpr (Scaled) c[v] = scaled.template decode<J()>(q[v], h[v]);
+          else if constexpr (kFive<F>) c[v] = dec5.template decode<J()>(q[v], h[v]);
           else c[v] = dec4.template decode<J()>(q[v]);
         }
         for (int r = 0; r < R; ++r) {
@@ -253,7 +285,7 @@ inline void prefetch_tables(const GemmArgs& p, const GroupPtrs (&gp)[NV], int64_
 
 // R rows [m0, m0 + R) x NV vectors of kLanes columns from column col0. The output is kept in
 // y (memory, touched once per group) so that the registers go to the accumulators.
-template <Format F, int R, int NV>
+template <Format F, int R, int NV, bool Scaled = false>
 void block(const GemmArgs& p, int64_t m0, int64_t col0) {
   // prefetch the next block's tiles while on the first rows (later row blocks reread from cache)
   const int64_t ahead = m0 == 0 ? std::max<int64_t>(1, NV / kTileVecs) * tile_bytes<F>(p) : 0;
@@ -268,7 +300,7 @@ void block(const GemmArgs& p, int64_t m0, int64_t col0) {
     vf acc[R][NV];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
-    accumulate_group<F, R, NV>(xr, gp, p.gstart[g + 1] - k0, ahead, acc);
+    accumulate_group<F, R, NV, Scaled>(xr, gp, p.gstart[g + 1] - k0, ahead, acc);
     if constexpr (F == Format::F16 || F == Format::F32) {  // one group, no scale
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < NV; ++v) vstore(y[r][v], acc[r][v]);
@@ -300,14 +332,48 @@ void rows_block(const GemmArgs& p, int rows, int64_t m0, int64_t col0) {
   }
 }
 
+// Formats ScaledDecoder reads (where this build has one).
+template <Format F>
+constexpr bool kScalable = kHasScaled && (F == Format::U4 || F == Format::U5 || F == Format::W5);
+
+// x'[k] = x[k] * 2**-(4 (k % 8)) (k % 8 < 7; x'[k] = x[k] for k % 8 == 7), the activations
+// ScaledDecoder's codes pair with. False (x' unused) when a product would change: some x'[k] not
+// exact (x below 2**-102 in magnitude, subnormal or not finite), rare enough for the plain path.
+inline bool scale_x(const float* x, int64_t n, float* out) {
+  alignas(32) static const float down[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+  alignas(32) static const float up[8] = {1.0f, 0x1p4f, 0x1p8f, 0x1p12f, 0x1p16f, 0x1p20f, 0x1p24f, 1.0f};
+  const __m256 d = _mm256_load_ps(down), u = _mm256_load_ps(up);
+  __m256 same = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k), s = _mm256_mul_ps(xv, d);
+    same = _mm256_and_ps(same, _mm256_cmp_ps(_mm256_mul_ps(s, u), xv, _CMP_EQ_OQ));
+    _mm256_storeu_ps(out + k, s);
+  }
+  return _mm256_movemask_ps(same) == 0xFF;
+}
+
+template <Format F, bool Scaled>
+void run_decode(const GemmArgs& p, int64_t t0, int64_t t1) {  // wide blocks: more independent FMA chains
+  constexpr int wide_tiles = kWideVecs / kTileVecs;
+  int64_t t = t0;
+  for (; t + wide_tiles <= t1; t += wide_tiles) block<F, 1, kWideVecs, Scaled>(p, 0, t * kTile);
+  for (; t < t1; ++t) block<F, 1, kTileVecs, Scaled>(p, 0, t * kTile);
+}
+
 template <Format F>
 void run(const GemmArgs& p, int64_t t0, int64_t t1) {
-  if (p.M == 1) {  // decode: wide blocks for more independent FMA chains
-    constexpr int wide_tiles = kWideVecs / kTileVecs;
-    int64_t t = t0;
-    for (; t + wide_tiles <= t1; t += wide_tiles) block<F, 1, kWideVecs>(p, 0, t * kTile);
-    for (; t < t1; ++t)
-      for (int v = 0; v < kTileVecs; v += kBlockVecs) block<F, 1, kBlockVecs>(p, 0, t * kTile + v * kLanes);
+  if (p.M == 1) {
+    if constexpr (kScalable<F>) {
+      thread_local std::vector<float> xs;
+      xs.resize(p.Kp);
+      if (scale_x(p.x, p.Kp, xs.data())) {
+        GemmArgs scaled = p;
+        scaled.x = xs.data();
+        run_decode<F, true>(scaled, t0, t1);
+        return;
+      }
+    }
+    run_decode<F, false>(p, t0, t1);
     return;
   }
   for (int64_t t = t0; t < t1; ++t) {  // the tile's codes stay in cache across row blocks

@@ -34,6 +34,10 @@
 //   y = y + bias                           (when there is a bias)
 //
 // and the group sums sx are computed by `group_sum` in one fixed order.
+//
+// A build may read the codes scaled by a power of two against x scaled by its inverse where both
+// are exact (AVX2 decode rows: see ScaledDecoder in kernels.cpp): every product x[k] * c[k], so
+// every fma above, is then the same.
 #pragma once
 
 #include <cstdint>

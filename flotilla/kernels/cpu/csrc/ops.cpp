@@ -23,6 +23,34 @@ float dot(const float* a, const float* b, int64_t n) {
   return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 }
 
+// dot(q, k[j], n) * scale for the eight rows k[0..8) (n a multiple of 8): the same eight partial
+// sums each, reduced in the same tree, side by side (eight independent chains instead of one).
+void dot8(const float* q, const float* const* k, int64_t n, float scale, float* out) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), acc[j]);
+  }
+  // transpose: part[i] holds partial sum i of each of the eight rows (row j in lane j)
+  const __m256 t0 = _mm256_unpacklo_ps(acc[0], acc[1]), t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(acc[2], acc[3]), t3 = _mm256_unpackhi_ps(acc[2], acc[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(acc[4], acc[5]), t5 = _mm256_unpackhi_ps(acc[4], acc[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(acc[6], acc[7]), t7 = _mm256_unpackhi_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  __m256 part[8];
+  part[0] = _mm256_permute2f128_ps(u0, u4, 0x20), part[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  part[1] = _mm256_permute2f128_ps(u1, u5, 0x20), part[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  part[2] = _mm256_permute2f128_ps(u2, u6, 0x20), part[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  part[3] = _mm256_permute2f128_ps(u3, u7, 0x20), part[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
+                                   _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
+  _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
 }  // namespace
 
 void rms_norm_rows(const float* x, const float* delta, const float* w, float* y, float* sum_out, int64_t rows,
@@ -79,14 +107,14 @@ void rope_rows(const float* x, int64_t xt, int64_t xh, const float* c, const flo
 
 void attend_one(const float* q, const float* const* k_rows, const float* const* v_rows, int64_t L, int64_t d,
                 float scale, float* scores, float* out) {
-  float top = -INFINITY;
-  for (int64_t p = 0; p < L; ++p) {
-    scores[p] = dot(q, k_rows[p], d) * scale;
-    top = std::fmax(top, scores[p]);
-  }
-  float total = 0.0f;
   int64_t p = 0;
-  for (; p + kLanes <= L; p += kLanes) vstore(scores + p, vexp(vsub(vload(scores + p), vset1(top))));
+  if (d % 8 == 0)
+    for (; p + 8 <= L; p += 8) dot8(q, k_rows + p, d, scale, scores + p);
+  for (; p < L; ++p) scores[p] = dot(q, k_rows[p], d) * scale;
+  float top = -INFINITY;
+  for (p = 0; p < L; ++p) top = std::fmax(top, scores[p]);
+  float total = 0.0f;
+  for (p = 0; p + kLanes <= L; p += kLanes) vstore(scores + p, vexp(vsub(vload(scores + p), vset1(top))));
   alignas(64) float tail[kLanes] = {};
   if (p < L) {  // the last partial vector through the same exp
     for (int64_t i = p; i < L; ++i) tail[i - p] = scores[i] - top;
@@ -94,13 +122,26 @@ void attend_one(const float* q, const float* const* k_rows, const float* const* 
     for (int64_t i = p; i < L; ++i) scores[i] = tail[i - p];
   }
   for (int64_t i = 0; i < L; ++i) total += scores[i];
-  for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
-  for (int64_t j = 0; j < L; ++j) {  // out += e_j v_j, a vector of the head dim at a time
-    const vf e = vset1(scores[j]);
-    const float* v = v_rows[j];
-    int64_t i = 0;
-    for (; i + kLanes <= d; i += kLanes) vstore(out + i, vfma(e, vload(v + i), vload(out + i)));
-    for (; i < d; ++i) out[i] = std::fma(scores[j], v[i], out[i]);
+  int64_t i = 0;
+  constexpr int kChunk = 64 / kLanes;  // out += e_j v_j over j, 64 floats at a time held in registers
+  for (; i + kChunk * kLanes <= d; i += kChunk * kLanes) {
+    vf acc[kChunk];
+    for (int c = 0; c < kChunk; ++c) acc[c] = vzero();
+    for (int64_t j = 0; j < L; ++j) {
+      const vf e = vset1(scores[j]);
+      for (int c = 0; c < kChunk; ++c) acc[c] = vfma(e, vload(v_rows[j] + i + c * kLanes), acc[c]);
+    }
+    for (int c = 0; c < kChunk; ++c) vstore(out + i + c * kLanes, acc[c]);
+  }
+  for (; i + kLanes <= d; i += kLanes) {
+    vf acc = vzero();
+    for (int64_t j = 0; j < L; ++j) acc = vfma(vset1(scores[j]), vload(v_rows[j] + i), acc);
+    vstore(out + i, acc);
+  }
+  for (; i < d; ++i) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < L; ++j) acc = std::fma(scores[j], v_rows[j][i], acc);
+    out[i] = acc;
   }
   const float inv = 1.0f / total;
   for (int64_t i = 0; i < d; ++i) out[i] *= inv;

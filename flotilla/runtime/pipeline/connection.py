@@ -21,7 +21,9 @@ import os
 import ssl
 import struct
 
-from .wire import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, ProtocolError, decode, encode, frame, message, read_frame
+from .stream import FrameReader, open_connection
+from .wire import (DEFAULT_MAX_FRAME, FRAME_HEADER, PROTOCOL_VERSION, ProtocolError, decode, encode, frame, message,
+                   read_frame)
 
 NONCE_BYTES = 32
 TAG_BYTES = 32
@@ -98,7 +100,7 @@ class Connection:
         body = encode(msg)
         tag = _frame_tag(self._send_mac, self._send_seq, body)
         self._send_seq += 1
-        data = frame(tag + body)
+        data = b"".join((FRAME_HEADER.pack(len(tag) + len(body)), tag, body))
         self.writer.write(data)
         self.bytes_sent += len(data)
         return len(data)
@@ -109,7 +111,24 @@ class Connection:
             await self.writer.drain()
 
     async def recv(self):
-        body = await read_frame(self.reader, self.max_frame + TAG_BYTES)
+        return self._open(await read_frame(self.reader, self.max_frame + TAG_BYTES))
+
+    async def serve(self, handle) -> None:
+        """Hand every message to `handle(msg)` as its frame arrives: in the transport's data
+        callback on the loop's thread, with no task woken per frame (stream.py). Never returns:
+        raises at the end of the connection (IncompleteReadError, the transport's error), for a
+        bad frame (ProtocolError, AuthError) and with whatever `handle` raised."""
+        if not isinstance(self.reader, FrameReader):  # a plain StreamReader: a task reads
+            while True:
+                handle(await self.recv())
+        done = self.reader.dispatch(lambda body: handle(self._open(body)), self.max_frame + TAG_BYTES)
+        try:
+            await done
+        finally:
+            self.reader.stop()
+
+    def _open(self, body: bytes):
+        """Check a frame's MAC and decode its message."""
         self.bytes_received += len(body) + 4
         tag, payload = body[:TAG_BYTES], body[TAG_BYTES:]
         expected = _frame_tag(self._recv_mac, self._recv_seq, payload)
@@ -195,8 +214,7 @@ async def _closing_on_failure(writer: asyncio.StreamWriter, handshake):
 async def connect(host: str, port: int, token: bytes, name: str, ssl_context: ssl.SSLContext | None = None,
                   timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
     """Open a TCP (or TLS) connection and authenticate as a client."""
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, port, ssl=ssl_context, limit=STREAM_LIMIT), timeout)
+    reader, writer = await asyncio.wait_for(open_connection(host, port, STREAM_LIMIT, ssl_context), timeout)
     return await client_handshake(reader, writer, token, name, timeout, max_frame)
 
 

@@ -116,16 +116,17 @@ class StagePeer:
 
     async def _read(self, conn: Connection) -> None:
         reason = "the connection closed"
+        def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
+            self.last_seen = time.monotonic()
+            if isinstance(msg, Pong):
+                return
+            if isinstance(msg, (StepResult, Fault)):
+                self._on_data(self, msg)
+            else:
+                self._replies.put_nowait(msg)
+
         try:
-            while True:
-                msg = await conn.recv()
-                self.last_seen = time.monotonic()
-                if isinstance(msg, Pong):
-                    continue
-                if isinstance(msg, (StepResult, Fault)):
-                    self._on_data(self, msg)
-                else:
-                    self._replies.put_nowait(msg)
+            await conn.serve(handle)
         except asyncio.CancelledError:
             raise
         except GONE as e:

@@ -68,6 +68,7 @@ class StagePeer:
     async def connect(self) -> None:
         s = self.settings
         conn = await connect(self.host, self.port, s.token, "head", s.ssl, s.connect_timeout, s.max_frame)
+        conn.allow_direct()
         self.conn, self.last_seen = conn, time.monotonic()
         self._replies = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._read(conn)), asyncio.create_task(self._heartbeat(conn))]
@@ -99,6 +100,15 @@ class StagePeer:
             conn.write(msg)
         except GONE:
             pass
+
+    def write_direct(self, msg) -> bool:
+        """A data frame written from the engine's thread, no hand-off (Connection.write_direct);
+        False: write it on the loop's thread."""
+        conn = self.conn
+        try:
+            return conn is not None and conn.write_direct(msg)
+        except GONE:
+            return True  # the reader reports the loss
 
     async def _send(self, msg) -> None:
         conn = self.conn

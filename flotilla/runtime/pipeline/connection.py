@@ -18,10 +18,14 @@ import asyncio
 import hashlib
 import hmac
 import os
+import socket
 import ssl
 import struct
+import threading
 
-from .wire import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, ProtocolError, decode, encode, frame, message, read_frame
+from .stream import FrameReader, open_connection
+from .wire import (DEFAULT_MAX_FRAME, FRAME_HEADER, PROTOCOL_VERSION, ProtocolError, decode, encode, frame, message,
+                   read_frame)
 
 NONCE_BYTES = 32
 TAG_BYTES = 32
@@ -29,6 +33,7 @@ HANDSHAKE_MAX_FRAME = 4096
 MIN_TOKEN_LENGTH = 16
 STREAM_LIMIT = 4 << 20  # asyncio's read buffer: large frames arrive in fewer pauses
 _SEQ = struct.Struct(">Q")  # a frame's sequence number, under its MAC
+DIRECT_MAX_FRAME = 256 << 10  # `write_direct` sends frames up to this size itself (a decode step's are far smaller)
 
 
 class AuthError(ProtocolError):
@@ -89,6 +94,9 @@ class Connection:
         self.max_frame = max_frame
         self.bytes_sent = self.bytes_received = 0
         self._send_lock = asyncio.Lock()
+        self._write_lock = threading.Lock()  # the loop's writes and `write_direct`'s: whole frames, in sequence
+        self._direct: socket.socket | None = None  # see `allow_direct`
+        self._pending: list[bytes] = []  # what `write_direct` left for the loop's thread, in sequence
 
     def write(self, msg) -> int:
         """Frame `msg` and hand it to the transport now, in one write (the loop's thread only;
@@ -96,12 +104,68 @@ class Connection:
         transport sends at once when its buffer is empty and keeps the rest; `send` also waits
         for the buffer to drain (flow control for bulk data such as a weight push)."""
         body = encode(msg)
+        with self._write_lock:
+            self._write_pending()  # frames `write_direct` left go first
+            data = self._seal(body)
+            self.writer.write(data)
+        return len(data)
+
+    def _seal(self, body: bytes) -> bytes:
+        """The next frame: length, MAC under the next sequence number, body (the write lock held)."""
         tag = _frame_tag(self._send_mac, self._send_seq, body)
         self._send_seq += 1
-        data = frame(tag + body)
-        self.writer.write(data)
-        self.bytes_sent += len(data)
-        return len(data)
+        self.bytes_sent += FRAME_HEADER.size + TAG_BYTES + len(body)
+        return b"".join((FRAME_HEADER.pack(TAG_BYTES + len(body)), tag, body))
+
+    def allow_direct(self) -> None:
+        """Let `write_direct` send from other threads (on the loop's thread; plain TCP only: a TLS
+        stream's records are the transport's). It writes through a duplicate of the socket's
+        descriptor, closed with the connection."""
+        sock = self.writer.get_extra_info("socket")
+        if self.writer.get_extra_info("sslcontext") is None and sock is not None and self._direct is None:
+            self._loop = asyncio.get_running_loop()
+            self._direct = socket.socket(fileno=os.dup(sock.fileno()))
+            self._direct.setblocking(False)
+
+    def write_direct(self, msg) -> bool:
+        """From another thread (the head's engine thread): frame `msg` and send it on the socket
+        now, with no hand-off to the loop's thread, when nothing is waiting to go before it (in
+        the transport or here) and it is small. What the socket does not take at once, or what
+        cannot go yet, waits here, in sequence, and the loop's thread writes it before anything
+        else. False (nothing done) when direct writes are not allowed: write on the loop's thread."""
+        direct = self._direct
+        if direct is None:
+            return False
+        body = encode(msg)
+        with self._write_lock:
+            if self._direct is None or self.writer.is_closing():
+                return True  # the connection is gone: its reader reports it
+            data = self._seal(body)
+            sent = 0
+            transport = self.writer.transport
+            if not self._pending and len(data) <= DIRECT_MAX_FRAME and not transport.get_write_buffer_size():
+                try:
+                    sent = direct.send(data)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return True
+            if sent < len(data):
+                if not self._pending:
+                    self._loop.call_soon_threadsafe(self._flush_pending)
+                self._pending.append(data[sent:])
+        return True
+
+    def _flush_pending(self) -> None:
+        with self._write_lock:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        """On the loop's thread, the write lock held: what `write_direct` left, in sequence."""
+        pending, self._pending = self._pending, []
+        for data in pending:
+            if not self.writer.is_closing():
+                self.writer.write(data)
 
     async def send(self, msg) -> None:
         async with self._send_lock:
@@ -109,7 +173,24 @@ class Connection:
             await self.writer.drain()
 
     async def recv(self):
-        body = await read_frame(self.reader, self.max_frame + TAG_BYTES)
+        return self._open(await read_frame(self.reader, self.max_frame + TAG_BYTES))
+
+    async def serve(self, handle) -> None:
+        """Hand every message to `handle(msg)` as its frame arrives: in the transport's data
+        callback on the loop's thread, with no task woken per frame (stream.py). Never returns:
+        raises at the end of the connection (IncompleteReadError, the transport's error), for a
+        bad frame (ProtocolError, AuthError) and with whatever `handle` raised."""
+        if not isinstance(self.reader, FrameReader):  # a plain StreamReader: a task reads
+            while True:
+                handle(await self.recv())
+        done = self.reader.dispatch(lambda body: handle(self._open(body)), self.max_frame + TAG_BYTES)
+        try:
+            await done
+        finally:
+            self.reader.stop()
+
+    def _open(self, body: bytes):
+        """Check a frame's MAC and decode its message."""
         self.bytes_received += len(body) + 4
         tag, payload = body[:TAG_BYTES], body[TAG_BYTES:]
         expected = _frame_tag(self._recv_mac, self._recv_seq, payload)
@@ -121,6 +202,10 @@ class Connection:
     def close(self) -> None:
         if not self.writer.is_closing():
             self.writer.close()
+        with self._write_lock:
+            direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
 
     async def wait_closed(self) -> None:
         self.close()
@@ -195,8 +280,7 @@ async def _closing_on_failure(writer: asyncio.StreamWriter, handshake):
 async def connect(host: str, port: int, token: bytes, name: str, ssl_context: ssl.SSLContext | None = None,
                   timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
     """Open a TCP (or TLS) connection and authenticate as a client."""
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, port, ssl=ssl_context, limit=STREAM_LIMIT), timeout)
+    reader, writer = await asyncio.wait_for(open_connection(host, port, STREAM_LIMIT, ssl_context), timeout)
     return await client_handshake(reader, writer, token, name, timeout, max_frame)
 
 

@@ -68,6 +68,7 @@ class StagePeer:
     async def connect(self) -> None:
         s = self.settings
         conn = await connect(self.host, self.port, s.token, "head", s.ssl, s.connect_timeout, s.max_frame)
+        conn.allow_direct()
         self.conn, self.last_seen = conn, time.monotonic()
         self._replies = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._read(conn)), asyncio.create_task(self._heartbeat(conn))]
@@ -100,6 +101,15 @@ class StagePeer:
         except GONE:
             pass
 
+    def write_direct(self, msg) -> bool:
+        """A data frame written from the engine's thread, no hand-off (Connection.write_direct);
+        False: write it on the loop's thread."""
+        conn = self.conn
+        try:
+            return conn is not None and conn.write_direct(msg)
+        except GONE:
+            return True  # the reader reports the loss
+
     async def _send(self, msg) -> None:
         conn = self.conn
         if conn is None:
@@ -116,16 +126,17 @@ class StagePeer:
 
     async def _read(self, conn: Connection) -> None:
         reason = "the connection closed"
+        def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
+            self.last_seen = time.monotonic()
+            if isinstance(msg, Pong):
+                return
+            if isinstance(msg, (StepResult, Fault)):
+                self._on_data(self, msg)
+            else:
+                self._replies.put_nowait(msg)
+
         try:
-            while True:
-                msg = await conn.recv()
-                self.last_seen = time.monotonic()
-                if isinstance(msg, Pong):
-                    continue
-                if isinstance(msg, (StepResult, Fault)):
-                    self._on_data(self, msg)
-                else:
-                    self._replies.put_nowait(msg)
+            await conn.serve(handle)
         except asyncio.CancelledError:
             raise
         except GONE as e:

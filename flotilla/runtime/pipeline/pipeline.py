@@ -4,7 +4,8 @@ Setting up (`start`): connect to every worker, probe them, split the layers (par
 split is printed), have each load its stage (pushing shards it lacks), size the KV pool to the
 smallest stage, and configure epoch 1: each stage connects to the next, the last answers the head.
 
-Running: `send_step` hands a Step for stage 0 to the I/O thread; StepResults of the current epoch
+Running: `send_step` writes a Step for stage 0 to its socket from the engine's thread (or, over
+TLS or behind unsent bytes, hands it to the I/O thread); StepResults of the current epoch
 come back through `results`.
 
 Faults: a lost worker (closed connection, silent past the heartbeat timeout) or a stage reporting
@@ -112,7 +113,10 @@ class Pipeline:
             raise
 
     def send_step(self, msg: Step) -> None:
-        self._loop.call_soon_threadsafe(self._write_step, msg)
+        """Straight onto stage 0's socket from this thread (plain TCP; Connection.write_direct),
+        else (TLS) through the I/O thread."""
+        if not (self.ready.is_set() and msg.epoch == self.epoch and self.peers[0].write_direct(msg)):
+            self._loop.call_soon_threadsafe(self._write_step, msg)
 
     def get_results(self, timeout: float) -> list[StepResult]:
         try:

@@ -26,7 +26,7 @@ PROTOCOL_VERSION = 4  # 2: speculative steps (drafts, draft distributions, table
 #                      4: LoadStage sizes the KV pool as a single-process run does (context, sequences)
 DEFAULT_MAX_FRAME = 64 << 20  # 64 MiB: a prefill chunk of 2048 tokens x 8192 hidden in fp16 is 32 MiB
 MAX_TENSOR_DIMS = 8
-_FRAME_HEADER = struct.Struct(">I")
+FRAME_HEADER = struct.Struct(">I")
 
 TENSOR_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -244,12 +244,12 @@ def _reject_ext(code, data):
 # ------------------------------------------------------------------------------------- framing
 
 async def read_frame(reader: asyncio.StreamReader, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    header = await reader.readexactly(_FRAME_HEADER.size)
-    (n,) = _FRAME_HEADER.unpack(header)
+    header = await reader.readexactly(FRAME_HEADER.size)
+    (n,) = FRAME_HEADER.unpack(header)
     if n > max_frame:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame}")
     return await reader.readexactly(n)
 
 
 def frame(body: bytes) -> bytes:
-    return _FRAME_HEADER.pack(len(body)) + body
+    return FRAME_HEADER.pack(len(body)) + body

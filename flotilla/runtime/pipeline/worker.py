@@ -43,6 +43,7 @@ from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox
 from .stage_runtime import StageRuntime, on_device
+from .stream import start_server
 from .weight_push import ShardReceiver, WeightCache, fingerprint
 from .wire import DEFAULT_MAX_FRAME, ProtocolError
 
@@ -122,8 +123,7 @@ class Worker:
             torch.cuda.set_device(self.config.device)  # decode steps launch from the loop's thread
         self._compute = threading.Thread(target=self._compute_loop, name="flotilla-stage", daemon=True)
         self._compute.start()
-        self._server = await asyncio.start_server(self._accept, host, port, ssl=self.config.ssl_server,
-                                                  limit=STREAM_LIMIT)
+        self._server = await start_server(self._accept, host, port, STREAM_LIMIT, self.config.ssl_server)
         sock = self._server.sockets[0].getsockname()
         return sock[0], sock[1]
 
@@ -174,18 +174,20 @@ class Worker:
         outbox = self.head = Outbox(conn, self._count)
         control: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self._control_loop(outbox, control))
-        msg = first
+
+        def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
+            if isinstance(msg, Ping):
+                outbox.put(Pong(msg.nonce))
+            elif isinstance(msg, Step):
+                self._step_arrived(msg)  # stage 0's data comes from the head
+            elif isinstance(msg, (Probe, LoadStage, Configure, StatsRequest, FileChunk, FileEnd)):
+                control.put_nowait(msg)
+            else:
+                raise ProtocolError(f"unexpected {msg.WIRE_NAME} from the head")
+
         try:
-            while True:
-                if isinstance(msg, Ping):
-                    outbox.put(Pong(msg.nonce))
-                elif isinstance(msg, Step):
-                    self._step_arrived(msg)  # stage 0's data comes from the head
-                elif isinstance(msg, (Probe, LoadStage, Configure, StatsRequest, FileChunk, FileEnd)):
-                    control.put_nowait(msg)
-                else:
-                    raise ProtocolError(f"unexpected {msg.WIRE_NAME} from the head")
-                msg = await conn.recv()
+            handle(first)
+            await conn.serve(handle)
         finally:
             task.cancel()
             outbox.close()
@@ -196,12 +198,14 @@ class Worker:
         if self.upstream is not None:
             self.upstream.close()
         self.upstream = conn
+
+        def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
+            if not isinstance(msg, Step):
+                raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
+            self._step_arrived(msg)
+
         try:
-            while True:
-                msg = await conn.recv()
-                if not isinstance(msg, Step):
-                    raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
-                self._step_arrived(msg)
+            await conn.serve(handle)
         except _GONE:
             if self.upstream is conn:
                 self._fault(first.epoch, f"the connection from stage {first.stage_index} was lost")

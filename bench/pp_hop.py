@@ -17,6 +17,18 @@ of threads and event loops between them. Rows, each the median of --repeats runs
                    ms/token - its own compute (the engine's overhead per step: schedule, sample, postprocess)
     over pp1 µs/hop (ms/token - pp1's ms/token) / hops: what the ring adds per hop beyond what pp=1 costs
     N-stream tok/s  --streams concurrent greedy streams, aggregate tokens per second (prefill included)
+    identical       of the --streams streams and the single stream (an untimed run of each, with each
+                    step's top-2 logprobs), those whose tokens equal pp=1's; "+K tie": K more that
+                    diverge at a near-tie (below)
+
+A ring need not be bit-equal to pp=1: hidden states cross the wire in fp16 (a CPU stage computes
+in fp32: the wire rounds them), and a GPU's matmuls pick their tiles by the number of rows, which
+the micro-batches change. On a random tiny model the logits are nearly flat (top-2 margins of
+1e-5 nats occur), so greedy argmax can flip there. A stream that diverges counts as a tie when, at
+its first differing token, the ring picked pp=1's second choice and pp=1's top-2 margin is below
+the run's noise: the largest |logprob difference| of the chosen token over the steps where the two
+runs still agree (and below TIE_LIMIT); anything else is a mismatch. Each divergence is printed
+with its margin and the noise (bench/NOTES-gpu-pipeline.md, "Ties").
 
 On a shared machine the figures move with the load (the load average is printed); compare rows of
 one run. Workers get --threads threads each (default 1), and so does pp=1.
@@ -45,27 +57,63 @@ def engine_args(streams: int):
                       max_model_len=1024, enable_prefix_caching=False)
 
 
-def run_stream(engine, prompts: list[list[int]], tokens: int) -> tuple[float, float, list[list[int]]]:
-    """Greedy, EOS ignored: (seconds per decode token of the first stream, aggregate tok/s, tokens)."""
+TIE_LIMIT = 0.02  # nats: a divergence at a larger top-2 margin is a mismatch whatever the noise
+
+
+def run_stream(engine, prompts: list[list[int]], tokens: int, top: int = 0):
+    """Greedy, EOS ignored: (seconds per decode token of the first stream, aggregate tok/s, tokens,
+    each token's top-`top` (token, logprob) when top > 0)."""
     from flotilla.runtime.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=top > 0, top_logprobs=top)
     tag = time.perf_counter_ns()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
     out: dict[str, list[int]] = {rid: [] for rid in ids}
+    tops: dict[str, list] = {rid: [] for rid in ids}
     begin = time.perf_counter()
     first = last = None
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
+            tops[o.request_id] += o.top_logprobs or []
             if o.request_id == ids[0] and o.new_token_ids:
                 last = time.perf_counter()
                 first = first or last
     end = time.perf_counter()
     per_token = (last - first) / max(1, len(out[ids[0]]) - 1)
-    return per_token, sum(map(len, out.values())) / (end - begin), [out[r] for r in ids]
+    return per_token, sum(map(len, out.values())) / (end - begin), [out[r] for r in ids], [tops[r] for r in ids]
+
+
+def check_run(engine, prompts, args) -> tuple[list[list[int]], list]:
+    """Untimed: the tokens and top-2 logprobs of the --streams streams together and of the first alone."""
+    _, _, tokens, tops = run_stream(engine, prompts, args.tokens, top=2)
+    _, _, single, single_tops = run_stream(engine, prompts[:1], args.tokens, top=2)
+    return tokens + single, tops + single_tops
+
+
+def agreement(ref: tuple[list, list], got: tuple[list, list]) -> dict:
+    """Streams equal to pp=1's; the divergences, each a tie or a mismatch (see the docstring)."""
+    (ref_tokens, ref_tops), (tokens, tops) = ref, got
+    noise = 0.0  # the largest |logprob difference| of the chosen token where the runs agree
+    firsts = []
+    for a, b, ta, tb in zip(ref_tokens, tokens, ref_tops, tops):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        firsts.append(k)
+        for pa, pb in zip(ta[:k] if k is not None else ta, tb):
+            noise = max(noise, abs(pa[0][1] - pb[0][1]))
+    divergences = []
+    for stream, k in enumerate(firsts):
+        if k is None:
+            continue
+        (best, lp1), (second, lp2) = ref_tops[stream][k][:2]
+        margin = lp1 - lp2
+        tie = tokens[stream][k] == second and margin <= min(noise, TIE_LIMIT)
+        divergences.append({"stream": stream, "token": k, "pp1": best, "ring": tokens[stream][k],
+                            "pp1_margin": margin, "tie": tie})
+    return {"identical": firsts.count(None), "ties": sum(d["tie"] for d in divergences),
+            "noise": noise, "divergences": divergences}
 
 
 def measure(engine, prompts, args, stats=None) -> dict:
@@ -74,7 +122,7 @@ def measure(engine, prompts, args, stats=None) -> dict:
     per_token, compute = [], []
     for _ in range(args.repeats):
         before = stats() if stats else (0.0, 0)
-        t, _, tokens = run_stream(engine, prompts[:1], args.tokens)
+        t = run_stream(engine, prompts[:1], args.tokens)[0]
         per_token.append(t)
         if stats:
             after = stats()
@@ -82,7 +130,7 @@ def measure(engine, prompts, args, stats=None) -> dict:
     multi = [run_stream(engine, prompts, args.tokens) for _ in range(max(1, args.repeats // 2))]
     return {"ms_per_token": statistics.median(per_token) * 1e3,
             "stage_ms": statistics.median(compute) * 1e3 if compute else None,
-            "multi_tok_s": statistics.median(m[1] for m in multi), "tokens": multi[0][2], "single": tokens}
+            "multi_tok_s": statistics.median(m[1] for m in multi), "check": check_run(engine, prompts, args)}
 
 
 def pp1_row(checkpoint: Path, prompts, args) -> dict:
@@ -139,8 +187,7 @@ def ring_row(checkpoint: Path, pp: int, prompts, args, base: dict) -> dict:
         row.update(pp=pp, hops=hops, us_per_hop=(row["ms_per_token"] - row["stage_ms"]) / hops * 1e3,
                    over_pp1_us_per_hop=(row["ms_per_token"] - base["ms_per_token"]) / hops * 1e3,
                    single_vs_pp1=base["ms_per_token"] / row["ms_per_token"],
-                   multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"],
-                   identical=sum(a == b for a, b in zip(base["tokens"], row["tokens"])) + (base["single"] == row["single"]))
+                   multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"], **agreement(base["check"], row["check"]))
         return row
     finally:
         if engine is not None:
@@ -158,15 +205,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of pp=1 and of each worker")
     ap.add_argument("--device", default="cpu", help="pp=1's device and every stage's (e.g. cuda:0: stages share it)")
+    ap.add_argument("--seed", type=int, default=0, help="the random checkpoint's and the prompts' seed")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
     from flotilla.runtime.random_model import write_random_checkpoint
 
     depths = [int(x) for x in args.pp.split(",") if x]
     layers = args.layers or max(depths + [2])
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="flotilla-hop-") as tmp:
-        checkpoint = write_random_checkpoint("tiny", Path(tmp) / "tiny", 4, 128, 0, "cpu", layers)
+        checkpoint = write_random_checkpoint("tiny", Path(tmp) / "tiny", 4, 128, args.seed, "cpu", layers)
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(args.streams)]
         base = pp1_row(checkpoint, prompts, args)
@@ -175,7 +223,7 @@ def main(argv=None) -> int:
     for r in rows:
         r.update(tokens_per_stream=args.tokens, streams=args.streams, repeats=args.repeats, threads=args.threads,
                  device=args.device, load_avg=[round(x, 2) for x in load])
-        r.pop("tokens"), r.pop("single")
+        r.pop("check")
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -185,15 +233,26 @@ def main(argv=None) -> int:
           f"stage; one stream of {args.tokens} tokens (median of {args.repeats}); load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'pp':>3s} {'ms/token':>9s} {'tok/s':>7s} {'x pp1':>6s} {'stages ms':>10s} {'µs/hop':>7s} "
-          f"{'over pp1 µs/hop':>16s} {f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'identical':>9s}")
+          f"{'over pp1 µs/hop':>16s} {f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'identical':>15s}")
     for r in rows:
         ring = r["pp"] > 1
         print(f"{r['pp']:>3d} {r['ms_per_token']:9.3f} {1e3 / r['ms_per_token']:7.1f} "
               f"{r['single_vs_pp1'] if ring else 1.0:5.2f}x {r['stage_ms']:10.3f} {r['us_per_hop']:7.0f} "
               f"{r['over_pp1_us_per_hop'] if ring else 0:16.0f} {r['multi_tok_s']:15.1f} "
               f"{r['multi_vs_pp1'] if ring else 1.0:5.2f}x "
-              f"{(str(r['identical']) + '/' + str(args.streams + 1)) if ring else '-':>9s}")
+              f"{same(r) if ring else '-':>15s}")
+    for r in rows[1:]:
+        for d in r["divergences"]:
+            print(f"pp={r['pp']} stream {d['stream']}{' (alone)' if d['stream'] == args.streams else ''}: first "
+                  f"differs at token {d['token']} ({d['ring']} for pp=1's {d['pp1']}); pp=1's top-2 margin there "
+                  f"{d['pp1_margin']:.1e} nats, the run's noise {r['noise']:.1e}: "
+                  f"{'a near-tie' if d['tie'] else 'A MISMATCH'}")
     return 0
+
+
+def same(row: dict) -> str:
+    ties = f" +{row['ties']} tie" if row["ties"] else ""
+    return f"{row['identical']}/{row['streams'] + 1}{ties}"
 
 
 if __name__ == "__main__":

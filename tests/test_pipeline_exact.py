@@ -1,0 +1,101 @@
+"""The pipeline's logits against an exact oracle: pp=1 with the wire's rounding put in by hand.
+
+CPU stages compute in fp32 and hidden states cross the wire in fp16, so a fp32 ring is not
+bit-equal to fp32 pp=1; on a random tiny model (nearly flat logits) greedy tokens then flip at
+near-ties (bench/NOTES-gpu-pipeline.md, "Ties"). The exact oracle is pp=1 whose hidden states are
+rounded to fp16 after the last layer of stage 0: the CPU's linear kernels are batch-invariant (a
+row's output does not depend on the other rows), and the prompts are of one length (the torch
+attention pads a step's sequences to its longest: unequal lengths would change its reduction
+length), so every logit must match it, whatever micro-batches the ring cut. A wrong KV slot, position, block table, or an activation of another sequence or
+step would move the logits by far more than the tolerance; the rounding itself moves them by more
+too (checked, so the oracle is known to be the sharper one).
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from flotilla.runtime.engine_args import EngineArgs, build_engine
+from flotilla.runtime.loader import load_model
+from flotilla.runtime.pipeline.head import build_pipeline_engine
+from flotilla.runtime.pipeline.peer import LinkSettings
+from flotilla.runtime.pipeline.pipeline import PipelineSettings
+from flotilla.runtime.random_model import write_random_checkpoint
+from flotilla.runtime.sampling import SamplingParams
+
+from pipeline_helpers import TOKEN, ThreadWorker
+
+ARGS = EngineArgs(kv_cache_memory="8MiB", max_num_seqs=8, max_model_len=256, enable_prefix_caching=False)
+PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+CUT = 1  # stage 0 holds layer 0, stage 1 layer 1
+EXACT = 1e-5  # nats; the fp16 rounding alone moves these logprobs by ~1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint("tiny", tmp_path_factory.mktemp("exact") / "tiny", 4, 128, 2, "cpu", 2)
+
+
+@pytest.fixture(scope="module")
+def prompts(ckpt):
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    rng = random.Random(2)
+    return [[rng.randrange(vocab) for _ in range(12)] for _ in range(6)]
+
+
+def top2(engine, prompts) -> list[list[list[tuple[int, float]]]]:
+    """Each request's top-2 (token, logprob) per generated token."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"x{i}", p, PARAMS)
+    got: dict[str, list] = {f"x{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.top_logprobs or []
+    return [got[f"x{i}"] for i in range(len(prompts))]
+
+
+def local(ckpt, round_after: int | None):
+    """pp=1 in fp32; `round_after`: hidden states rounded to fp16 after that many layers, as the
+    wire does between stages."""
+    lm = load_model(ckpt, "cpu", "float32", with_tokenizer=False, progress=False)
+    model = lm.model
+    engine = build_engine(lm, ARGS)  # freezes the model: forward runs model._frozen
+    if round_after is not None:
+        def forward(x, positions, attn):  # CausalLM.forward with the wire's rounding at the cut
+            from flotilla.models.llama import layer_step
+            h = model.embed(x)
+            cos, sin = model.rope.tables(positions, h.dtype)
+            for i, ops in enumerate(model._frozen):
+                if i == round_after:
+                    h = h.to(torch.float16).to(torch.float32)
+                h = layer_step(ops, h, cos, sin, attn)
+            return model.model.norm(h)
+        model.forward = forward
+    return engine
+
+
+def largest_gap(a, b) -> float:
+    return max(abs(x[1] - y[1]) for ra, rb in zip(a, b) for sa, sb in zip(ra, rb) for x, y in zip(sa, sb))
+
+
+def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path):
+    workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt) for i in range(2)]
+    try:
+        settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32")
+        engine = build_pipeline_engine(ckpt, ARGS, settings, lambda line: None, with_tokenizer=False)
+        try:
+            ring = top2(engine, prompts)
+        finally:
+            engine.close()
+    finally:
+        for w in workers:
+            w.stop()
+    oracle = top2(local(ckpt, CUT), prompts)
+    assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in oracle]
+    assert largest_gap(ring, oracle) <= EXACT
+    plain = top2(local(ckpt, None), prompts)  # without the rounding: further off than the tolerance
+    assert largest_gap(oracle, plain) > EXACT or any(
+        [t for t, _ in s] != [t for t, _ in p] for o, q in zip(oracle, plain) for s, p in zip(o, q))

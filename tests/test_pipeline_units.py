@@ -16,7 +16,8 @@ from flotilla.runtime.pipeline import messages as m
 from flotilla.runtime.pipeline.activations import pack, unpack
 from flotilla.runtime.pipeline.cli import read_token
 from flotilla.runtime.pipeline.connection import parse_address
-from flotilla.runtime.pipeline.partition import StageBudget, describe, parse_layers, split_layers, stages_from_counts
+from flotilla.runtime.pipeline.partition import (StageBudget, compute_units, describe, parse_layers, split_layers,
+                                                 stages_from_counts)
 from flotilla.runtime.pipeline.weight_push import ShardReceiver, WeightCache
 from flotilla.runtime.pipeline.wire import ProtocolError, decode, encode, message_names
 
@@ -61,6 +62,14 @@ def test_layers_override_is_checked():
     assert [(s.start, s.end) for s in stages] == [(0, 10), (10, 20), (20, 32)]
     text = describe(stages, ["a:1", "b:2", "c:3"], "--layers")
     assert "stage 2  c:3  layers 20-31 (12) + lm_head" in text and "layers 0-9 (10) + embeddings" in text
+
+
+def test_stages_on_one_gpu_take_turns_and_count_once_for_the_micro_batches():
+    gpu0, gpu1, host = "gpu-GPU-aaaa", "gpu-GPU-bbbb", "m1/host/cpu"
+    assert compute_units(["cuda:0", "cuda:0"], [gpu0, gpu0]) == 1
+    assert compute_units(["cuda:0", "cuda:1"], [gpu0, gpu1]) == 2
+    assert compute_units(["cuda:0", "cuda:0", "cpu"], [gpu0, gpu0, host]) == 2
+    assert compute_units(["cpu", "cpu", "cpu"], [host] * 3) == 3  # CPU workers split the cores: they overlap
 
 
 def test_addresses():

@@ -63,7 +63,7 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
 
 
-def _frame_tag(keyed, seq: int, body: bytes) -> bytes:
+def frame_tag(keyed, seq: int, body: bytes) -> bytes:
     """HMAC(key, seq | body), from an HMAC state already keyed with `key`."""
     h = keyed.copy()
     h.update(_SEQ.pack(seq))
@@ -112,7 +112,7 @@ class Connection:
 
     def _seal(self, body: bytes) -> bytes:
         """The next frame: length, MAC under the next sequence number, body (the write lock held)."""
-        tag = _frame_tag(self._send_mac, self._send_seq, body)
+        tag = frame_tag(self._send_mac, self._send_seq, body)
         self._send_seq += 1
         self.bytes_sent += FRAME_HEADER.size + TAG_BYTES + len(body)
         return b"".join((FRAME_HEADER.pack(TAG_BYTES + len(body)), tag, body))
@@ -193,7 +193,7 @@ class Connection:
         """Check a frame's MAC and decode its message."""
         self.bytes_received += len(body) + 4
         tag, payload = body[:TAG_BYTES], body[TAG_BYTES:]
-        expected = _frame_tag(self._recv_mac, self._recv_seq, payload)
+        expected = frame_tag(self._recv_mac, self._recv_seq, payload)
         if not hmac.compare_digest(tag, expected):
             raise AuthError(f"frame from {self.peer} failed its integrity check")
         self._recv_seq += 1
@@ -220,7 +220,30 @@ def _session_keys(token: bytes, nonce_c: bytes, nonce_s: bytes) -> tuple[bytes, 
 
 
 async def _read_plain(reader: asyncio.StreamReader, expected: type):
-    msg = decode(await read_frame(reader, HANDSHAKE_MAX_FRAME), HANDSHAKE_MAX_FRAME)
+    return read_plain(await read_frame(reader, HANDSHAKE_MAX_FRAME), expected)
+
+
+class ClientHandshake:
+    """The client's side of the handshake, without I/O: `hello` to send, then `answer(challenge)`
+    gives the proof to send and the session keys (client -> server, server -> client)."""
+
+    def __init__(self, token: bytes, name: str):
+        self.token, self.nonce = token, os.urandom(NONCE_BYTES)
+        self.hello = frame(encode(Hello(PROTOCOL_VERSION, self.nonce, name)))
+
+    def answer(self, ch: Challenge) -> tuple[bytes, bytes, bytes]:
+        if ch.version != PROTOCOL_VERSION:
+            raise AuthError(f"peer speaks protocol version {ch.version}, this flotilla speaks {PROTOCOL_VERSION}")
+        if len(ch.nonce) != NONCE_BYTES or not hmac.compare_digest(ch.proof, _mac(self.token, b"server", self.nonce,
+                                                                                     ch.nonce)):
+            raise AuthError("the peer does not know the token")
+        proof = frame(encode(Proof(_mac(self.token, b"client", self.nonce, ch.nonce))))
+        return (proof, *_session_keys(self.token, self.nonce, ch.nonce))
+
+
+def read_plain(body: bytes, expected: type):
+    """A handshake frame's message, which must be an `expected`."""
+    msg = decode(body, HANDSHAKE_MAX_FRAME)
     if not isinstance(msg, expected):
         raise AuthError(f"expected {expected.WIRE_NAME} during the handshake, got {msg.WIRE_NAME}")
     return msg
@@ -229,17 +252,12 @@ async def _read_plain(reader: asyncio.StreamReader, expected: type):
 async def client_handshake(reader, writer, token: bytes, name: str, timeout: float = 10.0,
                            max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
     async def run() -> Connection:
-        nonce_c = os.urandom(NONCE_BYTES)
-        writer.write(frame(encode(Hello(PROTOCOL_VERSION, nonce_c, name))))
+        hs = ClientHandshake(token, name)
+        writer.write(hs.hello)
         await writer.drain()
-        ch = await _read_plain(reader, Challenge)
-        if ch.version != PROTOCOL_VERSION:
-            raise AuthError(f"peer speaks protocol version {ch.version}, this flotilla speaks {PROTOCOL_VERSION}")
-        if len(ch.nonce) != NONCE_BYTES or not hmac.compare_digest(ch.proof, _mac(token, b"server", nonce_c, ch.nonce)):
-            raise AuthError("the peer does not know the token")
-        writer.write(frame(encode(Proof(_mac(token, b"client", nonce_c, ch.nonce)))))
+        proof, c2s, s2c = hs.answer(await _read_plain(reader, Challenge))
+        writer.write(proof)
         await writer.drain()
-        c2s, s2c = _session_keys(token, nonce_c, ch.nonce)
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
         return Connection(reader, writer, c2s, s2c, peer, max_frame)
 

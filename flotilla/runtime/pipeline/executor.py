@@ -31,8 +31,8 @@ class PipelineExecutor:
 
     @property
     def depth(self) -> int:
-        """Micro-batches worth keeping in flight: one per stage."""
-        return self.pipeline.num_stages
+        """Micro-batches worth keeping in flight (Pipeline.depth)."""
+        return self.pipeline.depth
 
     @property
     def max_prob_bytes(self) -> int:

@@ -14,6 +14,8 @@ Control, on the head's connection to each worker (one request at a time, answere
 Data, around the ring head -> stage 0 -> … -> last stage -> head:
 
     Upstream         first frame of a stage-to-stage connection: "my steps come to you"
+    ResultsLink      first frame of the head's result connection to the last stage (one per epoch),
+                     answered there by Configured: "send this epoch's StepResults here"
     Step             one micro-batch: block-table diffs, token ids (stage 0) or hidden states,
                      and drafts to verify (speculative decoding)
     StepResult       the last stage's sampled tokens (and accepted drafts), back to the head
@@ -153,6 +155,11 @@ class Fault:
 class Upstream:
     epoch: int
     stage_index: int  # the sender's stage
+
+
+@message("results_link")
+class ResultsLink:
+    epoch: int
 
 
 @message("seq_sampling")

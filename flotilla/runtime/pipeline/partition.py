@@ -49,6 +49,14 @@ def sharing(memory_ids: list[str]) -> list[int]:
     return [counts[m] for m in memory_ids]
 
 
+def compute_units(devices: list[str], memory_ids: list[str]) -> int:
+    """How many stages can compute at the same time: the micro-batches worth keeping in flight.
+    Stages on one GPU take turns (its processes' CUDA contexts are time-sliced), so they count
+    once; every CPU stage counts (the CPU workers of a machine split its cores)."""
+    gpus = {m for d, m in zip(devices, memory_ids) if d.startswith("cuda")}
+    return len(gpus) + sum(not d.startswith("cuda") for d in devices)
+
+
 def stages_from_counts(counts: list[int]) -> list[Stage]:
     total, start, stages = sum(counts), 0, []
     for n in counts:

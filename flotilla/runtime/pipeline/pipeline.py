@@ -5,8 +5,9 @@ split is printed), have each load its stage (pushing shards it lacks), size the 
 smallest stage, and configure epoch 1: each stage connects to the next, the last answers the head.
 
 Running: `send_step` writes a Step for stage 0 to its socket from the engine's thread (or, over
-TLS or behind unsent bytes, hands it to the I/O thread); StepResults of the current epoch
-come back through `results`.
+TLS or behind unsent bytes, hands it to the I/O thread); `get_results` reads the current epoch's
+StepResults on the same thread from the result connection to the last stage (results.py), opened
+at each configuration.
 
 Faults: a lost worker (closed connection, silent past the heartbeat timeout) or a stage reporting
 a broken link bumps `generation` and clears `ready`; everything in flight is lost. A repair task
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import socket
 import threading
 import time
@@ -38,8 +38,9 @@ from .activations import check_wire_dtype
 from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
     WorkerStats
 from .connection import AuthError
-from .partition import StageBudget, describe, sharing, split_layers, stages_from_counts
+from .partition import StageBudget, compute_units, describe, sharing, split_layers, stages_from_counts
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
+from .results import ResultChannel, open_result_channel
 from .weight_push import fingerprint, load_request
 from .wire import ProtocolError
 
@@ -64,6 +65,8 @@ class PipelineSettings:
     graph_tokens: int = 0  # GPU stages replay decode steps of up to this many tokens from CUDA graphs (0: eager)
     graph_query_len: int = 1  # 1 + the speculative tokens a sequence may verify in a replayed step
     max_model_len: int = 0  # the longest context (the graphs' block-table width); 0: the model's
+    spin_us: int = 0  # the engine's thread polls for results this long before it sleeps (results.py)
+    micro_batches: int = 0  # kept in flight; 0: one per stage that can compute at the same time (partition.compute_units)
 
     def __post_init__(self):
         check_wire_dtype(self.wire_dtype)
@@ -71,6 +74,8 @@ class PipelineSettings:
             raise FlotillaError("a pipeline needs at least one worker")
         if self.stage_timeout <= 0:
             raise FlotillaError(f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
+        if self.micro_batches < 0:
+            raise FlotillaError(f"micro-batches in flight must be >= 0 (0: automatic), got {self.micro_batches}")
 
 
 class Pipeline:
@@ -82,6 +87,7 @@ class Pipeline:
                       for i, (h, p) in enumerate(settings.hosts)]
         self.stages: list[Stage] = []
         self.shares = [1] * len(self.peers)  # stages that share each stage's memory (e.g. one GPU)
+        self.infos: list[WorkerInfo] = []
         self.num_blocks = 0
         self.generation = 0  # bumped at every fault
         self.epoch = 0
@@ -90,7 +96,7 @@ class Pipeline:
         self.down_reason = ""
         self.missing: dict[int, str] = {}
         self.loaded: list[StageLoaded] = []
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: ResultChannel | None = None  # this epoch's; the engine's thread reads it
         self._fingerprint = ""
         self._repair: asyncio.Task | None = None
         self._started = False  # faults before this are errors of start()
@@ -103,6 +109,16 @@ class Pipeline:
     @property
     def num_stages(self) -> int:
         return len(self.peers)
+
+    @property
+    def depth(self) -> int:
+        """Micro-batches to keep in flight: one per stage that can compute while the others do
+        (stages sharing a GPU take turns on it: more micro-batches would only cut the batch)."""
+        if self.settings.micro_batches:
+            return self.settings.micro_batches
+        if not self.infos:
+            return self.num_stages
+        return compute_units([i.device for i in self.infos], [i.memory_id for i in self.infos])
 
     # ------------------------------------------------------------------ the engine thread's side
     def start(self) -> None:
@@ -119,15 +135,13 @@ class Pipeline:
             self._loop.call_soon_threadsafe(self._write_step, msg)
 
     def get_results(self, timeout: float) -> list[StepResult]:
-        try:
-            out = [self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait()]
-        except queue.Empty:
+        """The StepResults that have come back, waiting up to `timeout` seconds for the first (the
+        engine's thread only)."""
+        channel = self._results
+        if channel is None:
+            self.ready.wait(timeout)  # down: the engine rewinds once the generation moves
             return []
-        while True:
-            try:
-                out.append(self.results.get_nowait())
-            except queue.Empty:
-                return out
+        return channel.read(timeout)
 
     def worker_stats(self, reset: bool = False) -> list[WorkerStats]:
         async def ask():
@@ -172,6 +186,7 @@ class Pipeline:
         await self._gather([self._connect(p) for p in self.peers])
         probe = Probe(json.dumps(self.config.to_hf_dict()), s.layers is None, s.dtype)
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
+        self.infos = infos
         self.shares = sharing([i.memory_id for i in infos])
         if s.layers is not None:
             counts, how = list(s.layers), "--layers"
@@ -189,7 +204,7 @@ class Pipeline:
         for p, r in zip(self.peers, self.loaded):
             self.report(f"  stage {p.index}: weights from {r.source}; room for {r.capacity} KV blocks")
         self.report(f"pipeline KV pool: {self.num_blocks} blocks x {s.block_size} tokens (the smallest stage's); "
-                    f"activations on the wire as {s.wire_dtype}")
+                    f"activations on the wire as {s.wire_dtype}; {self.depth} micro-batch(es) in flight")
         await self._configure_all()
         self._started = True
         self.ready.set()
@@ -221,6 +236,13 @@ class Pipeline:
             reply = await peer.call(msg, 60)
             if not isinstance(reply, Configured) or reply.epoch != self.epoch:
                 raise RemoteFailure(f"worker {peer.address} did not confirm epoch {self.epoch}")
+        last, link = peers[-1], s.link
+        channel = await asyncio.to_thread(open_result_channel, last.host, last.port, link.token, link.ssl,
+                                          link.connect_timeout, link.max_frame, self.epoch, s.spin_us / 1e6,
+                                          self._results_lost)
+        old, self._results = self._results, channel
+        if old is not None:
+            old.abort()
 
     async def _gather(self, coros):
         """Run concurrently; the first failure cancels the rest and propagates."""
@@ -241,10 +263,16 @@ class Pipeline:
     def _on_data(self, peer: StagePeer, msg) -> None:
         if msg.epoch != self.epoch or not self.ready.is_set():
             return
-        if isinstance(msg, StepResult):
-            self.results.put(msg)
-        elif isinstance(msg, Fault):
+        if isinstance(msg, Fault):
             self._broken(f"stage {peer.index} ({peer.address}) reports: {msg.message}")
+
+    def _results_lost(self, channel: ResultChannel, reason: str) -> None:
+        """From the engine's thread: the result connection broke."""
+        def lost():
+            if channel is self._results:
+                self._broken(f"the result connection to stage {self.num_stages - 1} broke: {reason}")
+        if not self._closing:
+            self._loop.call_soon_threadsafe(lost)
 
     # ------------------------------------------------------------------ faults and repair
     def _on_lost(self, peer: StagePeer, reason: str) -> None:
@@ -256,6 +284,9 @@ class Pipeline:
             return
         if self.ready.is_set():
             self.ready.clear()
+            channel, self._results = self._results, None
+            if channel is not None:
+                channel.abort()  # the engine's thread, if it waits on it, returns
             self.generation += 1
             self.down_since = time.monotonic()
             self.down_reason = reason
@@ -294,7 +325,8 @@ class Pipeline:
             except GONE as e:
                 self.missing[peer.index] = f"cannot connect ({_why(e)})"
                 raise
-            await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False, self.settings.dtype), 120)
+            self.infos[peer.index] = await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False,
+                                                           self.settings.dtype), 120)
             loaded = await self._load(peer, self.num_blocks)
             if loaded.capacity < self.num_blocks:
                 raise FlotillaError(f"worker {peer.address} came back with room for {loaded.capacity} KV blocks; "
@@ -307,6 +339,8 @@ class Pipeline:
     async def _shutdown(self) -> None:
         if self._repair is not None:
             self._repair.cancel()
+        if self._results is not None:
+            self._results.close()
         for p in self.peers:
             p.close()
 

@@ -5,6 +5,8 @@ says what the peer is:
 
     the head            Probe/LoadStage/Configure/Ping/… (control), and on stage 0 the Steps
     the previous stage  Upstream, then Steps
+    the head's results  ResultsLink (to the last stage, once per epoch): answered by Configured, then
+                        this epoch's StepResults go there (results.py reads them on the engine's thread)
 
 Anything else — a failed handshake, an oversized frame, malformed msgpack, an unknown or
 unexpected message — closes that one connection; the worker goes on serving its head. A new head
@@ -39,7 +41,7 @@ from flotilla.runtime.tp import load_model_parallel
 from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
                          server_handshake)
 from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
-                       Pong, Probe, StageLoaded, StatsRequest, Step, StepResult, Upstream, WorkerStats)
+                       Pong, Probe, ResultsLink, StageLoaded, StatsRequest, Step, StepResult, Upstream, WorkerStats)
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox
 from .stage_runtime import StageRuntime, on_device
@@ -102,6 +104,7 @@ class Worker:
         self.head: Outbox | None = None
         self.upstream: Connection | None = None
         self.downstream: _Link | None = None
+        self.results: _Link | None = None  # the head's result connection of this epoch (last stage)
         self.counters = _Counters()
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
@@ -130,7 +133,7 @@ class Worker:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for box in (self.head, self.downstream.outbox if self.downstream else None):
+        for box in (self.head, *(link.outbox for link in (self.downstream, self.results) if link)):
             if box is not None:
                 box.close()
         if self.upstream is not None:
@@ -157,6 +160,8 @@ class Worker:
             first = await conn.recv()
             if isinstance(first, Upstream):
                 await self._serve_upstream(conn, first)
+            elif isinstance(first, ResultsLink):
+                await self._serve_results(conn, first)
             else:
                 await self._serve_head(conn, first)
         except ProtocolError as e:
@@ -210,6 +215,26 @@ class Worker:
             if self.upstream is conn:
                 self._fault(first.epoch, f"the connection from stage {first.stage_index} was lost")
             raise
+
+    async def _serve_results(self, conn: Connection, first: ResultsLink) -> None:
+        """The head's result connection for this epoch: confirmed once the StepResults go there."""
+        if first.epoch != self.epoch or self.downstream is not None:
+            raise ProtocolError(f"a result link for epoch {first.epoch}, but this worker is "
+                                f"{'not the last stage' if self.downstream is not None else f'in epoch {self.epoch}'}")
+        self._drop_results()
+        link = self.results = _Link(conn, Outbox(conn, self._count), first.epoch)
+        link.outbox.put(Configured(first.epoch))
+        try:
+            msg = await conn.recv()  # the head sends nothing more on it
+            raise ProtocolError(f"unexpected {msg.WIRE_NAME} on the result connection")
+        finally:
+            if self.results is link:
+                self.results = None
+
+    def _drop_results(self) -> None:
+        link, self.results = self.results, None
+        if link is not None:
+            link.outbox.close()
 
     # ------------------------------------------------------------------ control
     async def _control_loop(self, outbox: Outbox, inbox: asyncio.Queue) -> None:
@@ -295,6 +320,7 @@ class Worker:
         self._inline_query_len = max(1, msg.graph_query_len)
         await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.configure, msg)
         self._drop_downstream()
+        self._drop_results()
         if msg.downstream is not None:
             host, port = parse_address(msg.downstream)
             try:
@@ -396,8 +422,8 @@ class Worker:
         elif out.epoch != self.epoch:
             return
         elif isinstance(out, StepResult):
-            if self.head is not None:
-                self.head.put(out)
+            if self.results is not None and self.results.epoch == out.epoch:
+                self.results.outbox.put(out)
         elif self.downstream is not None and self.downstream.epoch == out.epoch:
             self.downstream.outbox.put(out)
 

@@ -27,6 +27,10 @@ configuration goes through the same kernels with the same tile configs (the dequ
 its tiles by row count, identical up to 16 rows), and token equality is exact on the GPU stages;
 a CPU stage computes in fp32 with other kernels, so its ring is compared, not required equal.
 
+Each ring runs once per value of `--micro-batches` (kept in flight; 0: one per stage that can
+compute at once, stages on one GPU counting once) and of `--spin-us` (the workers and the head poll
+that long before sleeping; auto: as `runtime serve` decides, by the cores the ring leaves spare).
+
 The fault test runs on the ring named by `--kill-ring` (one of --rings): its workers start
 without the model, so the head pushes their shards (counted); after that ring's measurements,
 while `--kill-streams` requests stream, the last stage's worker is killed with SIGKILL and
@@ -125,9 +129,10 @@ def engine_args(args) -> EngineArgs:
                       enable_prefix_caching=False)
 
 
-def pipeline_settings(hosts, token: bytes, args, stage_timeout: float = 60.0) -> PipelineSettings:
+def pipeline_settings(hosts, token: bytes, args, spin_us: int, micro_batches: int,
+                      stage_timeout: float = 60.0) -> PipelineSettings:
     return PipelineSettings(tuple(hosts), LinkSettings(token), stage_timeout=stage_timeout,
-                            graph_query_len=args.graph_query_len)
+                            graph_query_len=args.graph_query_len, spin_us=spin_us, micro_batches=micro_batches)
 
 
 def measure(engine, prompts, args) -> dict:
@@ -163,11 +168,12 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 class Worker:
     """`runtime worker` without the model (the head pushes its shards), on a fixed port once known."""
 
-    def __init__(self, device: str, cache: Path, token: bytes, port: int = 0, log=print):
+    def __init__(self, device: str, cache: Path, token: bytes, port: int = 0, log=print, spin_us: int = 0):
         env = dict(os.environ, FLOTILLA_TOKEN=token.decode(), PYTHONPATH=str(ROOT))
         cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", f"127.0.0.1:{port}",
-               "--device", device, "--cache-dir", str(cache), "--exit-with-parent", "--log-level", "warning"]
-        self.device, self.cache, self.token, self.log = device, cache, token, log
+               "--device", device, "--cache-dir", str(cache), "--exit-with-parent", "--log-level", "warning",
+               "--spin-us", str(spin_us)]
+        self.device, self.cache, self.token, self.log, self.spin_us = device, cache, token, log, spin_us
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1)
         self.port, self._ready = port, threading.Event()
@@ -188,7 +194,7 @@ class Worker:
         return self
 
     def restart(self) -> "Worker":
-        return Worker(self.device, self.cache, self.token, self.port, self.log).wait()
+        return Worker(self.device, self.cache, self.token, self.port, self.log, self.spin_us).wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -199,9 +205,11 @@ class Worker:
 class PushedWorkers:
     """The fault test's workers: `Worker`s without the model, in a private temporary directory."""
 
-    def __init__(self, devices: list[str], token: bytes, log):
+    def __init__(self, devices: list[str], token: bytes, log, spin_us: int):
         self.tmp = Path(tempfile.mkdtemp(prefix="flotilla-kill-"))
-        self.workers = [Worker(d, self.tmp / f"cache-{i}", token, log=log) for i, d in enumerate(devices)]
+        self.spin_us = spin_us
+        self.workers = [Worker(d, self.tmp / f"cache-{i}", token, log=log, spin_us=spin_us)
+                        for i, d in enumerate(devices)]
 
     def start(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", w.wait().port) for w in self.workers]
@@ -242,22 +250,24 @@ def kill_and_restart(engine, workers: PushedWorkers, prompts, reference, args) -
             "restarted_worker_weights_from": back.source, "seconds": run["seconds"]}
 
 
-def ring_rows(checkpoint: Path, ring: list[str], prompts, base: dict, args, log) -> list[dict]:
-    """Measure one local pipeline; on the --kill-ring, whose workers get their weights pushed,
-    the fault test follows on the same engine."""
+def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batches: int, kill: bool, prompts,
+              base: dict, args, log) -> list[dict]:
+    """Measure one local pipeline; with `kill` (the --kill-ring), its workers get their weights
+    pushed and the fault test follows on the same engine."""
     token = secrets.token_hex(16).encode()
-    kill = ",".join(ring) == args.kill_ring
-    workers = PushedWorkers(ring, token, log) if kill else LocalWorkers(len(ring), checkpoint, token, ring, log=log)
+    local = LocalWorkers(len(ring), checkpoint, token, ring, log=log, spin_us=spin_us)
+    workers = PushedWorkers(ring, token, log, local.spin_us) if kill else local
     engine = None
     try:
         hosts = workers.start()
         t = time.perf_counter()
         stage_timeout = 600 if kill else 60
-        engine = build_pipeline_engine(checkpoint, engine_args(args), pipeline_settings(hosts, token, args,
-                                                                                         stage_timeout), log,
-                                       with_tokenizer=False)
+        settings = pipeline_settings(hosts, token, args, local.spin_us, micro_batches, stage_timeout)
+        engine = build_pipeline_engine(checkpoint, engine_args(args), settings, log, with_tokenizer=False)
+        pipeline = engine.executor.pipeline
         row = {"row": f"pp{len(ring)}", "devices": ",".join(ring), "setup_s": time.perf_counter() - t,
-               "split": ",".join(str(s.end - s.start) for s in engine.executor.pipeline.stages),
+               "spin_us": local.spin_us, "micro_batches": pipeline.depth,
+               "split": ",".join(str(s.end - s.start) for s in pipeline.stages),
                **measure(engine, prompts, args)}
         row.update(hops(engine, prompts[0], args))
         row.update(agreement(base["tokens"], row["tokens"]), single_vs_pp1=row["single_tok_s"] / base["single_tok_s"],
@@ -294,6 +304,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16)
     ap.add_argument("--graph-query-len", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="2GiB", help="per stage (and for pp=1)")
+    ap.add_argument("--micro-batches", default="0", help="comma-separated: micro-batches in flight (0: automatic); "
+                    "each ring runs once per value")
+    ap.add_argument("--spin-us", default="auto", help="comma-separated: µs the workers and the head poll before "
+                    "sleeping, or auto; each ring runs once per value")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="the workers' and the head's log lines")
     args = ap.parse_args(argv)
@@ -323,9 +337,16 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.empty_cache()
 
+    spins = [None if v == "auto" else int(v) for v in args.spin_us.split(",")]
+    batches = [int(v) for v in args.micro_batches.split(",")]
     for ring in [r.split(",") for r in args.rings.split(";") if r]:
-        for row in ring_rows(checkpoint, ring, prompts, base, args, log):
-            emit(row)
+        killed = False
+        for spin in spins:
+            for mb in batches:
+                kill = ",".join(ring) == args.kill_ring and not killed  # the fault test once, on the first variant
+                killed |= kill
+                for row in ring_rows(checkpoint, ring, spin, mb, kill, prompts, base, args, log):
+                    emit(row)
     if not args.json:
         print_tables(rows, args)
     return 0
@@ -337,7 +358,8 @@ def print_tables(rows: list[dict], args) -> None:
           f"{args.streams} streams x {args.tokens} tokens, prompts of {args.prompt_len}; steps of <= "
           f"{args.max_num_batched_tokens} tokens")
     print(f"{'config':>6s} {'devices':>18s} {'split':>9s} {'single tok/s':>12s} {'x pp1':>6s} "
-          f"{f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'B/tok/hop':>9s} {'us/hop':>7s} {'identical':>9s}")
+          f"{f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'B/tok/hop':>9s} {'us/hop':>7s} {'identical':>9s} "
+          f"{'mb':>2s} {'spin µs':>7s}")
     for r in rows:
         if not r["row"].startswith("pp"):
             continue
@@ -346,7 +368,8 @@ def print_tables(rows: list[dict], args) -> None:
         b = f"{r['bytes_per_token_hop']:.0f}" if "bytes_per_token_hop" in r else "-"
         us = f"{r['us_per_hop']:.0f}" if "us_per_hop" in r else "-"
         print(f"{r['row']:>6s} {r['devices']:>18s} {r['split']:>9s} {r['single_tok_s']:12.1f} {x1:>6s} "
-              f"{r['multi_tok_s']:15.1f} {xn:>6s} {b:>9s} {us:>7s} {r['identical']:>4d}/{args.streams:<4d}")
+              f"{r['multi_tok_s']:15.1f} {xn:>6s} {b:>9s} {us:>7s} {r['identical']:>4d}/{args.streams:<4d} "
+              f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7}")
     for r in rows:
         if r["row"] == "kill":
             print(f"kill -9 of the last stage ({r['devices']}) after {r['killed_after_tokens']} tokens a stream, "

@@ -4,6 +4,7 @@ nothing, against pp=1 in the same run (issue 19's per-hop cost, measured on a CP
     python bench/pp_hop.py                       # tiny random INT4 model, pp=1 vs pp=2 (local CPU workers)
     python bench/pp_hop.py --pp 2,3 --tokens 256 --repeats 5 --json
     python bench/pp_hop.py --device cuda:0        # GPU stages (all on that GPU) and pp=1 there
+    python bench/pp_hop.py --spin-us 0,auto --micro-batches 0,2   # each ring with and without polling, ...
 
 The model is the `tiny` random shape (hidden 128, --layers layers, INT4 g128; written to a temporary
 directory), so a stage's compute is a few hundred µs and what remains of a token's time is the ring:
@@ -29,6 +30,10 @@ its first differing token, the ring picked pp=1's second choice and pp=1's top-2
 the run's noise: the largest |logprob difference| of the chosen token over the steps where the two
 runs still agree (and below TIE_LIMIT); anything else is a mismatch. Each divergence is printed
 with its margin and the noise (bench/NOTES-gpu-pipeline.md, "Ties").
+
+Each ring runs once per --spin-us value (the workers and the head poll that long before sleeping,
+spin.py; auto: as `runtime serve` decides, by the cores to spare) and --micro-batches value (kept
+in flight; 0: one per stage that can compute at once, stages on one GPU counting once).
 
 On a shared machine the figures move with the load (the load average is printed); compare rows of
 one run. Workers get --threads threads each (default 1), and so does pp=1.
@@ -161,7 +166,7 @@ def pp1_row(checkpoint: Path, prompts, args) -> dict:
     return row
 
 
-def ring_row(checkpoint: Path, pp: int, prompts, args, base: dict) -> dict:
+def ring_row(checkpoint: Path, pp: int, spin_us: int | None, micro_batches: int, prompts, args, base: dict) -> dict:
     from flotilla.runtime.pipeline.head import build_pipeline_engine
     from flotilla.runtime.pipeline.local import LocalWorkers
     from flotilla.runtime.pipeline.peer import LinkSettings
@@ -169,11 +174,12 @@ def ring_row(checkpoint: Path, pp: int, prompts, args, base: dict) -> dict:
 
     token = secrets.token_hex(16).encode()
     workers = LocalWorkers(pp, checkpoint, token, devices=[args.device] * pp, threads=args.threads,
-                           log=lambda line: None)
+                           log=lambda line: None, spin_us=spin_us)
     engine = None
     try:
         hosts = workers.start()
-        settings = PipelineSettings(tuple(hosts), LinkSettings(token))
+        settings = PipelineSettings(tuple(hosts), LinkSettings(token), spin_us=workers.spin_us,
+                                    micro_batches=micro_batches)
         engine = build_pipeline_engine(checkpoint, engine_args(args.streams), settings, lambda line: None,
                                        with_tokenizer=False)
         pipeline = engine.executor.pipeline
@@ -184,7 +190,7 @@ def ring_row(checkpoint: Path, pp: int, prompts, args, base: dict) -> dict:
 
         row = measure(engine, prompts, args, stats)
         hops = pp + 1
-        row.update(pp=pp, hops=hops, us_per_hop=(row["ms_per_token"] - row["stage_ms"]) / hops * 1e3,
+        row.update(pp=pp, hops=hops, spin_us=workers.spin_us, micro_batches=pipeline.depth, us_per_hop=(row["ms_per_token"] - row["stage_ms"]) / hops * 1e3,
                    over_pp1_us_per_hop=(row["ms_per_token"] - base["ms_per_token"]) / hops * 1e3,
                    single_vs_pp1=base["ms_per_token"] / row["ms_per_token"],
                    multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"], **agreement(base["check"], row["check"]))
@@ -206,6 +212,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of pp=1 and of each worker")
     ap.add_argument("--device", default="cpu", help="pp=1's device and every stage's (e.g. cuda:0: stages share it)")
     ap.add_argument("--seed", type=int, default=0, help="the random checkpoint's and the prompts' seed")
+    ap.add_argument("--spin-us", default="auto", help="comma-separated: µs the workers and the head poll before "
+                    "sleeping, or auto; each ring runs once per value")
+    ap.add_argument("--micro-batches", default="0", help="comma-separated: micro-batches in flight (0: automatic); "
+                    "each ring runs once per value")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
     from flotilla.runtime.random_model import write_random_checkpoint
@@ -218,7 +228,9 @@ def main(argv=None) -> int:
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(args.streams)]
         base = pp1_row(checkpoint, prompts, args)
-        rows = [base] + [ring_row(checkpoint, pp, prompts, args, base) for pp in depths]
+        rows = [base] + [ring_row(checkpoint, pp, spin, mb, prompts, args, base) for pp in depths
+                         for spin in [None if v == "auto" else int(v) for v in args.spin_us.split(",")]
+                         for mb in [int(v) for v in args.micro_batches.split(",")]]
     load = os.getloadavg()
     for r in rows:
         r.update(tokens_per_stream=args.tokens, streams=args.streams, repeats=args.repeats, threads=args.threads,
@@ -232,18 +244,19 @@ def main(argv=None) -> int:
           f"{args.threads} thread(s) a "
           f"stage; one stream of {args.tokens} tokens (median of {args.repeats}); load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"{'pp':>3s} {'ms/token':>9s} {'tok/s':>7s} {'x pp1':>6s} {'stages ms':>10s} {'µs/hop':>7s} "
+    print(f"{'pp':>3s} {'spin µs':>7s} {'mb':>2s} {'ms/token':>9s} {'tok/s':>7s} {'x pp1':>6s} {'stages ms':>10s} {'µs/hop':>7s} "
           f"{'over pp1 µs/hop':>16s} {f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'identical':>15s}")
     for r in rows:
         ring = r["pp"] > 1
-        print(f"{r['pp']:>3d} {r['ms_per_token']:9.3f} {1e3 / r['ms_per_token']:7.1f} "
+        print(f"{r['pp']:>3d} {r['spin_us'] if ring else '-':>7} {r['micro_batches'] if ring else '-':>2} "
+              f"{r['ms_per_token']:9.3f} {1e3 / r['ms_per_token']:7.1f} "
               f"{r['single_vs_pp1'] if ring else 1.0:5.2f}x {r['stage_ms']:10.3f} {r['us_per_hop']:7.0f} "
               f"{r['over_pp1_us_per_hop'] if ring else 0:16.0f} {r['multi_tok_s']:15.1f} "
               f"{r['multi_vs_pp1'] if ring else 1.0:5.2f}x "
               f"{same(r) if ring else '-':>15s}")
     for r in rows[1:]:
         for d in r["divergences"]:
-            print(f"pp={r['pp']} stream {d['stream']}{' (alone)' if d['stream'] == args.streams else ''}: first "
+            print(f"pp={r['pp']} (spin {r['spin_us']}, {r['micro_batches']} mb) stream {d['stream']}{' (alone)' if d['stream'] == args.streams else ''}: first "
                   f"differs at token {d['token']} ({d['ring']} for pp=1's {d['pp1']}); pp=1's top-2 margin there "
                   f"{d['pp1_margin']:.1e} nats, the run's noise {r['noise']:.1e}: "
                   f"{'a near-tie' if d['tie'] else 'A MISMATCH'}")

@@ -22,15 +22,17 @@ class ThreadWorker:
     """A pipeline Worker on its own event loop in a daemon thread of this process."""
 
     def __init__(self, cache_dir: Path, model: Path | None = None, port: int = 0, token: bytes = TOKEN,
-                 ssl_server=None, ssl_client=None, handshake_timeout: float = 10.0):
+                 ssl_server=None, ssl_client=None, handshake_timeout: float = 10.0, spin: float = 0.0):
+        from flotilla.runtime.pipeline.spin import SpinSelector
         from flotilla.runtime.pipeline.worker import Worker, WorkerConfig
 
         self.config = WorkerConfig(token, torch.device("cpu"), Path(cache_dir), model, ssl_server, ssl_client,
                                    handshake_timeout=handshake_timeout)
-        self.loop = asyncio.new_event_loop()
+        self.worker = Worker(self.config)
+        # as `runtime worker --spin-us`: polling between messages (spin seconds) unless 0
+        self.loop = asyncio.SelectorEventLoop(SpinSelector(spin, self.worker.idle)) if spin else asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.worker = Worker(self.config)
         self.host, self.port = self.call(self.worker.start("127.0.0.1", port))
 
     def call(self, coro, timeout: float = 60):

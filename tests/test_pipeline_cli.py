@@ -43,6 +43,8 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "cannot connect to worker 127.0.0.1:1: connection refused" in r.stderr
     r = runtime("worker", "--listen", "nonsense", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "--listen" in r.stderr
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--spin-us", "-1", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "--spin-us must be >= 0" in r.stderr
 
 
 def test_serve_pp2_starts_local_workers_and_serves(smollm2_int4):

@@ -81,10 +81,13 @@ def largest_gap(a, b) -> float:
     return max(abs(x[1] - y[1]) for ra, rb in zip(a, b) for sa, sb in zip(ra, rb) for x, y in zip(sa, sb))
 
 
-def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path):
-    workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt) for i in range(2)]
+@pytest.mark.parametrize("spin", [0.0, 0.002], ids=["sleeping", "polling"])
+def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path, spin):
+    """Also with the workers and the head polling between messages (spin.py, results.py)."""
+    workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt, spin=spin) for i in range(2)]
     try:
-        settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32")
+        settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32",
+                                    spin_us=int(spin * 1e6))
         engine = build_pipeline_engine(ckpt, ARGS, settings, lambda line: None, with_tokenizer=False)
         try:
             ring = top2(engine, prompts)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import selectors
+import socket
 
 import msgpack
 import pytest
@@ -18,6 +20,7 @@ from flotilla.runtime.pipeline.cli import read_token
 from flotilla.runtime.pipeline.connection import parse_address
 from flotilla.runtime.pipeline.partition import (StageBudget, compute_units, describe, parse_layers, split_layers,
                                                  stages_from_counts)
+from flotilla.runtime.pipeline.spin import SpinSelector, spare_cores
 from flotilla.runtime.pipeline.weight_push import ShardReceiver, WeightCache
 from flotilla.runtime.pipeline.wire import ProtocolError, decode, encode, message_names
 
@@ -226,3 +229,47 @@ def test_the_token_comes_from_a_file_the_environment_or_the_command_line(tmp_pat
     assert read_token(ns(token_file=str(f))) == b"0123456789abcdef-from-file"
     monkeypatch.setenv("FLOTILLA_TOKEN", "0123456789abcdef-from-env")
     assert read_token(ns()) == b"0123456789abcdef-from-env"
+
+
+class _Polls(selectors.DefaultSelector):
+    """Records the timeouts SpinSelector passes down (it inherits from DefaultSelector; this sits
+    between them in the MRO)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.timeouts: list[float | None] = []
+
+    def select(self, timeout=None):
+        self.timeouts.append(timeout)
+        return super().select(timeout)
+
+
+class _CountingSpin(SpinSelector, _Polls):
+    pass
+
+
+def test_the_spin_selector_polls_after_an_event_and_only_while_allowed():
+    a, b = socket.socketpair()
+    allowed = [True]
+    sel = _CountingSpin(60.0, lambda: allowed[0])
+    sel.register(a, selectors.EVENT_READ)
+    assert sel.select(0.01) == [] and sel.timeouts == [0.01]  # cold: sleeps at once
+    b.send(b"x")
+    assert len(sel.select(None)) == 1  # an event: hot for the next 60 s
+    a.recv(1)
+    sel.timeouts.clear()
+    assert sel.select(0.01) == []  # nothing comes: polls (timeout 0) until the 10 ms are up
+    assert sel.timeouts.count(0) >= 1 and all(t == 0 or t <= 0.01 for t in sel.timeouts)
+    allowed[0] = False
+    sel.timeouts.clear()
+    assert sel.select(0.01) == [] and sel.timeouts == [0.01]  # not allowed (a prefill computes): sleeps
+    sel.close()
+    a.close()
+    b.close()
+
+
+def test_local_rings_poll_only_with_cores_to_spare():
+    assert spare_cores(16, [None, None])  # two GPU workers and the head: 3 busy threads
+    assert spare_cores(16, [1, 1, 1])  # bench/pp_hop.py's CPU workers of one thread
+    assert not spare_cores(2, [1, 1])  # this CI machine: the head and two CPU stages already fill it
+    assert not spare_cores(16, [1, 14, 1])  # a mixed ring: the CPU stage has the cores the GPU workers leave

@@ -21,6 +21,7 @@ from flotilla.errors import FlotillaError
 
 from .activations import WIRE_DTYPES
 from .connection import MIN_TOKEN_LENGTH, check_token, parse_address, ssl_contexts
+from .spin import SpinSelector
 
 DEFAULT_PORT = 7070
 
@@ -92,6 +93,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="M",
                    help="tensor-parallel ranks for this worker's stage: M processes share every layer of it "
                         "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; default 1)")
+    p.add_argument("--spin-us", type=int, default=0, metavar="US",
+                   help="after each message, poll the sockets this many microseconds before sleeping, so that the "
+                        "next decode step finds the worker awake (costs a core while steps come; for machines with "
+                        "cores to spare, e.g. a GPU worker; default 0: sleep at once)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     _add_token_args(p)
@@ -107,6 +112,8 @@ def run_worker(args: argparse.Namespace) -> int:
     token = read_token(args)
     if args.tp < 1:
         raise FlotillaError(f"--tp must be at least 1, got {args.tp}")
+    if args.spin_us < 0:
+        raise FlotillaError(f"--spin-us must be >= 0 microseconds, got {args.spin_us}")
     try:
         host, port = parse_address(args.listen)
     except ValueError as e:
@@ -125,8 +132,11 @@ def run_worker(args: argparse.Namespace) -> int:
     check_devices([device], args.tp, "--device")
     config = WorkerConfig(token, device, cache, model, server_ssl, client_ssl, tp=args.tp)
 
+    selector = SpinSelector(args.spin_us / 1e6)
+
     async def main() -> None:
         worker = Worker(config)
+        selector.allowed = worker.idle  # no polling while the compute thread needs the GIL
         try:
             bound = await worker.start(host, port)
         except OSError as e:
@@ -143,7 +153,8 @@ def run_worker(args: argparse.Namespace) -> int:
         await stop.wait()
         await worker.close()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+        runner.run(main())
     return 0
 
 
@@ -171,6 +182,11 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a lost stage may take to come back before its requests fail (default 60)")
     g.add_argument("--wire-dtype", default="fp16", choices=list(WIRE_DTYPES),
                    help="activations between stages: fp16, bf16, or int8 (per-token scaled; half the bytes)")
+    g.add_argument("--spin-us", type=int, default=None, metavar="US",
+                   help="poll for the next message this many microseconds before sleeping: the head while steps "
+                        "are in flight, and local workers (see `runtime worker --spin-us`); costs a core each while "
+                        "the ring is busy. Default: local workers and the head poll when the ring leaves this "
+                        "machine cores to spare (e.g. GPU workers), else 0")
     _add_token_args(g)
 
 
@@ -225,6 +241,9 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     pp, tp = args.pp, getattr(args, "tp", 1)
     if pp < 1 or tp < 1:
         raise FlotillaError(f"--pp and --tp must be at least 1, got --pp {pp} --tp {tp}")
+    spin_us = getattr(args, "spin_us", None)
+    if spin_us is not None and spin_us < 0:
+        raise FlotillaError(f"--spin-us must be >= 0 microseconds, got {spin_us}")
     devices = None
     if getattr(args, "devices", None) is not None:
         if args.hosts:
@@ -251,12 +270,14 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         token = read_token(args)
     else:
         token = read_token(args, required=False) or secrets.token_hex(16).encode()
-        local = LocalWorkers(pp, model, token, devices, log=report, tp=tp)
-        report(f"starting {pp} local workers ({local.describe()})")
+        local = LocalWorkers(pp, model, token, devices, log=report, tp=tp, spin_us=spin_us)
+        spin_us = local.spin_us
+        polling = f"; they and the head poll {spin_us} µs before sleeping" if spin_us else ""
+        report(f"starting {pp} local workers ({local.describe()}){polling}")
         hosts = local.start()
     layers = None
     settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), layers, args.wire_dtype,
-                                args.dtype, stage_timeout=args.stage_timeout)
+                                args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0)
     try:
         if args.layers:
             from flotilla.models.sources import open_source

@@ -7,6 +7,10 @@ otherwise they are CPU processes. `--devices` places them by hand, repeats allow
 stages on one GPU (each worker its own CUDA context), CPU stages beside GPU ones. CPU workers
 split the cores between them (less one core per GPU worker, which drives its GPU). The workers
 exit when the head does.
+
+Polling (spin.py): when the ring leaves cores to spare (GPU workers, or CPU workers given a few
+threads on a larger machine), the workers poll for the next step instead of sleeping, and so
+does the head for results (`spin_us`, which the head's PipelineSettings take too).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from pathlib import Path
 import torch
 
 from flotilla.errors import FlotillaError
+
+from .spin import DEFAULT_SPIN_US, spare_cores
 
 _LISTENING = re.compile(r"flotilla worker: listening on (\S+):(\d+)")
 
@@ -45,13 +51,16 @@ def worker_threads(devices: list[str], cores: int) -> list[int | None]:
 
 class LocalWorkers:
     def __init__(self, n: int, model: Path, token: bytes, devices: list[str] | None = None,
-                 threads: int | None = None, log=None, tp: int = 1):
+                 threads: int | None = None, log=None, tp: int = 1, spin_us: int | None = None):
         self.n, self.model, self.token, self.tp = n, Path(model), token, tp
         self.devices = devices or local_devices(n, tp)
         if len(self.devices) != n:
             raise ValueError(f"{n} local workers need {n} devices, got {self.devices}")
-        self.threads = ([threads] * n if threads is not None
-                        else worker_threads(self.devices, len(os.sched_getaffinity(0))))
+        cores = len(os.sched_getaffinity(0))
+        self.threads = [threads] * n if threads is not None else worker_threads(self.devices, cores)
+        if spin_us is None:  # automatic: poll where the ring leaves cores to spare (TP ranks take one each)
+            spin_us = DEFAULT_SPIN_US if spare_cores(cores, [(t or 1) * tp for t in self.threads]) else 0
+        self.spin_us = spin_us
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []
 
@@ -70,6 +79,8 @@ class LocalWorkers:
                 cmd += ["--threads", str(threads)]
             if self.tp > 1:
                 cmd += ["--tp", str(self.tp)]
+            if self.spin_us:
+                cmd += ["--spin-us", str(self.spin_us)]
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1))
         try:
             return [self._address(i, p, time.monotonic() + timeout) for i, p in enumerate(self.procs)]

@@ -375,6 +375,10 @@ class Worker:
         if old is not None and old is not runtime:
             old.close()
 
+    def idle(self) -> bool:
+        """Whether the compute thread has nothing to do (spin.py polls only then)."""
+        return self._behind == 0
+
     def _step_arrived(self, msg: Step) -> None:
         """On the loop's thread: run a decode step here and now, unless steps wait for the compute
         thread (then it queues behind them); hand anything longer to the compute thread."""

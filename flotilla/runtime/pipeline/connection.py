@@ -156,6 +156,11 @@ class Connection:
                 self._pending.append(data[sent:])
         return True
 
+    @property
+    def backlogged(self) -> bool:
+        """Whether frames wait for the loop's thread to write them (any thread may ask)."""
+        return bool(self._pending) or bool(self.writer.transport.get_write_buffer_size())
+
     def _flush_pending(self) -> None:
         with self._write_lock:
             self._write_pending()

@@ -110,6 +110,11 @@ class StagePeer:
         except GONE:
             return True  # the reader reports the loss
 
+    def backlogged(self) -> bool:
+        """Whether data frames wait for the loop's thread (Connection.backlogged)."""
+        conn = self.conn
+        return conn is not None and conn.backlogged
+
     async def _send(self, msg) -> None:
         conn = self.conn
         if conn is None:

@@ -237,9 +237,12 @@ class Pipeline:
             if not isinstance(reply, Configured) or reply.epoch != self.epoch:
                 raise RemoteFailure(f"worker {peer.address} did not confirm epoch {self.epoch}")
         last, link = peers[-1], s.link
+        # no polling over TLS: the I/O thread writes every step then, and a polling thread keeps the GIL from it
+        spin = s.spin_us / 1e6 if link.ssl is None else 0.0
+        first = peers[0]
         channel = await asyncio.to_thread(open_result_channel, last.host, last.port, link.token, link.ssl,
-                                          link.connect_timeout, link.max_frame, self.epoch, s.spin_us / 1e6,
-                                          self._results_lost)
+                                          link.connect_timeout, link.max_frame, self.epoch, spin, self._results_lost,
+                                          lambda: not first.backlogged())
         old, self._results = self._results, channel
         if old is not None:
             old.abort()

@@ -11,7 +11,9 @@ keeps the control connections (heartbeats, faults, loads).
 `spin`: seconds the reader polls the socket (non-blocking reads) before it sleeps in poll(2),
 while it waits for a micro-batch in flight. A sleeping thread's wake-up, an idle core's under a
 hypervisor above all, can cost more than the hop's own work; polling costs a core while steps are
-in flight. 0: sleep at once.
+in flight. 0: sleep at once. It polls only while `may_spin()`: the polling thread holds the GIL
+between its reads, so the head's I/O thread, when it has frames to write, gets it only at the
+interpreter's switch interval (5 ms); the reader sleeps instead then.
 
 A channel that breaks (the stream ends, a bad frame) says so once through `on_lost` and then
 returns nothing; `abort` (from another thread) ends it without a word.
@@ -35,7 +37,8 @@ _READ = 1 << 16
 
 class ResultChannel:
     def __init__(self, sock: socket.socket, recv_key: bytes, peer: str, max_frame: int, spin: float,
-                 on_lost: Callable[["ResultChannel", str], None], seq: int = 0):
+                 on_lost: Callable[["ResultChannel", str], None], seq: int = 0,
+                 may_spin: Callable[[], bool] = lambda: True):
         self._sock = sock
         sock.setblocking(False)
         self._poll = select.poll()
@@ -45,6 +48,7 @@ class ResultChannel:
         self._buf = bytearray()
         self.peer, self.max_frame, self.spin = peer, max_frame, spin
         self._on_lost = on_lost
+        self._may_spin = may_spin
         self._ended = False
 
     def read(self, timeout: float) -> list[StepResult]:
@@ -84,7 +88,7 @@ class ResultChannel:
         now = time.monotonic()
         deadline = now + timeout
         spin_end = min(deadline, now + self.spin)
-        while now < spin_end:
+        while now < spin_end and self._may_spin():
             if self._recv():
                 return True
             now = time.monotonic()
@@ -133,8 +137,8 @@ class ResultChannel:
 
 
 def open_result_channel(host: str, port: int, token: bytes, ssl_context: ssl.SSLContext | None, timeout: float,
-                        max_frame: int, epoch: int, spin: float,
-                        on_lost: Callable[[ResultChannel, str], None]) -> ResultChannel:
+                        max_frame: int, epoch: int, spin: float, on_lost: Callable[[ResultChannel, str], None],
+                        may_spin: Callable[[], bool] = lambda: True) -> ResultChannel:
     """Connect to the last stage (blocking; call it off the event loop), authenticate, ask for
     `epoch`'s results and wait for the worker to confirm."""
     sock = socket.create_connection((host, port), timeout)
@@ -159,7 +163,8 @@ def open_result_channel(host: str, port: int, token: bytes, ssl_context: ssl.SSL
     except BaseException:
         sock.close()
         raise
-    return ResultChannel(sock, recv_key, f"{host}:{port}", max_frame, spin, on_lost, seq=1)  # Configured was 0
+    return ResultChannel(sock, recv_key, f"{host}:{port}", max_frame, spin, on_lost, seq=1,  # Configured was 0
+                         may_spin=may_spin)
 
 
 def _read_frame(sock: socket.socket, max_frame: int) -> bytes:

@@ -234,7 +234,8 @@ def _weight_map(ckpt):
 
 # ---------------------------------------------------------------------------------- faults
 
-def test_a_stage_lost_mid_generation_comes_back_and_the_tokens_are_undisturbed(ckpt, local, tmp_path):
+@pytest.mark.parametrize("lost", [1, 2], ids=["middle", "last"])  # the last stage holds the result connection
+def test_a_stage_lost_mid_generation_comes_back_and_the_tokens_are_undisturbed(ckpt, local, tmp_path, lost):
     workers = [ThreadWorker(tmp_path / f"c{i}", ckpt) for i in range(3)]
     engine = pipeline(ckpt, workers, layers=(1, 2, 1))
     want = local(PROMPTS, MIXED)
@@ -246,9 +247,9 @@ def test_a_stage_lost_mid_generation_comes_back_and_the_tokens_are_undisturbed(c
         while engine.has_unfinished():
             steps += 1
             if steps == 8:
-                port = workers[1].port
-                workers[1].stop()
-                workers[1] = ThreadWorker(tmp_path / "c1", ckpt, port=port)
+                port = workers[lost].port
+                workers[lost].stop()
+                workers[lost] = ThreadWorker(tmp_path / f"c{lost}", ckpt, port=port)
             for o in engine.step():
                 got.setdefault(o.request_id, []).extend(o.new_token_ids)
         assert engine.num_rewinds == 1

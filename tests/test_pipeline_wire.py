@@ -237,3 +237,45 @@ def test_a_step_with_a_wrong_item_type_is_refused(field, value):
               for i, (f, _) in enumerate(_VALIDATORS[type(step)])]
     with pytest.raises(ProtocolError, match=field):
         decode(msgpack.packb([step.WIRE_NAME, values], use_bin_type=True))
+
+
+def _result_frame(key: bytes, seq: int, msg, tamper: bool = False) -> bytes:
+    import hmac as _hmac
+
+    from flotilla.runtime.pipeline.connection import frame_tag
+    body = encode(msg)
+    tag = frame_tag(_hmac.new(key, digestmod="sha256"), seq, body)
+    if tamper:
+        tag = bytes([tag[0] ^ 1]) + tag[1:]
+    return frame(tag + body)
+
+
+@pytest.mark.parametrize("bad", ["tampered", "wrong type", "oversized", "closed"])
+def test_the_result_channel_reads_step_results_and_reports_anything_else_once(bad):
+    import socket
+
+    from flotilla.runtime.pipeline.messages import Pong, StepResult
+    from flotilla.runtime.pipeline.results import ResultChannel
+
+    key = b"k" * 32
+    a, b = socket.socketpair()
+    lost: list[str] = []
+    channel = ResultChannel(a, key, "peer", 1 << 16, spin=0.001, on_lost=lambda ch, why: lost.append(why))
+    r0, r1 = StepResult(1, 7, [42], None, None, None), StepResult(1, 8, [43], None, None, None)
+    b.sendall(_result_frame(key, 0, r0) + _result_frame(key, 1, r1)[:10])  # a whole frame and a piece
+    assert [r.mb for r in channel.read(1.0)] == [7]
+    b.sendall(_result_frame(key, 1, r1)[10:])
+    assert [r.mb for r in channel.read(1.0)] == [8]
+    assert channel.read(0.0) == [] and channel.read(0.01) == [] and not lost  # nothing more: nothing
+    if bad == "tampered":
+        b.sendall(_result_frame(key, 2, r0, tamper=True))
+    elif bad == "wrong type":
+        b.sendall(_result_frame(key, 2, Pong(1)))
+    elif bad == "oversized":
+        b.sendall(struct.pack(">I", (1 << 20)))
+    else:
+        b.close()
+    assert channel.read(1.0) == [] and len(lost) == 1
+    assert channel.read(0.01) == [] and len(lost) == 1  # reported once; reads nothing after
+    channel.close()
+    b.close()

@@ -37,14 +37,13 @@ _READ = 1 << 16
 
 class ResultChannel:
     def __init__(self, sock: socket.socket, recv_key: bytes, peer: str, max_frame: int, spin: float,
-                 on_lost: Callable[["ResultChannel", str], None], seq: int = 0,
-                 may_spin: Callable[[], bool] = lambda: True):
+                 on_lost: Callable[["ResultChannel", str], None], may_spin: Callable[[], bool] = lambda: True):
         self._sock = sock
         sock.setblocking(False)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._mac = hmac.new(recv_key, digestmod="sha256")
-        self._seq = seq  # the next frame's sequence number
+        self._seq = 0  # the next frame's sequence number
         self._buf = bytearray()
         self.peer, self.max_frame, self.spin = peer, max_frame, spin
         self._on_lost = on_lost
@@ -57,11 +56,11 @@ class ResultChannel:
             self._sock.close()
             return []
         try:
-            out = self._frames()
+            out = self._messages(StepResult)
             if not out and self._wait(timeout):
-                out = self._frames()
+                out = self._messages(StepResult)
             return out
-        except (OSError, ProtocolError, EOFError) as e:
+        except (OSError, ProtocolError) as e:
             if not self._ended:
                 self._ended = True
                 self._on_lost(self, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
@@ -108,13 +107,23 @@ class ResultChannel:
         if not data:
             if self._ended:
                 return False
-            raise EOFError(f"the last stage ({self.peer}) closed the result connection")
+            raise ConnectionError(f"the last stage ({self.peer}) closed the result connection")
         self._buf += data
         while isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
             self._buf += self._sock.recv(self._sock.pending())
         return True
 
-    def _frames(self) -> list[StepResult]:
+    def confirm(self, epoch: int, timeout: float) -> None:
+        """Wait for the worker's Configured(epoch), the connection's first frame."""
+        deadline = time.monotonic() + timeout
+        while not (got := self._messages(Configured)):
+            if time.monotonic() > deadline or not self._wait(deadline - time.monotonic()):
+                raise ProtocolError(f"the last stage ({self.peer}) did not confirm the result link in {timeout:g} s")
+        if got[0].epoch != epoch or len(got) > 1:
+            raise ProtocolError(f"the last stage ({self.peer}) confirmed the result link of epoch {got[0].epoch}, "
+                                f"not {epoch}")
+
+    def _messages(self, expected: type) -> list:
         """Every complete frame in the buffer, checked (size, MAC, type) and decoded."""
         out, buf = [], self._buf
         while len(buf) >= _HEADER:
@@ -130,7 +139,7 @@ class ResultChannel:
                 raise AuthError(f"frame from {self.peer} failed its integrity check")
             self._seq += 1
             msg = decode(payload, self.max_frame)
-            if not isinstance(msg, StepResult):
+            if not isinstance(msg, expected):
                 raise ProtocolError(f"unexpected {msg.WIRE_NAME} on the result connection")
             out.append(msg)
         return out
@@ -150,24 +159,19 @@ def open_result_channel(host: str, port: int, token: bytes, ssl_context: ssl.SSL
         sock.sendall(hs.hello)
         proof, send_key, recv_key = hs.answer(read_plain(_read_frame(sock, HANDSHAKE_MAX_FRAME), Challenge))
         sock.sendall(proof)
-        body = encode(ResultsLink(epoch))
+        body = encode(ResultsLink(epoch))  # the only frame the head sends on it: sequence number 0
         tag = frame_tag(hmac.new(send_key, digestmod="sha256"), 0, body)
         sock.sendall(FRAME_HEADER.pack(TAG_BYTES + len(body)) + tag + body)
-        reply = _read_frame(sock, max_frame + TAG_BYTES)
-        mac = hmac.new(recv_key, digestmod="sha256")
-        if not hmac.compare_digest(reply[:TAG_BYTES], frame_tag(mac, 0, reply[TAG_BYTES:])):
-            raise AuthError(f"frame from {host}:{port} failed its integrity check")
-        msg = decode(reply[TAG_BYTES:], max_frame)
-        if not isinstance(msg, Configured) or msg.epoch != epoch:
-            raise ProtocolError(f"the last stage answered the result link of epoch {epoch} with {msg.WIRE_NAME}")
+        channel = ResultChannel(sock, recv_key, f"{host}:{port}", max_frame, spin, on_lost, may_spin)
+        channel.confirm(epoch, timeout)
     except BaseException:
         sock.close()
         raise
-    return ResultChannel(sock, recv_key, f"{host}:{port}", max_frame, spin, on_lost, seq=1,  # Configured was 0
-                         may_spin=may_spin)
+    return channel
 
 
 def _read_frame(sock: socket.socket, max_frame: int) -> bytes:
+    """One handshake frame's body, from a blocking socket."""
     (n,) = FRAME_HEADER.unpack(_exactly(sock, _HEADER))
     if n > max_frame:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame}")
@@ -179,6 +183,6 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
-            raise EOFError("the connection closed during the result link's handshake")
+            raise ConnectionError("the connection closed during the result link's handshake")
         data += chunk
     return bytes(data)

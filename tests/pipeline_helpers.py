@@ -29,8 +29,12 @@ class ThreadWorker:
         self.config = WorkerConfig(token, torch.device("cpu"), Path(cache_dir), model, ssl_server, ssl_client,
                                    handshake_timeout=handshake_timeout)
         self.worker = Worker(self.config)
-        # as `runtime worker --spin-us`: polling between messages (spin seconds) unless 0
-        self.loop = asyncio.SelectorEventLoop(SpinSelector(spin, self.worker.idle)) if spin else asyncio.new_event_loop()
+        if spin:  # as `runtime worker --spin-us`: polling for up to `spin` seconds after each step
+            selector = SpinSelector(spin, self.worker.idle)
+            self.worker.on_step = selector.arm
+            self.loop = asyncio.SelectorEventLoop(selector)
+        else:
+            self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.host, self.port = self.call(self.worker.start("127.0.0.1", port))

@@ -248,15 +248,18 @@ class _CountingSpin(SpinSelector, _Polls):
     pass
 
 
-def test_the_spin_selector_polls_after_an_event_and_only_while_allowed():
+def test_the_spin_selector_polls_after_a_step_and_only_while_allowed():
     a, b = socket.socketpair()
     allowed = [True]
     sel = _CountingSpin(60.0, lambda: allowed[0])
     sel.register(a, selectors.EVENT_READ)
     assert sel.select(0.01) == [] and sel.timeouts == [0.01]  # cold: sleeps at once
     b.send(b"x")
-    assert len(sel.select(None)) == 1  # an event: hot for the next 60 s
+    assert len(sel.select(None)) == 1
     a.recv(1)
+    sel.timeouts.clear()
+    assert sel.select(0.01) == [] and sel.timeouts == [0.01]  # any event is not a step: still cold
+    sel.arm()  # a step came: hot for the next 60 s
     sel.timeouts.clear()
     assert sel.select(0.01) == []  # nothing comes: polls (timeout 0) until the 10 ms are up
     assert sel.timeouts.count(0) >= 1 and all(t == 0 or t <= 0.01 for t in sel.timeouts)

@@ -94,7 +94,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks for this worker's stage: M processes share every layer of it "
                         "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; default 1)")
     p.add_argument("--spin-us", type=int, default=0, metavar="US",
-                   help="after each message, poll the sockets this many microseconds before sleeping, so that the "
+                   help="after each step, poll the sockets this many microseconds before sleeping, so that the "
                         "next decode step finds the worker awake (costs a core while steps come; for machines with "
                         "cores to spare, e.g. a GPU worker; default 0: sleep at once)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -137,6 +137,7 @@ def run_worker(args: argparse.Namespace) -> int:
     async def main() -> None:
         worker = Worker(config)
         selector.allowed = worker.idle  # no polling while the compute thread needs the GIL
+        worker.on_step = selector.arm  # polling follows the steps
         try:
             bound = await worker.start(host, port)
         except OSError as e:

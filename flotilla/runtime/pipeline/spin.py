@@ -3,10 +3,11 @@
 Each hop of a decode step wakes a process that sleeps in epoll: the hop's own work is tens of µs,
 but the wake-up of a sleeping thread on an idle core (deep C-states; an idle vCPU halted by its
 hypervisor) can cost as much again or more. `SpinSelector` polls (epoll with a zero timeout) for
-up to `spin` seconds after its last event before it sleeps, so while steps keep coming the next
-one finds the loop awake; an idle worker sleeps as before. Polling takes a core while the ring is
-busy: it is for machines with cores to spare (`spare_cores`), and never while `allowed()` is
-false (the worker's compute thread is busy with a prefill chunk and needs the GIL).
+up to `spin` seconds after the worker last saw a step (`arm`) before it sleeps, so while steps
+keep coming the next one finds the loop awake; a worker without steps (idle, or loading its
+stage) sleeps as before. Polling takes a core while the ring is busy: it is for machines with
+cores to spare (`spare_cores`), and never while `allowed()` is false: the polling thread holds
+the GIL between its polls, and the worker's compute thread, busy with a prefill chunk, needs it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ class SpinSelector(selectors.DefaultSelector):
         super().__init__()
         self.spin = spin
         self.allowed = allowed
-        self._hot_until = 0.0  # polling until then: the last event + spin
+        self._hot_until = 0.0  # polling until then: the last step + spin
+
+    def arm(self) -> None:
+        """A step came: poll for the next one for up to `spin` seconds."""
+        self._hot_until = time.monotonic() + self.spin
 
     def select(self, timeout: float | None = None):
         if self.spin > 0 and (timeout is None or timeout > 0):
@@ -34,14 +39,10 @@ class SpinSelector(selectors.DefaultSelector):
                 while now < end:
                     ready = super().select(0)
                     if ready:
-                        self._hot_until = time.monotonic() + self.spin
                         return ready
                     now = time.monotonic()
                 timeout = None if limit == math.inf else max(0.0, limit - now)
-        ready = super().select(timeout)
-        if ready and self.spin > 0:
-            self._hot_until = time.monotonic() + self.spin
-        return ready
+        return super().select(timeout)
 
 
 def spare_cores(cores: int, threads: list[int | None]) -> bool:

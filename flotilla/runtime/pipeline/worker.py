@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -117,6 +118,7 @@ class Worker:
         self._server: asyncio.AbstractServer | None = None
         self._compute: threading.Thread | None = None
         self._threads = torch.get_num_threads()  # the stage's CPU threads (`--threads`)
+        self.on_step: Callable[[], None] = lambda: None  # each step's arrival (spin.SpinSelector.arm)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int) -> tuple[str, int]:
@@ -382,6 +384,7 @@ class Worker:
     def _step_arrived(self, msg: Step) -> None:
         """On the loop's thread: run a decode step here and now, unless steps wait for the compute
         thread (then it queues behind them); hand anything longer to the compute thread."""
+        self.on_step()
         if self._behind == 0 and sum(msg.query_lens) <= len(msg.query_lens) * self._inline_query_len:
             self._emit(self._run_step(msg))
             return

@@ -97,6 +97,7 @@ class Pipeline:
         self.missing: dict[int, str] = {}
         self.loaded: list[StageLoaded] = []
         self._results: ResultChannel | None = None  # this epoch's; the engine's thread reads it
+        self._retired: list[ResultChannel] = []  # aborted by the I/O thread, closed by the engine's
         self._fingerprint = ""
         self._repair: asyncio.Task | None = None
         self._started = False  # faults before this are errors of start()
@@ -137,6 +138,8 @@ class Pipeline:
     def get_results(self, timeout: float) -> list[StepResult]:
         """The StepResults that have come back, waiting up to `timeout` seconds for the first (the
         engine's thread only)."""
+        while self._retired:
+            self._retired.pop().close()
         channel = self._results
         if channel is None:
             self.ready.wait(timeout)  # down: the engine rewinds once the generation moves
@@ -173,6 +176,8 @@ class Pipeline:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        while self._retired:
+            self._retired.pop().close()
         for fn in self.on_close:
             fn()
 
@@ -243,9 +248,8 @@ class Pipeline:
         channel = await asyncio.to_thread(open_result_channel, last.host, last.port, link.token, link.ssl,
                                           link.connect_timeout, link.max_frame, self.epoch, spin, self._results_lost,
                                           lambda: not first.backlogged())
-        old, self._results = self._results, channel
-        if old is not None:
-            old.abort()
+        self._retire()
+        self._results = channel
 
     async def _gather(self, coros):
         """Run concurrently; the first failure cancels the rest and propagates."""
@@ -269,6 +273,14 @@ class Pipeline:
         if isinstance(msg, Fault):
             self._broken(f"stage {peer.index} ({peer.address}) reports: {msg.message}")
 
+    def _retire(self) -> None:
+        """Abort this epoch's result connection (the engine's thread, if it waits on it, returns)
+        and leave it for that thread to close."""
+        channel, self._results = self._results, None
+        if channel is not None:
+            channel.abort()
+            self._retired.append(channel)
+
     def _results_lost(self, channel: ResultChannel, reason: str) -> None:
         """From the engine's thread: the result connection broke."""
         def lost():
@@ -287,9 +299,7 @@ class Pipeline:
             return
         if self.ready.is_set():
             self.ready.clear()
-            channel, self._results = self._results, None
-            if channel is not None:
-                channel.abort()  # the engine's thread, if it waits on it, returns
+            self._retire()
             self.generation += 1
             self.down_since = time.monotonic()
             self.down_reason = reason
@@ -342,8 +352,7 @@ class Pipeline:
     async def _shutdown(self) -> None:
         if self._repair is not None:
             self._repair.cancel()
-        if self._results is not None:
-            self._results.close()
+        self._retire()
         for p in self.peers:
             p.close()
 

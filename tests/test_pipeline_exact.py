@@ -90,6 +90,7 @@ def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path, sp
                                     spin_us=int(spin * 1e6))
         engine = build_pipeline_engine(ckpt, ARGS, settings, lambda line: None, with_tokenizer=False)
         try:
+            assert engine.executor.depth == 2  # two CPU stages: two micro-batches of 3 sequences in flight
             ring = top2(engine, prompts)
         finally:
             engine.close()

@@ -39,6 +39,9 @@ class KVBlocks:
         return [b.block_id for b in self.blocks]
 
 
+_NO_BLOCKS = KVBlocks()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True):
         self.block_size = block_size
@@ -98,21 +101,23 @@ class BlockManager:
         or None, changing nothing, when the pool cannot provide them. A decode that stays in its
         last block costs O(1): the table is replaced only when it grows (`seq.block_table` is
         never changed in place, so a step may hold on to it)."""
-        table = self._tables.get(seq.request_id, [])
+        table = self._tables.get(seq.request_id)
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        num_new = max(0, self.blocks_for(total) - len(table) - len(computed))
-        if num_new + sum(1 for b in computed.blocks if b.ref_cnt == 0) > self.pool.num_free_blocks:
-            return None
-        new = []
-        if computed or num_new or seq.request_id not in self._tables:
+        if table is not None and not computed and total <= len(table) * self.block_size:
+            new = _NO_BLOCKS  # the slots are in the table already
+        else:
+            table = table or []
+            num_new = max(0, self.blocks_for(total) - len(table) - len(computed))
+            if num_new + sum(1 for b in computed.blocks if b.ref_cnt == 0) > self.pool.num_free_blocks:
+                return None
             self.pool.touch(computed.blocks)
-            new = self.pool.take(num_new)
-            table = table + list(computed.blocks) + new
+            new = KVBlocks(tuple(self.pool.take(num_new)))
+            table = table + list(computed.blocks) + list(new.blocks)
             self._tables[seq.request_id] = table
             seq.block_table = [b.block_id for b in table]
         if self.pool.enable_caching:  # only blocks of real tokens: never a speculative step's drafts
             self._cache_full_blocks(seq, table, min(total, seq.num_tokens) // self.block_size)
-        return KVBlocks(tuple(new))
+        return new
 
     def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], full: int) -> None:
         """Offer the table's first `full` blocks to the prefix cache, from the first one that

@@ -249,7 +249,7 @@ class DecodeGraphRunner:
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
         backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)
         if self.model.stage.is_first:
-            x = inputs.token_ids + self.sampled[inputs.prev_rows]  # [n]: known tokens, or the last step's ids
+            x = inputs.token_ids + self.sampled.index_select(0, inputs.prev_rows)  # [n]: known tokens, or the last step's ids
         else:
             x = inputs.hidden
         h = self.model(x, inputs.positions, backend)  # [n, hidden]

@@ -68,8 +68,9 @@ class ModelRunner:
         self.sampler = sampler or (Sampler(model.config.vocab_size) if model.stage.is_last else None)
         # the last launched step's sampled ids (`launch`), read on the device by the next one; the
         # last entry stays 0 (rows whose token the host knows)
-        self.max_launch_rows = max((BUCKETS[-1], *graph_sizes)) if self.sampler is not None and model.stage.is_first else 0
-        self.sampled = torch.zeros(self.max_launch_rows + 1, dtype=torch.long, device=self.device)
+        rows = max((BUCKETS[-1], *graph_sizes))
+        self.sampled = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
+        self.max_launch_rows = rows if self.sampler is not None and model.stage.is_first else 0
         self._ids_to_host = _IdsToHost(self.max_launch_rows, self.device)
         self.graphs = None
         if graph_sizes and self.device.type == "cuda":
@@ -133,7 +134,7 @@ class ModelRunner:
             x = _to(np.asarray(step.token_ids, dtype=np.int64), self.device)  # [T]
             if step.prev_rows is not None:  # decodes whose tokens the last launched step sampled
                 rows = np.asarray(step.prev_rows, dtype=np.int64)
-                x = x + self.sampled[_to(np.where(rows < 0, self.max_launch_rows, rows), self.device)]
+                x = x + self.sampled.index_select(0, _to(np.where(rows < 0, self.sampled.numel() - 1, rows), self.device))
         return self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
 
     def _replays(self, step: StepInput) -> bool:

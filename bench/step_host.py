@@ -109,7 +109,8 @@ def build(batch: int, max_model_len: int, overlap: bool | None, tokenizer) -> LL
     cache = KVCache(spec, num_blocks, torch.device("cpu"))
     runner = ModelRunner(model, cache, max_model_len=max_model_len)
     bucket = bucket_for(batch, BUCKETS)
-    runner.graphs = DecodeGraphRunner(model, cache, (bucket,), max_model_len, runner.scale, capture=False)
+    runner.graphs = DecodeGraphRunner(model, cache, (bucket,), max_model_len, runner.scale, capture=False,
+                                      sampled=runner.sampled)
     logits = torch.zeros(bucket, cfg.vocab_size)  # the "GPU's" output: every step samples token 7
     logits[:, 7] = 1.0
     for b in runner.graphs.buckets.values():

@@ -140,12 +140,11 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 16, top: i
 
     engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs, overlap=overlap)
     measure(engine, 1, prompt_len, 8, seed=5)  # warm-up
-    engine.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps + 2, temperature=0,
+    engine.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps + 1, temperature=0,
                                                                           ignore_eos=True))
     engine.step()  # the prefill
-    engine.step()  # the first decode (with overlap: launches the second before reading the first)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # `steps` decode steps, each launched in the window
         start = time.perf_counter()
         while engine.has_unfinished():
             engine.step()

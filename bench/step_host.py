@@ -6,7 +6,7 @@
 What runs: the whole engine (scheduler, step input, the CUDA-graph runner's static-input fill,
 sampler, output processing with SmolLM2's detokenizer and a stop string) over the tiny random
 Llama, on the CPU, with the decode graphs' host path (`DecodeGraphRunner(capture=False)`) and
-every graph "replay" answered by a static logits tensor: the GPU's work is taken out, what is
+every graph "replay" answered by a precomputed logits tensor (64 ordinary tokens in turn): the GPU's work is taken out, what is
 left is what the host does between two launches on a GPU. Each phase is timed by wrapping the
 method that does it; `other` is the step's wall time not inside any of them (the engine's own
 glue). Decode steps only: the prefill is done before the clock starts. Each row is the best of
@@ -18,6 +18,7 @@ built; `overlap` launches step N+1 before reading step N's ids (the default on C
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -109,12 +110,15 @@ def build(batch: int, max_model_len: int, overlap: bool | None, tokenizer) -> LL
     cache = KVCache(spec, num_blocks, torch.device("cpu"))
     runner = ModelRunner(model, cache, max_model_len=max_model_len)
     bucket = bucket_for(batch, BUCKETS)
-    runner.graphs = DecodeGraphRunner(model, cache, (bucket,), max_model_len, runner.scale, capture=False,
-                                      sampled=runner.sampled)
-    logits = torch.zeros(bucket, cfg.vocab_size)  # the "GPU's" output: every step samples token 7
-    logits[:, 7] = 1.0
+    shared = {"sampled": runner.sampled} if hasattr(runner, "sampled") else {}  # (an engine without overlap: none)
+    runner.graphs = DecodeGraphRunner(model, cache, (bucket,), max_model_len, runner.scale, capture=False, **shared)
+    # the "GPU's" output: step k samples token 300 + k % 64 for every row (ordinary text pieces of
+    # SmolLM2's vocabulary, so the detokenizer does its usual work)
+    logits = torch.zeros(64, bucket, cfg.vocab_size)
+    logits[torch.arange(64), :, 300 + torch.arange(64)] = 1.0
+    calls = itertools.count()
     for b in runner.graphs.buckets.values():
-        b.replay = lambda logits=logits: logits
+        b.replay = lambda: logits[next(calls) % 64]
     kw = {} if overlap is None else {"overlap": overlap}
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                           scheduler=SchedulerConfig(max(batch, 64), 1024), enable_prefix_caching=True, **kw)

@@ -21,7 +21,7 @@ tokens are always those of the synchronous engine. An abort between steps is han
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from flotilla.errors import FlotillaError
@@ -103,6 +103,7 @@ class _Launched:
     """A launched step whose tokens have not been read yet."""
 
     scheduled: SchedulerOutput
+    sampling: SamplingBatch
     step: LaunchedStep
 
 
@@ -183,7 +184,7 @@ class LLMEngine:
             return []
         step = self._step_input(scheduled)
         if self._launches(scheduled, step):
-            return self._read(_Launched(scheduled, self.executor.launch(step)))
+            return self._read(_Launched(scheduled, step.sampling, self.executor.launch(step)))
         result = self.executor.execute(step)
         return self._postprocess(scheduled, result)
 
@@ -200,7 +201,8 @@ class LLMEngine:
         postprocess them while that one runs."""
         ahead = self.scheduler.schedule_ahead(current.scheduled)
         if ahead is not None:  # current's sequences and parameters: launchable as current was
-            self._ahead = _Launched(ahead, self.executor.launch(self._ahead_input(ahead, current.scheduled)))
+            step = self._ahead_input(ahead, current)
+            self._ahead = _Launched(ahead, step.sampling, self.executor.launch(step))
         return self._postprocess(*_live(current.scheduled, self._wait(current)))
 
     def _wait(self, launched: _Launched) -> SamplerOutput:
@@ -223,12 +225,17 @@ class LLMEngine:
                 self.block_manager.truncate(s.seq)
         return None
 
-    def _ahead_input(self, out: SchedulerOutput, prev: SchedulerOutput) -> StepInput:
+    def _ahead_input(self, out: SchedulerOutput, prev: _Launched) -> StepInput:
         """The input of a decode step scheduled while `prev` is running: each sequence's token is
         the one `prev` samples for it, read on the device from prev's row."""
-        row = {id(s.seq): r for r, s in enumerate(prev.scheduled)}
+        row = {id(s.seq): r for r, s in enumerate(prev.scheduled.scheduled)}
         seqs = [s.seq for s in out.scheduled]
         n = len(seqs)
+        if n == len(row) and all(s.seq is p.seq for s, p in zip(out.scheduled, prev.scheduled.scheduled)):
+            sampling = replace(prev.sampling, steps=[k + 1 for k in prev.sampling.steps])  # one token later
+        else:
+            sampling = SamplingBatch.build([(seq.params, self.seeds[seq.request_id], [], []) for seq in seqs],
+                                           steps=[seq.num_output_tokens + 1 for seq in seqs])
         return StepInput(
             request_ids=[seq.request_id for seq in seqs],
             token_ids=[0] * n,
@@ -237,8 +244,7 @@ class LLMEngine:
             block_tables=[seq.block_table for seq in seqs],
             num_decodes=n,
             sample=[True] * n,
-            sampling=SamplingBatch.build([(seq.params, self.seeds[seq.request_id], [], []) for seq in seqs],
-                                         steps=[seq.num_output_tokens + 1 for seq in seqs]),
+            sampling=sampling,
             prev_rows=[row[id(seq)] for seq in seqs],
         )
 

@@ -206,6 +206,8 @@ class LLMEngine:
         return self._postprocess(*_live(current.scheduled, self._wait(current)))
 
     def _wait(self, launched: _Launched) -> SamplerOutput:
+        """The launched step's tokens: the one host wait of an overlapped step (its own method so
+        that bench/step_host.py can time it)."""
         return launched.step.result()
 
     def _take_ahead(self) -> _Launched | None:

@@ -134,12 +134,12 @@ class Sampler:
         out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
         logits = logits.clone()
         if any(r != 1.0 for r in batch.repetition_penalty):  # decided on the host: no device sync
-            rep = torch.tensor(batch.repetition_penalty, device=dev)
+            rep = _on(batch.repetition_penalty, torch.float32, dev)
             seen = (_counts(batch.prompt_ids, B, V, dev) + out_counts) > 0
             penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
             logits = torch.where(seen, penalised, logits)
-        presence = torch.tensor(batch.presence_penalty, device=dev)[:, None]
-        frequency = torch.tensor(batch.frequency_penalty, device=dev)[:, None]
+        presence = _on(batch.presence_penalty, torch.float32, dev)[:, None]
+        frequency = _on(batch.frequency_penalty, torch.float32, dev)[:, None]
         return logits - presence * (out_counts > 0) - frequency * out_counts
 
     # ------------------------------------------------------------------ sampling
@@ -213,7 +213,7 @@ def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small per-row tensor on `device` without waiting for it: through pinned memory and a
     non-blocking copy on CUDA (a plain `torch.tensor(..., device=cuda)` synchronizes the stream)."""
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
@@ -221,9 +221,10 @@ def _counts(token_lists: list[list[int]], B: int, V: int, dev: torch.device) -> 
     """[B, V] occurrence counts of each row's tokens (one scatter, no per-token Python work)."""
     counts = torch.zeros(B, V, device=dev)
     lengths = [len(t) for t in token_lists]
-    if sum(lengths):
-        rows = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lengths, device=dev))
-        ids = torch.tensor([t for ts in token_lists for t in ts], device=dev)
+    if sum(lengths):  # (the output size given: no device sync)
+        rows = torch.repeat_interleave(torch.arange(B, device=dev), _on(lengths, torch.int64, dev),
+                                       output_size=sum(lengths))
+        ids = _on([t for ts in token_lists for t in ts], torch.int64, dev)
         counts.index_put_((rows, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
     return counts
 

@@ -283,6 +283,7 @@ class LLMEngine:
     def _postprocess(self, out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
         self._counters["steps"] += 1
         outputs, row = [], 0
+        sampled = [s.seq for s in out.scheduled if s.samples]  # before the appends below change `samples`
         for s in out.scheduled:
             seq = s.seq
             self._counters["prompt"] += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
@@ -297,7 +298,7 @@ class LLMEngine:
                 self._roll_back(s, len(accepted))
             outputs.append(self._append(seq, tokens, logprob, top))
         if self.spec is not None:
-            self.spec.commit([s.seq for s in out.scheduled if s.samples], self.scheduler.running)
+            self.spec.commit(sampled, self.scheduler.running)
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprob, top) -> RequestOutput:

@@ -6,7 +6,9 @@ against transformers (fp16 eager, and bitsandbytes nf4) and the physical bound, 
 
 Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
   flotilla int4 g128      the engine (scheduler, runner with CUDA graphs, the registry's kernels:
-                          Triton on NVIDIA GPUs, sampler)
+                          Triton on NVIDIA GPUs, sampler), decode steps overlapped (each launched
+                          before the last one's tokens are read: the default on a GPU)
+  flotilla int4 sync      the same with every step waiting for its tokens (EngineConfig.overlap=False)
   flotilla int4 CUDA      the same with the CUDA dequant-matmul (FLOTILLA_KERNEL=cuda)
   flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
   flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
@@ -22,7 +24,9 @@ All models have random weights of the real shape (no checkpoint, no download). P
 Before timing: paged attention on the GPU (Triton decode kernel + SDPA prefill) against the torch
 reference on CPU in fp32, and the decode graphs' logits against the eager runner's on the
 INT4 model. After: one profile of a batch-1 decode step (GPU time per kernel family against the
-step's wall time), which says where the time goes.
+step's wall time), which says where the time goes, with and without overlap: the device's
+timeline split into busy time, the short gaps between kernels inside a step (graph launch
+latency) and the gaps over 20 µs (the device waiting for the host).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from flotilla.models.linear import QuantLinear  # noqa: E402
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
 from flotilla.runtime.sampling import SamplingParams  # noqa: E402
-from gpu_checks import check_attention, check_engine_spec, check_fused, check_graphs, check_syncs  # noqa: E402
+from bench.gpu_checks import (check_attention, check_engine_spec, check_fused, check_graphs,  # noqa: E402
+                              check_overlap, check_syncs)
 
 
 # ------------------------------------------------------------------------------------- peers
@@ -127,18 +132,19 @@ def kernel_family(name: str) -> str:
 
 
 @torch.inference_mode()
-def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8, top: int = 0) -> str:
+def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 16, top: int = 0,
+                   overlap: bool | None = None) -> str:
     """GPU time per kernel family over `steps` batch-1 decode steps, against their wall time (and
-    the `top` kernels by GPU time)."""
+    the `top` kernels by GPU time); the device timeline's busy time and idle gaps."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs)
+    engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs, overlap=overlap)
     measure(engine, 1, prompt_len, 8, seed=5)  # warm-up
     engine.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps + 1, temperature=0,
                                                                           ignore_eos=True))
     engine.step()  # the prefill
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # `steps` decode steps, each launched in the window
         start = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
@@ -155,8 +161,10 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8, top: in
         count[fam] = count.get(fam, 0) + e.count / steps
         kernels.append((t / steps, e.count / steps, e.key))
     total = sum(fams.values())
-    lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs: wall {wall * 1e3:.2f} ms, "
-             f"GPU busy {total / 1e3:.2f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
+    mode = "overlap" if engine.overlap else "sync"
+    lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs, {mode}: wall {wall * 1e3:.3f} ms, "
+             f"GPU busy {total / 1e3:.3f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
+    lines.append("    " + device_timeline(prof, steps))
     for fam, t in sorted(fams.items(), key=lambda p: -p[1]):
         lines.append(f"    {fam:<52} {t / 1e3:7.3f} ms  {count[fam]:6.0f} kernels/step")
     if top:
@@ -164,6 +172,37 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 8, top: in
         for t, n, name in sorted(kernels, reverse=True)[:top]:
             lines.append(f"    {t:8.1f} {n:5.0f} {t / n:7.2f}  {name[:110]}")
     return "\n".join(lines)
+
+
+def device_timeline(prof, steps: int, host_gap_us: float = 20.0) -> str:
+    """The device's activity over the profiled steps, per step: span (first start to last end),
+    busy (union of kernels and copies), gaps shorter than `host_gap_us` (between kernels of a
+    step: launch latency inside a graph) and longer (the device waiting for the host)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.start_ns() / 1e3, e.end_ns() / 1e3) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0)
+    if not spans:
+        return "device timeline: no device events recorded"
+    busy = short = long = 0.0
+    n_long, (cur_s, cur_e) = 0, spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:  # a gap
+            busy += cur_e - cur_s
+            gap = s - cur_e
+            if gap > host_gap_us:
+                long += gap
+                n_long += 1
+            else:
+                short += gap
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = spans[-1][1] - spans[0][0]
+    return (f"device timeline per step: span {span / steps:.1f} µs = busy {busy / steps:.1f} + in-step gaps "
+            f"{short / steps:.1f} + waiting for the host {long / steps:.1f} ({n_long} gaps > {host_gap_us:.0f} µs "
+            f"in {steps} steps)")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -193,7 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tune", action="store_true", help="also the int4 rows after tuning tile configs on the GPU")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
-                                               "transformers rows), nf4, fp16, cuda")
+                                               "transformers rows), nf4, fp16, cuda, sync (the int4 rows "
+                                               "without overlap), slow-checks (attention, fused ops, "
+                                               "engine spec)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -224,23 +265,31 @@ def main(argv=None) -> int:
                 rows[label][b] = r
                 print(f"  {label:<22} batch {b:3d}: {r.tok_s:9.1f} tok/s", flush=True)
 
-    def ours(label, model, graphs=True, bs=batches, tokens=args.tokens):
+    def ours(label, model, graphs=True, bs=batches, tokens=args.tokens, overlap=None):
         rows[label] = {}
-        for r in run_batches(model, bs, args.prompt_len, tokens, graphs):
+        for r in run_batches(model, bs, args.prompt_len, tokens, graphs, overlap=overlap):
             rows[label][r.batch] = r
             print(f"  {label:<22} batch {r.batch:3d}: {r.tok_s:9.1f} tok/s ({r.tok_s_per_stream:7.1f} per stream, "
                   f"{r.ms_per_step:6.2f} ms/step)", flush=True)
 
-    print(section("attention check", check_attention), flush=True)
+    slow = "slow-checks" not in skip
+    if slow:
+        print(section("attention check", check_attention), flush=True)
     bw = section("HBM bandwidth", copy_bandwidth)
     model = section("build int4", lambda: build_random_model(args.shape, 4, "cuda", torch.float16))
     wbytes = weight_bytes(model)
     print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    print(section("fused ops check", lambda: check_fused(model)), flush=True)
+    if slow:
+        print(section("fused ops check", lambda: check_fused(model)), flush=True)
     print(section("graph check", lambda: check_graphs(model)), flush=True)
-    print(section("sync check", lambda: check_syncs(model)), flush=True)
-    print(section("engine spec check", check_engine_spec), flush=True)
+    for overlap in (False, True):
+        print(section("sync check", lambda: check_syncs(model, overlap=overlap)), flush=True)
+    print(section("overlap check", lambda: check_overlap(model)), flush=True)
+    if slow:
+        print(section("engine spec check", check_engine_spec), flush=True)
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
+    if "sync" not in skip:
+        section("flotilla int4 sync", lambda: ours("flotilla int4 sync", model, overlap=False))
     if "cuda" not in skip:
         def cuda_rows():
             os.environ[registry.ENV_KERNEL] = "cuda"
@@ -254,9 +303,10 @@ def main(argv=None) -> int:
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))
     if "profile" not in skip:
-        for graphs in (True, False):
-            print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len, top=16 if graphs else 0)),
-                  flush=True)
+        for graphs, overlap in ((True, None), (True, False), (False, None)):
+            if graphs or "eager" not in skip:
+                print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len, top=16 if graphs and overlap is None else 0,
+                                                                overlap=overlap)), flush=True)
     if "hf" not in skip:
         hf = section("build transformers fp16", lambda: hf_model(args.shape))
         hf_rows("transformers fp16", hf)

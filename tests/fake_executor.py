@@ -19,16 +19,35 @@ from flotilla.runtime.scheduler import SchedulerConfig
 
 
 class EchoKVExecutor:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000):
+    """`launch` (the engine's overlap) keeps the sampled ids "on the device" (`self.sampled`)
+    for the next launched step's `prev_rows`; `rows_alone` answers `same_rows`."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000, max_launch_rows: int = 0,
+                 rows_alone: bool = True):
         self.block_size, self.vocab_size = block_size, vocab_size
         self.cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.steps: list[StepInput] = []
+        self.max_launch_rows, self.prefers_overlap, self.rows_alone = max_launch_rows, True, rows_alone
+        self.sampled: list[int] = []
+        self.num_launched = 0
+
+    def launch(self, step: StepInput) -> "_Done":
+        out = self.execute(step)
+        self.sampled = out.token_ids
+        self.num_launched += 1
+        return _Done(out)
+
+    def same_rows(self, num_rows: int, fewer: int) -> bool:
+        return self.rows_alone
 
     def execute(self, step: StepInput) -> SamplerOutput:
         self.steps.append(step)
         positions, meta = prepare_step(step, self.block_size, torch.device("cpu"))
         assert not (meta.slot_mapping < self.block_size).any(), "a token was written to the null block"
-        self.cache[meta.slot_mapping] = torch.tensor(step.token_ids)
+        tokens = list(step.token_ids)
+        if step.prev_rows is not None:  # tokens the last launched step sampled
+            tokens = [self.sampled[r] if r >= 0 else t for t, r in zip(tokens, step.prev_rows)]
+        self.cache[meta.slot_mapping] = torch.tensor(tokens)
         out, row = [], 0
         for b, (start, qlen, table) in enumerate(zip(step.starts, step.query_lens, step.block_tables)):
             if not step.sample[b]:
@@ -41,6 +60,14 @@ class EchoKVExecutor:
             out.append(echo_next(context.tolist(), self.vocab_size))
             row += 1
         return SamplerOutput(out)
+
+
+class _Done:
+    def __init__(self, out: SamplerOutput):
+        self.out = out
+
+    def result(self) -> SamplerOutput:
+        return self.out
 
 
 def echo_next(context: list[int], vocab_size: int) -> int:
@@ -59,12 +86,14 @@ def check_echo_tokens(prompt: list[int], generated: list[int], vocab_size: int =
 
 def echo_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                 max_model_len: int = 1 << 20, caching: bool = True, eos: tuple[int, ...] = (),
-                vocab_size: int = 1000) -> LLMEngine:
+                vocab_size: int = 1000, overlap: bool = False, rows_alone: bool = True) -> LLMEngine:
+    """overlap: the executor launches steps and the engine overlaps them (as on a GPU)."""
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                           scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-                          enable_prefix_caching=caching)
-    return LLMEngine(EchoKVExecutor(num_blocks, block_size, vocab_size), config, eos_token_ids=eos,
-                     vocab_size=vocab_size)
+                          enable_prefix_caching=caching, overlap=overlap)
+    executor = EchoKVExecutor(num_blocks, block_size, vocab_size, max_launch_rows=256 if overlap else 0,
+                              rows_alone=rows_alone)
+    return LLMEngine(executor, config, eos_token_ids=eos, vocab_size=vocab_size)
 
 
 def run_all(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, list[int]]:

@@ -25,7 +25,7 @@ def test_bench_random_tiny_decodes_every_token_of_every_stream():
     for r in rows:
         assert r["model"] == "random tiny (int4 g128)" and r["device"] == "cpu" and r["dtype"] == "float32"
         assert r["decode_tokens"] == r["batch"] * 5  # 6 tokens a stream, the first from the prefill step
-        assert r["decode_steps"] == 5 and r["graphs"] is False
+        assert r["decode_steps"] == 5 and r["graphs"] is False and r["overlap"] is False  # a CPU: no overlap
         assert r["tok_s"] > 0 and abs(r["tok_s_per_stream"] * r["batch"] - r["tok_s"]) < 1e-6 * r["tok_s"]
 
 
@@ -34,7 +34,7 @@ def test_bench_table_and_errors():
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith("random tiny (int8 g128) on cpu (float32)")
-    assert lines[1].split() == ["batch", "tok/s", "tok/s/stream", "ms/step", "graphs"]
+    assert lines[1].split() == ["batch", "tok/s", "tok/s/stream", "ms/step", "graphs", "overlap"]
     assert lines[2].split()[0] == "1" and lines[2].split()[-1] == "no"
     bad = runtime("bench", "--random", "llama-9", "--device", "cpu")
     assert bad.returncode == 2

@@ -236,3 +236,22 @@ def test_a_logprobs_request_does_not_speculate_but_shares_verify_steps_with_one_
                for st in eng.executor.steps)  # a mixed verify step happened
     assert all(d == [] for st in eng.executor.steps if st.spec_token_ids
                for rid, d in zip(st.request_ids, st.spec_token_ids) if rid == "lp")
+
+
+def test_commit_is_given_the_sequences_that_sampled_this_step():
+    # `ScheduledSeq.samples` reads the sequence's length, which the step's appends change: the
+    # engine must take the list before appending, or the proposer never settles through commit
+    class Recording(OracleProposer):
+        def __init__(self):
+            super().__init__(hit=0.5, seed=3)
+            self.committed: list[list[str]] = []
+
+        def commit(self, seqs, running) -> None:
+            self.committed.append([s.request_id for s in seqs])
+
+    proposer = Recording()
+    eng = spec_echo_engine(proposer, k=2)
+    eng.add_request("a", [5, 6, 7], GREEDY)
+    eng.add_request("b", [9, 10], GREEDY)
+    run_all(eng)
+    assert proposer.committed and all(sorted(c) == ["a", "b"] for c in proposer.committed[:3])

@@ -32,6 +32,7 @@ class Tokenizer:
             eos.append(hf_tokenizer.eos_token_id)
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         self.vocab_size = len(hf_tokenizer)
+        self._pieces: dict[int, str] = {}  # decode([id]) per id, as streaming asks for it again and again
 
     @property
     def has_chat_template(self) -> bool:
@@ -44,6 +45,15 @@ class Tokenizer:
         if self._fast is not None:
             return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_window(self, ids: list[int]) -> str:
+        """`decode(ids)` of a detokenizer's window; one-token windows (the usual case) come from a cache."""
+        if len(ids) != 1:
+            return self.decode(ids)
+        piece = self._pieces.get(ids[0])
+        if piece is None:
+            piece = self._pieces[ids[0]] = self.decode(ids)
+        return piece
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.has_chat_template:
@@ -75,8 +85,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        full_text = self.tok.decode(self.ids[self.prefix:])
+        prefix_text = self.tok.decode_window(self.ids[self.prefix:self.read])
+        full_text = self.tok.decode_window(self.ids[self.prefix:])
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""
         delta = full_text[len(prefix_text):]

@@ -8,7 +8,8 @@ tokens greedily (EOS ignored), through the whole engine (scheduler, runner, CUDA
 sampler). The prompts are prefilled in one step; the clock runs over the decode steps only, from
 the end of the step that gave every request its first token to the last token. A short round on
 the same engine warms it up first. Prints aggregate tok/s, tok/s per stream and ms per step;
-`--json` prints one JSON object per batch size.
+`--json` prints one JSON object per batch size. On a GPU the engine overlaps decode steps (each
+launched before the last one's tokens are read); `--no-overlap` measures it without.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class DecodeRun:
     decode_steps: int
     seconds: float
     graphs: bool
+    overlap: bool = False
 
     @property
     def tok_s(self) -> float:
@@ -60,9 +62,11 @@ class DecodeRun:
 
 
 def bench_engine(model: CausalLM, batch: int, context: int, prefill_tokens: int, graphs: bool = True,
-                 block_size: int = 16) -> LLMEngine:
+                 block_size: int = 16, overlap: bool | None = None,
+                 sizes: tuple[int, ...] | None = None) -> LLMEngine:
     """An engine for `batch` concurrent sequences of up to `context` tokens, whose KV cache holds
-    exactly that, with one CUDA graph for the bucket that serves `batch` (on CUDA, `graphs`)."""
+    exactly that, with one CUDA graph for the bucket that serves `batch` (on CUDA, `graphs`; or
+    the buckets `sizes`). `overlap`: EngineConfig's (None: on where it pays, a GPU)."""
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     device = model.model.embed_tokens.weight.device
@@ -70,9 +74,12 @@ def bench_engine(model: CausalLM, batch: int, context: int, prefill_tokens: int,
     num_blocks = batch * -(-context // block_size) + 1  # + the null block
     cache = KVCache(spec, num_blocks, device)
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=context,
-                          scheduler=SchedulerConfig(batch, max(prefill_tokens, batch)), enable_prefix_caching=False)
+                          scheduler=SchedulerConfig(batch, max(prefill_tokens, batch)), enable_prefix_caching=False,
+                          overlap=overlap)
     bucket = bucket_for(batch, BUCKETS)
-    sizes = (bucket,) if graphs and bucket is not None else ()
+    if sizes is None:
+        sizes = (bucket,) if bucket is not None else ()
+    sizes = sizes if graphs else ()
     runner = ModelRunner(model, cache, graph_sizes=sizes, max_model_len=config.context_len)
     return LLMEngine(runner, config, None, (), cfg.vocab_size)
 
@@ -98,13 +105,15 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, tokens: int, seed: i
         if len(started) == batch:
             start = time.perf_counter()
     seconds = time.perf_counter() - (start or time.perf_counter())
-    return DecodeRun(batch, prompt_len, decode_tokens, steps, seconds, engine.executor.graphs is not None)
+    return DecodeRun(batch, prompt_len, decode_tokens, steps, seconds, engine.executor.graphs is not None,
+                     engine.overlap)
 
 
-def run_batches(model: CausalLM, batches: list[int], prompt_len: int, tokens: int, graphs: bool = True):
+def run_batches(model: CausalLM, batches: list[int], prompt_len: int, tokens: int, graphs: bool = True,
+                overlap: bool | None = None):
     """One DecodeRun per batch size, each on its own engine (warmed up first)."""
     for b in batches:
-        engine = bench_engine(model, b, prompt_len + tokens, b * prompt_len, graphs)
+        engine = bench_engine(model, b, prompt_len + tokens, b * prompt_len, graphs, overlap=overlap)
         measure(engine, b, prompt_len, min(tokens, 8), seed=1)  # warm-up: compile, allocate
         yield measure(engine, b, prompt_len, tokens, seed=2)
         del engine
@@ -129,6 +138,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per stream (default 128)")
     p.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens per stream (default 32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="each decode step waits for its tokens before the next is launched (default on a GPU: overlap)")
     p.add_argument("--json", action="store_true", help="one JSON object per batch size")
 
 
@@ -172,12 +183,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {gib:.2f} GiB of weights read per step, "
               f"prompt {args.prompt_len} + {args.tokens} tokens per stream", flush=True)
-        print(f"{'batch':>5} {'tok/s':>10} {'tok/s/stream':>13} {'ms/step':>8} {'graphs':>6}", flush=True)
-    for r in run_batches(model, batches, args.prompt_len, args.tokens, graphs=not args.enforce_eager):
+        print(f"{'batch':>5} {'tok/s':>10} {'tok/s/stream':>13} {'ms/step':>8} {'graphs':>6} {'overlap':>7}", flush=True)
+    overlap = False if args.no_overlap else None
+    for r in run_batches(model, batches, args.prompt_len, args.tokens, graphs=not args.enforce_eager, overlap=overlap):
         if args.json:
             print(json.dumps({"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                               **r.row()}), flush=True)
         else:
             print(f"{r.batch:>5} {r.tok_s:>10.1f} {r.tok_s_per_stream:>13.1f} {r.ms_per_step:>8.2f} "
-                  f"{'yes' if r.graphs else 'no':>6}", flush=True)
+                  f"{'yes' if r.graphs else 'no':>6} {'yes' if r.overlap else 'no':>7}", flush=True)
     return 0

@@ -39,11 +39,15 @@ class KVBlocks:
         return [b.block_id for b in self.blocks]
 
 
+_NO_BLOCKS = KVBlocks()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self._tables: dict[str, list[KVBlock]] = {}
+        self._hashed: dict[str, int] = {}  # per table: its leading blocks known to hold a hash
 
     # ------------------------------------------------------------------ queries
     @property
@@ -67,7 +71,7 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else _ROOT_HASH, seq.token_ids[i * bs:(i + 1) * bs]))
-        return hashes[:num_blocks]
+        return hashes if len(hashes) == num_blocks else hashes[:num_blocks]
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[KVBlocks, int]:
         """The longest cached prefix of a sequence that holds no blocks yet, and its length in
@@ -94,26 +98,45 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> KVBlocks | None:
         """Make room for `num_new_tokens` more tokens after the sequence's computed ones (plus
         the `computed` prefix hit, for a sequence being admitted). Returns the newly taken blocks,
-        or None, changing nothing, when the pool cannot provide them."""
-        if self.free_blocks_needed(seq, num_new_tokens, computed) > self.pool.num_free_blocks:
-            return None
-        table = self._tables.get(seq.request_id, [])
+        or None, changing nothing, when the pool cannot provide them. A decode that stays in its
+        last block costs O(1): the table is replaced only when it grows (`seq.block_table` is
+        never changed in place, so a step may hold on to it)."""
+        table = self._tables.get(seq.request_id)
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        self.pool.touch(computed.blocks)
-        new = self.pool.take(max(0, self.blocks_for(total) - len(table) - len(computed)))
-        table = table + list(computed.blocks) + new
-        self._tables[seq.request_id] = table
-        seq.block_table = [b.block_id for b in table]
+        if table is not None and not computed and total <= len(table) * self.block_size:
+            new = _NO_BLOCKS  # the slots are in the table already
+        else:
+            table = table or []
+            num_new = max(0, self.blocks_for(total) - len(table) - len(computed))
+            if num_new + sum(1 for b in computed.blocks if b.ref_cnt == 0) > self.pool.num_free_blocks:
+                return None
+            self.pool.touch(computed.blocks)
+            new = KVBlocks(tuple(self.pool.take(num_new)))
+            table = table + list(computed.blocks) + list(new.blocks)
+            self._tables[seq.request_id] = table
+            seq.block_table = [b.block_id for b in table]
         if self.pool.enable_caching:  # only blocks of real tokens: never a speculative step's drafts
-            full = min(total, seq.num_tokens) // self.block_size
-            for block, h in zip(table[:full], self.block_hashes(seq, full)):
-                self.pool.cache(block, h)
-        return KVBlocks(tuple(new))
+            self._cache_full_blocks(seq, table, min(total, seq.num_tokens) // self.block_size)
+        return new
+
+    def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], full: int) -> None:
+        """Offer the table's first `full` blocks to the prefix cache, from the first one that
+        holds no hash yet (a block in a table never loses its hash, so the ones before it are done)."""
+        i = self._hashed.get(seq.request_id, 0)
+        if i >= full:
+            return
+        hashes = self.block_hashes(seq, full)
+        while i < full and table[i].hash is not None:
+            i += 1
+        self._hashed[seq.request_id] = i
+        for j in range(i, full):
+            self.pool.cache(table[j], hashes[j])
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks; its tail is evicted before its head, which other
         requests are likelier to share."""
         table = self._tables.pop(seq.request_id, [])
+        self._hashed.pop(seq.request_id, None)
         self.pool.release(reversed(table))
         seq.block_table = []
 
@@ -127,7 +150,8 @@ class BlockManager:
         if table is None or len(table) <= keep:
             return
         self.pool.release(reversed(table[keep:]))
-        del table[keep:]
+        self._tables[seq.request_id] = table[:keep]
+        self._hashed[seq.request_id] = min(self._hashed.get(seq.request_id, 0), keep)
         seq.block_table = seq.block_table[:keep]
 
     def holds(self, seq: Sequence) -> bool:

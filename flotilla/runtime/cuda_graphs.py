@@ -11,13 +11,23 @@ row r is token r at its own position, with its sequence's block table and a cont
 at it, so the decode kernel's causal attention per row is exactly the step's (each layer stores
 all rows' keys and values before attending). T new tokens take the bucket n >= T. Each bucket owns its static inputs: one int64 device buffer holding
 
-    token_ids [n] | positions [n] | slot_mapping [n] | seq_lens [n] | block_tables [n, W]
+    token_ids [n] | positions [n] | slot_mapping [n] | seq_lens [n] | prev_rows [n] | block_tables [n, W]
 
 (W = blocks of the longest context served) and a pinned host twin. A step fills the host twin
 with numpy, sends it in one asynchronous copy and replays the graph, which writes fp32 logits
 [n, vocab] (or, before the last stage, hidden states [n, hidden]) into the bucket's static
 output. Nothing here waits on the device: reading the sampled token ids (the sampler's
 `tolist`), or a stage's hidden states for the next hop, is the step's one sync.
+
+A row's input token is `token_ids[r] + sampled[prev_rows[r]]`, inside the graph: `sampled` is the
+runner's device buffer of the ids the previous launched step sampled (ModelRunner.launch), whose
+last entry stays 0. A row whose token the host knows points there (and its token is in
+token_ids); a row whose token is still on the device (a decode launched before the previous
+step's ids were read) holds 0 in token_ids and the previous step's row in prev_rows.
+
+Only what changed is written and sent: a row's block table is rewritten when its list is a new
+object (the engine replaces a sequence's table when it grows and never changes it in place), and
+the copy covers the fields and the table rows up to the last one written.
 
 Padding rows hold token 0 at position 0 with one token of context, and a block table of null
 blocks (block 0): their key and value land in slot 0 of the null block, which no real sequence
@@ -46,7 +56,8 @@ from .kv_cache import KVCache, PagedAttentionBackend
 log = logging.getLogger("flotilla.runtime")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_FIELDS = 4  # token ids, positions, slot mapping, seq lens (then the block tables)
+_FIELDS = 5  # token ids, positions, slot mapping, seq lens, previous rows (then the block tables)
+_MIXED = object()  # a table row that holds no one sequence's list (a step of several tokens a sequence)
 
 
 def capture_sizes(max_batch: int, buckets: tuple[int, ...] = BUCKETS) -> tuple[int, ...]:
@@ -68,9 +79,10 @@ class DecodeInputs:
     """The static inputs of one bucket: device views into one int64 buffer, a pinned host twin."""
 
     def __init__(self, size: int, width: int, block_size: int, device: torch.device,
-                 hidden: tuple[int, torch.dtype] | None = None):
-        """`hidden` = (hidden_size, dtype): a later pipeline stage's static input [n, hidden_size]."""
-        self.size, self.width, self.block_size = size, width, block_size
+                 hidden: tuple[int, torch.dtype] | None = None, no_prev: int = 0):
+        """`hidden` = (hidden_size, dtype): a later pipeline stage's static input [n, hidden_size].
+        `no_prev`: the entry of the sampled-ids buffer that stays 0 (rows whose token is known)."""
+        self.size, self.width, self.block_size, self.no_prev = size, width, block_size, no_prev
         numel = size * (_FIELDS + width)
         cuda = device.type == "cuda"
         self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)
@@ -79,48 +91,89 @@ class DecodeInputs:
         self._copied = torch.cuda.Event() if cuda else None
         n = size
         fields = self.device_buf[:_FIELDS * n].view(_FIELDS, n)
-        self.token_ids, self.positions, self.slot_mapping, self.seq_lens = fields  # [n] each
+        self.token_ids, self.positions, self.slot_mapping, self.seq_lens, self.prev_rows = fields  # [n] each
         self.block_tables = self.device_buf[_FIELDS * n:].view(n, width)  # [n, W]
         self.query_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden[0], dtype=hidden[1], device=device) if hidden else None  # [n, H]
+        *self._fields, self._tables = self._views()
+        # what each table row holds, here and on the device: (the sequence's list, its length),
+        # or None for zeros (every row at first)
+        self._rows: list[tuple[object, int] | None] = [None] * n
+        self._used = 0  # rows at and past this one are zeros
         self.fill([], [], [])  # all padding
+
+    def _views(self) -> tuple[np.ndarray, ...]:
+        n = self.size
+        return (*self._host[:_FIELDS * n].reshape(_FIELDS, n), self._host[_FIELDS * n:].reshape(n, self.width))
 
     def host_views(self) -> tuple[np.ndarray, ...]:
         """(token_ids, positions, slot_mapping, seq_lens, block_tables) of the host twin."""
-        n = self.size
-        fields = self._host[:_FIELDS * n].reshape(_FIELDS, n)
-        return (*fields, self._host[_FIELDS * n:].reshape(n, self.width))
+        tok, pos, slot, lens, _, tables = self._views()
+        return tok, pos, slot, lens, tables
 
     def fill(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
-             query_lens: list[int] | None = None) -> None:
+             query_lens: list[int] | None = None, prev_rows: list[int] | None = None) -> None:
         """Write one step and send it to the device: sequence b's new tokens (one each, or
         query_lens[b]) sit at positions starts[b], starts[b] + 1, ...; T = len(token_ids) <= size
-        rows, one per token, each with its sequence's block table."""
+        rows, one per token, each with its sequence's block table. `prev_rows` (one token per
+        sequence only): per row, the row of the previous launched step whose sampled id is its
+        token (token_ids holds 0 there), or -1 (token_ids holds it)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy from the host twin (long done: its step was sampled)
         T, bs = len(token_ids), self.block_size
-        tok, pos, slot, lens, tables = self.host_views()
-        tables.fill(0)
-        for b, t in enumerate(block_tables):
-            tables[b, :len(t)] = t
+        tok, pos, slot, lens, prev = self._fields
+        tables = self._tables
         if query_lens is None or T == len(starts):  # one token per sequence: rows are sequences
+            last = self._write_tables(block_tables)
             pos[:T] = starts
         else:
             qlens = np.asarray(query_lens, dtype=np.int64)
             seq_of_row = np.repeat(np.arange(len(qlens)), qlens)  # [T]
             first_row = np.cumsum(qlens) - qlens
             pos[:T] = np.asarray(starts, dtype=np.int64)[seq_of_row] + np.arange(T) - first_row[seq_of_row]
+            tables.fill(0)
+            for b, t in enumerate(block_tables):
+                tables[b, :len(t)] = t
             tables[:T] = tables[seq_of_row]  # sequence tables (rows < B) -> one per token; gather copies
-        tables[T:] = 0
+            last = max(T, self._used)
+            self._rows = [(_MIXED, 0)] * T + [None] * (self.size - T)  # rows hold no sequence's list now
+            self._used = T
         tok[:T], tok[T:] = token_ids, 0
+        prev[:] = self.no_prev
+        if prev_rows is not None:
+            prev[:T] = prev_rows
+            prev[:T][prev[:T] < 0] = self.no_prev
         pos[T:] = 0
         s = pos[:T]
         slot[:T] = tables[np.arange(T), s // bs] * bs + s % bs
         slot[T:] = 0
         lens[:T], lens[T:] = s + 1, 1
-        self.device_buf.copy_(self.host_buf, non_blocking=True)
+        end = _FIELDS * self.size + last * self.width  # the fields and the table rows written
+        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+    def _write_tables(self, block_tables: list[list[int]]) -> int:
+        """Write sequence b's table into row b, zeros into the rows past them; a row that holds
+        the same list (same object, same length) is left as it is. Returns 1 + the last row
+        written (0: none)."""
+        tables, rows, last = self._tables, self._rows, 0
+        for b, t in enumerate(block_tables):
+            held = rows[b]
+            if held is not None and held[0] is t and held[1] == len(t):
+                continue
+            tables[b, :len(t)] = t
+            tables[b, len(t):] = 0
+            rows[b] = (t, len(t))
+            last = b + 1
+        B = len(block_tables)
+        for b in range(B, self._used):
+            if rows[b] is not None:
+                tables[b] = 0
+                rows[b] = None
+                last = b + 1
+        self._used = B
+        return last
 
     def metadata(self) -> PagedAttentionMetadata:
         """Attention metadata over the static buffers, as for contexts of up to W blocks."""
@@ -147,12 +200,18 @@ class DecodeGraphRunner:
     """Decode steps of a model stage through per-bucket CUDA graphs."""
 
     def __init__(self, model: CausalLM, cache: KVCache, sizes: tuple[int, ...], max_model_len: int,
-                 scale: float, capture: bool = True, max_query_len: int = 1):
+                 scale: float, capture: bool = True, max_query_len: int = 1, sampled: torch.Tensor | None = None):
         """`max_query_len`: the most new tokens of one sequence in a step the graphs serve (1:
-        decodes only; 1 + k: also verify steps of up to k drafts a sequence)."""
+        decodes only; 1 + k: also verify steps of up to k drafts a sequence). `sampled`: the
+        runner's int64 device buffer of the last launched step's sampled ids, at least
+        max(sizes) + 1 long, whose last entry stays 0 (default: a buffer of zeros)."""
         if max_query_len < 1:
             raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
-        self.model, self.cache, self.scale = model, cache, scale
+        if sampled is None:
+            sampled = torch.zeros(max(sizes) + 1, dtype=torch.int64, device=cache.device)
+        if sampled.numel() <= max(sizes):
+            raise ValueError(f"the sampled-ids buffer has {sampled.numel()} entries; the graphs need {max(sizes) + 1}")
+        self.model, self.cache, self.scale, self.sampled = model, cache, scale, sampled
         self.max_query_len = max_query_len
         self.block_size = cache.spec.block_size
         self.width = min(-(-max_model_len // self.block_size), cache.num_blocks)  # W: blocks per sequence
@@ -172,29 +231,34 @@ class DecodeGraphRunner:
                 and max(len(t) for t in block_tables) <= self.width)
 
     def run(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
-            query_lens: list[int] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+            query_lens: list[int] | None = None, hidden: torch.Tensor | None = None,
+            prev_rows: list[int] | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab] on the last stage, else hidden states [T, hidden]: one row per
         new token (a view of the bucket's static output: read it before the next step). A later
-        stage passes the previous stage's hidden states [T, hidden] on this device."""
+        stage passes the previous stage's hidden states [T, hidden] on this device. `prev_rows`:
+        see `DecodeInputs.fill` (rows whose token is in `sampled`)."""
         T = len(token_ids)
         bucket = self.buckets[bucket_for(T, self.sizes)]
         if bucket.inputs.hidden is not None:
             if hidden is None or hidden.shape[0] != T:
                 raise ValueError(f"a stage after the first replays with hidden states for its {T} tokens")
             bucket.inputs.hidden[:T].copy_(hidden, non_blocking=True)  # rows T.. keep finite stale values
-        bucket.inputs.fill(token_ids, starts, block_tables, query_lens)
+        bucket.inputs.fill(token_ids, starts, block_tables, query_lens, prev_rows)
         return bucket.replay()[:T]
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
         backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)
-        x = inputs.token_ids if self.model.stage.is_first else inputs.hidden
+        if self.model.stage.is_first:
+            x = inputs.token_ids + self.sampled.index_select(0, inputs.prev_rows)  # [n]: known tokens, or the last step's ids
+        else:
+            x = inputs.hidden
         h = self.model(x, inputs.positions, backend)  # [n, hidden]
         return self.model.compute_logits(h) if self.model.stage.is_last else h  # [n, vocab] fp32, or [n, hidden]
 
     def _inputs(self, n: int) -> DecodeInputs:
         cfg = self.model.config
         hidden = None if self.model.stage.is_first else (cfg.hidden_size, self.cache.spec.dtype)
-        return DecodeInputs(n, self.width, self.block_size, self.cache.device, hidden)
+        return DecodeInputs(n, self.width, self.block_size, self.cache.device, hidden, self.sampled.numel() - 1)
 
     @torch.inference_mode()
     def _eager(self, n: int) -> _Bucket:

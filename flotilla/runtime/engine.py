@@ -1,15 +1,34 @@
-"""LLMEngine: the synchronous engine loop. `step()` = schedule -> run -> sample -> postprocess."""
+"""LLMEngine: the engine loop. `step()` = schedule -> run -> sample -> postprocess.
+
+Overlap (on by default where the executor prefers it: a GPU). A decode step whose sampling needs
+nothing from the host is launched (`executor.launch`): its sampled ids stay on the device and go
+to the host behind an event. Before waiting for them the engine schedules the next decode of the
+same sequences (`Scheduler.schedule_ahead`) and launches it too, its input tokens read on the
+device from the step before; then it reads the first step's ids, detokenizes and checks stops
+while the second runs. So in a steady decode the host's work for a step hides behind the GPU's
+work for the one before. Whatever could make the next schedule differ falls back to the plain
+synchronous step: an arrival, a sequence outside the step, preemption, prefill chunks,
+speculation, penalties or logprobs, too few free blocks.
+
+A sequence that a stop token or string ends (known only once its step is read) has already been
+scheduled into the step after: its row there is discarded, and its blocks are freed at once (the
+device runs the steps in order, so nothing later sees them before that step has written). The
+other rows are kept where the executor says each row is computed alone at both batch sizes
+(`same_rows`: the same CUDA graph bucket); otherwise that step is cancelled (its sequences'
+computed tokens and blocks rolled back) and recomputed without the finished sequence, so the
+tokens are always those of the synchronous engine. An abort between steps is handled the same way.
+"""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from flotilla.errors import FlotillaError
 from flotilla.models.tokenizer import Tokenizer
 
 from .block_manager import BlockManager
-from .model_runner import StepInput
+from .model_runner import LaunchedStep, StepInput
 from .output import OutputProcessor, RequestOutput
 from .sampler import SamplerOutput, SamplingBatch
 from .sampling import SamplingParams
@@ -27,6 +46,7 @@ class EngineConfig:
     max_model_len: int = 2048  # capped at what the pool can hold
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enable_prefix_caching: bool = True
+    overlap: bool | None = None  # launch each decode before the last one's tokens are read (None: where the executor prefers it)
 
     @property
     def context_len(self) -> int:
@@ -67,6 +87,26 @@ class Executor(Protocol):
     def execute(self, step: StepInput) -> SamplerOutput: ...
 
 
+class LaunchingExecutor(Executor, Protocol):
+    """An executor that can also start a step without waiting for its tokens (ModelRunner)."""
+
+    max_launch_rows: int  # the most sequences a launched step holds (0: it launches none)
+    prefers_overlap: bool  # whether overlapping steps pays here
+
+    def launch(self, step: StepInput) -> LaunchedStep: ...
+
+    def same_rows(self, num_rows: int, fewer: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A launched step whose tokens have not been read yet."""
+
+    scheduled: SchedulerOutput
+    sampling: SamplingBatch
+    step: LaunchedStep
+
+
 class LLMEngine:
     """Not thread-safe: one thread drives it (AsyncEngine's engine thread, or a script's loop)."""
 
@@ -87,6 +127,9 @@ class LLMEngine:
         self._rng = random.Random()
         self._counters = {"prompt": 0, "generation": 0, "steps": 0}
         self._finished: dict[str, int] = {r.value: 0 for r in FinishReason}
+        want = config.overlap if config.overlap is not None else getattr(executor, "prefers_overlap", False)
+        self.overlap = bool(want) and spec is None and getattr(executor, "max_launch_rows", 0) > 0
+        self._ahead: _Launched | None = None  # launched before the step before it was read
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -130,32 +173,109 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        if self._ahead is not None:
+            launched = self._take_ahead()
+            if launched is not None:
+                return self._read(launched)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.seeds)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        result = self.executor.execute(self._step_input(scheduled))
+        step = self._step_input(scheduled)
+        if self._launches(scheduled, step):
+            return self._read(_Launched(scheduled, step.sampling, self.executor.launch(step)))
+        result = self.executor.execute(step)
         return self._postprocess(scheduled, result)
 
+    # ------------------------------------------------------------------ overlap
+    def _launches(self, out: SchedulerOutput, step: StepInput) -> bool:
+        """Whether to launch this step (then the next can be launched before its tokens are read):
+        plain decodes that all sample, sampling that reads no earlier tokens and reports no logprobs."""
+        return (self.overlap and step.num_seqs <= self.executor.max_launch_rows and all(step.sample)
+                and all(s.num_new_tokens == 1 and not s.num_spec for s in out.scheduled)
+                and not step.sampling.any_penalty and not step.sampling.any_logprobs)
+
+    def _read(self, current: _Launched) -> list[RequestOutput]:
+        """`current` is launched: launch the decode after it, then wait for `current`'s tokens and
+        postprocess them while that one runs."""
+        ahead = self.scheduler.schedule_ahead(current.scheduled)
+        if ahead is not None:  # current's sequences and parameters: launchable as current was
+            step = self._ahead_input(ahead, current)
+            self._ahead = _Launched(ahead, step.sampling, self.executor.launch(step))
+        return self._postprocess(*_live(current.scheduled, self._wait(current)))
+
+    def _wait(self, launched: _Launched) -> SamplerOutput:
+        """The launched step's tokens: the one host wait of an overlapped step (its own method so
+        that bench/step_host.py can time it)."""
+        return launched.step.result()
+
+    def _take_ahead(self) -> _Launched | None:
+        """The step launched ahead, if its rows still serve: None when every sequence in it has
+        ended, or when one has and the others' rows would not be what a step without it gives
+        (then it is cancelled and the step is scheduled afresh)."""
+        launched, self._ahead = self._ahead, None
+        rows = launched.scheduled.scheduled
+        live = sum(1 for s in rows if not s.seq.is_finished)
+        if live == len(rows):
+            return launched
+        if live and self.executor.same_rows(len(rows), live):
+            return launched
+        for s in rows:  # cancelled: its sequences' tokens and blocks go back to before it
+            if not s.seq.is_finished:
+                s.seq.num_computed_tokens = s.start
+                self.block_manager.truncate(s.seq)
+        return None
+
+    def _ahead_input(self, out: SchedulerOutput, prev: _Launched) -> StepInput:
+        """The input of a decode step scheduled while `prev` is running: each sequence's token is
+        the one `prev` samples for it, read on the device from prev's row."""
+        row = {id(s.seq): r for r, s in enumerate(prev.scheduled.scheduled)}
+        seqs = [s.seq for s in out.scheduled]
+        n = len(seqs)
+        if n == len(row) and all(s.seq is p.seq for s, p in zip(out.scheduled, prev.scheduled.scheduled)):
+            sampling = replace(prev.sampling, steps=[k + 1 for k in prev.sampling.steps])  # one token later
+        else:
+            sampling = SamplingBatch.build([(seq.params, self.seeds[seq.request_id], [], []) for seq in seqs],
+                                           steps=[seq.num_output_tokens + 1 for seq in seqs])
+        return StepInput(
+            request_ids=[seq.request_id for seq in seqs],
+            token_ids=[0] * n,
+            starts=[s.start for s in out.scheduled],
+            query_lens=[1] * n,
+            block_tables=[seq.block_table for seq in seqs],
+            num_decodes=n,
+            sample=[True] * n,
+            sampling=sampling,
+            prev_rows=[row[id(seq)] for seq in seqs],
+        )
+
+    # ------------------------------------------------------------------ steps
     def _step_input(self, out: SchedulerOutput) -> StepInput:
-        token_ids, sampling_rows = [], []
+        token_ids, sampling_rows, steps = [], [], []
         for s in out.scheduled:
             seq = s.seq
-            token_ids += seq.token_ids[s.start:s.start + s.num_new_tokens - s.num_spec] + s.spec_token_ids
+            if s.num_new_tokens == 1 and not s.num_spec:
+                token_ids.append(seq.token_ids[s.start])
+            else:
+                token_ids += seq.token_ids[s.start:s.start + s.num_new_tokens - s.num_spec] + s.spec_token_ids
             if s.samples:  # one row per logits row: after the real tokens, then after each draft
-                seed, prompt, output = self.seeds[seq.request_id], seq.prompt_token_ids, seq.output_token_ids
-                sampling_rows += [(seq.params, seed, prompt, output + s.spec_token_ids[:i]) for i in range(s.num_spec + 1)]
+                params, seed, pen = seq.params, self.seeds[seq.request_id], seq.params.has_penalty
+                prompt = seq.prompt_token_ids if pen else []  # the ids are read only under a penalty
+                output = seq.output_token_ids if pen else []
+                for i in range(s.num_spec + 1):
+                    sampling_rows.append((params, seed, prompt, output + s.spec_token_ids[:i] if pen else []))
+                    steps.append(seq.num_output_tokens + i)
         speculating = any(s.num_spec for s in out.scheduled)
         return StepInput(
             request_ids=[s.seq.request_id for s in out.scheduled],
             token_ids=token_ids,
             starts=[s.start for s in out.scheduled],
             query_lens=[s.num_new_tokens for s in out.scheduled],
-            block_tables=[list(s.seq.block_table) for s in out.scheduled],
+            block_tables=[s.seq.block_table for s in out.scheduled],  # replaced when they grow, never changed in place
             num_decodes=out.num_decodes,
             sample=[s.samples for s in out.scheduled],
-            sampling=SamplingBatch.build(sampling_rows),
+            sampling=SamplingBatch.build(sampling_rows, steps),
             spec_token_ids=[s.spec_token_ids for s in out.scheduled] if speculating else None,
             draft_probs=self.spec.draft_probs(out.scheduled) if speculating else None,
         )
@@ -163,6 +283,7 @@ class LLMEngine:
     def _postprocess(self, out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
         self._counters["steps"] += 1
         outputs, row = [], 0
+        sampled = [s.seq for s in out.scheduled if s.samples]  # before the appends below change `samples`
         for s in out.scheduled:
             seq = s.seq
             self._counters["prompt"] += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
@@ -177,7 +298,7 @@ class LLMEngine:
                 self._roll_back(s, len(accepted))
             outputs.append(self._append(seq, tokens, logprob, top))
         if self.spec is not None:
-            self.spec.commit([s.seq for s in out.scheduled if s.samples], self.scheduler.running)
+            self.spec.commit(sampled, self.scheduler.running)
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprob, top) -> RequestOutput:
@@ -232,3 +353,12 @@ class LLMEngine:
         self.block_manager.check_integrity()
         if self.spec is not None:
             self.spec.check_integrity()
+
+
+def _live(out: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
+    """A launched step (every sequence samples one token) without the rows of sequences that
+    ended while it ran."""
+    keep = [r for r, s in enumerate(out.scheduled) if not s.seq.is_finished]
+    if len(keep) == len(out.scheduled):
+        return out, result
+    return SchedulerOutput([out.scheduled[r] for r in keep]), SamplerOutput([result.token_ids[r] for r in keep])

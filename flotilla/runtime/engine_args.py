@@ -30,6 +30,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    overlap: bool = True  # on a GPU, launch each decode step before the last one's tokens are read
     speculative: str | None = None  # "ngram" or "draft:PATH" (see runtime/spec)
     num_speculative_tokens: int = 4
 
@@ -60,6 +61,9 @@ class EngineArgs:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn automatic prefix caching off")
         g.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
+        g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="on a GPU, wait for each decode step's tokens before launching the next (default: "
+                            "the next is launched first, and the host's work hides behind the GPU's)")
         g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
                             "lower-bit copy of the target, same tokenizer); the output distribution is the target's")
@@ -72,6 +76,7 @@ class EngineArgs:
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                   overlap=args.overlap,
                    speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
@@ -94,7 +99,7 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
         report(line)
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching, overlap=None if args.overlap else False)
     # CUDA graphs on one device; TP ranks step eagerly (the collectives stay outside graphs). A
     # verify step (each sequence's token and up to K drafts) replays them too: buckets of tokens.
     query_len = 1 + spec_config.num_speculative_tokens if spec_config is not None else 1

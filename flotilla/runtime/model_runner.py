@@ -15,7 +15,7 @@ import torch
 from flotilla.kernels.attention import PagedAttentionMetadata
 from flotilla.models.llama import CausalLM
 
-from .cuda_graphs import DecodeGraphRunner
+from .cuda_graphs import BUCKETS, DecodeGraphRunner, bucket_for
 from .kv_cache import KVCache, PagedAttentionBackend
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .spec.rejection import RejectionSampler
@@ -37,6 +37,9 @@ class StepInput:
     # and the distributions they were drawn from ([drafts, vocab], None: point masses)
     spec_token_ids: list[list[int]] | None = None
     draft_probs: torch.Tensor | None = None
+    # decodes launched before the previous launched step's ids were read (LLMEngine's overlap):
+    # per sequence, the row of that step whose sampled id is its token (token_ids holds 0), or -1
+    prev_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,11 +66,45 @@ class ModelRunner:
         self.block_size = cache.spec.block_size
         self.scale = model.config.head_dim ** -0.5
         self.sampler = sampler or (Sampler(model.config.vocab_size) if model.stage.is_last else None)
+        # the last launched step's sampled ids (`launch`), read on the device by the next one; the
+        # last entry stays 0 (rows whose token the host knows)
+        rows = max((BUCKETS[-1], *graph_sizes))
+        self.sampled = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
+        self.max_launch_rows = rows if self.sampler is not None and model.stage.is_first else 0
+        self._ids_to_host = _IdsToHost(self.max_launch_rows, self.device)
         self.graphs = None
         if graph_sizes and self.device.type == "cuda":
             self.graphs = DecodeGraphRunner(model, cache, graph_sizes, max_model_len or model.config.max_model_len,
-                                            self.scale, max_query_len=graph_query_len)
+                                            self.scale, max_query_len=graph_query_len, sampled=self.sampled)
         self.verifier = RejectionSampler(self.sampler) if self.sampler is not None else None
+
+    @property
+    def prefers_overlap(self) -> bool:
+        """Whether launching a step before the previous one's ids are read pays: on a GPU, whose
+        work runs apart from the host's (LLMEngine's default)."""
+        return self.device.type == "cuda" and self.max_launch_rows > 0
+
+    def same_rows(self, num_rows: int, fewer: int) -> bool:
+        """Whether a decode step of `fewer` rows gives each row bit-for-bit what the step of
+        `num_rows` gave it: when both replay the same captured graph, whose rows are computed
+        each on its own (the engine then keeps a launched step's rows after one of its sequences
+        finished). Not promised by the eager kernels."""
+        g = self.graphs
+        return g is not None and fewer > 0 and bucket_for(num_rows, g.sizes) == bucket_for(fewer, g.sizes) is not None
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> "LaunchedStep":
+        """Run a whole-model step and sample it without waiting for the device (every sequence
+        samples one token, sampling needs no host data: no penalties, no logprobs). The ids stay
+        in `self.sampled`, where the next launched step's `prev_rows` read them, and travel to
+        the host behind an event: the returned step's `result()` waits for them."""
+        if step.num_seqs > self.max_launch_rows or not all(step.sample) or step.spec_token_ids is not None:
+            raise ValueError(f"launch runs whole-model steps of at most {self.max_launch_rows} sequences that each "
+                             f"sample one token; got {step.num_seqs} sequences")
+        logits = self._replay(step) if self._replays(step) else self.compute_logits(step, self._forward(step, None))
+        ids = self.sampler.sample_ids(logits, step.sampling)  # [B] on the device
+        self.sampled[:ids.shape[0]].copy_(ids)
+        return self._ids_to_host.start(ids)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
@@ -92,8 +129,12 @@ class ModelRunner:
 
     def _forward(self, step: StepInput, hidden: torch.Tensor | None) -> torch.Tensor:
         positions, meta = prepare_step(step, self.block_size, self.device)
-        x = (torch.tensor(step.token_ids, dtype=torch.long, device=self.device) if self.model.stage.is_first
-             else hidden)
+        x = hidden
+        if self.model.stage.is_first:
+            x = _to(np.asarray(step.token_ids, dtype=np.int64), self.device)  # [T]
+            if step.prev_rows is not None:  # decodes whose tokens the last launched step sampled
+                rows = np.asarray(step.prev_rows, dtype=np.int64)
+                x = x + self.sampled.index_select(0, _to(np.where(rows < 0, self.sampled.numel() - 1, rows), self.device))
         return self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
 
     def _replays(self, step: StepInput) -> bool:
@@ -104,7 +145,7 @@ class ModelRunner:
 
     def _replay(self, step: StepInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The last stage's logits of the sampling rows; an earlier stage's hidden states [T, H]."""
-        out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden)
+        out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden, step.prev_rows)
         if not self.model.stage.is_last:
             return out
         logits, rows = out, logit_rows(step)  # [T, vocab]
@@ -119,6 +160,39 @@ class ModelRunner:
         if len(ends) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
+
+
+class LaunchedStep:
+    """A launched step's sampled ids on their way to the host."""
+
+    def __init__(self, host: torch.Tensor, num_rows: int, copied: "torch.cuda.Event | None"):
+        self._host, self._n, self._copied = host, num_rows, copied
+
+    def result(self) -> SamplerOutput:
+        """The step's tokens: waits for their copy (the host sync of an overlapped step)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return SamplerOutput(self._host[:self._n].tolist())
+
+
+class _IdsToHost:
+    """Copies sampled ids to the host without waiting: two pinned buffers in turn (a step's ids
+    are read before the step after next is launched), each with the event of its copy."""
+
+    def __init__(self, rows: int, device: torch.device):
+        cuda = device.type == "cuda" and rows > 0
+        self._bufs = [torch.zeros(rows, dtype=torch.long, pin_memory=True) for _ in range(2)] if cuda else []
+        self._events = [torch.cuda.Event() for _ in self._bufs]
+        self._turn = 0
+
+    def start(self, ids: torch.Tensor) -> LaunchedStep:
+        if not self._bufs:  # on the CPU the ids are computed already
+            return LaunchedStep(ids, ids.shape[0], None)
+        host, copied = self._bufs[self._turn], self._events[self._turn]
+        self._turn ^= 1
+        host[:ids.shape[0]].copy_(ids, non_blocking=True)
+        copied.record()
+        return LaunchedStep(host, ids.shape[0], copied)
 
 
 def logit_rows(step: StepInput) -> list[int]:

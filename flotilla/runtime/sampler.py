@@ -45,11 +45,14 @@ class SamplingBatch:
     output_ids: list[list[int]]  # filled only for rows with any penalty
 
     @classmethod
-    def build(cls, rows: list[tuple[SamplingParams, int, list[int], list[int]]]) -> "SamplingBatch":
-        """rows: (params, seed, prompt ids, output ids) per sampling sequence."""
+    def build(cls, rows: list[tuple[SamplingParams, int, list[int], list[int]]],
+              steps: list[int] | None = None) -> "SamplingBatch":
+        """rows: (params, seed, prompt ids, output ids) per sampling sequence. The ids are read
+        only for rows with a penalty, and for each row's step (len(output ids)) unless `steps`
+        gives them: a caller that knows both may pass empty lists for the other rows."""
         ps = [r[0] for r in rows]
         rep = [p.repetition_penalty != 1.0 for p in ps]
-        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, ps)]
+        pen = [p.has_penalty for p in ps]
         return cls(
             temperature=[p.temperature for p in ps],
             top_k=[p.top_k for p in ps],
@@ -59,7 +62,7 @@ class SamplingBatch:
             presence_penalty=[p.presence_penalty for p in ps],
             frequency_penalty=[p.frequency_penalty for p in ps],
             seeds=[r[1] for r in rows],
-            steps=[len(r[3]) for r in rows],
+            steps=steps if steps is not None else [len(r[3]) for r in rows],
             top_logprobs=[p.top_logprobs if p.logprobs else -1 for p in ps],
             prompt_ids=[list(r[2]) if use else [] for r, use in zip(rows, rep)],
             output_ids=[list(r[3]) if use else [] for r, use in zip(rows, pen)],
@@ -104,17 +107,24 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] (any float dtype) -> one token per row."""
+        raw = logits.float()
+        ids = self.sample_ids(raw, batch)
+        token_ids = ids.tolist()  # the step's one host sync
+        if not batch.any_logprobs:
+            return SamplerOutput(token_ids)
+        return self.logprobs(raw, ids, token_ids, batch)
+
+    @torch.inference_mode()
+    def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled token ids [B] (int64), left on the logits' device: nothing here waits for
+        the device (per-row parameters go over in non-blocking copies)."""
         logits = logits.float()
-        raw = logits
         if batch.any_penalty:
             logits = self.apply_penalties(logits, batch)
         ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
         if not batch.all_greedy:
             ids = self._sample(logits, ids, batch)
-        token_ids = ids.tolist()
-        if not batch.any_logprobs:
-            return SamplerOutput(token_ids)
-        return self.logprobs(raw, ids, token_ids, batch)
+        return ids
 
     # ------------------------------------------------------------------ penalties
     def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -124,17 +134,17 @@ class Sampler:
         out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
         logits = logits.clone()
         if any(r != 1.0 for r in batch.repetition_penalty):  # decided on the host: no device sync
-            rep = torch.tensor(batch.repetition_penalty, device=dev)
+            rep = _on(batch.repetition_penalty, torch.float32, dev)
             seen = (_counts(batch.prompt_ids, B, V, dev) + out_counts) > 0
             penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
             logits = torch.where(seen, penalised, logits)
-        presence = torch.tensor(batch.presence_penalty, device=dev)[:, None]
-        frequency = torch.tensor(batch.frequency_penalty, device=dev)[:, None]
+        presence = _on(batch.presence_penalty, torch.float32, dev)[:, None]
+        frequency = _on(batch.frequency_penalty, torch.float32, dev)[:, None]
         return logits - presence * (out_counts > 0) - frequency * out_counts
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = torch.tensor([t == 0 or k == 1 for t, k in zip(batch.temperature, batch.top_k)], device=logits.device)
+        greedy = _on([t == 0 or k == 1 for t, k in zip(batch.temperature, batch.top_k)], torch.bool, logits.device)
         sampled = (self.processed_probs(logits, batch) / self.exponentials(logits, batch)).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled)
 
@@ -144,13 +154,13 @@ class Sampler:
         exponential race needs no normalization); divide by the row sum for a distribution."""
         B, V = logits.shape
         dev = logits.device
-        temp = torch.tensor([t if t > 0 else 1.0 for t in batch.temperature], device=dev)
+        temp = _on([t if t > 0 else 1.0 for t in batch.temperature], torch.float32, dev)
         logits = logits / temp[:, None]
         if any(0 < k < V for k in batch.top_k) or any(p < 1.0 for p in batch.top_p):
             logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
         if any(m > 0 for m in batch.min_p):
-            min_p = torch.tensor(batch.min_p, device=dev)[:, None]
+            min_p = _on(batch.min_p, torch.float32, dev)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
@@ -199,13 +209,22 @@ def row_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-row tensor on `device` without waiting for it: through pinned memory and a
+    non-blocking copy on CUDA (a plain `torch.tensor(..., device=cuda)` synchronizes the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _counts(token_lists: list[list[int]], B: int, V: int, dev: torch.device) -> torch.Tensor:
     """[B, V] occurrence counts of each row's tokens (one scatter, no per-token Python work)."""
     counts = torch.zeros(B, V, device=dev)
     lengths = [len(t) for t in token_lists]
-    if sum(lengths):
-        rows = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lengths, device=dev))
-        ids = torch.tensor([t for ts in token_lists for t in ts], device=dev)
+    if sum(lengths):  # (the output size given: no device sync)
+        rows = torch.repeat_interleave(torch.arange(B, device=dev), _on(lengths, torch.int64, dev),
+                                       output_size=sum(lengths))
+        ids = _on([t for ts in token_lists for t in ts], torch.int64, dev)
         counts.index_put_((rows, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
     return counts
 
@@ -216,10 +235,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=dev)[None, :]
-    k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)[:, None]
+    k = _on([k if 0 < k < V else V for k in top_k], torch.int64, dev)[:, None]
     drop = rank >= k
     if any(x < 1.0 for x in top_p):
-        p = torch.tensor(top_p, device=dev)[:, None]
+        p = _on(top_p, torch.float32, dev)[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         drop |= (probs.cumsum(dim=-1) - probs) > p  # keep the smallest prefix whose mass reaches p
     masked = sorted_logits.masked_fill(drop, float("-inf"))

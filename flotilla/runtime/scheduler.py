@@ -144,6 +144,27 @@ class Scheduler:
             self._add(out, seq, n)
             budget -= n
 
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after `prev` while `prev` is still being computed (its sampled tokens
+        not yet known): what `schedule()` gives once they are, whenever nothing else can change
+        it. Each sequence's new token is the one `prev` samples for it. None where something
+        could change it: a request waiting, a running sequence outside `prev`, a step of `prev`
+        that was not a plain decode, too few free blocks. Sequences that `prev`'s token ends for
+        their length are left out; one that a stop token or string ends is known only after `prev`
+        is read, and the engine discards its row (runtime/engine.py)."""
+        live = [s.seq for s in prev.scheduled if not s.seq.is_finished]
+        if self.waiting or len(live) != len(self.running) or any(s.num_new_tokens != 1 for s in prev.scheduled):
+            return None
+        seqs = [seq for seq in live if not seq.ends_for_length_after(1)]
+        bm = self.block_manager
+        if not seqs or sum(bm.free_blocks_needed(seq, 1) for seq in seqs) > bm.num_free_blocks:
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:  # prev's order: the order schedule() keeps (decodes, by arrival)
+            bm.allocate_slots(seq, 1)
+            self._add(out, seq, 1)
+        return out
+
     # ------------------------------------------------------------------ policies
     def _running_order(self) -> list[Sequence]:
         todo = [s for s in self.running if s.num_uncomputed_tokens > 0]

@@ -90,6 +90,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def ends_for_length_after(self, num_new_tokens: int) -> bool:
+        """Whether `num_new_tokens` more tokens end the sequence for its length, whatever they are."""
+        return (self.num_output_tokens + num_new_tokens >= self.params.max_tokens
+                or (self.max_model_len is not None and self.num_tokens + num_new_tokens >= self.max_model_len))
+
     def check_stop(self, token_id: int) -> FinishReason | None:
         """The finish reason that the token just appended causes, if any (stop strings are
         checked by the output processor, which owns the text)."""

@@ -4,8 +4,9 @@ kernels/cuda/gemv.py's choose_plan and triton_linear's GEMV_MAX_ROWS.
 Per weight shape, bit width and batch M (1, 2, 4, 8): µs per call (CUDA-graph replay when --graph,
 L2 cleared) of every GEMV plan (rows tile = M rounded up; columns a block 2 or 4; warps a block 1, 2,
 4, 8) next to the built-in plan and the Triton "dot" path, in fp16; then, at the built-in plans, the
-same against Triton in bf16 (the crossover M per bits and dtype). One JSON object per case with
---json.
+same against Triton in bf16 (the crossover M per bits and dtype). Every plan's result is checked
+against the reference (fp32 matmul of the dequantized weight) before it is timed; a FAIL line
+names a plan that is off. One JSON object per case with --json.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import torch
 
 from flotilla.kernels.cuda.gemv import SHAPES, GemvPlan
+from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import TritonGPTQKernel, choose_config, weight_side
 
 SWEEP_ROWS = (1, 2, 4, 8)
@@ -34,14 +36,20 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 print(f"gemv sweep {k}x{n} w{bits}: no GEMV (see the log)", flush=True)
                 continue
             nbytes = kern.layout.nbytes()
+            w32 = dequantize(w, torch.float32)
             for m in SWEEP_ROWS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                ref = x.float() @ w32
                 timed = []
                 for rows, cols in sorted(SHAPES):
                     if rows != next(r for r in SWEEP_ROWS if r >= m) or n % cols:
                         continue
                     for warps in WARPS:
                         plan = GemvPlan(rows, cols, warps)
+                        torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison
+                        err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()
+                        if not err < 2e-3:
+                            print(f"FAIL gemv {k}x{n} w{bits} m={m} {plan}: rel err {err:.2e}", flush=True)
                         timed.append((time_us(lambda: kern.gemv(x, plan=plan), warmup=5, rep=20), plan))
                 timed.sort(key=lambda p: p[0])
                 built_in = kern.gemv.plan_for(m)
@@ -55,6 +63,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                     print(json.dumps({"gemv_sweep": f"{k}x{n}", "bits": bits, "m": m, "built_in_us": t_built,
                                       "built_in": built_in.__dict__, "triton_us": t_triton,
                                       "plans": [[t, p.__dict__] for t, p in timed]}), flush=True)
+            del w32
     for k, n in args.shapes[:2]:
         for bits in (4, 8):
             kern = TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.bfloat16)

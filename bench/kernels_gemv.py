@@ -1,10 +1,11 @@
 """The CUDA GEMV's plans on the GPU (`python bench/kernels.py --gemv-sweep`): the evidence for
-kernels/cuda/gemv.py's choose_plan and triton_linear's GEMV_MAX_ROWS.
+kernels/cuda/gemv.py's choose_plan and its crossovers (MMA_MAX_ROWS, CORES_MAX_ROWS).
 
 Per weight shape, bit width and batch M (1, 2, 4, 8): µs per call (CUDA-graph replay when --graph,
-L2 cleared) of every GEMV plan (rows tile = M rounded up; columns a block 2 or 4; warps a block 1, 2,
-4, 8) next to the built-in plan and the Triton "dot" path, in fp16; then, at the built-in plans, the
-same against Triton in bf16 (the crossover M per bits and dtype). Every plan's result is checked
+L2 cleared) of every GEMV plan (the tensor-core plan "mma"; CUDA-core plans with the rows tile = M
+rounded up and 2 or 4 columns a block; warps a block 1, 2, 4, 8) next to the built-in plan and the
+Triton "dot" path, in fp16; then, at the built-in plans, the same against Triton in bf16 (CUDA-core
+plans: the crossover M per bits and dtype). Every plan's result is checked
 against the reference (fp32 matmul of the dequantized weight) before it is timed; a FAIL line
 names a plan that is off. One JSON object per case with --json.
 """
@@ -14,7 +15,9 @@ import json
 
 import torch
 
-from flotilla.kernels.cuda.gemv import SHAPES, GemvPlan
+import dataclasses
+
+from flotilla.kernels.cuda.gemv import MMA_COLS
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import TritonGPTQKernel, choose_config, weight_side
 
@@ -25,6 +28,10 @@ WARPS = (1, 2, 4, 8)
 def triton_config(kern: TritonGPTQKernel, m: int):
     """The Triton path the registry would take without the GEMV."""
     return weight_side(choose_config(m, kern.layout, kern.num_sms), kern.layout)
+
+
+def label(plan) -> str:
+    return f"mma{plan.warps}w" if plan.cols == MMA_COLS else f"{plan.cols}c{plan.warps}w"
 
 
 def run_gemv_sweep(args, time_us, random_gptq) -> None:
@@ -41,11 +48,11 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w32
                 timed = []
-                for rows, cols in sorted(SHAPES):
-                    if rows != next(r for r in SWEEP_ROWS if r >= m) or n % cols:
+                for shape in kern.gemv.plans():
+                    if shape.cols != MMA_COLS and shape.rows != next(r for r in SWEEP_ROWS if r >= m):
                         continue
                     for warps in WARPS:
-                        plan = GemvPlan(rows, cols, warps)
+                        plan = dataclasses.replace(shape, warps=warps)
                         torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison
                         err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()
                         if not err < 2e-3:
@@ -55,9 +62,10 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 built_in = kern.gemv.plan_for(m)
                 t_built = time_us(lambda: kern.gemv(x))
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))
-                best = ", ".join(f"{t:.1f} {p.cols}c{p.warps}w" for t, p in timed[:4])
-                print(f"gemv sweep {k}x{n} w{bits} m={m}: built-in {built_in.cols}c{built_in.warps}w {t_built:.1f}us "
-                      f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s), triton {t_triton:.1f}us; best {best}",
+                best = ", ".join(f"{t:.1f} {label(p)}" for t, p in timed[:4])
+                mma = [f"{t:.1f} {label(p)}" for t, p in timed if p.cols == MMA_COLS]
+                print(f"gemv sweep {k}x{n} w{bits} m={m}: built-in {label(built_in)} {t_built:.1f}us "
+                      f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s), triton {t_triton:.1f}us; best {best}; mma {mma}",
                       flush=True)
                 if args.json:
                     print(json.dumps({"gemv_sweep": f"{k}x{n}", "bits": bits, "m": m, "built_in_us": t_built,

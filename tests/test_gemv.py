@@ -191,6 +191,68 @@ def _pair_f32(w: np.ndarray, t: int, bits: int, z: np.ndarray) -> tuple[np.ndarr
     return lo, hi
 
 
+def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
+    """y [M, N] of the tensor-core plan (gemv_mma.cuh), from what each lane (g, t) loads, the
+    fragments it hands mma.sync (the PTX m16n8k16 layouts: A row g / g + 8 at k 2t, 2t+1 (a0, a1)
+    and 2t+8, 2t+9 (a2, a3); B k 2t.. / 2t+8.. of column g; C row g / g + 8, columns 2t, 2t+1),
+    the zero MMA and the per-group, per-parity folds; in float64. x: [M, k_padded]."""
+    geo = gemv.geometry(layout, torch.float16)
+    assert geo.mma
+    bits, pairs = layout.bits, 16 // layout.bits
+    r = 1 << geo.log2r
+    spb, tpg, par, bk = r // 16, geo.tpg, (2 if bits == 4 else 1), 2 * r * pairs
+    words = layout.words.numpy().view(np.uint32).astype(np.uint64)
+    n, kw = words.shape
+    m_rows = x.shape[0]
+    scales = layout.scales.double().numpy()
+    zeros = layout.zeros.numpy().astype(np.uint64) if layout.zeros is not None else None
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    xrow = np.minimum(g, m_rows - 1)
+    y = np.zeros((n, 8))
+    for n0 in range(0, n, 16):
+        for b in range(kw // r):
+            grp = [gemv.group_of(b * pairs + q * tpg, geo.group_magic) for q in range(pairs // tpg)]
+            acc = np.zeros((len(grp), par, 16, 8))
+            for sq in range(spb):
+                base = b * r + 16 * sq + 4 * t  # [32] this lane's first word
+                wa = words[n0 + g[:, None], base[:, None] + np.arange(4)]  # [32, 4]
+                wb = words[n0 + g[:, None] + 8, base[:, None] + np.arange(4)]
+                for s in range(pairs):
+                    q, v = s // tpg, s % par
+                    rows = b * bk + s * 2 * r + 32 * sq + 8 * t  # [32]
+                    xs = x[xrow[:, None], rows[:, None] + np.arange(8)]  # [32, 8]
+                    z = (zeros[grp[q], n0 + np.concatenate([g, g + 8])] if zeros is not None
+                         else np.full(64, layout.zero_const, dtype=np.uint64))
+                    zconst = halves(z * (0x00100010 if bits == 4 and v else 0x00010001) + 0xE400E400)[0]  # [64]
+                    for h in range(2):
+                        a_mat, z_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 16)), np.zeros((16, 8))
+                        for reg, (col, word, kk) in enumerate(((g, wa[:, 2 * h], 2 * t), (g + 8, wb[:, 2 * h], 2 * t),
+                                                               (g, wa[:, 2 * h + 1], 2 * t + 8),
+                                                               (g + 8, wb[:, 2 * h + 1], 2 * t + 8))):
+                            lo, hi = halves(_raw_pair(word, s, bits))
+                            a_mat[col, kk], a_mat[col, kk + 1] = lo, hi
+                            z_mat[col, kk] = z_mat[col, kk + 1] = zconst[np.where(reg % 2, 32 + lane, lane)]
+                        b_mat[2 * t, g], b_mat[2 * t + 1, g] = xs[:, 4 * h], xs[:, 4 * h + 1]
+                        b_mat[2 * t + 8, g], b_mat[2 * t + 9, g] = xs[:, 4 * h + 2], xs[:, 4 * h + 3]
+                        acc[q, v] += a_mat @ b_mat + z_mat @ b_mat
+            for q, gi in enumerate(grp):
+                for v in range(par):
+                    if tpg == 1 and v != q % par:
+                        continue
+                    f = scales[gi, n0:n0 + 16] * (0.0625 if v else 1.0)
+                    y[n0:n0 + 16] += f[:, None] * acc[q, v]
+    return y[:, :m_rows].T
+
+
+def _raw_pair(w: np.ndarray, s: int, bits: int) -> np.ndarray:
+    """gemv_mma.cuh raw_pair<bits, s>: 1024 + q (1024 + 16 q for odd runs at 4 bits), as bits."""
+    if bits == 8:
+        return ((w if s == 0 else w >> 8) & 0x00FF00FF) | 0x64006400
+    src = w if s < 2 else w >> 8
+    return (src & (0x00F000F0 if s % 2 else 0x000F000F)) | 0x64006400
+
+
 def reference_rows(w: GPTQWeight, layout, dtype: torch.dtype) -> np.ndarray:
     """The reference weight [in, out] in the layout's row order."""
     dense = dequantize(w, dtype).double().numpy()
@@ -216,6 +278,22 @@ def test_emulated_bf16_kernel_decodes_q_minus_z_exactly(case):
     dense = emulate(layout, "bf16", 2)
     ref = reference_rows(w, layout, torch.float32)  # ((q - z) * s) in fp32: our fp32 product, rounded
     np.testing.assert_array_equal(dense[:k].astype(np.float32), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] % 16 == 0])
+def test_emulated_tensor_core_plan_is_the_matmul(case):
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=3)
+    layout = repack(w)
+    if not gemv.geometry(layout, torch.float16).mma:
+        pytest.skip("not a tensor-core layout")
+    rng = np.random.default_rng(0)
+    for m in (1, 3, 8):
+        x = np.zeros((m, layout.k_padded))
+        x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
+        y = emulate_mma(layout, x)
+        ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
+        np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
 def test_every_row_is_read_once_and_padding_rows_only_past_k():
@@ -279,16 +357,21 @@ def test_layouts_it_does_not_read_fall_back():
 
 
 def test_plans():
-    p = gemv.choose_plan(1, 28672, 1024, 132)
+    p = gemv.choose_plan(1, 28672, 1024, 132, 4)
     assert (p.rows, p.cols) == (1, 4) and p.warps >= 1
-    assert gemv.choose_plan(3, 4096, 512, 132).rows == 4
-    assert gemv.choose_plan(8, 4096, 512, 132).cols == 2
-    assert gemv.choose_plan(1, 4098, 512, 132).cols == 2  # 4 does not divide N
+    assert gemv.choose_plan(3, 4096, 512, 132, 4).rows == 4
+    assert gemv.choose_plan(8, 4096, 512, 132, 4).cols == 2
+    assert gemv.choose_plan(1, 4098, 512, 132, 4).cols == 2  # 4 does not divide N
+    assert gemv.choose_plan(1, 4096, 512, 132, 8).cols == 2
+    mma = gemv.choose_plan(1, 4096, 512, 132, 4, mma_r=32)
+    assert (mma.rows, mma.cols, mma.warps) == (8, 16, 8)  # 256 blocks: 8 warps each reach 16 a SM
+    assert gemv.choose_plan(5, 28672, 1024, 132, 4, mma_r=32).warps == 2
     for m in range(1, 9):
         for n, kw in ((4096, 512), (14336, 512), (4096, 1792), (28672, 1024), (64, 64)):
-            plan = gemv.choose_plan(m, n, kw, 132)
-            assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
-            assert 1 <= plan.warps <= gemv.MAX_WARPS
+            for mma_r in (0, 16, 32):
+                plan = gemv.choose_plan(m, n, kw, 132, 4, mma_r)
+                assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
+                assert 1 <= plan.warps <= gemv.MAX_WARPS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,11 +387,11 @@ def poison(m: int, n: int, dtype: torch.dtype) -> None:
     torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
 
 
-def plans(m: int, n: int):
-    for rows, cols in sorted(gemv.SHAPES):
-        if rows >= m and n % cols == 0:
+def plans(kern, m: int):
+    for shape in kern.plans():
+        if shape.rows >= m:
             for warps in (1, 3, 8):
-                yield gemv.GemvPlan(rows, cols, warps)
+                yield dataclasses.replace(shape, warps=warps)
 
 
 @needs_cuda
@@ -327,7 +410,7 @@ def test_kernel_matches_reference_on_every_plan(case, dtype):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype)
         ref = x.float() @ w32 + bias.float()
-        for plan in [None, *plans(m, n)] if m in (1, 3, 8) else [None]:
+        for plan in [None, *plans(kern.gemv, m)] if m in (1, 3, 8) else [None]:
             poison(m, n, dtype)
             y = kern.gemv(x, bias, plan=plan)
             assert y.shape == (m, n) and bool(torch.isfinite(y).all()), (m, plan)
@@ -355,12 +438,13 @@ def test_gguf_forms_through_the_gemv(qtype, dtype):
 
 @needs_cuda
 def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_slice():
-    from flotilla.kernels.triton_linear import GEMV_MAX_ROWS, TritonGPTQKernel
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
 
     w = weight(2048, 384, 4, 128, False, True, seed=6).to("cuda")
     kern = TritonGPTQKernel(w, torch.float16)
-    assert kern.config_for(1).kind == "gemv"
-    assert kern.config_for(GEMV_MAX_ROWS[(4, torch.float16)] + 1).kind == "dot"
+    assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS
+    assert kern.config_for(1).kind == "gemv" and kern.config_for(1).block_n == gemv.MMA_COLS
+    assert kern.config_for(gemv.MMA_MAX_ROWS + 1).kind == "dot"
     x = torch.randn(2, 2048, device="cuda", dtype=torch.float16)
     big = torch.full((2, 1000), float("nan"), device="cuda", dtype=torch.float16)
     kern(x, out=big[:, 100:484])

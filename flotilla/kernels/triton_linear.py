@@ -7,8 +7,8 @@
 forms: kernels.triton_ggml).
 
 Paths, chosen per call from the number of rows M (`config_for`):
-  * "gemv"  — on CUDA where nvcc built it, up to the measured crossover (GEMV_MAX_ROWS): the
-              CUDA-core GEMV of kernels/cuda/gemv.py, reading this object's own layout tensors;
+  * "gemv"  — on CUDA where nvcc built it, up to the measured crossover (the GEMV's max_rows):
+              kernels/cuda/gemv.py, reading this object's own layout tensors;
   * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K (`choose_config`): for
               decode batches this is the split-K GEMV (16-row tile, split until every SM streams
               weights), for medium batches a tiled GEMM;
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda.gemv import MAX_ROWS as MAX_GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
 from .gptq import GPTQWeight
 from .triton_layout import TritonLayout, UnsupportedLayout, repack
@@ -46,10 +45,6 @@ class GemmConfig:
 
 
 DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
-
-# Up to this many rows the CUDA GEMV runs, per (bits, activation dtype): the crossovers against
-# the "dot" path measured on the H200 (bench/kernels.py --gemv, bench/NOTES-kernels.md).
-GEMV_MAX_ROWS = {(4, torch.float16): 4, (8, torch.float16): 8, (4, torch.bfloat16): 2, (8, torch.bfloat16): 4}
 
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
@@ -145,7 +140,7 @@ class TritonLayoutKernel:
     def config_for(self, m: int) -> GemmConfig:
         cfg = self._configs.get(m)
         if cfg is None:
-            if self.gemv is not None and 1 <= m <= GEMV_MAX_ROWS[(self.layout.bits, self.dtype)]:
+            if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
                 cfg = gemv_config(self.gemv.plan_for(m))
             else:
                 cfg = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
@@ -163,7 +158,7 @@ class TritonLayoutKernel:
             x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
             timed = []
             configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
-            if self.gemv is not None and m <= MAX_GEMV_ROWS and not candidates:
+            if self.gemv is not None and m <= self.gemv.max_rows and not candidates:
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             for cfg in configs:
                 fn = lambda: self(x, config=cfg)

@@ -1,4 +1,4 @@
-"""The CUDA-core GEMV for small batches over the Triton layout (csrc/gemv.cuh): no second copy.
+"""The GEMV for small batches over the Triton layout (csrc/gemv.cuh, gemv_mma.cuh): no second copy.
 
     gemv = gemv_for(layout, torch.float16)     # None where nvcc is missing or the layout unsupported
     y = gemv(x2, bias)                          # x2 [M <= 8, in] -> y [M, out]
@@ -9,12 +9,18 @@ up to the measured crossover). Activations are read from global memory through L
 gathers them once per call (x[:, perm]) and a layout whose input axis is padded (or an unaligned
 x) gets a zero-padded copy, both on the torch side.
 
-Plans (`choose_plan`): rows a block computes (1, 2, 4, 8: M rounded up), columns a block computes
-(C, dividing N) and warps a block (splitting the input axis), from the H200 sweep in
-bench/NOTES-kernels.md. Supported: 4 and 8 bits, fp16 and bf16 activations, symmetric, uint8
-zeros or GGUF float offsets, every group size the layout allows, act-order. Not supported (the
-Triton kernel serves, said once in the log): odd N, 4-bit zeros of 64 and more, a layout whose
-blocks are wider than 128 words.
+Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
+  * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
+    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products and the
+    zero points on mma.sync; the decode is one LOP3 a pair of weights;
+  * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
+    8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
+    dividing N), the products in half2 (fp16) or fp32 (bf16).
+Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp16 and bf16
+activations, symmetric, uint8 zeros or GGUF float offsets, every group size the layout allows,
+act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
+64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
+kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind).
 """
 from __future__ import annotations
 
@@ -34,8 +40,13 @@ DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
 MAX_ROWS = 8
 ROW_TILES = (1, 2, 4, 8)
-SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2)})  # gemv_instances.cuh, (rows, cols)
+MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps)
+SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
+# Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
+# measured on the H200 (bench/kernels.py, bench/NOTES-kernels.md); CUDA-core plans per (bits, dtype)
+MMA_MAX_ROWS = 8
+CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 1, (8, torch.bfloat16): 2}
 
 
 class GemvUnsupported(ValueError):
@@ -65,6 +76,7 @@ class Geometry:
     tpg: int  # runs of one block that share a group: 1, 2 or P
     group_magic: int  # ceil(2^31 / runs_per_group): group of run u = (2u * magic) >> 32
     mode: int  # SYM, ZP or OFF
+    mma: bool  # the tensor-core plan reads it
 
 
 def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
@@ -110,7 +122,8 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     mode = OFF if layout.offsets is not None else ZP if layout.zeros is not None else SYM
     if mode == OFF and tpg != 1:
         raise GemvUnsupported("float offsets with groups longer than one run")
-    return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode)
+    mma = dtype == torch.float16 and mode != OFF and r in (16, 32) and n % MMA_COLS == 0
+    return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
 def group_of(run: int, magic: int) -> int:
@@ -118,19 +131,21 @@ def group_of(run: int, magic: int) -> int:
     return ((2 * run) * magic) >> 32
 
 
-def choose_plan(m: int, n: int, kw: int, num_sms: int) -> GemvPlan:
-    """The plan for M rows over N columns of KW words each (the H200 sweep's rules,
-    bench/NOTES-kernels.md): C = 4 columns a block where N allows (x loads shared by more columns)
-    and M <= 4, warps splitting the input axis into strips of 128 words until the grid holds
-    about 16 warps per SM."""
+def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0) -> GemvPlan:
+    """The plan for M rows over N columns of KW words each (the H200 sweeps' rules,
+    bench/NOTES-kernels.md). mma_r: the layout's words a block where the tensor-core plan reads it
+    (0: it does not); its warps take whole blocks of the input axis, as many warps as bring the
+    grid to about 16 warps per SM. CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads
+    shared by more columns), else 2; two warps up to M = 2, else one."""
+    if mma_r:
+        blocks, layout_blocks = n // MMA_COLS, kw // mma_r
+        warps = 1
+        while warps < min(MAX_WARPS, layout_blocks) and blocks * warps < 16 * num_sms:
+            warps *= 2
+        return GemvPlan(MAX_ROWS, MMA_COLS, warps)
     rows = next(t for t in ROW_TILES if t >= m)
-    cols = 4 if rows <= 4 and n % 4 == 0 else 2
-    strips = -(-kw // 128)
-    blocks = n // cols
-    warps = 1
-    while warps < min(MAX_WARPS, strips) and blocks * warps < 16 * num_sms:
-        warps *= 2
-    return GemvPlan(rows, cols, warps)
+    cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
+    return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
 
 
 class _Library:
@@ -180,14 +195,24 @@ class GemvKernel:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
-        for rows, cols in SHAPES:  # load every instance this layout may use now, not inside a graph capture
-            self.lib.call(1, None, self._dt, layout.bits, GemvPlan(rows, cols, 1), self.geo)
+        self.max_rows = MMA_MAX_ROWS if self.geo.mma else CORES_MAX_ROWS[(layout.bits, dtype)]
+        probe = _Params(log2r=self.geo.log2r)
+        for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
+            self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
+
+    def plans(self, warps: int = 1):
+        """Every plan this layout can run (with `warps` warps)."""
+        n = self.layout.out_features
+        for rows, cols in sorted(SHAPES):
+            if n % cols == 0 and (cols != MMA_COLS or self.geo.mma):
+                yield GemvPlan(rows, cols, warps)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
         if plan is None:
             lay = self.layout
-            plan = self._plans[m] = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms)
+            plan = self._plans[m] = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
+                                                lay.rows_per_field if self.geo.mma else 0)
         return plan
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -202,7 +227,7 @@ class GemvKernel:
             raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
         plan = plan or self.plan_for(m)
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS:
+                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features

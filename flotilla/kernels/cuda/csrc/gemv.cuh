@@ -139,6 +139,7 @@ __device__ __forceinline__ V pinned(V v) {
 }
 
 __device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
+__device__ __forceinline__ uint32_t h2_bits(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 // group of run u (block b, position t: u = b * P + t)
 __device__ __forceinline__ unsigned group_of(int u, unsigned magic) { return __umulhi(2u * u, magic); }

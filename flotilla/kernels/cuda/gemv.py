@@ -20,7 +20,8 @@ Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp
 activations, symmetric, uint8 zeros or GGUF float offsets, every group size the layout allows,
 act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
 64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
-kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind).
+kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind;
+0 for the layouts not measured yet: GGUF forms, group 32 and 16).
 """
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps)
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
-# measured on the H200 (bench/kernels.py, bench/NOTES-kernels.md); CUDA-core plans per (bits, dtype)
-MMA_MAX_ROWS = 8
-CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 1, (8, torch.bfloat16): 2}
-
+# measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
+# on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
+# (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes).
+MMA_MAX_ROWS = 4
+CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -76,7 +78,7 @@ class Geometry:
     tpg: int  # runs of one block that share a group: 1, 2 or P
     group_magic: int  # ceil(2^31 / runs_per_group): group of run u = (2u * magic) >> 32
     mode: int  # SYM, ZP or OFF
-    mma: bool  # the tensor-core plan reads it
+    mma: bool  # the tensor-core plan reads it (it is chosen at 4 bits)
 
 
 def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
@@ -126,6 +128,15 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
+def crossover(geo: Geometry, bits: int, dtype: torch.dtype) -> int:
+    """Up to how many rows the GEMV beats the Triton kernel, as measured: 0 (never picked, though
+    it runs when asked) for layouts of kinds not measured yet: GGUF float offsets, blocks other
+    than 32 words (group 32 or 16)."""
+    if geo.mode == OFF or geo.log2r != 5:
+        return 0
+    return MMA_MAX_ROWS if bits == 4 and geo.mma else CORES_MAX_ROWS[(bits, dtype)]
+
+
 def group_of(run: int, magic: int) -> int:
     """The kernel's group index of a run (gemv.cuh group_of)."""
     return ((2 * run) * magic) >> 32
@@ -134,13 +145,15 @@ def group_of(run: int, magic: int) -> int:
 def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0) -> GemvPlan:
     """The plan for M rows over N columns of KW words each (the H200 sweeps' rules,
     bench/NOTES-kernels.md). mma_r: the layout's words a block where the tensor-core plan reads it
-    (0: it does not); its warps take whole blocks of the input axis, as many warps as bring the
-    grid to about 16 warps per SM. CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads
-    shared by more columns), else 2; two warps up to M = 2, else one."""
-    if mma_r:
+    (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
+    enough warps to bring the grid to 16 a SM, and at least one per 4 of a column's blocks (the
+    sweep's best within 3% on the four shapes, at every M). CUDA cores: 4 columns a block at 4
+    bits and M <= 4 (x loads shared by more columns), else 2; two warps up to M = 2, else one."""
+    if mma_r and bits == 4:
         blocks, layout_blocks = n // MMA_COLS, kw // mma_r
+        want = max(16 * num_sms / blocks, layout_blocks / 4)
         warps = 1
-        while warps < min(MAX_WARPS, layout_blocks) and blocks * warps < 16 * num_sms:
+        while warps < min(MAX_WARPS, layout_blocks) and warps < want:
             warps *= 2
         return GemvPlan(MAX_ROWS, MMA_COLS, warps)
     rows = next(t for t in ROW_TILES if t >= m)
@@ -195,7 +208,7 @@ class GemvKernel:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
-        self.max_rows = MMA_MAX_ROWS if self.geo.mma else CORES_MAX_ROWS[(layout.bits, dtype)]
+        self.max_rows = crossover(self.geo, layout.bits, dtype)
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda.gemv import MAX_ROWS as GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
 from .gptq import GPTQWeight
 from .triton_layout import TritonLayout, UnsupportedLayout, repack
@@ -158,10 +159,10 @@ class TritonLayoutKernel:
             x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
             timed = []
             configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
-            if self.gemv is not None and m <= self.gemv.max_rows and not candidates:
+            if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             for cfg in configs:
-                fn = lambda: self(x, config=cfg)
+                fn = lambda: self(x, config=cfg)  # noqa: E731
                 try:
                     timed.append((1000 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"), cfg))
                 except triton.runtime.errors.OutOfResources:

@@ -15,7 +15,7 @@ if has pytest; then
   mark pytest
   OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_triton_kernels.py \
     tests/test_fused_triton.py tests/test_cuda_graphs.py tests/test_paged_attention_triton.py \
-    tests/test_spec_verify.py 2>&1 | tail -15 | tee "$OUT/pytest.log"
+    tests/test_spec_verify.py tests/test_gemv.py 2>&1 | tail -15 | tee "$OUT/pytest.log"
 fi
 if has checks; then
   mark gpu_checks

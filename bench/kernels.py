@@ -4,12 +4,15 @@
     python bench/kernels.py --json          # one JSON object per (shape, batch) row
     python bench/kernels.py --sweep         # also time a grid of tile configs per case (tuning)
     python bench/kernels.py --gguf --batches 1,16   # the GGUF forms' kernels (bench/kernels_gguf.py)
+    python bench/kernels.py --batches 1,2,4,8,16 --skip-cuda --gemv-sweep   # + the GEMV's plans (kernels_gemv.py)
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
 triton.testing.do_bench, which clears the L2 cache before every call) for
-  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations, twice:
-  the CUDA kernels (flotilla/kernels/cuda; columns "CUDA", with TB/s and x fp16) and the Triton
-  kernels (flotilla/kernels/triton_linear; the registry's choice on NVIDIA GPUs);
+  ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations: the CUDA
+  GEMV over the Triton layout (kernels/cuda/gemv.py, batches up to 8; columns "GEMV", with TB/s
+  and x fp16), the Triton "dot" path (kernels/triton_linear), and the Marlin-style CUDA kernels
+  (kernels/cuda, columns "CUDA"; --skip-cuda leaves them out); "pick" is what the registry's
+  kernel object runs at that batch;
   fp16 torch.nn.functional.linear (cuBLAS);
   tinygemm int4 weight-only (torch.ops.aten._weight_int4pack_mm, what torchao calls; bf16);
   bitsandbytes nf4 (Linear4bit) and int8 (Linear8bitLt), when bitsandbytes imports;
@@ -32,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups  # noqa: E402
 from flotilla.kernels.reference import dequantize  # noqa: E402
 from flotilla.kernels.cuda.kernel import CudaGPTQKernel  # noqa: E402
-from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, split_for  # noqa: E402
+from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, gemv_config, split_for  # noqa: E402
+
+from bench.kernels_gemv import run_gemv_sweep, triton_config  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
 BATCHES = [1, 16, 64, 256, 2048]
@@ -142,20 +147,38 @@ def plan_of(kernel, m: int):
     return kernel.plan_for(m) if hasattr(kernel, "plan_for") else kernel.config_for(m)
 
 
-def check(kernel, w: GPTQWeight, batches, dtype, tol: float, w32=None) -> list[str]:
-    """Every batch's path against the reference on this weight; returns failure lines."""
+def check(kernel, w: GPTQWeight, batches, dtype, tol: float, w32=None, config=None) -> list[str]:
+    """Every batch's path against the reference on this weight; returns failure lines.
+    config(m): the Triton kernel's config to force (None: its own choice)."""
     failures = []
     w32 = dequantize(w, torch.float32) if w32 is None else w32
     for m in batches:
         x = torch.randn(m, w.in_features, device="cuda", dtype=dtype)
         bias = torch.randn(w.out_features, device="cuda", dtype=dtype)
-        y = kernel(x, bias)
+        torch.full((m, w.out_features), float("nan"), device="cuda", dtype=dtype)  # poison the allocator
+        cfg = config(m) if config else None
+        y = kernel(x, bias, config=cfg) if cfg else kernel(x, bias)
         ref = x.float() @ w32 + bias.float()
         err = rel_err(y, ref)
         ok = err < tol and bool(torch.isfinite(y).all())
         if not ok:
             failures.append(f"{kernel.name} {w.in_features}x{w.out_features} bits={w.bits} m={m} {dtype} "
-                            f"{plan_of(kernel, m)}: rel err {err:.2e}")
+                            f"{cfg or plan_of(kernel, m)}: rel err {err:.2e}")
+    return failures
+
+
+def check_ours(w: GPTQWeight, batches, dtype, tol: float, w32=None, cuda: bool = True) -> list[str]:
+    """The Triton kernel's own choice, its "dot" path, its GEMV (batches up to 8) and the CUDA kernel."""
+    triton = TritonGPTQKernel(w, dtype)
+    failures = check(triton, w, batches, dtype, tol, w32)
+    failures += check(triton, w, batches, dtype, tol, w32, lambda m: triton_config(triton, m))
+    if triton.gemv is not None:
+        failures += check(triton, w, [m for m in batches if m <= 8] or [1, 5, 8], dtype, tol, w32,
+                          lambda m: gemv_config(triton.gemv.plan_for(m)))
+    else:
+        failures.append(f"no GEMV for {w.in_features}x{w.out_features} bits={w.bits} {dtype}")
+    if cuda:
+        failures += check(CudaGPTQKernel(w, dtype), w, batches, dtype, tol, w32)
     return failures
 
 
@@ -169,14 +192,12 @@ def correctness_suite(args) -> list[str]:
             tol = 2e-3 if dtype == torch.float16 else 1.2e-2
             for group, sym, act in ((128, True, False), (128, False, True), (32, False, False), (-1, True, True)):
                 w = random_gptq(1024, 768, bits, group, sym, act, "cuda")
-                for make in (CudaGPTQKernel, TritonGPTQKernel):
-                    failures += check(make(w, dtype), w, [1, 40, 1100], dtype, tol)
+                failures += check_ours(w, [1, 5, 40, 1100], dtype, tol, cuda=not args.skip_cuda)
     for k, n in args.shapes:
         for bits in (4, 8):
             w = random_gptq(k, n, bits, 128, True, False, "cuda")
             w32 = dequantize(w, torch.float32)
-            for make in (CudaGPTQKernel, TritonGPTQKernel):
-                failures += check(make(w, torch.float16), w, args.batches, torch.float16, 2e-3, w32)
+            failures += check_ours(w, args.batches, torch.float16, 2e-3, w32, cuda=not args.skip_cuda)
             del w32
     return failures
 
@@ -274,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
     ap.add_argument("--gguf", action="store_true", help="the GGUF forms' table instead (bench/kernels_gguf.py)")
+    ap.add_argument("--skip-cuda", action="store_true", help="leave out the Marlin-style CUDA kernels (kernels/cuda)")
+    ap.add_argument("--gemv-sweep", action="store_true", help="after the table, time the GEMV's plans (kernels_gemv.py)")
     args = ap.parse_args(argv)
     global GRAPHS
     GRAPHS = args.graph
@@ -309,32 +332,40 @@ def main(argv=None) -> int:
         if peers.bnb_error:
             print(f"bitsandbytes unavailable: {peers.bnb_error}", flush=True)
         weights = {bits: random_gptq(k, n, bits, 128, True, False, "cuda") for bits in (4, 8)}
-        ours = {bits: CudaGPTQKernel(w, torch.float16) for bits, w in weights.items()}
-        previous = {bits: TritonGPTQKernel(w, torch.float16) for bits, w in weights.items()}
+        cuda = {} if args.skip_cuda else {bits: CudaGPTQKernel(w, torch.float16) for bits, w in weights.items()}
+        ours = {bits: TritonGPTQKernel(w, torch.float16) for bits, w in weights.items()}
         if args.tune:
-            for kern in previous.values():
+            for kern in ours.values():
                 kern.tune(args.batches)
         for m in args.batches:
             row = {"shape": f"{k}x{n}", "batch": m}
             row.update(peers.time(m))
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             for bits, kern in ours.items():
-                t = time_us(lambda: kern(x))
                 nbytes = kern.layout.nbytes()
-                row[f"w{bits}_us"] = t
-                row[f"w{bits}_tbps"] = nbytes / (t * 1e-6) / 1e12
                 row[f"w{bits}_floor_us"] = nbytes / bw * 1e6
+                row[f"pick_w{bits}"] = kern.config_for(m).kind
+                t = row[f"triton_w{bits}_us"] = time_us(lambda: kern(x, config=triton_config(kern, m)))
+                row[f"triton_w{bits}_speedup"] = row["fp16_us"] / t
+                if kern.gemv is not None and m <= 8:
+                    t = row[f"gemv_w{bits}_us"] = time_us(lambda: kern.gemv(x))
+                    row[f"gemv_w{bits}_tbps"] = nbytes / (t * 1e-6) / 1e12
+                    row[f"gemv_w{bits}_speedup"] = row["fp16_us"] / t
+                    row[f"gemv_w{bits}_plan"] = str(kern.gemv.plan_for(m))
+            for bits, kern in cuda.items():
+                t = row[f"w{bits}_us"] = time_us(lambda: kern(x))
+                row[f"w{bits}_tbps"] = kern.layout.nbytes() / (t * 1e-6) / 1e12
                 row[f"w{bits}_config"] = str(kern.plan_for(m))
                 row[f"w{bits}_speedup"] = row["fp16_us"] / t
-            for bits, kern in previous.items():
-                row[f"triton_w{bits}_us"] = time_us(lambda: kern(x))
             rows.append(row)
             print(("  " + json.dumps(row)) if args.json else _line(row), flush=True)
-        del peers, ours, previous, weights
+        del peers, ours, cuda, weights
         torch.cuda.empty_cache()
     print()
     print(_table(rows), flush=True)
     extra: list = []
+    if args.gemv_sweep:
+        run_gemv_sweep(args, time_us, random_gptq)
     if args.sweep:
         run_sweep(args, extra)
     if args.json:
@@ -344,27 +375,33 @@ def main(argv=None) -> int:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['shape']:>11} m={r['batch']:<5} fp16 {r['fp16_us']:8.1f}  w4 {r['w4_us']:8.1f} "
-            f"({r['w4_speedup']:.2f}x, {r['w4_tbps']:.2f} TB/s)  w8 {r['w8_us']:8.1f} ({r['w8_speedup']:.2f}x)  "
-            f"triton w4 {r['triton_w4_us']:8.1f} w8 {r['triton_w8_us']:8.1f}")
+    def us(key: str) -> str:
+        return f"{r[key]:7.1f}" if key in r else "    n/a"
+
+    return (f"{r['shape']:>11} m={r['batch']:<5} fp16 {r['fp16_us']:7.1f}  gemv w4 {us('gemv_w4_us')} "
+            f"w8 {us('gemv_w8_us')}  triton w4 {us('triton_w4_us')} w8 {us('triton_w8_us')}  "
+            f"cuda w4 {us('w4_us')} w8 {us('w8_us')}  pick {r['pick_w4']}/{r['pick_w8']}")
 
 
 def _table(rows: list) -> str:
     cols = [("shape", "shape", "{}"), ("batch", "batch", "{}"), ("fp16 µs", "fp16_us", "{:.1f}"),
-            ("CUDA W4 µs", "w4_us", "{:.1f}"), ("×fp16", "w4_speedup", "{:.2f}"), ("W4 TB/s", "w4_tbps", "{:.2f}"),
-            ("W4 floor µs", "w4_floor_us", "{:.1f}"), ("CUDA W8 µs", "w8_us", "{:.1f}"),
-            ("×fp16", "w8_speedup", "{:.2f}"), ("W8 TB/s", "w8_tbps", "{:.2f}"),
-            ("Triton W4 µs", "triton_w4_us", "{:.1f}"), ("Triton W8 µs", "triton_w8_us", "{:.1f}"),
+            ("GEMV W4 µs", "gemv_w4_us", "{:.1f}"), ("×fp16", "gemv_w4_speedup", "{:.2f}"),
+            ("W4 TB/s", "gemv_w4_tbps", "{:.2f}"), ("W4 floor µs", "w4_floor_us", "{:.1f}"),
+            ("GEMV W8 µs", "gemv_w8_us", "{:.1f}"), ("×fp16", "gemv_w8_speedup", "{:.2f}"),
+            ("W8 TB/s", "gemv_w8_tbps", "{:.2f}"), ("Triton W4 µs", "triton_w4_us", "{:.1f}"),
+            ("×fp16", "triton_w4_speedup", "{:.2f}"), ("Triton W8 µs", "triton_w8_us", "{:.1f}"),
+            ("×fp16", "triton_w8_speedup", "{:.2f}"), ("pick W4/W8", "picks", "{}"),
+            ("CUDA W4 µs", "w4_us", "{:.1f}"), ("CUDA W8 µs", "w8_us", "{:.1f}"),
             ("tinygemm µs", "tinygemm_us", "{:.1f}"), ("bnb nf4 µs", "bnb_nf4_us", "{:.1f}"),
             ("bnb int8 µs", "bnb_int8_us", "{:.1f}")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        r = {**r, "picks": f"{r['pick_w4']}/{r['pick_w8']}"}
         lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "n/a" for _, key, fmt in cols) + " |")
+    best = [min(r.get("gemv_w4_us", 1e9), r["triton_w4_us"]) for r in rows]
     if rows:
-        w4 = [r["w4_speedup"] for r in rows]
-        w8 = [r["w8_speedup"] for r in rows]
-        lines.append(f"\nCUDA W4A16 speedup over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x; "
-                     f"W8A16: min {min(w8):.2f}x, median {statistics.median(w8):.2f}x")
+        w4 = [r["fp16_us"] / b for r, b in zip(rows, best)]
+        lines.append(f"\nW4A16 (faster of GEMV and Triton) over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x")
     return "\n".join(lines)
 
 

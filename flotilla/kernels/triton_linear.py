@@ -6,10 +6,12 @@
 `TritonLayoutKernel(layout, dtype)` is the same object over a layout built elsewhere (the GGUF
 forms: kernels.triton_ggml).
 
-Paths, chosen per call from the number of rows M (`choose_config`):
-  * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K: for decode batches this
-              is the split-K GEMV (16-row tile, split until every SM streams weights), for medium
-              batches a tiled GEMM;
+Paths, chosen per call from the number of rows M (`config_for`):
+  * "gemv"  — on CUDA where nvcc built it, up to the measured crossover (the GEMV's max_rows):
+              kernels/cuda/gemv.py, reading this object's own layout tensors;
+  * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K (`choose_config`): for
+              decode batches this is the split-K GEMV (16-row tile, split until every SM streams
+              weights), for medium batches a tiled GEMM;
   * "dense" — dequantize to a dense weight, then cuBLAS (torch.nn.functional.linear), large M.
 
 This module imports Triton lazily, so the registry can import it where Triton or CUDA is absent;
@@ -26,13 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda.gemv import MAX_ROWS as GEMV_ROWS
+from .cuda.gemv import GemvPlan, gemv_for
 from .gptq import GPTQWeight
 from .triton_layout import TritonLayout, UnsupportedLayout, repack
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    kind: str  # "dot" | "dense"
+    kind: str  # "dot" | "dense" | "gemv" (block_m: rows a block computes, block_n: columns, num_warps)
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -71,6 +75,11 @@ def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     tiles = -(-m // block_m) * -(-n // 128)
     return GemmConfig("dot", block_m, 128, split_for(tiles, blocks, num_sms), num_warps=8, num_stages=3,
                       scale_w=True)
+
+
+def gemv_config(plan) -> GemmConfig:
+    """A GEMV plan (kernels/cuda/gemv.py GemvPlan) as this module's config."""
+    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps)
 
 
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
@@ -125,11 +134,18 @@ class TritonLayoutKernel:
                         if device.type == "cuda" else 4)
         self._counters = torch.zeros(4096, dtype=torch.int32, device=device)
         self._configs: dict[int, GemmConfig] = {}
+        self.gemv = None
+        if device.type == "cuda":
+            self.gemv = gemv_for(layout, dtype)  # None: no nvcc, or a layout it does not read
 
     def config_for(self, m: int) -> GemmConfig:
         cfg = self._configs.get(m)
         if cfg is None:
-            cfg = self._configs[m] = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
+            if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
+                cfg = gemv_config(self.gemv.plan_for(m))
+            else:
+                cfg = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
+            self._configs[m] = cfg
         return cfg
 
     def tune(self, batch_sizes, candidates=None) -> dict[int, tuple[float, GemmConfig]]:
@@ -142,7 +158,10 @@ class TritonLayoutKernel:
         for m in batch_sizes:
             x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
             timed = []
-            for cfg in candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms):
+            configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
+            if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
+                configs = [gemv_config(self.gemv.plan_for(m)), *configs]
+            for cfg in configs:
                 fn = lambda: self(x, config=cfg)  # noqa: E731
                 try:
                     timed.append((1000 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"), cfg))
@@ -163,7 +182,13 @@ class TritonLayoutKernel:
             x2 = x2.contiguous()
         cfg = config or self.config_for(x2.shape[0])
         perm = self.layout.perm
-        if cfg.kind == "dense":
+        if cfg.kind == "gemv":
+            if self.gemv is None:
+                raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
+            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps))
+            if out is not None:
+                return y
+        elif cfg.kind == "dense":
             if perm is not None:
                 x2 = x2.index_select(1, perm)  # the dense weight keeps the sorted row order
             w_t = dequantize_layout(self.layout, self.dtype)

@@ -1,0 +1,82 @@
+// The GEMV's template instances for one (activation type, bit width): gemv_*.cu include this with
+// their pair, so the instances compile in parallel; gemv_api.cu dispatches to them.
+#pragma once
+#include "gemv.cuh"
+#include "gemv_mma.cuh"
+
+namespace flotilla::gemv {
+
+// op 0: launch N / cols blocks of 32 * warps threads; op 1: prepare (load the module now, not
+// inside a CUDA-graph capture)
+template <typename T, int BITS, int MT, int C, int MODE, int TPG>
+int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // the CUDA-core plans
+  auto fn = gemv_kernel<T, BITS, MT, C, MODE, TPG>;
+  if (op == 1) {
+    cudaFuncAttributes attr;
+    return cudaFuncGetAttributes(&attr, fn);
+  }
+  if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
+  fn<<<p->N / C, 32 * warps, 0, stream>>>(*p);
+  return cudaGetLastError();
+}
+
+// the tensor-core plan (cols 16): one launch for any M <= 8
+template <int BITS, int MODE, int TPG, int LOG2R>
+int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
+  auto fn = gemv_mma_kernel<BITS, MODE, TPG, LOG2R>;
+  if (op == 1) {
+    cudaFuncAttributes attr;
+    return cudaFuncGetAttributes(&attr, fn);
+  }
+  if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
+  fn<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
+  return cudaGetLastError();
+}
+
+// fp16, a zero constant or uint8 zeros, blocks of 16 or 32 words (op 1 reads log2r too)
+template <typename T, int BITS, int MODE, int TPG>
+int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, half> && MODE != OFF) {
+    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4>(op, p, warps, stream);
+    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5>(op, p, warps, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// (rows a block computes, columns a block computes): the shapes the plans use (gemv.py ROW_TILES)
+#define FLOTILLA_GEMV_SHAPES(X) X(1, 2) X(1, 4) X(2, 2) X(2, 4) X(4, 2) X(4, 4) X(8, 2)
+
+template <typename T, int BITS, int MODE, int TPG>
+int gemv_shape(int op, const GemvParams* p, int mt, int cols, int warps, cudaStream_t stream) {
+  if (cols == MMA_COLS) return mt == 8 ? gemv_mma_dispatch<T, BITS, MODE, TPG>(op, p, warps, stream)
+                                       : cudaErrorInvalidValue;
+#define FLOTILLA_GEMV_CASE(MT, C) \
+  if (mt == MT && cols == C) return gemv_op<T, BITS, MT, C, MODE, TPG>(op, p, warps, stream);
+  FLOTILLA_GEMV_SHAPES(FLOTILLA_GEMV_CASE)
+#undef FLOTILLA_GEMV_CASE
+  return cudaErrorInvalidValue;
+}
+
+// mode: SYM, ZP or OFF (gemv.cuh Mode); tpg: runs of a block that share a group, 1, 2 or P (OFF: 1,
+// the GGUF forms' layouts)
+template <typename T, int BITS>
+int gemv_dispatch(int op, const GemvParams* p, int mt, int cols, int mode, int tpg, int warps, cudaStream_t stream) {
+  constexpr int P = 16 / BITS;
+  if (mode == OFF) return tpg == 1 ? gemv_shape<T, BITS, OFF, 1>(op, p, mt, cols, warps, stream) : cudaErrorInvalidValue;
+  if (mode != SYM && mode != ZP) return cudaErrorInvalidValue;
+  const bool zp = mode == ZP;
+  if (tpg == 1) return zp ? gemv_shape<T, BITS, ZP, 1>(op, p, mt, cols, warps, stream)
+                          : gemv_shape<T, BITS, SYM, 1>(op, p, mt, cols, warps, stream);
+  if (tpg == 2) return zp ? gemv_shape<T, BITS, ZP, 2>(op, p, mt, cols, warps, stream)
+                          : gemv_shape<T, BITS, SYM, 2>(op, p, mt, cols, warps, stream);
+  if (tpg == P && P > 2) return zp ? gemv_shape<T, BITS, ZP, P>(op, p, mt, cols, warps, stream)
+                                   : gemv_shape<T, BITS, SYM, P>(op, p, mt, cols, warps, stream);
+  return cudaErrorInvalidValue;
+}
+
+#define FLOTILLA_GEMV_DECLARE(T, BITS) \
+  extern template int gemv_dispatch<T, BITS>(int, const GemvParams*, int, int, int, int, int, cudaStream_t);
+#define FLOTILLA_GEMV_INSTANTIATE(T, BITS) \
+  template int gemv_dispatch<T, BITS>(int, const GemvParams*, int, int, int, int, int, cudaStream_t);
+
+}  // namespace flotilla::gemv

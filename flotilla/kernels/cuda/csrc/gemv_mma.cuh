@@ -1,0 +1,164 @@
+// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 8;
+// R = 16 or 32 words a block): the same Triton layout, the products and the zero points on
+// mma.sync, so that a pair of weights costs one LOP3 (+ a shift a word for runs 2, 3) on the CUDA
+// cores and nothing else.
+//
+// A warp computes 16 output columns (the MMA's rows) for all M <= 8 batch rows (its 8 columns).
+// Per strip of 16 words of each column, lane (g, t) = (lane / 4, lane % 4) loads words 4t..4t+3
+// of columns g and g + 8 (16 bytes each), i.e. the (2r, 2r+1) row pairs of every run of them, and
+// x of batch row g at those rows (one 16-byte load a run). The MMA's k order is chosen so that
+// these are its fragments: for run s and half h, k-slot t holds word 2h, slot t + 4 word 2h + 1.
+// The raw decode (w & mask) | 0x6400 is 1024 + q (1024 + 16 q for the odd runs at 4 bits); a
+// second MMA with the constant -(1024 + z) (-(1024 + 16 z)) as A and the same x leaves
+// sum (q - z) x (16 times it) in fp32: exact but for fp32 rounding at the size of 1024 * sum x, a
+// relative 1e-5 of a block's sum. Each group of a block and run parity has its own accumulator,
+// times its scale (/ 16) into the output fragment when the warp leaves the block; a warp takes
+// whole blocks (blocks warp, warp + warps, ...), the next block's loads in flight.
+#pragma once
+#include "gemv.cuh"
+
+namespace flotilla::gemv {
+
+__device__ __forceinline__ void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// run T of a word w (w8 = w >> 8) without its zero: 1024 + q, or 1024 + 16 q (odd runs, 4 bits)
+template <int BITS, int T>
+__device__ __forceinline__ uint32_t raw_pair(uint32_t w, uint32_t w8) {
+  if constexpr (BITS == 8) return and_or<0x00FF00FFu, 0x64006400u>(T == 0 ? w : w8);
+  else if constexpr (T % 2 == 0) return and_or<0x000F000Fu, 0x64006400u>(T < 2 ? w : w8);
+  else return and_or<0x00F000F0u, 0x64006400u>(T < 2 ? w : w8);
+}
+
+// packed -(1024 + z), and -(1024 + 16 z) for the odd runs at 4 bits (z < 64)
+template <int BITS, int PARITY>
+__device__ __forceinline__ uint32_t mma_zero(uint32_t z) {
+  return z * (BITS == 4 && PARITY ? 0x00100010u : 0x00010001u) + 0xE400E400u;
+}
+
+constexpr int MMA_COLS = 16;
+
+// grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
+template <int BITS, int MODE, int TPG, int LOG2R>
+__global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
+  constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
+  constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
+  constexpr int BK = 2 * R * P;           // input rows a block
+  static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
+  __shared__ float red[MAX_WARPS][MMA_COLS][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * MMA_COLS;
+  const int nblocks = p.KW >> LOG2R;
+  // lane (g, t): 16 bytes of strip q of block b of column g at wa + b * R / 4 + 4q (uint4 units)
+  const uint4* wa = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g) * p.KW) + t);
+  const uint4* wb = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g + 8) * p.KW) + t);
+  // batch row g (rows past M repeat the last: their outputs are never stored); run s of strip q of
+  // block b: rows b * BK + s * 2R + 32q + 8t .. + 8
+  const half* xg = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g, p.M - 1)) * p.lda + 8 * t);
+  const uint16_t* sc = pinned(p.scales + n0 + g);
+  const uint8_t* zp = MODE == ZP ? pinned(p.zeros + n0 + g) : nullptr;
+  const uint64_t policy = evict_first_policy();
+  uint32_t zk[NG][PAR][2];  // zero constants of the block's groups (per parity), columns g and g + 8
+#pragma unroll
+  for (int q = 0; q < NG; q++) {
+    zk[q][0][0] = zk[q][0][1] = mma_zero<BITS, 0>(p.zero_const);
+    if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = mma_zero<BITS, 1>(p.zero_const);
+  }
+  float y[4] = {0.f, 0.f, 0.f, 0.f};
+
+  auto load = [&](uint4 (*dst)[2], int b) {
+#pragma unroll
+    for (int q = 0; q < SPB; q++) {
+      dst[q][0] = load_stream(wa + b * (R / 4) + 4 * q, policy);
+      dst[q][1] = load_stream(wb + b * (R / 4) + 4 * q, policy);
+    }
+  };
+  auto block = [&](const uint4 (*cur)[2], int b) {
+    const int u0 = b * P;
+    unsigned grp[NG];
+#pragma unroll
+    for (int q = 0; q < NG; q++) grp[q] = group_of(u0 + q * TPG, p.group_magic);
+    if constexpr (MODE == ZP) {
+#pragma unroll
+      for (int q = 0; q < NG; q++) {
+        const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
+        const uint32_t z0 = __ldg(zr), z1 = __ldg(zr + 8);
+        zk[q][0][0] = mma_zero<BITS, 0>(z0), zk[q][0][1] = mma_zero<BITS, 0>(z1);
+        if constexpr (PAR == 2) zk[q][PAR - 1][0] = mma_zero<BITS, 1>(z0), zk[q][PAR - 1][1] = mma_zero<BITS, 1>(z1);
+      }
+    }
+    float acc[NG][PAR][4];
+#pragma unroll
+    for (int q = 0; q < NG; q++)
+#pragma unroll
+      for (int v = 0; v < PAR; v++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[q][v][e] = 0.f;
+    const half* xb = xg + static_cast<size_t>(b) * BK;
+#pragma unroll
+    for (int sq = 0; sq < SPB; sq++) {
+      const uint32_t a[4] = {cur[sq][0].x, cur[sq][0].y, cur[sq][0].z, cur[sq][0].w};
+      const uint32_t bw[4] = {cur[sq][1].x, cur[sq][1].y, cur[sq][1].z, cur[sq][1].w};
+      uint32_t a8[4], b8[4];
+#pragma unroll
+      for (int k = 0; k < 4; k++) a8[k] = a[k] >> 8, b8[k] = bw[k] >> 8;
+      static_for<P>([&](auto sc_) {
+        constexpr int s = decltype(sc_)::value;
+        constexpr int q = s / TPG, v = s % PAR;
+        const uint4 xv = load_x(xb + s * 2 * R + 32 * sq);
+        const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          mma_f16(acc[q][v], raw_pair<BITS, s>(a[2 * h], a8[2 * h]), raw_pair<BITS, s>(bw[2 * h], b8[2 * h]),
+                  raw_pair<BITS, s>(a[2 * h + 1], a8[2 * h + 1]), raw_pair<BITS, s>(bw[2 * h + 1], b8[2 * h + 1]),
+                  xs[2 * h], xs[2 * h + 1]);
+          mma_f16(acc[q][v], zk[q][v][0], zk[q][v][1], zk[q][v][0], zk[q][v][1], xs[2 * h], xs[2 * h + 1]);
+        }
+      });
+    }
+    // each group's sums times its scale (/ 16 for the odd runs' 16 (q - z)) into the output fragment
+#pragma unroll
+    for (int q = 0; q < NG; q++) {
+      const uint16_t* sr = sc + grp[q] * static_cast<unsigned>(p.N);
+      const float s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + 8)));
+#pragma unroll
+      for (int v = 0; v < PAR; v++) {
+        if (TPG == 1 && v != q % PAR) continue;  // a group of one run has one parity
+        const float f0 = v ? s0 * 0.0625f : s0, f1 = v ? s1 * 0.0625f : s1;
+        y[0] = fmaf(f0, acc[q][v][0], y[0]), y[1] = fmaf(f0, acc[q][v][1], y[1]);
+        y[2] = fmaf(f1, acc[q][v][2], y[2]), y[3] = fmaf(f1, acc[q][v][3], y[3]);
+      }
+    }
+  };
+  uint4 buf[2][SPB][2];
+  int b = warp;
+  if (b < nblocks) load(buf[0], b);
+  for (; b < nblocks; b += 2 * warps) {
+    if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
+    block(buf[0], b);
+    if (b + warps >= nblocks) break;
+    if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
+    block(buf[1], b + warps);
+  }
+
+  // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
+  red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
+  red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
+  __syncthreads();
+  for (int e = threadIdx.x; e < MMA_COLS * 8; e += blockDim.x) {
+    const int c = e / 8, m = e % 8;
+    if (m >= p.M) continue;
+    float v = 0.f;
+    for (int w = 0; w < warps; w++) v += red[w][c][m];  // a fixed order: deterministic
+    if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[n0 + c]);
+    static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(v);
+  }
+}
+
+}  // namespace flotilla::gemv

@@ -1,0 +1,297 @@
+"""The GEMV for small batches over the Triton layout (csrc/gemv.cuh, gemv_mma.cuh): no second copy.
+
+    gemv = gemv_for(layout, torch.float16)     # None where nvcc is missing or the layout unsupported
+    y = gemv(x2, bias)                          # x2 [M <= 8, in] -> y [M, out]
+
+It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or a zero constant,
+perm, GGUF offsets) and is one of that kernel's plans (triton_linear.choose_config picks it for M
+up to the measured crossover). Activations are read from global memory through L1; act-order
+gathers them once per call (x[:, perm]) and a layout whose input axis is padded (or an unaligned
+x) gets a zero-padded copy, both on the torch side.
+
+Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
+  * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
+    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products and the
+    zero points on mma.sync; the decode is one LOP3 a pair of weights;
+  * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
+    8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
+    dividing N), the products in half2 (fp16) or fp32 (bf16).
+Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp16 and bf16
+activations, symmetric, uint8 zeros or GGUF float offsets, every group size the layout allows,
+act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
+64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
+kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind;
+0 for the layouts not measured yet: GGUF forms, group 32 and 16).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..triton_layout import TritonLayout
+from . import build
+
+log = logging.getLogger(__name__)
+
+DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
+SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
+MAX_ROWS = 8
+ROW_TILES = (1, 2, 4, 8)
+MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps)
+SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
+MAX_WARPS = 8
+# Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
+# measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
+# on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
+# (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes).
+MMA_MAX_ROWS = 4
+CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
+
+class GemvUnsupported(ValueError):
+    """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
+
+
+class _Params(ctypes.Structure):  # gemv.cuh GemvParams
+    _fields_ = [("x", ctypes.c_void_p), ("words", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("zeros", ctypes.c_void_p), ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
+                ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
+                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int)]
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    rows: int  # rows a block computes (M rounded up to a power of two)
+    cols: int  # consecutive output columns a block computes
+    warps: int  # warps a block, splitting the input axis
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How the kernel walks one layout: derived once, checked against the kernel's limits."""
+    log2r: int  # log2 of R, words per column per block
+    runs_per_group: int  # runs of 2R rows per group
+    tpg: int  # runs of one block that share a group: 1, 2 or P
+    group_magic: int  # ceil(2^31 / runs_per_group): group of run u = (2u * magic) >> 32
+    mode: int  # SYM, ZP or OFF
+    mma: bool  # the tensor-core plan reads it (it is chosen at 4 bits)
+
+
+def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
+    """The kernel's view of a layout, or GemvUnsupported saying why not."""
+    if dtype not in DTYPE_CODE:
+        raise GemvUnsupported(f"activations in {dtype}, not float16 or bfloat16")
+    if layout.bits not in (4, 8):
+        raise GemvUnsupported(f"{layout.bits}-bit codes")
+    n, r = layout.out_features, layout.rows_per_field
+    if n % 2:
+        raise GemvUnsupported(f"odd out_features ({n}): the kernel reads its scales two columns at a time")
+    if r & (r - 1) or not 8 <= r <= 128:
+        raise GemvUnsupported(f"{r} words per column per block (the kernel takes 8..128, a power of two)")
+    if layout.zeros is not None and layout.offsets is not None:
+        raise GemvUnsupported("integer zeros and float offsets together")
+    tables = (torch.float16,) if dtype == torch.float16 else (torch.float16, torch.bfloat16)
+    if layout.scales.dtype not in tables:
+        raise GemvUnsupported(f"scales in {layout.scales.dtype} under {dtype} activations")
+    if layout.offsets is not None and layout.offsets.dtype != layout.scales.dtype:
+        raise GemvUnsupported(f"offsets in {layout.offsets.dtype}, scales in {layout.scales.dtype}")
+    pairs = 16 // layout.bits
+    run_rows = 2 * r
+    gs = layout.group_size
+    if gs % run_rows:
+        raise GemvUnsupported(f"group size {gs} is not a multiple of the {run_rows}-row run")
+    rpg = gs // run_rows
+    tpg = min(pairs, rpg)
+    if tpg not in (1, 2, pairs):
+        raise GemvUnsupported(f"{tpg} runs of a block per group")
+    runs = layout.k_padded // run_rows
+    magic = -(-(1 << 31) // rpg)
+    if (runs - 1) * rpg >= 1 << 31 or magic >= 1 << 32:
+        raise GemvUnsupported(f"{runs} runs of {rpg} per group overflow the group index")
+    if layout.scales.shape[0] * run_rows * rpg < layout.k_padded:
+        raise GemvUnsupported(f"{layout.scales.shape[0]} group rows do not cover {layout.k_padded} input rows")
+    zmax = layout.zero_const if layout.zeros is None else int(layout.zeros.max().item())
+    if layout.bits == 4 and not 0 <= zmax < 64:
+        raise GemvUnsupported(f"zero point {zmax} (the 4-bit decode takes 0..63)")
+    for name, t, align in (("words", layout.words, 16), ("scales", layout.scales, 8), ("zeros", layout.zeros, 4),
+                           ("offsets", layout.offsets, 8)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
+            raise GemvUnsupported(f"{name} not contiguous and {align}-byte aligned")
+    mode = OFF if layout.offsets is not None else ZP if layout.zeros is not None else SYM
+    if mode == OFF and tpg != 1:
+        raise GemvUnsupported("float offsets with groups longer than one run")
+    mma = dtype == torch.float16 and mode != OFF and r in (16, 32) and n % MMA_COLS == 0
+    return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
+
+
+def crossover(geo: Geometry, bits: int, dtype: torch.dtype) -> int:
+    """Up to how many rows the GEMV beats the Triton kernel, as measured: 0 (never picked, though
+    it runs when asked) for layouts of kinds not measured yet: GGUF float offsets, blocks other
+    than 32 words (group 32 or 16)."""
+    if geo.mode == OFF or geo.log2r != 5:
+        return 0
+    return MMA_MAX_ROWS if bits == 4 and geo.mma else CORES_MAX_ROWS[(bits, dtype)]
+
+
+def group_of(run: int, magic: int) -> int:
+    """The kernel's group index of a run (gemv.cuh group_of)."""
+    return ((2 * run) * magic) >> 32
+
+
+def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0) -> GemvPlan:
+    """The plan for M rows over N columns of KW words each (the H200 sweeps' rules,
+    bench/NOTES-kernels.md). mma_r: the layout's words a block where the tensor-core plan reads it
+    (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
+    enough warps to bring the grid to 16 a SM, and at least one per 4 of a column's blocks (the
+    sweep's best within 3% on the four shapes, at every M). CUDA cores: 4 columns a block at 4
+    bits and M <= 4 (x loads shared by more columns), else 2; two warps up to M = 2, else one."""
+    if mma_r and bits == 4:
+        blocks, layout_blocks = n // MMA_COLS, kw // mma_r
+        want = max(16 * num_sms / blocks, layout_blocks / 4)
+        warps = 1
+        while warps < min(MAX_WARPS, layout_blocks) and warps < want:
+            warps *= 2
+        return GemvPlan(MAX_ROWS, MMA_COLS, warps)
+    rows = next(t for t in ROW_TILES if t >= m)
+    cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
+    return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
+
+
+class _Library:
+    """The ctypes view of the compiled GEMV (csrc/gemv_api.cu)."""
+
+    def __init__(self, cdll: ctypes.CDLL):
+        self.cdll = cdll
+        i, p = ctypes.c_int, ctypes.c_void_p
+        cdll.flotilla_gemv.argtypes = [i, p, i, i, i, i, i, i, i, p]
+        cdll.flotilla_gemv.restype = i
+        cdll.flotilla_gemv_error_string.argtypes = [i]
+        cdll.flotilla_gemv_error_string.restype = ctypes.c_char_p
+        size = cdll.flotilla_gemv_param_size()
+        if size != ctypes.sizeof(_Params):
+            raise GemvUnsupported(f"the library's GemvParams is {size} bytes, ctypes has {ctypes.sizeof(_Params)}")
+
+    def call(self, op: int, params, dtype: int, bits: int, plan: GemvPlan, geo: Geometry, stream=None) -> None:
+        rc = self.cdll.flotilla_gemv(op, params, dtype, bits, plan.rows, plan.cols, geo.mode, geo.tpg, plan.warps,
+                                     stream)
+        if rc != 0:
+            what = "launch" if op == 0 else "setup"
+            raise RuntimeError(f"flotilla CUDA GEMV {what} failed ({plan}, {geo}): "
+                               f"{self.cdll.flotilla_gemv_error_string(rc).decode()}")
+
+
+_libraries: dict[tuple[int, int], _Library | None] = {}
+
+
+def library(device: torch.device) -> _Library | None:
+    """The compiled GEMV for this GPU, or None (no nvcc, a failed build, a GPU below sm_80)."""
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if cap not in _libraries:
+        cdll = build.load(cap, build.GEMV)
+        _libraries[cap] = _Library(cdll) if cdll is not None else None
+    return _libraries[cap]
+
+
+class GemvKernel:
+    """y = x @ W for M <= 8 rows of x, over one Triton layout on an NVIDIA GPU."""
+
+    name = "gemv"
+
+    def __init__(self, layout: TritonLayout, dtype: torch.dtype, lib: _Library):
+        self.layout, self.dtype, self.lib = layout, dtype, lib
+        self.geo = geometry(layout, dtype)
+        device = layout.words.device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._dt = DTYPE_CODE[dtype]
+        self._plans: dict[int, GemvPlan] = {}
+        self.max_rows = crossover(self.geo, layout.bits, dtype)
+        probe = _Params(log2r=self.geo.log2r)
+        for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
+            self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
+
+    def plans(self, warps: int = 1):
+        """Every plan this layout can run (with `warps` warps)."""
+        n = self.layout.out_features
+        for rows, cols in sorted(SHAPES):
+            if n % cols == 0 and (cols != MMA_COLS or self.geo.mma):
+                yield GemvPlan(rows, cols, warps)
+
+    def plan_for(self, m: int) -> GemvPlan:
+        plan = self._plans.get(m)
+        if plan is None:
+            lay = self.layout
+            plan = self._plans[m] = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
+                                                lay.rows_per_field if self.geo.mma else 0)
+        return plan
+
+    def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 plan: GemvPlan | None = None) -> torch.Tensor:
+        """x2 [M, in] (M <= 8) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
+        column stride) when given."""
+        lay = self.layout
+        m, k = x2.shape
+        if not 1 <= m <= MAX_ROWS:
+            raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, not {m}")
+        if k != lay.in_features or x2.dtype != self.dtype:
+            raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
+        plan = plan or self.plan_for(m)
+        if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
+                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma):
+            raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
+        x2 = self._prepare(x2)
+        n = lay.out_features
+        if out is None:
+            out = torch.empty((m, n), dtype=self.dtype, device=x2.device)
+        elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != self.dtype:
+            raise ValueError(f"out must be a [{m}, {n}] {self.dtype} view with unit column stride, "
+                             f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+        if bias is not None and bias.dtype != self.dtype:
+            bias = bias.to(self.dtype)
+        p = _Params(x=x2.data_ptr(), words=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
+                    zeros=_ptr(lay.zeros), offsets=_ptr(lay.offsets), bias=_ptr(bias), y=out.data_ptr(), M=m, N=n,
+                    KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
+                    zero_const=lay.zero_const, group_magic=self.geo.group_magic,
+                    scale_bf16=int(lay.scales.dtype == torch.bfloat16))
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
+        self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
+        return out
+
+    def _prepare(self, x2: torch.Tensor) -> torch.Tensor:
+        """x in the layout's row order, zero past in_features up to k_padded where the kernel reads
+        it, rows 16-byte aligned."""
+        lay = self.layout
+        if lay.perm is not None:
+            x2 = x2.index_select(1, lay.perm)  # [M, in], contiguous
+        pad = lay.k_padded - lay.in_features
+        if pad or x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+            x2 = F.pad(x2, (0, pad))  # a fresh contiguous [M, k_padded]
+        return x2
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+_reported: set[str] = set()
+
+
+def gemv_for(layout: TritonLayout, dtype: torch.dtype) -> GemvKernel | None:
+    """The GEMV over this layout, or None (the Triton kernel serves small batches then; the reason
+    is logged once per distinct reason)."""
+    if layout.words.device.type != "cuda":
+        return None
+    try:
+        lib = library(layout.words.device)
+        if lib is None:
+            return None  # build.load printed the reason once
+        return GemvKernel(layout, dtype, lib)
+    except GemvUnsupported as e:
+        if str(e) not in _reported:
+            _reported.add(str(e))
+            log.info("CUDA GEMV not used for a %dx%d %d-bit layout (%s): the Triton kernel serves small batches",
+                     layout.in_features, layout.out_features, layout.bits, e)
+        return None

@@ -1,0 +1,291 @@
+"""The GEMV over the Triton layout (flotilla/kernels/cuda/gemv.py, csrc/gemv.cuh, gemv_mma.cuh).
+
+On any machine (tests/gemv_emulation.py): a numpy emulation of exactly what every lane reads and computes —
+its strip and lane to block, run, group (the magic multiply and the reload every TPG runs), the x
+rows it multiplies; the fp16 pair decode (the LOP3 masks under 0x6400, HADD2 / HFMA2 by 1/16 to
+q - z, the packed zero constants built from z as the kernel builds them, the scale picked by the
+kernel's byte permutation, HMUL2 / HFMA2 rounded once in fp16) and the bf16 path's fp32 decode (a
+nibble or byte under 2^23) — placed at those rows, reproduces the weight bit for bit: the reference
+dequantization in fp16, the exact q - z in fp32; the tensor-core plan's mma.sync fragments, built
+from what each lane holds by the PTX m16n8k16 layouts, give x @ W. The plan rules, the crossovers and
+the layout checks too.
+With a GPU: the kernel against `kernels/reference` (random shapes, short last groups, act-order,
+asymmetric zeros, fp16/bf16, every row tile, column tile and warp count, GGUF forms with offsets,
+bias, a column slice as `out`, NaN-poisoned outputs, CUDA-graph replays), and the odd-N fallback.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gemv_emulation import emulate, emulate_mma, fp16, lane_walk, reference_rows
+from ggml_helpers import random_weight
+from test_cuda_kernels import weight
+
+from flotilla.kernels.cuda import gemv
+from flotilla.kernels.ggml import GGML_FORMATS
+from flotilla.kernels.reference import dequantize
+from flotilla.kernels.triton_ggml import repack_ggml
+from flotilla.kernels.triton_layout import repack, unpack_words
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+CASES = [  # k, n, bits, group, sym, act_order
+    (1024, 96, 4, 128, True, False),  # 4 blocks of 256 rows, 2 groups a block (TPG 2)
+    (520, 64, 4, 128, False, False),  # short last group (520 = 4 * 128 + 8), asymmetric; padded input
+    (768, 40, 4, 32, False, True),  # group 32: blocks of 128 rows (R = 16), act-order
+    (512, 32, 4, -1, True, True),  # one group (TPG 4)
+    (1536, 48, 4, 64, True, False),  # TPG 1 at R = 32; 1.5 strips a column
+    (640, 72, 8, 128, False, False),  # 8 bits: one group a block
+    (384, 24, 8, 32, True, True),  # 8 bits, group 32 (R = 16)
+    (512, 16, 8, 64, False, False),  # 8 bits, TPG 1
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_emulated_fp16_kernel_is_the_reference_dequantization(case):
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=1)
+    layout = repack(w)
+    for cols in (2, 4) if n % 4 == 0 else (2,):
+        dense = emulate(layout, "fp16", cols)
+        assert not np.isnan(dense).any()  # every row of every column read exactly once... or more:
+        np.testing.assert_array_equal(dense[:k], reference_rows(w, layout, torch.float16))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_emulated_bf16_kernel_decodes_q_minus_z_exactly(case):
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=2)
+    layout = repack(w)
+    dense = emulate(layout, "bf16", 2)
+    ref = reference_rows(w, layout, torch.float32)  # ((q - z) * s) in fp32: our fp32 product, rounded
+    np.testing.assert_array_equal(dense[:k].astype(np.float32), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] % 16 == 0])
+def test_emulated_tensor_core_plan_is_the_matmul(case):
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=3)
+    layout = repack(w)
+    if not gemv.geometry(layout, torch.float16).mma:
+        pytest.skip("not a tensor-core layout")
+    rng = np.random.default_rng(0)
+    for m in (1, 3, 8):
+        x = np.zeros((m, layout.k_padded))
+        x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
+        y = emulate_mma(layout, x)
+        ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
+        np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
+def test_every_row_is_read_once_and_padding_rows_only_past_k():
+    """The lanes' 8-row runs tile the padded input axis exactly once per column."""
+    for k, n, bits, group, sym, act in CASES:
+        layout = repack(weight(k, n, bits, group, sym, act))
+        geo = gemv.geometry(layout, torch.float16)
+        seen = np.zeros(layout.k_padded, dtype=np.int64)
+        for _, runs in lane_walk(layout, geo):
+            for _, row in runs:
+                seen[row:row + 8] += 1
+        assert (seen == 1).all(), (k, n, bits, group)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_kernel_reads_the_gguf_forms(qtype, dtype):
+    """The GGUF layouts (group 32 or 16, zero constants, float offsets): q - z from the kernel's
+    decode times the scale plus the offset, against the codes the layout unpacks to."""
+    fmt = GGML_FORMATS[qtype]
+    gw = random_weight(qtype, 64, 2 * fmt.block * 4, seed=3, scale=0.01)
+    layout = repack_ggml(gw, dtype, "cpu")
+    name = "fp16" if dtype == torch.float16 else "bf16"
+    dense = emulate(layout, name, 4)[:layout.in_features]
+    q = unpack_words(layout.words, layout.bits, layout.block_k, layout.in_features).double().numpy()
+    g = np.arange(layout.in_features) // layout.group_size
+    s = layout.scales.double().numpy()[g]
+    m = layout.offsets.double().numpy()[g] if layout.offsets is not None else 0.0
+    exact = (q - layout.zero_const) * s + m
+    np.testing.assert_array_equal(dense, fp16(exact) if name == "fp16" else exact)
+
+
+def test_crossovers_only_where_measured():
+    g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
+    assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS
+    g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
+    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
+    w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)
+    assert gemv.crossover(w8, 8, torch.float16) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
+    bf = gemv.geometry(repack(weight(1024, 96, 4, 128, True, False)), torch.bfloat16)
+    assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # slower than Triton on 4096x14336
+    gguf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
+                         torch.float16)
+    assert gguf.mode == gemv.OFF and gemv.crossover(gguf, 4, torch.float16) == 0
+
+
+def test_geometry_of_the_layouts():
+    lay = repack(weight(1024, 96, 4, 128, True, False))
+    geo = gemv.geometry(lay, torch.float16)
+    assert (geo.log2r, geo.runs_per_group, geo.tpg, geo.mode) == (5, 2, 2, gemv.SYM)
+    assert [gemv.group_of(u, geo.group_magic) for u in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert gemv.geometry(repack(weight(512, 32, 4, -1, True, False)), torch.float16).tpg == 4
+    assert gemv.geometry(repack(weight(512, 32, 8, 64, False, False)), torch.bfloat16).mode == gemv.ZP
+    for rpg in (1, 2, 3, 5, 6, 7, 12, 64, 1000):  # the magic division over every run of a 1M-row input
+        magic = -(-(1 << 31) // rpg)
+        u = np.arange(0, 1 << 16, dtype=np.uint64)
+        assert np.array_equal((2 * u * magic) >> 32, u // rpg)
+
+
+def odd_n_layout(device="cpu"):
+    """A GGUF form with 33 output features (GPTQ packs its zeros 8 or 4 columns a word: even N)."""
+    return repack_ggml(random_weight("Q4_0", 33, 256, seed=9, scale=0.01), torch.float16, device)
+
+
+def test_layouts_it_does_not_read_fall_back():
+    with pytest.raises(gemv.GemvUnsupported, match="odd out_features"):
+        gemv.geometry(odd_n_layout(), torch.float16)
+    with pytest.raises(gemv.GemvUnsupported, match="float16 or bfloat16"):
+        gemv.geometry(repack(weight(256, 32, 4, 128, True, False)), torch.float32)
+    lay = repack(weight(256, 32, 4, 128, True, False))
+    bf16_scales = dataclasses.replace(lay, scales=lay.scales.bfloat16())
+    with pytest.raises(gemv.GemvUnsupported, match="scales in torch.bfloat16"):
+        gemv.geometry(bf16_scales, torch.float16)
+    assert gemv.gemv_for(lay, torch.float16) is None  # a CPU layout: never the GEMV
+
+
+def test_plans():
+    p = gemv.choose_plan(1, 28672, 1024, 132, 4)
+    assert (p.rows, p.cols) == (1, 4) and p.warps >= 1
+    assert gemv.choose_plan(3, 4096, 512, 132, 4).rows == 4
+    assert gemv.choose_plan(8, 4096, 512, 132, 4).cols == 2
+    assert gemv.choose_plan(1, 4098, 512, 132, 4).cols == 2  # 4 does not divide N
+    assert gemv.choose_plan(1, 4096, 512, 132, 8).cols == 2
+    mma = gemv.choose_plan(1, 4096, 512, 132, 4, mma_r=32)
+    assert (mma.rows, mma.cols, mma.warps) == (8, 16, 8)  # 256 blocks: 8 warps each reach 16 a SM
+    assert gemv.choose_plan(5, 28672, 1024, 132, 4, mma_r=32).warps == 8  # 32 blocks a column: 8 warps
+    assert gemv.choose_plan(1, 14336, 512, 132, 4, mma_r=32).warps == 4  # 896 column tiles
+    assert gemv.choose_plan(1, 4096, 512, 132, 8, mma_r=32).cols == 2  # 8 bits: the CUDA-core plan
+    for m in range(1, 9):
+        for n, kw in ((4096, 512), (14336, 512), (4096, 1792), (28672, 1024), (64, 64)):
+            for mma_r in (0, 16, 32):
+                plan = gemv.choose_plan(m, n, kw, 132, 4, mma_r)
+                assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
+                assert 1 <= plan.warps <= gemv.MAX_WARPS
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def poison(m: int, n: int, dtype: torch.dtype) -> None:
+    """Leave a NaN-filled block of the output's size in the caching allocator, so that a kernel
+    that fails to write its output shows NaN instead of a previous call's (correct) result."""
+    torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+
+
+def plans(kern, m: int):
+    for shape in kern.plans():
+        if shape.rows >= m:
+            for warps in (1, 3, 8):
+                yield dataclasses.replace(shape, warps=warps)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference_on_every_plan(case, dtype):
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=4).to("cuda")
+    kern = TritonGPTQKernel(w, dtype)
+    assert kern.gemv is not None
+    w32 = dequantize(w, torch.float32)
+    tol = 2e-3 if dtype == torch.float16 else 1.2e-2
+    for m in range(1, gemv.MAX_ROWS + 1):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        ref = x.float() @ w32 + bias.float()
+        for plan in [None, *plans(kern.gemv, m)] if m in (1, 3, 8) else [None]:
+            poison(m, n, dtype)
+            y = kern.gemv(x, bias, plan=plan)
+            assert y.shape == (m, n) and bool(torch.isfinite(y).all()), (m, plan)
+            assert rel_err(y, ref) < tol, (m, plan or kern.gemv.plan_for(m), rel_err(y, ref))
+    assert rel_err(kern.gemv(x), x.float() @ w32) < tol  # no bias
+
+
+@needs_cuda
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gguf_forms_through_the_gemv(qtype, dtype):
+    from flotilla.kernels.triton_linear import TritonLayoutKernel
+
+    gw = random_weight(qtype, 96, 1024, seed=5, scale=0.01)
+    layout = repack_ggml(gw, dtype, "cuda")
+    kern = TritonLayoutKernel(layout, dtype)
+    assert kern.gemv is not None
+    ref_w = gw.dequantize(torch.float32).to("cuda")  # [out, in]
+    for m in (1, 2, 5, 8):
+        x = torch.randn(m, 1024, device="cuda", dtype=dtype)
+        poison(m, 96, dtype)
+        y = kern.gemv(x)
+        assert rel_err(y, x.float() @ ref_w.t()) < (2e-3 if dtype == torch.float16 else 1.2e-2), (qtype, m)
+
+
+@needs_cuda
+def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_slice():
+    from flotilla.kernels.triton_linear import TritonGPTQKernel, gemv_config
+
+    w = weight(2048, 384, 4, 128, False, True, seed=6).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS
+    assert kern.config_for(1).kind == "gemv" and kern.config_for(1).block_n == gemv.MMA_COLS
+    assert kern.config_for(gemv.MMA_MAX_ROWS + 1).kind == "dot"
+    x8 = torch.randn(8, 2048, device="cuda", dtype=torch.float16)  # past the crossover, still correct when asked
+    y8 = kern(x8, config=gemv_config(kern.gemv.plan_for(8)))
+    assert rel_err(y8, x8.float() @ dequantize(w, torch.float32)) < 2e-3
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.float16)
+    big = torch.full((2, 1000), float("nan"), device="cuda", dtype=torch.float16)
+    kern(x, out=big[:, 100:484])
+    ref = x.float() @ dequantize(w, torch.float32)
+    assert rel_err(big[:, 100:484], ref) < 2e-3
+    assert torch.isnan(big[:, :100]).all() and torch.isnan(big[:, 484:]).all()
+    assert torch.equal(kern(x), kern(x))  # a fixed summation order
+
+
+@needs_cuda
+def test_graph_replays():
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    w = weight(4096, 512, 4, 128, True, False, seed=7).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    w32 = dequantize(w, torch.float32)
+    for m in (1, 4):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        kern(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = kern(x)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert rel_err(y, x.float() @ w32) < 2e-3
+
+
+@needs_cuda
+def test_odd_n_falls_back_to_triton():
+    from flotilla.kernels.triton_linear import TritonLayoutKernel
+
+    layout = odd_n_layout("cuda")
+    kern = TritonLayoutKernel(layout, torch.float16)
+    assert kern.gemv is None and kern.config_for(1).kind == "dot"
+    gw = random_weight("Q4_0", 33, 256, seed=9, scale=0.01)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+    assert rel_err(kern(x), x.float() @ gw.dequantize(torch.float32).to("cuda").t()) < 2e-3

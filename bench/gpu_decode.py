@@ -124,6 +124,8 @@ def kernel_family(name: str) -> str:
         return "int4 linears (CUDA)"
     if "w_dot" in name or "dequantize_kernel" in name:
         return "int4 linears (Triton)"
+    if "flotilla::gemv::" in name:
+        return "int4 linears (CUDA GEMV)"
     if "_decode_kernel" in name or "_combine_kernel" in name:
         return "paged attention (Triton)"
     if "gemm" in name.lower() or "gemv" in name.lower() or "cutlass" in name.lower() or "nvjet" in name.lower():

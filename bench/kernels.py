@@ -297,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", action="store_true", help="the GGUF forms' table instead (bench/kernels_gguf.py)")
     ap.add_argument("--skip-cuda", action="store_true", help="leave out the Marlin-style CUDA kernels (kernels/cuda)")
     ap.add_argument("--gemv-sweep", action="store_true", help="after the table, time the GEMV's plans (kernels_gemv.py)")
+    ap.add_argument("--gemv-bits", default="4,8", help="the GEMV sweep's bit widths")
+    ap.add_argument("--gemv-rows", default="1,2,4,8", help="the GEMV sweep's batches")
     args = ap.parse_args(argv)
     global GRAPHS
     GRAPHS = args.graph
@@ -309,6 +311,8 @@ def main(argv=None) -> int:
     args.sweep_batches = [int(b) for b in args.sweep_batches.split(",")]
     args.sweep_bits = [int(b) for b in args.sweep_bits.split(",")]
     args.sweep_block_k = [int(b) for b in args.sweep_block_k.split(",") if b]
+    args.gemv_bits = [int(b) for b in args.gemv_bits.split(",")]
+    args.gemv_rows = [int(m) for m in args.gemv_rows.split(",")]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if args.gguf:

@@ -1,8 +1,9 @@
 """The CUDA GEMV's plans on the GPU (`python bench/kernels.py --gemv-sweep`): the evidence for
 kernels/cuda/gemv.py's choose_plan and its crossovers (MMA_MAX_ROWS, CORES_MAX_ROWS).
 
-Per weight shape, bit width and batch M (1, 2, 4, 8): µs per call (CUDA-graph replay when --graph,
-L2 cleared) of every GEMV plan (the tensor-core plan "mma"; CUDA-core plans with the rows tile = M
+Per weight shape, bit width (--gemv-bits) and batch M (1, 2, 4, 8; --gemv-rows): µs per call (CUDA-graph replay when --graph,
+L2 cleared) of every GEMV plan (the tensor-core plan "mma", "mma8w4s": 8 warps, a
+cp.async ring of 4 blocks a warp, "mma8w": the register double buffer; CUDA-core plans with the rows tile = M
 rounded up and 2 or 4 columns a block; warps a block 1, 2, 4, 8) next to the built-in plan and the
 Triton "dot" path, in fp16; then, at the built-in plans, the same against Triton in bf16 (CUDA-core
 plans: the crossover M per bits and dtype). Every plan's result is checked
@@ -31,12 +32,15 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 
 def label(plan) -> str:
-    return f"mma{plan.warps}w" if plan.cols == MMA_COLS else f"{plan.cols}c{plan.warps}w"
+    if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
+        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
+    return f"{plan.cols}c{plan.warps}w"
 
 
 def run_gemv_sweep(args, time_us, random_gptq) -> None:
+    rows = [m for m in SWEEP_ROWS if m in args.gemv_rows]
     for k, n in args.shapes:
-        for bits in (4, 8):
+        for bits in args.gemv_bits:
             w = random_gptq(k, n, bits, 128, True, False, "cuda")
             kern = TritonGPTQKernel(w, torch.float16)
             if kern.gemv is None:
@@ -44,7 +48,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 continue
             nbytes = kern.layout.nbytes()
             w32 = dequantize(w, torch.float32)
-            for m in SWEEP_ROWS:
+            for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w32
                 timed = []
@@ -73,11 +77,11 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                                       "plans": [[t, p.__dict__] for t, p in timed]}), flush=True)
             del w32
     for k, n in args.shapes[:2]:
-        for bits in (4, 8):
+        for bits in args.gemv_bits:
             kern = TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.bfloat16)
             if kern.gemv is None:
                 continue
-            for m in SWEEP_ROWS:
+            for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t_gemv = time_us(lambda: kern.gemv(x))
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))

@@ -165,6 +165,7 @@ def test_plans():
     assert gemv.choose_plan(1, 4096, 512, 132, 8).cols == 2
     mma = gemv.choose_plan(1, 4096, 512, 132, 4, mma_r=32)
     assert (mma.rows, mma.cols, mma.warps) == (8, 16, 8)  # 256 blocks: 8 warps each reach 16 a SM
+    assert mma.stages == gemv.MMA_RING and gemv.choose_plan(1, 4096, 512, 132, 4).stages == 0  # the ring: mma only
     assert gemv.choose_plan(5, 28672, 1024, 132, 4, mma_r=32).warps == 8  # 32 blocks a column: 8 warps
     assert gemv.choose_plan(1, 14336, 512, 132, 4, mma_r=32).warps == 4  # 896 column tiles
     assert gemv.choose_plan(1, 4096, 512, 132, 8, mma_r=32).cols == 2  # 8 bits: the CUDA-core plan

@@ -12,7 +12,9 @@ x) gets a zero-padded copy, both on the torch side.
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
     N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products and the
-    zero points on mma.sync; the decode is one LOP3 a pair of weights;
+    zero points on mma.sync; the decode is one LOP3 a pair of weights; the weight stream goes
+    through a cp.async ring of `stages` blocks a warp in shared memory (0: the first version's
+    register double buffer, kept for the sweep);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -41,7 +43,10 @@ DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
 MAX_ROWS = 8
 ROW_TILES = (1, 2, 4, 8)
-MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps)
+MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
+MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
+MAX_STAGES = 8  # gemv_mma.cuh
+MMA_RING = 4  # the stages choose_plan gives it
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
@@ -60,7 +65,7 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("zeros", ctypes.c_void_p), ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
-                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int)]
+                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class GemvPlan:
     rows: int  # rows a block computes (M rounded up to a power of two)
     cols: int  # consecutive output columns a block computes
     warps: int  # warps a block, splitting the input axis
+    stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer)
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
         warps = 1
         while warps < min(MAX_WARPS, layout_blocks) and warps < want:
             warps *= 2
-        return GemvPlan(MAX_ROWS, MMA_COLS, warps)
+        return GemvPlan(MAX_ROWS, MMA_COLS, warps, MMA_RING)
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
@@ -214,11 +220,14 @@ class GemvKernel:
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
 
     def plans(self, warps: int = 1):
-        """Every plan this layout can run (with `warps` warps)."""
+        """Every plan this layout can run (with `warps` warps; the tensor-core plan with each of its
+        weight streams)."""
         n = self.layout.out_features
         for rows, cols in sorted(SHAPES):
-            if n % cols == 0 and (cols != MMA_COLS or self.geo.mma):
+            if n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
+            elif cols == MMA_COLS and self.geo.mma:
+                yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -240,7 +249,8 @@ class GemvKernel:
             raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
         plan = plan or self.plan_for(m)
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma):
+                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -255,7 +265,7 @@ class GemvKernel:
                     zeros=_ptr(lay.zeros), offsets=_ptr(lay.offsets), bias=_ptr(bias), y=out.data_ptr(), M=m, N=n,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
-                    scale_bf16=int(lay.scales.dtype == torch.bfloat16))
+                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

@@ -58,6 +58,8 @@ struct GemvParams {
   int zero_const;           // the zero of modes SYM and OFF
   unsigned group_magic;     // ceil(2^31 / runs per group): group of run u = umulhi(2u, magic)
   int scale_bf16;           // bf16 activations only: scales and offsets are bf16 (GGUF tables), else fp16
+  int stages;               // the tensor-core plan: 0 a register double buffer, 2..8 a cp.async ring of
+                            // that many blocks a warp (gemv_mma.cuh); the CUDA-core plans ignore it
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the

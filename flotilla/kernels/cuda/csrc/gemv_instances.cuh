@@ -20,16 +20,27 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
   return cudaGetLastError();
 }
 
-// the tensor-core plan (cols 16): one launch for any M <= 8
+// the tensor-core plan (cols 16): one launch for any M <= 8; p->stages picks the register double
+// buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp). Prepare loads both and lets the
+// ring take the dynamic shared memory of its deepest launch.
 template <int BITS, int MODE, int TPG, int LOG2R>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  auto fn = gemv_mma_kernel<BITS, MODE, TPG, LOG2R>;
+  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
+  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
+  constexpr int slot = mma_slot_bytes<LOG2R>();
   if (op == 1) {
     cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, fn);
+    const cudaError_t e = cudaFuncGetAttributes(&attr, regs);
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, MAX_WARPS * MAX_STAGES * slot);
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
-  fn<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
+  if (p->stages == 0) {
+    regs<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
+  } else {
+    if (p->stages < 2 || p->stages > MAX_STAGES) return cudaErrorInvalidValue;
+    ring<<<p->N / MMA_COLS, 32 * warps, warps * p->stages * slot, stream>>>(*p);
+  }
   return cudaGetLastError();
 }
 

@@ -13,7 +13,14 @@
 // sum (q - z) x (16 times it) in fp32: exact but for fp32 rounding at the size of 1024 * sum x, a
 // relative 1e-5 of a block's sum. Each group of a block and run parity has its own accumulator,
 // times its scale (/ 16) into the output fragment when the warp leaves the block; a warp takes
-// whole blocks (blocks warp, warp + warps, ...), the next block's loads in flight.
+// whole blocks (blocks warp, warp + warps, ...).
+//
+// How the weight stream is kept in flight (STAGES): 0, a register double buffer (the next block's
+// 16-byte loads issued before this block is decoded: one block, 2 KB a warp at g128, in flight);
+// S >= 2, a ring of S block slots a warp in shared memory filled by cp.async (16 bytes a lane,
+// L2 evict-first, no registers held while in flight), S - 1 blocks ahead of the one decoded. Each
+// lane reads back only the bytes it copied itself, so cp.async.wait_group is the only
+// synchronization; a slot is refilled once its registers have been consumed.
 #pragma once
 #include "gemv.cuh"
 
@@ -42,9 +49,38 @@ __device__ __forceinline__ uint32_t mma_zero(uint32_t z) {
 }
 
 constexpr int MMA_COLS = 16;
+constexpr int MAX_STAGES = 8;
+
+// 16 bytes global -> shared, bypassing L1, first out of L2; one commit group per ring step
+__device__ __forceinline__ void cp_async16(unsigned smem, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(src), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// wait until at most n (0..MAX_STAGES - 1, uniform across the warp) groups are pending
+__device__ __forceinline__ void cp_async_wait_upto(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+}
+
+// dynamic shared memory of the ring: S slots of a block (16 words x SPB strips x 16 columns) a warp
+template <int LOG2R>
+constexpr int mma_slot_bytes() { return (1 << LOG2R) / 16 * 2 * 32 * 16; }
 
 // grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
-template <int BITS, int MODE, int TPG, int LOG2R>
+// RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
+// register double buffer
+template <int BITS, int MODE, int TPG, int LOG2R, bool RING>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
@@ -136,15 +172,48 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       }
     }
   };
-  uint4 buf[2][SPB][2];
-  int b = warp;
-  if (b < nblocks) load(buf[0], b);
-  for (; b < nblocks; b += 2 * warps) {
-    if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
-    block(buf[0], b);
-    if (b + warps >= nblocks) break;
-    if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
-    block(buf[1], b + warps);
+  if constexpr (RING) {
+    // this lane's 16-byte pieces of slot j: ring[(j * SPB + q) * 2 + h][lane] (q: strip, h: column
+    // g or g + 8), a warp's S slots after the previous warps'
+    extern __shared__ uint4 ring_smem[];
+    const int S = p.stages;
+    uint4* mine = ring_smem + static_cast<size_t>(warp) * S * SPB * 2 * 32 + lane;
+    const unsigned mine_s = static_cast<unsigned>(__cvta_generic_to_shared(mine));
+    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
+    auto issue = [&](int slot, int b) {
+#pragma unroll
+      for (int q = 0; q < SPB; q++) {
+        cp_async16(mine_s + ((slot * SPB + q) * 2 + 0) * 32 * 16, wa + b * (R / 4) + 4 * q, policy);
+        cp_async16(mine_s + ((slot * SPB + q) * 2 + 1) * 32 * 16, wb + b * (R / 4) + 4 * q, policy);
+      }
+    };
+    for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
+      if (j < nb) issue(j, warp + j * warps);
+      cp_async_commit();
+    }
+    for (int i = 0, slot = 0; i < nb; i++) {
+      cp_async_wait_upto(S - 1);  // block i has landed
+      uint4 cur[SPB][2];
+#pragma unroll
+      for (int q = 0; q < SPB; q++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) cur[q][h] = mine[((slot * SPB + q) * 2 + h) * 32];
+      block(cur, warp + i * warps);
+      if (i + S < nb) issue(slot, warp + (i + S) * warps);  // cur is consumed: the slot is free
+      cp_async_commit();
+      slot = slot + 1 == S ? 0 : slot + 1;
+    }
+  } else {
+    uint4 buf[2][SPB][2];
+    int b = warp;
+    if (b < nblocks) load(buf[0], b);
+    for (; b < nblocks; b += 2 * warps) {
+      if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
+      block(buf[0], b);
+      if (b + warps >= nblocks) break;
+      if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
+      block(buf[1], b + warps);
+    }
   }
 
   // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1

@@ -148,7 +148,8 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     """y [M, N] of the tensor-core plan (gemv_mma.cuh), from what each lane (g, t) loads, the
     fragments it hands mma.sync (the PTX m16n8k16 layouts: A row g / g + 8 at k 2t, 2t+1 (a0, a1)
     and 2t+8, 2t+9 (a2, a3); B k 2t.. / 2t+8.. of column g; C row g / g + 8, columns 2t, 2t+1),
-    the zero MMA and the per-group, per-parity folds; in float64. x: [M, k_padded]."""
+    the zero MMA and the per-group, per-parity folds, with the scale and zero words its ring copies
+    (ring_scale, ring_zero); in float64. x: [M, k_padded]."""
     geo = gemv.geometry(layout, torch.float16)
     assert geo.mma
     bits, pairs = layout.bits, 16 // layout.bits
@@ -157,8 +158,6 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     words = layout.words.numpy().view(np.uint32).astype(np.uint64)
     n, kw = words.shape
     m_rows = x.shape[0]
-    scales = layout.scales.double().numpy()
-    zeros = layout.zeros.numpy().astype(np.uint64) if layout.zeros is not None else None
     lane = np.arange(32)
     g, t = lane >> 2, lane & 3
     xrow = np.minimum(g, m_rows - 1)
@@ -175,8 +174,8 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                     q, v = s // tpg, s % par
                     rows = b * bk + s * 2 * r + 32 * sq + 8 * t  # [32]
                     xs = x[xrow[:, None], rows[:, None] + np.arange(8)]  # [32, 8]
-                    z = (zeros[grp[q], n0 + np.concatenate([g, g + 8])] if zeros is not None
-                         else np.full(64, layout.zero_const, dtype=np.uint64))
+                    z = (np.concatenate([ring_zero(layout, grp[q], n0, g, c) for c in (0, 1)])
+                         if layout.zeros is not None else np.full(64, layout.zero_const, dtype=np.uint64))
                     zconst = halves(z * (0x00100010 if bits == 4 and v else 0x00010001) + 0xE400E400)[0]  # [64]
                     for h in range(2):
                         a_mat, z_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 16)), np.zeros((16, 8))
@@ -193,9 +192,51 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                 for v in range(par):
                     if tpg == 1 and v != q % par:
                         continue
-                    f = scales[gi, n0:n0 + 16] * (0.0625 if v else 1.0)
-                    y[n0:n0 + 16] += f[:, None] * acc[q, v]
+                    f = np.zeros(16)  # fragment rows g, g + 8: the scales lane (g, t) reads
+                    f[g], f[g + 8] = ring_scale(layout, gi, n0, g, 0), ring_scale(layout, gi, n0, g, 1)
+                    y[n0:n0 + 16] += f[:, None] * acc[q, v] * (0.0625 if v else 1.0)
     return y[:, :m_rows].T
+
+
+def ring_scale(layout, group: int, n0: int, g: np.ndarray, c: int) -> np.ndarray:
+    """The scale of column n0 + g + 8c as the ring copies it: the 4-byte word of the [G, N] fp16 table
+    at column (n0 + g) & ~1 (+ 8c) of row `group`, its half g % 2."""
+    n = layout.out_features
+    words = layout.scales.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).view(np.uint32)
+    word = words[(group * n + ((n0 + g) & ~1) + 8 * c) // 2]
+    return halves(word >> (16 * (g & 1)))[0]
+
+
+def ring_zero(layout, group: int, n0: int, g: np.ndarray, c: int) -> np.ndarray:
+    """The uint8 zero of column n0 + g + 8c as the ring copies it: the 4-byte word at column
+    (n0 + g) & ~3 (+ 8c), its byte g % 4."""
+    n = layout.out_features
+    words = layout.zeros.contiguous().numpy().reshape(-1).view(np.uint32)
+    word = words[(group * n + ((n0 + g) & ~3) + 8 * c) // 4]
+    return ((word >> (8 * (g & 3))) & 0xFF).astype(np.uint64)
+
+
+def ring_offsets(spb: int, ng: int, zp: bool, stages: int, warps: int):
+    """Shared-memory byte offsets of the tensor-core plan's ring (gemv_mma.cuh): for every (warp,
+    slot, lane, entry), where issue() copies to and where the block reads back, and the bytes a
+    block takes (the launch's dynamic size). Entries: the 2 spb 16-byte pieces, then the 4-byte
+    table words (2 ng scales, 2 ng zeros)."""
+    slot_bytes = 32 * (spb * 2 * 16 + ng * 2 * (2 if zp else 1) * 4)
+    wrote, read = [], []
+    for warp in range(warps):
+        ring = warp * stages * slot_bytes
+        for slot in range(stages):
+            for lane in range(32):
+                base = slot * slot_bytes  # issue(): slots_s / tab_s + base + entry
+                slots_s, tab_s = ring + 16 * lane, ring + spb * 2 * 32 * 16 + 4 * lane
+                mine = ring + slot * slot_bytes  # the loop: mine, w16 = mine + 16 lane, tab = ... + 4 lane
+                for e in range(2 * spb):
+                    wrote.append((slots_s + base + e * 32 * 16, 16))
+                    read.append((mine + 16 * lane + 16 * e * 32, 16))
+                for e in range(ng * 2 * (2 if zp else 1)):
+                    wrote.append((tab_s + base + e * 32 * 4, 4))
+                    read.append((mine + spb * 2 * 32 * 16 + 4 * lane + 4 * e * 32, 4))
+    return wrote, read, warps * stages * slot_bytes
 
 
 def _raw_pair(w: np.ndarray, s: int, bits: int) -> np.ndarray:

@@ -8,9 +8,10 @@ kernel's byte permutation, HMUL2 / HFMA2 rounded once in fp16) and the bf16 path
 nibble or byte under 2^23) — placed at those rows, reproduces the weight bit for bit: the reference
 dequantization in fp16, the exact q - z in fp32; the tensor-core plan's mma.sync fragments, built
 from what each lane holds by the PTX m16n8k16 layouts, give x @ W. The plan rules, the crossovers and
-the layout checks too.
+the layout checks too; the tensor-core plan's shared-memory ring (every lane reads back the bytes it
+copied, no two share one) and the scale / zero words it copies.
 With a GPU: the kernel against `kernels/reference` (random shapes, short last groups, act-order,
-asymmetric zeros, fp16/bf16, every row tile, column tile and warp count, GGUF forms with offsets,
+asymmetric zeros, fp16/bf16, every row tile, column tile, warp count and ring depth, GGUF forms with offsets,
 bias, a column slice as `out`, NaN-poisoned outputs, CUDA-graph replays), and the odd-N fallback.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from gemv_emulation import emulate, emulate_mma, fp16, lane_walk, reference_rows
+from gemv_emulation import emulate, emulate_mma, fp16, lane_walk, reference_rows, ring_offsets
 from ggml_helpers import random_weight
 from test_cuda_kernels import weight
 
@@ -80,6 +81,16 @@ def test_emulated_tensor_core_plan_is_the_matmul(case):
         y = emulate_mma(layout, x)
         ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
         np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("spb,ng,zp", [(2, 2, False), (2, 4, True), (1, 1, True), (1, 2, False)])
+def test_tensor_core_ring_slots_are_disjoint_and_read_back_where_written(spb, ng, zp):
+    for stages, warps in ((2, 1), (3, 3), (6, 8)):
+        wrote, read, size = ring_offsets(spb, ng, zp, stages, warps)
+        assert wrote == read
+        assert all(off % width == 0 and 0 <= off and off + width <= size for off, width in wrote)
+        cells = [byte for off, width in wrote for byte in range(off, off + width)]
+        assert len(set(cells)) == len(cells) == size  # every byte of the ring is one lane's, once
 
 
 def test_every_row_is_read_once_and_padding_rows_only_past_k():

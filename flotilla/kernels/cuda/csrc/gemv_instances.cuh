@@ -27,12 +27,17 @@ template <int BITS, int MODE, int TPG, int LOG2R>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
   auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
-  constexpr int slot = mma_slot_bytes<LOG2R>();
-  if (op == 1) {
+  constexpr int slot = mma_slot_bytes<BITS, MODE, TPG, LOG2R>();
+  if (op == 1) {  // the ring may take what the GPU allows a block beyond its static arrays
     cudaFuncAttributes attr;
-    const cudaError_t e = cudaFuncGetAttributes(&attr, regs);
+    cudaError_t e = cudaFuncGetAttributes(&attr, regs);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ring);
+    int device = 0, optin = 0;
+    if (e == cudaSuccess) e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, MAX_WARPS * MAX_STAGES * slot);
+    const int most = optin - static_cast<int>(attr.sharedSizeBytes);
+    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, min(MAX_WARPS * MAX_STAGES * slot, most));
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
   if (p->stages == 0) {

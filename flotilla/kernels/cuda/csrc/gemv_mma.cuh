@@ -56,6 +56,9 @@ __device__ __forceinline__ void cp_async16(unsigned smem, const void* src, uint6
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(src), "l"(policy)
                : "memory");
 }
+__device__ __forceinline__ void cp_async4(unsigned smem, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -73,9 +76,12 @@ __device__ __forceinline__ void cp_async_wait_upto(int n) {
   }
 }
 
-// dynamic shared memory of the ring: S slots of a block (16 words x SPB strips x 16 columns) a warp
-template <int LOG2R>
-constexpr int mma_slot_bytes() { return (1 << LOG2R) / 16 * 2 * 32 * 16; }
+// the ring's slot of one block a warp: its 16 columns' words (SPB strips of 16 words, 16 bytes a
+// lane and column half) and a lane's 4-byte words of the scales (and zeros) of its groups, 2 each
+template <int BITS, int MODE, int TPG, int LOG2R>
+__host__ __device__ constexpr int mma_slot_bytes() {
+  return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
+}
 
 // grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
@@ -85,6 +91,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
+  constexpr int slot_bytes = mma_slot_bytes<BITS, MODE, TPG, LOG2R>();
   static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
   __shared__ float red[MAX_WARPS][MMA_COLS][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -115,7 +122,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       dst[q][1] = load_stream(wb + b * (R / 4) + 4 * q, policy);
     }
   };
-  auto block = [&](const uint4 (*cur)[2], int b) {
+  // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
+  // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
+  // (byte g % 4); without the ring they are read here
+  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab) {
     const int u0 = b * P;
     unsigned grp[NG];
 #pragma unroll
@@ -123,8 +133,13 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     if constexpr (MODE == ZP) {
 #pragma unroll
       for (int q = 0; q < NG; q++) {
-        const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
-        const uint32_t z0 = __ldg(zr), z1 = __ldg(zr + 8);
+        uint32_t z0, z1;
+        if constexpr (RING) {
+          z0 = (tab[(2 * NG + 2 * q) * 32] >> 8 * (g & 3)) & 0xFF, z1 = (tab[(2 * NG + 2 * q + 1) * 32] >> 8 * (g & 3)) & 0xFF;
+        } else {
+          const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
+          z0 = __ldg(zr), z1 = __ldg(zr + 8);
+        }
         zk[q][0][0] = mma_zero<BITS, 0>(z0), zk[q][0][1] = mma_zero<BITS, 0>(z1);
         if constexpr (PAR == 2) zk[q][PAR - 1][0] = mma_zero<BITS, 1>(z0), zk[q][PAR - 1][1] = mma_zero<BITS, 1>(z1);
       }
@@ -161,8 +176,15 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     // each group's sums times its scale (/ 16 for the odd runs' 16 (q - z)) into the output fragment
 #pragma unroll
     for (int q = 0; q < NG; q++) {
-      const uint16_t* sr = sc + grp[q] * static_cast<unsigned>(p.N);
-      const float s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + 8)));
+      float s0, s1;
+      if constexpr (RING) {
+        const int sh = 16 * (g & 1);
+        s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[2 * q * 32] >> sh)));
+        s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[(2 * q + 1) * 32] >> sh)));
+      } else {
+        const uint16_t* sr = sc + grp[q] * static_cast<unsigned>(p.N);
+        s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + 8)));
+      }
 #pragma unroll
       for (int v = 0; v < PAR; v++) {
         if (TPG == 1 && v != q % PAR) continue;  // a group of one run has one parity
@@ -173,18 +195,32 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     }
   };
   if constexpr (RING) {
-    // this lane's 16-byte pieces of slot j: ring[(j * SPB + q) * 2 + h][lane] (q: strip, h: column
-    // g or g + 8), a warp's S slots after the previous warps'
+    // slot j of this warp: SPB * 2 rows of 32 uint4, [q][h] the 16 bytes lane l copied of strip q of
+    // column g + 8h; then TAB rows of 32 words, the scale (and zero) words of block() above
     extern __shared__ uint4 ring_smem[];
     const int S = p.stages;
-    uint4* mine = ring_smem + static_cast<size_t>(warp) * S * SPB * 2 * 32 + lane;
-    const unsigned mine_s = static_cast<unsigned>(__cvta_generic_to_shared(mine));
+    char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
+    const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
+    const unsigned slots_s = ring_s + 16 * lane, tab_s = ring_s + SPB * 2 * 32 * 16 + 4 * lane;
+    // this lane's 4-byte words of the tables: scales at columns (n0 + g) & ~1, zeros (n0 + g) & ~3
+    const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
+    const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
     const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
     auto issue = [&](int slot, int b) {
+      const unsigned base = slot * slot_bytes;
 #pragma unroll
       for (int q = 0; q < SPB; q++) {
-        cp_async16(mine_s + ((slot * SPB + q) * 2 + 0) * 32 * 16, wa + b * (R / 4) + 4 * q, policy);
-        cp_async16(mine_s + ((slot * SPB + q) * 2 + 1) * 32 * 16, wb + b * (R / 4) + 4 * q, policy);
+        cp_async16(slots_s + base + (q * 2 + 0) * 32 * 16, wa + b * (R / 4) + 4 * q, policy);
+        cp_async16(slots_s + base + (q * 2 + 1) * 32 * 16, wb + b * (R / 4) + 4 * q, policy);
+      }
+#pragma unroll
+      for (int q = 0; q < NG; q++) {
+        const unsigned row = group_of(b * P + q * TPG, p.group_magic) * static_cast<unsigned>(p.N);
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+          cp_async4(tab_s + base + (2 * q + c) * 32 * 4, sc_w + row + 8 * c);
+          if constexpr (MODE == ZP) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, zp_w + row + 8 * c);
+        }
       }
     };
     for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
@@ -193,13 +229,15 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     }
     for (int i = 0, slot = 0; i < nb; i++) {
       cp_async_wait_upto(S - 1);  // block i has landed
+      const char* mine = slots + slot * slot_bytes;
+      const uint4* w16 = reinterpret_cast<const uint4*>(mine) + lane;
       uint4 cur[SPB][2];
 #pragma unroll
       for (int q = 0; q < SPB; q++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) cur[q][h] = mine[((slot * SPB + q) * 2 + h) * 32];
-      block(cur, warp + i * warps);
-      if (i + S < nb) issue(slot, warp + (i + S) * warps);  // cur is consumed: the slot is free
+        for (int h = 0; h < 2; h++) cur[q][h] = w16[(q * 2 + h) * 32];
+      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane);
+      if (i + S < nb) issue(slot, warp + (i + S) * warps);  // its registers are consumed: the slot is free
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
     }
@@ -209,10 +247,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     if (b < nblocks) load(buf[0], b);
     for (; b < nblocks; b += 2 * warps) {
       if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
-      block(buf[0], b);
+      block(buf[0], b, nullptr);
       if (b + warps >= nblocks) break;
       if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
-      block(buf[1], b + warps);
+      block(buf[1], b + warps, nullptr);
     }
   }
 

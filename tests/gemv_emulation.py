@@ -216,27 +216,38 @@ def ring_zero(layout, group: int, n0: int, g: np.ndarray, c: int) -> np.ndarray:
     return ((word >> (8 * (g & 3))) & 0xFF).astype(np.uint64)
 
 
-def ring_offsets(spb: int, ng: int, zp: bool, stages: int, warps: int):
-    """Shared-memory byte offsets of the tensor-core plan's ring (gemv_mma.cuh): for every (warp,
-    slot, lane, entry), where issue() copies to and where the block reads back, and the bytes a
-    block takes (the launch's dynamic size). Entries: the 2 spb 16-byte pieces, then the 4-byte
-    table words (2 ng scales, 2 ng zeros)."""
-    slot_bytes = 32 * (spb * 2 * 16 + ng * 2 * (2 if zp else 1) * 4)
-    wrote, read = [], []
+def ring_offsets(spb: int, ng: int, zp: bool, stages: int, warps: int, m: int, bk: int):
+    """Shared-memory byte ranges (offset, width) of the tensor-core plan's ring (gemv_mma.cuh) for M =
+    m batch rows and blocks of bk input rows: what issue() copies to and what the blocks read back,
+    for every (warp, slot, lane), and the bytes a launch takes. Per lane, in slot order: its 2 spb
+    16-byte weight pieces and its table words (2 ng scales, 2 ng zeros), which it reads back itself;
+    then the x pieces it copies for the warp (piece j of the block's rows, batch row j // (bk / 8))
+    and the x it reads (batch row min(g, m - 1), the 8 runs and strips at 8t)."""
+    fixed = 32 * (spb * 2 * 16 + ng * 2 * (2 if zp else 1) * 4)
+    x_row = 2 * bk + 64
+    slot_bytes = fixed + m * x_row
+    own_w, own_r, x_w, x_r = [], [], [], []
     for warp in range(warps):
         ring = warp * stages * slot_bytes
         for slot in range(stages):
+            base, mine = slot * slot_bytes, ring + slot * slot_bytes
             for lane in range(32):
-                base = slot * slot_bytes  # issue(): slots_s / tab_s + base + entry
+                g, t = lane >> 2, lane & 3
                 slots_s, tab_s = ring + 16 * lane, ring + spb * 2 * 32 * 16 + 4 * lane
-                mine = ring + slot * slot_bytes  # the loop: mine, w16 = mine + 16 lane, tab = ... + 4 lane
                 for e in range(2 * spb):
-                    wrote.append((slots_s + base + e * 32 * 16, 16))
-                    read.append((mine + 16 * lane + 16 * e * 32, 16))
+                    own_w.append((slots_s + base + e * 32 * 16, 16))
+                    own_r.append((mine + 16 * lane + 16 * e * 32, 16))
                 for e in range(ng * 2 * (2 if zp else 1)):
-                    wrote.append((tab_s + base + e * 32 * 4, 4))
-                    read.append((mine + spb * 2 * 32 * 16 + 4 * lane + 4 * e * 32, 4))
-    return wrote, read, warps * stages * slot_bytes
+                    own_w.append((tab_s + base + e * 32 * 4, 4))
+                    own_r.append((mine + spb * 2 * 32 * 16 + 4 * lane + 4 * e * 32, 4))
+                for j in range(lane, m * (bk // 8), 32):
+                    x_w.append((ring + base + fixed + (j // (bk // 8)) * x_row + 16 * (j % (bk // 8)), 16))
+                xs = mine + fixed + min(g, m - 1) * x_row
+                r = 16 * spb  # R words a block: runs P = bk / 2R; rows s 2R + 32 sq + 8 t
+                for s_ in range(bk // (2 * r)):
+                    for sq in range(spb):
+                        x_r.append((xs + 2 * (s_ * 2 * r + 32 * sq + 8 * t), 16))
+    return own_w, own_r, x_w, x_r, warps * stages * slot_bytes
 
 
 def _raw_pair(w: np.ndarray, s: int, bits: int) -> np.ndarray:

@@ -83,14 +83,16 @@ def test_emulated_tensor_core_plan_is_the_matmul(case):
         np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("spb,ng,zp", [(2, 2, False), (2, 4, True), (1, 1, True), (1, 2, False)])
-def test_tensor_core_ring_slots_are_disjoint_and_read_back_where_written(spb, ng, zp):
-    for stages, warps in ((2, 1), (3, 3), (6, 8)):
-        wrote, read, size = ring_offsets(spb, ng, zp, stages, warps)
-        assert wrote == read
-        assert all(off % width == 0 and 0 <= off and off + width <= size for off, width in wrote)
-        cells = [byte for off, width in wrote for byte in range(off, off + width)]
-        assert len(set(cells)) == len(cells) == size  # every byte of the ring is one lane's, once
+@pytest.mark.parametrize("spb,ng,zp,bk", [(2, 2, False, 256), (2, 4, True, 256), (1, 1, True, 128),
+                                          (1, 2, False, 128), (2, 1, False, 128)])
+def test_tensor_core_ring_slots_are_disjoint_and_read_back_where_written(spb, ng, zp, bk):
+    for stages, warps, m in ((2, 1, 1), (3, 3, 3), (6, 8, 8), (4, 2, 2)):
+        own_w, own_r, x_w, x_r, size = ring_offsets(spb, ng, zp, stages, warps, m, bk)
+        assert own_w == own_r  # weights and tables: each lane reads back what it copied
+        assert all(off % width == 0 and 0 <= off and off + width <= size for off, width in own_w + x_w)
+        cells = [byte for off, width in own_w + x_w for byte in range(off, off + width)]
+        assert len(set(cells)) == len(cells)  # no byte copied twice
+        assert {(off, w) for off, w in x_r} <= set(x_w)  # x read only where some lane copied it
 
 
 def test_every_row_is_read_once_and_padding_rows_only_past_k():

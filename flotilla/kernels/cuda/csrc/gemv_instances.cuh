@@ -27,8 +27,9 @@ template <int BITS, int MODE, int TPG, int LOG2R>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
   auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
-  constexpr int slot = mma_slot_bytes<BITS, MODE, TPG, LOG2R>();
-  if (op == 1) {  // the ring may take what the GPU allows a block beyond its static arrays
+  constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
+  static int most = 0;  // dynamic shared memory the ring may take (set by prepare)
+  if (op == 1) {  // what the GPU allows a block beyond its static arrays
     cudaFuncAttributes attr;
     cudaError_t e = cudaFuncGetAttributes(&attr, regs);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ring);
@@ -36,16 +37,21 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
     if (e == cudaSuccess) e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e != cudaSuccess) return e;
-    const int most = optin - static_cast<int>(attr.sharedSizeBytes);
-    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, min(MAX_WARPS * MAX_STAGES * slot, most));
+    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - static_cast<int>(attr.sharedSizeBytes));
+    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
   if (p->stages == 0) {
     regs<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
-  } else {
-    if (p->stages < 2 || p->stages > MAX_STAGES) return cudaErrorInvalidValue;
-    ring<<<p->N / MMA_COLS, 32 * warps, warps * p->stages * slot, stream>>>(*p);
+    return cudaGetLastError();
   }
+  if (p->stages < 2 || p->stages > MAX_STAGES) return cudaErrorInvalidValue;
+  // the ring's depth: p->stages, or as many as fit the shared memory (at least 2)
+  const int slot = fixed + min(p->M, 8) * x_row;
+  GemvParams q = *p;
+  q.stages = min(p->stages, most / (warps * slot));
+  if (q.stages < 2) return cudaErrorInvalidValue;
+  ring<<<p->N / MMA_COLS, 32 * warps, warps * q.stages * slot, stream>>>(q);
   return cudaGetLastError();
 }
 

@@ -56,6 +56,10 @@ __device__ __forceinline__ void cp_async16(unsigned smem, const void* src, uint6
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(src), "l"(policy)
                : "memory");
 }
+// x: 16 bytes global -> shared, bypassing L1 (read by every warp of the GPU: L2's default policy)
+__device__ __forceinline__ void cp_async16_l2(unsigned smem, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async4(unsigned smem, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(src) : "memory");
 }
@@ -76,8 +80,14 @@ __device__ __forceinline__ void cp_async_wait_upto(int n) {
   }
 }
 
+// bytes of one batch row of x in a ring slot: the block's 2 R P input rows in fp16, + 64 so that
+// batch rows g and g + 1 (one quarter warp of 16-byte reads) fall in different banks
+template <int BITS, int LOG2R>
+__host__ __device__ constexpr int mma_x_row_bytes() { return 2 * 2 * (1 << LOG2R) * (16 / BITS) + 64; }
+
 // the ring's slot of one block a warp: its 16 columns' words (SPB strips of 16 words, 16 bytes a
-// lane and column half) and a lane's 4-byte words of the scales (and zeros) of its groups, 2 each
+// lane and column half) and a lane's 4-byte words of the scales (and zeros) of its groups, 2 each;
+// then M rows of x of mma_x_row_bytes each
 template <int BITS, int MODE, int TPG, int LOG2R>
 __host__ __device__ constexpr int mma_slot_bytes() {
   return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
@@ -91,7 +101,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
-  constexpr int slot_bytes = mma_slot_bytes<BITS, MODE, TPG, LOG2R>();
+  constexpr int slot_fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), X_ROW = mma_x_row_bytes<BITS, LOG2R>();
   static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
   __shared__ float red[MAX_WARPS][MMA_COLS][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -124,8 +134,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   };
   // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
   // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
-  // (byte g % 4); without the ring they are read here
-  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab) {
+  // (byte g % 4); xs (the ring only): x of the block's rows of batch row g in the slot (global
+  // memory without the ring); without the ring they are read here
+  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* xs) {
     const int u0 = b * P;
     unsigned grp[NG];
 #pragma unroll
@@ -162,7 +173,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       static_for<P>([&](auto sc_) {
         constexpr int s = decltype(sc_)::value;
         constexpr int q = s / TPG, v = s % PAR;
-        const uint4 xv = load_x(xb + s * 2 * R + 32 * sq);
+        uint4 xv;
+        if constexpr (RING) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
+        else xv = load_x(xb + s * 2 * R + 32 * sq);
         const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -196,15 +209,20 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   };
   if constexpr (RING) {
     // slot j of this warp: SPB * 2 rows of 32 uint4, [q][h] the 16 bytes lane l copied of strip q of
-    // column g + 8h; then TAB rows of 32 words, the scale (and zero) words of block() above
+    // column g + 8h; TAB rows of 32 words, the scale (and zero) words of block() above; then x of
+    // the block's BK input rows for each batch row m < M (rows X_ROW bytes apart: padded so that
+    // the 8 lanes of a quarter warp, two batch rows, hit distinct banks). Lanes copy x pieces for
+    // one another: __syncwarp after the wait and before a slot is refilled.
     extern __shared__ uint4 ring_smem[];
-    const int S = p.stages;
+    const int S = p.stages, mx = min(p.M, 8);
+    const int slot_bytes = slot_fixed + mx * X_ROW;
     char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
     const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
     const unsigned slots_s = ring_s + 16 * lane, tab_s = ring_s + SPB * 2 * 32 * 16 + 4 * lane;
     // this lane's 4-byte words of the tables: scales at columns (n0 + g) & ~1, zeros (n0 + g) & ~3
     const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
     const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
+    const half* x0 = static_cast<const half*>(p.x);
     const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
     auto issue = [&](int slot, int b) {
       const unsigned base = slot * slot_bytes;
@@ -222,13 +240,21 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
           if constexpr (MODE == ZP) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, zp_w + row + 8 * c);
         }
       }
+      // x: piece j (8 halves) of the block's rows, batch row j / (BK / 8)
+      for (int j = lane; j < mx * (BK / 8); j += 32) {
+        const int m = j / (BK / 8), e = j % (BK / 8);
+        cp_async16_l2(ring_s + base + slot_fixed + m * X_ROW + 16 * e,
+                      x0 + static_cast<size_t>(m) * p.lda + static_cast<size_t>(b) * BK + 8 * e);
+      }
     };
     for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
       if (j < nb) issue(j, warp + j * warps);
       cp_async_commit();
     }
+    const int xrow = min(g, mx - 1) * X_ROW;  // batch rows past M repeat the last
     for (int i = 0, slot = 0; i < nb; i++) {
       cp_async_wait_upto(S - 1);  // block i has landed
+      __syncwarp();               // and the x pieces the other lanes copied
       const char* mine = slots + slot * slot_bytes;
       const uint4* w16 = reinterpret_cast<const uint4*>(mine) + lane;
       uint4 cur[SPB][2];
@@ -236,8 +262,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       for (int q = 0; q < SPB; q++)
 #pragma unroll
         for (int h = 0; h < 2; h++) cur[q][h] = w16[(q * 2 + h) * 32];
-      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane);
-      if (i + S < nb) issue(slot, warp + (i + S) * warps);  // its registers are consumed: the slot is free
+      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane,
+            mine + slot_fixed + xrow);
+      __syncwarp();  // every lane is done with the slot
+      if (i + S < nb) issue(slot, warp + (i + S) * warps);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
     }
@@ -247,10 +275,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     if (b < nblocks) load(buf[0], b);
     for (; b < nblocks; b += 2 * warps) {
       if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
-      block(buf[0], b, nullptr);
+      block(buf[0], b, nullptr, nullptr);
       if (b + warps >= nblocks) break;
       if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
-      block(buf[1], b + warps, nullptr);
+      block(buf[1], b + warps, nullptr, nullptr);
     }
   }
 

@@ -178,7 +178,13 @@ def test_plans():
     assert gemv.choose_plan(1, 4096, 512, 132, 8).cols == 2
     mma = gemv.choose_plan(1, 4096, 512, 132, 4, mma_r=32)
     assert (mma.rows, mma.cols, mma.warps) == (8, 16, 8)  # 256 blocks: 8 warps each reach 16 a SM
-    assert mma.stages == gemv.MMA_RING and gemv.choose_plan(1, 4096, 512, 132, 4).stages == 0  # the ring: mma only
+    assert mma.stages == 0 and gemv.choose_plan(1, 4096, 512, 132, 4).stages == 0  # 16 blocks a column: no ring
+    ring = gemv.choose_plan(2, 28672, 1024, 132, 4, mma_r=32)  # 8 warps of 4 blocks: the ring
+    assert (ring.warps, ring.stages) == (8, gemv.RING_STAGES) and gemv.choose_plan(3, 28672, 1024, 132, 4, 32).stages == 0
+    assert gemv.choose_plan(1, 4096, 1792, 132, 4, mma_r=32).stages == gemv.RING_STAGES  # 14336x4096
+    from flotilla.kernels.triton_linear import gemv_config
+
+    assert gemv_config(ring).num_stages == ring.stages  # the registry's config keeps the ring depth
     assert gemv.choose_plan(5, 28672, 1024, 132, 4, mma_r=32).warps == 8  # 32 blocks a column: 8 warps
     assert gemv.choose_plan(1, 14336, 512, 132, 4, mma_r=32).warps == 4  # 896 column tiles
     assert gemv.choose_plan(1, 4096, 512, 132, 8, mma_r=32).cols == 2  # 8 bits: the CUDA-core plan

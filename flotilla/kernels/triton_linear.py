@@ -36,7 +36,8 @@ from .triton_layout import TritonLayout, UnsupportedLayout, repack
 
 @dataclass(frozen=True)
 class GemmConfig:
-    kind: str  # "dot" | "dense" | "gemv" (block_m: rows a block computes, block_n: columns, num_warps)
+    kind: str  # "dot" | "dense" | "gemv" (block_m: rows a block computes, block_n: columns, num_warps,
+    # num_stages: the tensor-core plan's ring depth, 0 its register double buffer)
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -79,7 +80,7 @@ def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
 
 def gemv_config(plan) -> GemmConfig:
     """A GEMV plan (kernels/cuda/gemv.py GemvPlan) as this module's config."""
-    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps)
+    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages)
 
 
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
@@ -185,7 +186,7 @@ class TritonLayoutKernel:
         if cfg.kind == "gemv":
             if self.gemv is None:
                 raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
-            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps))
+            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))
             if out is not None:
                 return y
         elif cfg.kind == "dense":

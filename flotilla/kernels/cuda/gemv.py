@@ -12,9 +12,10 @@ x) gets a zero-padded copy, both on the torch side.
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
     N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products and the
-    zero points on mma.sync; the decode is one LOP3 a pair of weights; the weight stream goes
-    through a cp.async ring of `stages` blocks a warp in shared memory (0: the first version's
-    register double buffer, kept for the sweep);
+    zero points on mma.sync; the decode is one LOP3 a pair of weights; each warp streams its
+    blocks either through a register double buffer (stages 0) or through a cp.async ring of
+    `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
+    M <= 2 on long columns);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -46,7 +47,9 @@ ROW_TILES = (1, 2, 4, 8)
 MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
-MMA_RING = 4  # the stages choose_plan gives it
+# The ring (2 blocks a warp) where device run 3 of bench/NOTES-kernels.md measured it faster than the
+# register double buffer: M <= 2 with 8 warps of at least 4 blocks each (8192x28672, 14336x4096)
+RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 2, 2, 32  # min blocks a column: 8 warps of 4
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
@@ -153,15 +156,18 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     bench/NOTES-kernels.md). mma_r: the layout's words a block where the tensor-core plan reads it
     (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
     enough warps to bring the grid to 16 a SM, and at least one per 4 of a column's blocks (the
-    sweep's best within 3% on the four shapes, at every M). CUDA cores: 4 columns a block at 4
-    bits and M <= 4 (x loads shared by more columns), else 2; two warps up to M = 2, else one."""
+    sweep's best within 3% on the four shapes, at every M); the shared-memory ring of 2 blocks a
+    warp for M <= 2 where that gives 8 warps of at least 4 blocks each (a column of >= 32 blocks),
+    else the register double buffer. CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads
+    shared by more columns), else 2; two warps up to M = 2, else one."""
     if mma_r and bits == 4:
         blocks, layout_blocks = n // MMA_COLS, kw // mma_r
         want = max(16 * num_sms / blocks, layout_blocks / 4)
         warps = 1
         while warps < min(MAX_WARPS, layout_blocks) and warps < want:
             warps *= 2
-        return GemvPlan(MAX_ROWS, MMA_COLS, warps, MMA_RING)
+        ring = m <= RING_MAX_ROWS and warps == MAX_WARPS and layout_blocks >= RING_MIN_BLOCKS
+        return GemvPlan(MAX_ROWS, MMA_COLS, warps, RING_STAGES if ring else 0)
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)

@@ -15,12 +15,13 @@
 // times its scale (/ 16) into the output fragment when the warp leaves the block; a warp takes
 // whole blocks (blocks warp, warp + warps, ...).
 //
-// How the weight stream is kept in flight (STAGES): 0, a register double buffer (the next block's
-// 16-byte loads issued before this block is decoded: one block, 2 KB a warp at g128, in flight);
-// S >= 2, a ring of S block slots a warp in shared memory filled by cp.async (16 bytes a lane,
-// L2 evict-first, no registers held while in flight), S - 1 blocks ahead of the one decoded. Each
-// lane reads back only the bytes it copied itself, so cp.async.wait_group is the only
-// synchronization; a slot is refilled once its registers have been consumed.
+// How a warp streams its blocks (p.stages): 0, a register double buffer (the next block's 16-byte
+// loads issued before this block is decoded; x, scales and zeros read from global memory in the
+// block); S >= 2, a ring of S block slots a warp in shared memory filled by cp.async, S - 1 blocks
+// ahead of the one decoded: the weights (16 bytes a lane, L2 evict-first), the lane's scale (zero)
+// words and x of the block's rows all ride in the slot, so that no global load sits in a warp's
+// chain behind its own prefetch (with x read from global memory in the block, the ring measured
+// up to 2x slower than the double buffer: bench/NOTES-kernels.md, GEMV device run 3).
 #pragma once
 #include "gemv.cuh"
 

@@ -21,7 +21,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from gemv_emulation import emulate, emulate_mma, fp16, lane_walk, reference_rows, ring_offsets
+from gemv_emulation import (
+    emulate,
+    emulate_mma,
+    fp16,
+    lane_walk,
+    reference_rows,
+    ring_offsets,
+)
 from ggml_helpers import random_weight
 from test_cuda_kernels import weight
 

@@ -145,8 +145,13 @@ def smollm2_configs(args) -> list[tuple[str, list[str]]]:
     if args.short:
         configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0]]
     if args.only:
-        configs = [c for c in configs if any(o in c[0] for o in args.only.split(","))]
+        configs = [c for c in configs if any(_picks(o, c[0]) for o in args.only.split(","))]
     return configs
+
+
+def _picks(only: str, label: str) -> bool:
+    """An --only item picks the labels holding it; '=LABEL' picks that label alone."""
+    return label == only[1:] if only.startswith("=") else only in label
 
 
 def smollm2_rows(args, env, work: Path, emit) -> None:
@@ -365,7 +370,7 @@ def main() -> int:
                                                        "the quantize default)")
     p.add_argument("--short", action="store_true", help="leave out the minmax, g32 and bitsandbytes rows")
     p.add_argument("--only", default="", help="comma-separated substrings: only the quantized rows whose label "
-                   "holds one (e.g. 'AWQ,GPTQ g128 sym,bitsandbytes')")
+                   "holds one, or with a leading '=' the row of exactly that label (e.g. 'AWQ,=INT4 GPTQ g128 sym,bitsandbytes')")
     p.add_argument("--sensitive", type=int, default=12, help="the --sensitive row's N (default 12)")
     p.add_argument("--keep", default=r"model\.layers\.(0|1|29)\.", help="the --keep 8:PATTERN row's pattern "
                    "(default: the first two and the last layer)")

@@ -76,7 +76,7 @@ def test_rtn_partial_last_group_is_its_own_rows(sym):
     """A group size that does not divide the input: groups of 128, 128 and 64 (576 = SmolLM2's
     hidden size at group 128), the last one quantized from its own 64 columns alone."""
     w = torch.randn(6, 320)
-    spec = GridSpec(4, sym=sym, clip=True)
+    spec = GridSpec(4, sym=sym, grid="mse")
     q = rtn_quantize(w, spec, 128)
     assert q.scales.shape == (3, 6) and torch.equal(q.g_idx, torch.arange(320, dtype=torch.int32) // 128)
     for g, cols in enumerate((slice(0, 128), slice(128, 256), slice(256, 320))):
@@ -219,7 +219,7 @@ def test_mse_grid_is_the_default_and_minmax_is_kept():
     exact = rtn_quantize(w, GridSpec(4, True), 32)
     torch.testing.assert_close(exact.scales, find_params(w.view(16, 2, 32).transpose(0, 1).reshape(32, 32),
                                                          GridSpec(4, True))[0].view(2, 16))
-    searched = rtn_quantize(w, GridSpec(4, True, clip=True), 32)
+    searched = rtn_quantize(w, GridSpec(4, True, grid="mse"), 32)
     assert float(((searched.dequantize() - w) ** 2).sum()) <= float(((exact.dequantize() - w) ** 2).sum()) * 1.05
 
 

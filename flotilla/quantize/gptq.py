@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .clip import gptq_group_params, output_clip_params
 from .grid import GridSpec, QuantizedWeight, dequantize_codes, grid_params, quantize_codes
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: 
     scales = torch.empty(groups, out_f, device=W.device)
     zeros = torch.empty(groups, out_f, device=W.device)
     codes = torch.empty(out_f, in_f, device=W.device)  # in visiting order
-    if group_size == -1:
-        scales[0], zeros[0] = grid_params(W, spec)
+    searched = spec.grid == "output"
+    if group_size == -1:  # one grid per channel, chosen before any update (by output error: clip.py)
+        params = output_clip_params(W, H, spec, -1) if searched else grid_params(W, spec)
+        scales[0], zeros[0] = (p.reshape(-1) for p in params)
     for b0 in range(0, in_f, block_size):
         b1 = min(b0 + block_size, in_f)
         W1 = W[:, b0:b1].clone()
@@ -86,7 +89,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: 
             col = b0 + i
             g = col // gs
             if group_size != -1 and col % gs == 0:  # a group starts: its grid from the updated weights
-                scales[g], zeros[g] = grid_params(W1[:, i:i + gs], spec)
+                group = W1[:, i:i + gs]
+                scales[g], zeros[g] = gptq_group_params(group, U1[i:i + gs, i:i + gs], spec) if searched \
+                    else grid_params(group, spec)
             w = W1[:, i]
             q = quantize_codes(w, scales[g], zeros[g], spec.maxq)
             codes[:, col] = q

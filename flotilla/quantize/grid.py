@@ -43,7 +43,8 @@ FP16_MAX = torch.finfo(torch.float16).max
 class GridSpec:
     bits: int
     sym: bool
-    clip: bool = False  # search a clipping range per group (search_params) instead of min/max
+    grid: str = "minmax"  # minmax: each group's min..max; mse: the range searched by weight error
+    #                       (search_params); output: searched by output error (clip.py, given the inputs)
 
     @property
     def maxq(self) -> int:
@@ -54,10 +55,10 @@ def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Te
     """Scale and zero point per row of w [rows, n] (one group of each output channel).
 
     Returns fp32 scales that are exact fp16 values, and integer-valued fp32 zeros."""
-    return _range_params(w.min(dim=1).values, w.max(dim=1).values, spec)
+    return range_params(w.min(dim=1).values, w.max(dim=1).values, spec)
 
 
-def _range_params(wmin: torch.Tensor, wmax: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def range_params(wmin: torch.Tensor, wmax: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid of rows whose weights span [wmin, wmax] (the range always includes 0)."""
     maxq = spec.maxq
     wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)
@@ -81,8 +82,9 @@ SEARCH_CHUNK_GPU = 1 << 24  # on a GPU: few, large kernels
 
 
 def grid_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grid of each row of w under spec: searched when spec.clip, else min/max."""
-    return search_params(w, spec) if spec.clip else find_params(w, spec)
+    """The grid of each row of w under spec from w alone: searched for `mse`, else min/max (the
+    `output` grid is searched by the caller, who has the inputs: clip.py)."""
+    return search_params(w, spec) if spec.grid == "mse" else find_params(w, spec)
 
 
 def search_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +102,7 @@ def search_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.
         scratch = torch.empty_like(chunk)
         best = None
         for shrink in CLIP_SHRINKS:
-            scale, zero = _range_params(wmin * shrink, wmax * shrink, spec)
+            scale, zero = range_params(wmin * shrink, wmax * shrink, spec)
             err = _grid_error(chunk, scale, zero, spec.maxq, scratch)
             if best is None:
                 best = [scale, zero, err]
@@ -172,14 +174,16 @@ def fake_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Ten
     groups = num_groups(in_f, group_size)
     w = w.float() if groups * gs == in_f else F.pad(w.float(), (0, groups * gs - in_f))  # zeros pad a partial group
     wg = w.view(out_f, groups, gs)
-    scale, zero = _range_params(wg.amin(dim=2).flatten(), wg.amax(dim=2).flatten(), spec)
+    scale, zero = range_params(wg.amin(dim=2).flatten(), wg.amax(dim=2).flatten(), spec)
     scale, zero = scale.view(out_f, groups, 1), zero.view(out_f, groups, 1)
     q = torch.div(wg, scale).round_().add_(zero).clamp_(0, spec.maxq).sub_(zero).mul_(scale)
     return q.view(out_f, groups * gs)[:, :in_f]
 
 
-def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedWeight:
-    """Round-to-nearest of w [out, in] with one grid per output channel and input group."""
+def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int,
+                 params: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedWeight:
+    """Round-to-nearest of w [out, in] with one grid per output channel and input group: `params`
+    (scales and zeros [groups, out]) where given, else grid_params of each group."""
     out_f, in_f = w.shape
     gs = in_f if group_size == -1 else group_size
     groups = num_groups(in_f, group_size)
@@ -187,8 +191,11 @@ def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedW
     # includes 0 and the zero point is an integer), so the padding changes neither grid nor error
     w = F.pad(w.float(), (0, groups * gs - in_f))  # [out, groups * gs]
     wg = w.reshape(out_f, groups, gs).transpose(0, 1)  # [groups, out, gs]
-    scale, zero = grid_params(wg.reshape(groups * out_f, gs), spec)
-    scale, zero = scale.view(groups, out_f), zero.view(groups, out_f)
+    if params is None:
+        scale, zero = grid_params(wg.reshape(groups * out_f, gs), spec)
+        scale, zero = scale.view(groups, out_f), zero.view(groups, out_f)
+    else:
+        scale, zero = params
     codes = quantize_codes(wg, scale.unsqueeze(-1), zero.unsqueeze(-1), spec.maxq)  # [groups, out, gs]
     codes = codes.transpose(0, 1).reshape(out_f, groups * gs)[:, :in_f]
     return QuantizedWeight(codes.to(torch.int32), zero.to(torch.int32), scale,

@@ -26,6 +26,7 @@ from flotilla.models.weights import layer_plan
 from .activations import CalibrationActivations
 from .awq import scale_layer
 from .gptq import HessianAccumulator, gptq_quantize
+from .clip import output_clip_params
 from .grid import GridSpec, QuantizedWeight, rtn_quantize
 from .options import QuantizeOptions
 
@@ -56,7 +57,8 @@ def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, qu
         raise ValueError(f"--method {options.method} needs calibration activations")
     if options.method in ("awq", "awq+gptq"):
         result.awq_alpha = scale_layer(layer, acts, lambda m: _triple(configs[m]))
-    if acts is None or (options.method == "awq" and not advance):
+    rounding = options.method in ("rtn", "awq")
+    if acts is None or (rounding and options.grid != "output" and not advance):
         stages = ((m, iter(())) for m in configs)  # rounding alone: no inputs to run
     else:
         stages = acts.linear_inputs(layer, advance)  # true-sequential: each linear's inputs through the ones before
@@ -64,21 +66,32 @@ def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, qu
         cfg = configs[mod]
         if cfg is None:
             continue  # kept in float (a "-:" dynamic pattern)
-        spec = GridSpec(cfg.bits, cfg.sym, clip=options.grid == "mse")
-        if options.method in ("rtn", "awq"):
+        spec = GridSpec(cfg.bits, cfg.sym, grid=options.grid)
+        if rounding and spec.grid != "output":
             q = rtn_quantize(mod.weight, spec, cfg.group_size)
+            result.weights[mod] = _write_back(mod, q)
+            continue
+        acc = HessianAccumulator(mod.in_features, mod.weight.device)
+        for x in inputs:
+            acc.add(x)
+        if rounding:
+            params = output_clip_params(mod.weight, acc.hessian(), spec, cfg.group_size)
+            q = rtn_quantize(mod.weight, spec, cfg.group_size, params)
         else:
-            acc = HessianAccumulator(mod.in_features, mod.weight.device)
-            for x in inputs:
-                acc.add(x)
             g = gptq_quantize(mod.weight, acc.hessian(), spec, cfg.group_size, options.damp_percent,
                               options.block_size, options.act_order)
             q = g.weight
             result.damp_raised += g.damp_percent > options.damp_percent
-        with torch.no_grad():
-            mod.weight.copy_(q.dequantize())
-        result.weights[mod] = q
+        result.weights[mod] = _write_back(mod, q)
     return result
+
+
+def _write_back(mod: nn.Module, q: QuantizedWeight) -> QuantizedWeight:
+    """The linear's weights become what a reader of the checkpoint decodes (the stages after it,
+    and the next layer, compute through them)."""
+    with torch.no_grad():
+        mod.weight.copy_(q.dequantize())
+    return q
 
 
 def _triple(cfg: QuantConfig | None) -> tuple[int, int, bool] | None:

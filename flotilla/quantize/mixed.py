@@ -33,6 +33,7 @@ from flotilla.models.weights import load_layer
 
 from .activations import CalibrationActivations
 from .gptq import HessianAccumulator
+from .clip import output_clip_params
 from .grid import GridSpec, rtn_quantize
 from .options import QuantizeOptions
 
@@ -109,7 +110,7 @@ def measure_errors(source, cfg: ModelConfig, acts: CalibrationActivations, optio
                    progress: bool = True) -> dict[Unit, float]:
     """Each unit's relative output error under the base INT4 settings (module docstring), layer by
     layer through the float model. Consumes `acts` (advances it to the last layer's input)."""
-    spec = GridSpec(options.bits, options.sym, clip=options.grid == "mse")
+    spec = GridSpec(options.bits, options.sym, grid=options.grid)
     by_name = {(u.layer, u.merged): u for u in units(cfg)}
     errors: dict[Unit, float] = {}
     device = acts.hidden.device
@@ -121,7 +122,8 @@ def measure_errors(source, cfg: ModelConfig, acts: CalibrationActivations, optio
             for x in inputs:
                 acc.add(x)
             H, W = acc.hessian(), mod.weight.float()
-            delta = rtn_quantize(W, spec, options.group_size).dequantize().sub_(W)
+            params = output_clip_params(W, H, spec, options.group_size) if spec.grid == "output" else None
+            delta = rtn_quantize(W, spec, options.group_size, params).dequantize().sub_(W)
             err = float(((delta @ H) * delta).sum()) / max(float(((W @ H) * W).sum()), 1e-30)
             errors[by_name[(i, merged[mod].rsplit(".", 1)[-1])]] = err
         del layer

@@ -12,7 +12,7 @@ KEEP_BITS = (8, 16)  # --keep BITS:PATTERN: 8-bit, or 16 (left in fp16, unquanti
 BITS = (4, 8)
 GROUP_MULTIPLE = 16  # a group size is -1 (per channel) or a positive multiple of this
 DEVICES = ("cpu", "cuda")
-GRIDS = ("mse", "minmax")
+GRIDS = ("mse", "minmax", "output")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -72,6 +72,9 @@ class QuantizeOptions:
              f"{GROUP_MULTIPLE} such as 32, 64 or 128"),
             (self.method in METHODS, f"--method {self.method!r} is not a method; choose one of {', '.join(METHODS)}"),
             (self.grid in GRIDS, f"--grid {self.grid!r} is not a grid; choose one of {', '.join(GRIDS)}"),
+            (self.uses_activations or self.grid != "output",
+             "--grid output chooses each group's range by the error of the linear's output on the calibration "
+             "inputs; --method rtn has none (choose gptq, awq or awq+gptq, or --grid mse)"),
             (self.method in ("gptq", "awq+gptq") or not self.act_order,
              "--act-order needs --method gptq or awq+gptq (it orders GPTQ's columns)"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),

@@ -299,6 +299,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="after the table, time the GEMV's plans (kernels_gemv.py)")
     ap.add_argument("--gemv-bits", default="4,8", help="the GEMV sweep's bit widths")
     ap.add_argument("--gemv-rows", default="1,2,4,8", help="the GEMV sweep's batches")
+    ap.add_argument("--gemv-chain", action="store_true", help="the GEMV sweep's best plans timed back to back too")
+    ap.add_argument("--gemv-all", action="store_true", help="the GEMV sweep times the plans that always lost too")
+    ap.add_argument("--dense-sweep", action="store_true", help="Triton tiles vs dequantize + cuBLAS (kernels_dense.py)")
+    ap.add_argument("--dense-rows", default="128,256,512,1024,2048", help="the dense sweep's batches")
+    ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)
     global GRAPHS
     GRAPHS = args.graph
@@ -313,6 +318,7 @@ def main(argv=None) -> int:
     args.sweep_block_k = [int(b) for b in args.sweep_block_k.split(",") if b]
     args.gemv_bits = [int(b) for b in args.gemv_bits.split(",")]
     args.gemv_rows = [int(m) for m in args.gemv_rows.split(",")]
+    args.dense_rows = [int(m) for m in args.dense_rows.split(",")]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if args.gguf:
@@ -327,6 +333,8 @@ def main(argv=None) -> int:
         for f in failures:
             print("  FAIL", f, flush=True)
 
+    if args.only_sweeps:
+        return run_sweeps(args, [])
     print(check_attention(), flush=True)
     bw = copy_bandwidth()
     print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -367,9 +375,16 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     print()
     print(_table(rows), flush=True)
-    extra: list = []
+    return run_sweeps(args, [])
+
+
+def run_sweeps(args, extra: list) -> int:
     if args.gemv_sweep:
         run_gemv_sweep(args, time_us, random_gptq)
+    if args.dense_sweep:
+        from bench.kernels_dense import run_dense_sweep
+
+        run_dense_sweep(args, time_us, random_gptq)
     if args.sweep:
         run_sweep(args, extra)
     if args.json:

@@ -9,6 +9,11 @@ Triton "dot" path, in fp16; then, at the built-in plans, the same against Triton
 plans: the crossover M per bits and dtype). Every plan's result is checked
 against the reference (fp32 matmul of the dequantized weight) before it is timed; a FAIL line
 names a plan that is off. One JSON object per case with --json.
+
+With --gemv-chain, the best plans of each case (and Triton, and a plain read of the same bytes: the
+floor no GEMV beats) are timed again as a decode step runs them: one CUDA graph of CHAIN_CALLS
+calls back to back, rotating over copies of the weight that together exceed the L2 (no L2 clearing,
+so no dirty lines to write back; launch gaps of a graph included).
 """
 from __future__ import annotations
 
@@ -20,10 +25,14 @@ import dataclasses
 
 from flotilla.kernels.cuda.gemv import MMA_COLS
 from flotilla.kernels.reference import dequantize
-from flotilla.kernels.triton_linear import TritonGPTQKernel, choose_config, weight_side
+from flotilla.kernels.triton_linear import TritonGPTQKernel, TritonLayoutKernel, choose_config, weight_side
 
 SWEEP_ROWS = (1, 2, 4, 8)
 WARPS = (1, 2, 4, 8)
+STREAM_WARPS = (4, 8)  # the stream plans' warps in the sweep
+CHAIN_CALLS = 64
+CHAIN_BYTES = 160e6  # the weight copies of a chain together: > 3x the H200's 50 MB L2
+CHAIN_TOP = 6  # plans of a case re-timed in the chain
 
 
 def triton_config(kern: TritonGPTQKernel, m: int):
@@ -33,7 +42,7 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 def label(plan) -> str:
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
-        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
+        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "") + (f"{plan.ctas}p" if plan.ctas else "")
     return f"{plan.cols}c{plan.warps}w"
 
 
@@ -55,7 +64,10 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 for shape in kern.gemv.plans():
                     if shape.cols != MMA_COLS and shape.rows != next(r for r in SWEEP_ROWS if r >= m):
                         continue
-                    for warps in WARPS:
+                    if kern.gemv.geo.mma and ((shape.cols != MMA_COLS and not args.gemv_all)
+                                              or (not shape.ctas and shape.stages not in (0, 2) and not args.gemv_all)):
+                        continue  # plans that lost in every earlier run (NOTES-kernels.md), unless --gemv-all
+                    for warps in STREAM_WARPS if shape.ctas else WARPS:
                         plan = dataclasses.replace(shape, warps=warps)
                         torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison
                         err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()
@@ -71,6 +83,8 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 print(f"gemv sweep {k}x{n} w{bits} m={m}: built-in {label(built_in)} {t_built:.1f}us "
                       f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s), triton {t_triton:.1f}us; best {best}; mma {mma}",
                       flush=True)
+                if args.gemv_chain:
+                    chain_case(kern, x, [p for _, p in timed[:CHAIN_TOP]] + [built_in], m, args.json)
                 if args.json:
                     print(json.dumps({"gemv_sweep": f"{k}x{n}", "bits": bits, "m": m, "built_in_us": t_built,
                                       "built_in": built_in.__dict__, "triton_us": t_triton,
@@ -89,3 +103,64 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 if args.json:
                     print(json.dumps({"gemv_bf16": f"{k}x{n}", "bits": bits, "m": m, "gemv_us": t_gemv,
                                       "triton_us": t_triton}), flush=True)
+
+
+def _copies(kern: TritonGPTQKernel) -> list[TritonLayoutKernel]:
+    """The kernel and kernels over copies of its weight (fresh tensors, same values) that together
+    exceed the L2."""
+    lay = kern.layout
+    count = max(2, min(16, -(-int(CHAIN_BYTES) // lay.nbytes())))
+    return [kern] + [TritonLayoutKernel(dataclasses.replace(lay, words=lay.words.clone(), scales=lay.scales.clone()),
+                                        kern.dtype) for _ in range(count - 1)]
+
+
+def chain_time_us(calls) -> float:
+    """µs a call of the list `calls` (each a no-argument callable) captured back to back in one CUDA
+    graph and replayed: median of 10 replays after 3."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1000 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: bool) -> None:
+    """The chain timings of one case: the read floor, Triton, each plan (bench docstring)."""
+    import ctypes
+
+    kerns = _copies(kern)
+    seq = [kerns[i % len(kerns)] for i in range(CHAIN_CALLS)]
+    lib, out = kern.gemv.lib.cdll, torch.zeros(1, dtype=torch.int32, device="cuda")
+    lib.flotilla_gemv_read_floor.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int,
+                                             ctypes.c_void_p]
+    sms = kern.num_sms
+
+    def floor_call(kc):
+        words = kc.layout.words
+        return lambda: lib.flotilla_gemv_read_floor(words.data_ptr(), words.numel() * 4, out.data_ptr(),
+                                                    4 * sms, torch.cuda.current_stream().cuda_stream)
+
+    row = {"floor": chain_time_us([floor_call(kc) for kc in seq]),
+           "triton": chain_time_us([(lambda kc=kc: kc(x, config=triton_config(kc, m))) for kc in seq])}
+    for plan in dict.fromkeys(plans):
+        row[label(plan)] = chain_time_us([(lambda kc=kc: kc.gemv(x, plan=plan)) for kc in seq])
+    nbytes = kern.layout.nbytes()
+    text = ", ".join(f"{k} {v:.1f} ({nbytes / (v * 1e-6) / 1e12:.2f})" for k, v in row.items())
+    print(f"  chain {kern.layout.in_features}x{kern.layout.out_features} m={m} ({len(kerns)} copies), "
+          f"us (TB/s): {text}", flush=True)
+    if as_json:
+        print(json.dumps({"gemv_chain": f"{kern.layout.in_features}x{kern.layout.out_features}", "m": m,
+                          "copies": len(kerns), "us": row}), flush=True)
+    del kerns

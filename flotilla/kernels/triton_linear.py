@@ -44,18 +44,27 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # dot only: apply the group scale to the weights instead of the accumulator
+    ctas: int = 0  # gemv only: the tensor-core plan's stream, its blocks a SM (0: a block a column tile)
 
 
 DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
 
 
+def dense_min_rows(layout: TritonLayout) -> int:
+    """From how many rows dequantize + cuBLAS beats the Triton tile kernel on this weight."""
+    return DENSE_MIN_ROWS
+
+
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
+    """Dequantize + cuBLAS from `dense_min_rows` on, else the Triton kernel's `dot_config`."""
+    return GemmConfig("dense") if m >= dense_min_rows(layout) else dot_config(m, layout, num_sms)
+
+
+def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     """Tile shape and split count for M rows: the winners of `tune` on an H200 (bench/NOTES-kernels.md),
     as rules. Decode tiles are narrow (64 out-features) and split until ~4 programs per SM, except
     over layouts with short blocks (group 32), whose decode tiles are 256 wide."""
     n, blocks = layout.out_features, layout.k_padded // layout.block_k
-    if m >= DENSE_MIN_ROWS:
-        return GemmConfig("dense")
     if m <= 16 and layout.rows_per_field < 32:
         # Fewer than 32 words per column per block (group-32 layouts: the GGUF forms, GPTQ g32): a
         # 64-wide tile leaves each step too little work (one short wgmma chain); 256 wide, split to
@@ -80,7 +89,8 @@ def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
 
 def gemv_config(plan) -> GemmConfig:
     """A GEMV plan (kernels/cuda/gemv.py GemvPlan) as this module's config."""
-    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages)
+    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages,
+                      ctas=plan.ctas)
 
 
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
@@ -186,7 +196,7 @@ class TritonLayoutKernel:
         if cfg.kind == "gemv":
             if self.gemv is None:
                 raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
-            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))
+            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.ctas))
             if out is not None:
                 return y
         elif cfg.kind == "dense":

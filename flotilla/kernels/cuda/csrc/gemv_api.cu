@@ -9,6 +9,30 @@ FLOTILLA_GEMV_DECLARE(__nv_bfloat16, 4)
 FLOTILLA_GEMV_DECLARE(__nv_bfloat16, 8)
 }  // namespace flotilla::gemv
 
+namespace flotilla::gemv {
+// The bench's read floor: every byte of [p, p + n16 * 16) read once in 16-byte loads, coalesced,
+// four in flight a thread (what a GEMV of these bytes cannot beat); out written only on a value
+// that never occurs, so that the loads stay
+__global__ void read_floor_kernel(const uint4* p, long long n16, unsigned* out) {
+  const uint64_t policy = evict_first_policy();
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  unsigned acc = 0;
+  long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) v[j] = load_stream(p + i + j * stride, policy);
+#pragma unroll
+    for (int j = 0; j < 4; j++) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  for (; i < n16; i += stride) {
+    const uint4 v = load_stream(p + i, policy);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) out[0] = acc;
+}
+}  // namespace flotilla::gemv
+
 using flotilla::gemv::GemvParams;
 using flotilla::gemv::gemv_dispatch;
 
@@ -27,6 +51,13 @@ FLOTILLA_API int flotilla_gemv(int op, const GemvParams* p, int dtype, int bits,
   if (dtype == 1 && bits == 4) return gemv_dispatch<__nv_bfloat16, 4>(op, p, mt, cols, mode, tpg, warps, s);
   if (dtype == 1 && bits == 8) return gemv_dispatch<__nv_bfloat16, 8>(op, p, mt, cols, mode, tpg, warps, s);
   return cudaErrorInvalidValue;
+}
+
+// the bench's read floor (bench/kernels_gemv.py): bytes (a multiple of 16, 16-byte aligned) read once
+FLOTILLA_API int flotilla_gemv_read_floor(const void* p, long long bytes, unsigned* out, int blocks, void* stream) {
+  flotilla::gemv::read_floor_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(p), bytes / 16, out);
+  return cudaGetLastError();
 }
 
 FLOTILLA_API const char* flotilla_gemv_error_string(int code) {

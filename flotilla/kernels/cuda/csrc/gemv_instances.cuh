@@ -21,27 +21,34 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
 }
 
 // the tensor-core plan (cols 16): one launch for any M <= 8; p->stages picks the register double
-// buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp). Prepare loads both and lets the
-// ring take the dynamic shared memory of its deepest launch.
+// buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp), p->ctas > 0 the ring over a
+// grid of p->ctas blocks streaming the whole weight (STREAM). Prepare loads all three and lets the
+// rings take the dynamic shared memory of their deepest launch.
 template <int BITS, int MODE, int TPG, int LOG2R>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
-  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
+  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_REGS>;
+  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_RING>;
+  auto flow = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_STREAM>;
   constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
-  static int most = 0;  // dynamic shared memory the ring may take (set by prepare)
+  static int most = 0;  // dynamic shared memory the rings may take (set by prepare)
   if (op == 1) {  // what the GPU allows a block beyond its static arrays
-    cudaFuncAttributes attr;
+    cudaFuncAttributes attr, fattr;
     cudaError_t e = cudaFuncGetAttributes(&attr, regs);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ring);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fattr, flow);
     int device = 0, optin = 0;
     if (e == cudaSuccess) e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e != cudaSuccess) return e;
-    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - static_cast<int>(attr.sharedSizeBytes));
-    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    const int statics = static_cast<int>(attr.sharedSizeBytes > fattr.sharedSizeBytes ? attr.sharedSizeBytes
+                                                                                      : fattr.sharedSizeBytes);
+    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - statics);
+    e = cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    return e == cudaSuccess ? cudaFuncSetAttribute(flow, cudaFuncAttributeMaxDynamicSharedMemorySize, most) : e;
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
   if (p->stages == 0) {
+    if (p->ctas > 0) return cudaErrorInvalidValue;
     regs<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
     return cudaGetLastError();
   }
@@ -51,7 +58,12 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   GemvParams q = *p;
   q.stages = min(p->stages, most / (warps * slot));
   if (q.stages < 2) return cudaErrorInvalidValue;
-  ring<<<p->N / MMA_COLS, 32 * warps, warps * q.stages * slot, stream>>>(q);
+  if (p->ctas > 0) {
+    if (p->work == nullptr || p->counters == nullptr) return cudaErrorInvalidValue;
+    flow<<<p->ctas, 32 * warps, warps * q.stages * slot, stream>>>(q);
+  } else {
+    ring<<<p->N / MMA_COLS, 32 * warps, warps * q.stages * slot, stream>>>(q);
+  }
   return cudaGetLastError();
 }
 

@@ -94,17 +94,108 @@ __host__ __device__ constexpr int mma_slot_bytes() {
   return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
 }
 
-// grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
-// RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
-// register double buffer
-template <int BITS, int MODE, int TPG, int LOG2R, bool RING>
+// The output fragment y of lane (g, t) of the 16-column tile at column c0 (columns g and g + 8,
+// batch rows 2t and 2t + 1: y[2h + r] is column g + 8h, row 2t + r), plus bias, rounded to fp16
+__device__ __forceinline__ void store_fragment(const GemvParams& p, int lane, int c0, const float* y) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int m = 2 * t + r;
+    if (m >= p.M) continue;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int c = c0 + g + 8 * h;
+      float v = y[2 * h + r];
+      if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[c]);
+      static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + c] = __float2half_rn(v);
+    }
+  }
+}
+
+// The largest warp w of W whose share of T items, [floor(w T / W), floor((w + 1) T / W)), starts at
+// or before item a: the one that holds it
+__device__ __forceinline__ int owner_of(long long a, long long total, int W) {
+  return static_cast<int>(((a + 1) * W + total - 1) / total) - 1;
+}
+
+// STREAM: warp gw of W takes the items [floor(gw T / W), floor((gw + 1) T / W)) of the T = tiles x
+// nblocks (16-column tile, block) items, tile-major, through one ring of S slots that runs on across
+// tile boundaries (no pipeline ramp per tile, every warp of the grid busy to the end). When it
+// leaves a tile, a warp that held the whole tile stores it; else it writes its fp32 fragment to
+// p.work at slot gw + tile (unique: along the warps' staircase over the tiles, gw + tile only grows)
+// and counts itself in p.counters[tile]; the tile's last contributor adds the fragments of the
+// tile's warps in warp order (deterministic), stores the tile and sets the counter back to zero.
+// Warps past the item count take none (W = min(grid's warps, T): every share non-empty, so a tile's
+// contributors are the warps from its first item's owner to its last's).
+template <typename Issue, typename Consume>
+__device__ __forceinline__ void stream_items(const GemvParams& p, int lane, int gw, int grid_warps, int nblocks,
+                                             int S, float* y, Issue&& issue_at, Consume&& consume) {
+  const long long total = static_cast<long long>(p.N / MMA_COLS) * nblocks;
+  const int W = static_cast<int>(min(static_cast<long long>(grid_warps), total));
+  if (gw >= W) return;
+  const long long i0 = total * gw / W, i1 = total * (gw + 1) / W;
+  const int nb = static_cast<int>(i1 - i0);
+  int it = static_cast<int>(i0 / nblocks), ib = static_cast<int>(i0 % nblocks);  // the next item to issue
+  int ct = it, cb = ib;                                                           // the next to consume
+  for (int j = 0; j < S; j++) {  // S groups, some empty: the wait counts alike every step
+    if (j < nb) {
+      issue_at(j, it * MMA_COLS, ib);
+      if (++ib == nblocks) ib = 0, ++it;
+    }
+    cp_async_commit();
+  }
+  for (int i = 0, slot = 0; i < nb; i++) {
+    consume(slot, cb);
+    if (i + S < nb) {
+      issue_at(slot, it * MMA_COLS, ib);
+      if (++ib == nblocks) ib = 0, ++it;
+    }
+    cp_async_commit();
+    slot = slot + 1 == S ? 0 : slot + 1;
+    if (cb == nblocks - 1 || i == nb - 1) {  // leaving tile ct
+      const long long a0 = static_cast<long long>(ct) * nblocks;
+      const int wf = owner_of(a0, total, W), wl = owner_of(a0 + nblocks - 1, total, W);
+      if (wf == wl) {
+        store_fragment(p, lane, ct * MMA_COLS, y);
+      } else {
+        float4* work = reinterpret_cast<float4*>(p.work);
+        __stcg(work + static_cast<size_t>(gw + ct) * 32 + lane, make_float4(y[0], y[1], y[2], y[3]));
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) last = atomicAdd(p.counters + ct, 1) == wl - wf;
+        if (__shfl_sync(0xffffffffu, last, 0)) {
+          if (lane == 0) p.counters[ct] = 0;  // for the next launch (CUDA-graph replays)
+          __threadfence();
+          float v[4] = {0.f, 0.f, 0.f, 0.f};
+          for (int w = wf; w <= wl; w++) {
+            const float4 f = __ldcg(work + static_cast<size_t>(w + ct) * 32 + lane);
+            v[0] += f.x, v[1] += f.y, v[2] += f.z, v[3] += f.w;
+          }
+          store_fragment(p, lane, ct * MMA_COLS, v);
+        }
+      }
+      y[0] = y[1] = y[2] = y[3] = 0.f;
+    }
+    if (++cb == nblocks) cb = 0, ++ct;
+  }
+}
+
+// How a warp streams its blocks: the register double buffer, the shared-memory ring of p.stages
+// slots, both over the blocks of one 16-column tile (grid N / 16), or the ring over a contiguous run
+// of the whole weight's (tile, block) items (grid p.ctas: see gemv_mma_kernel's STREAM part)
+enum MmaKind { MMA_REGS = 0, MMA_RING = 1, MMA_STREAM = 2 };
+
+// grid: N / 16 blocks of 32 * warps threads, the warps splitting the layout's blocks of the input
+// axis (REGS, RING), or p.ctas blocks whose warps each take a contiguous share of the items (STREAM)
+template <int BITS, int MODE, int TPG, int LOG2R, int KIND>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
+  constexpr bool RING = KIND != MMA_REGS;  // the weights, tables and x through shared-memory slots
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
   constexpr int slot_fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), X_ROW = mma_x_row_bytes<BITS, LOG2R>();
   static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
-  __shared__ float red[MAX_WARPS][MMA_COLS][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * MMA_COLS;
@@ -220,17 +311,19 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
     const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
     const unsigned slots_s = ring_s + 16 * lane, tab_s = ring_s + SPB * 2 * 32 * 16 + 4 * lane;
-    // this lane's 4-byte words of the tables: scales at columns (n0 + g) & ~1, zeros (n0 + g) & ~3
-    const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
-    const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
     const half* x0 = static_cast<const half*>(p.x);
-    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
-    auto issue = [&](int slot, int b) {
+    // block b of the 16-column tile at column c0 into a slot; this lane's 4-byte words of the
+    // tables: scales at columns (c0 + g) & ~1, zeros (c0 + g) & ~3
+    auto issue_at = [&](int slot, int c0, int b) {
+      const uint4* ta = KIND == MMA_RING ? wa : reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(c0 + g) * p.KW) + t;
+      const uint4* tb = KIND == MMA_RING ? wb : ta + 2 * p.KW;  // column g + 8: 8 rows of KW words on
+      const uint16_t* sc_w = p.scales + ((c0 + g) & ~1);
+      const uint8_t* zp_w = MODE == ZP ? p.zeros + ((c0 + g) & ~3) : nullptr;
       const unsigned base = slot * slot_bytes;
 #pragma unroll
       for (int q = 0; q < SPB; q++) {
-        cp_async16(slots_s + base + (q * 2 + 0) * 32 * 16, wa + b * (R / 4) + 4 * q, policy);
-        cp_async16(slots_s + base + (q * 2 + 1) * 32 * 16, wb + b * (R / 4) + 4 * q, policy);
+        cp_async16(slots_s + base + (q * 2 + 0) * 32 * 16, ta + b * (R / 4) + 4 * q, policy);
+        cp_async16(slots_s + base + (q * 2 + 1) * 32 * 16, tb + b * (R / 4) + 4 * q, policy);
       }
 #pragma unroll
       for (int q = 0; q < NG; q++) {
@@ -248,13 +341,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
                       x0 + static_cast<size_t>(m) * p.lda + static_cast<size_t>(b) * BK + 8 * e);
       }
     };
-    for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
-      if (j < nb) issue(j, warp + j * warps);
-      cp_async_commit();
-    }
     const int xrow = min(g, mx - 1) * X_ROW;  // batch rows past M repeat the last
-    for (int i = 0, slot = 0; i < nb; i++) {
-      cp_async_wait_upto(S - 1);  // block i has landed
+    // the block in a slot, once it has landed, into y
+    auto consume = [&](int slot, int b) {
+      cp_async_wait_upto(S - 1);  // the slot's group has landed
       __syncwarp();               // and the x pieces the other lanes copied
       const char* mine = slots + slot * slot_bytes;
       const uint4* w16 = reinterpret_cast<const uint4*>(mine) + lane;
@@ -263,9 +353,21 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       for (int q = 0; q < SPB; q++)
 #pragma unroll
         for (int h = 0; h < 2; h++) cur[q][h] = w16[(q * 2 + h) * 32];
-      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane,
-            mine + slot_fixed + xrow);
+      block(cur, b, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane, mine + slot_fixed + xrow);
       __syncwarp();  // every lane is done with the slot
+    };
+    if constexpr (KIND == MMA_STREAM) {
+      stream_items(p, lane, blockIdx.x * warps + warp, gridDim.x * warps, nblocks, S, y, issue_at, consume);
+      return;
+    }
+    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
+    auto issue = [&](int slot, int b) { issue_at(slot, n0, b); };
+    for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
+      if (j < nb) issue(j, warp + j * warps);
+      cp_async_commit();
+    }
+    for (int i = 0, slot = 0; i < nb; i++) {
+      consume(slot, warp + i * warps);  // block i
       if (i + S < nb) issue(slot, warp + (i + S) * warps);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
@@ -284,6 +386,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   }
 
   // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
+  __shared__ float red[MAX_WARPS][MMA_COLS][8];
   red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
   red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
   __syncthreads();

@@ -229,6 +229,25 @@ def test_stream_shares_cover_every_item_once_and_slots_are_unique(tiles, nblocks
         assert ws == list(range(wf, wl + 1))
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 8])
+def test_slab_swizzle_is_a_bijection_read_back_without_bank_conflicts(chunk):
+    """gemv_mma.cuh SLAB: the 16-byte piece j of column c's run of `chunk` blocks goes to piece
+    j ^ ((c & 1) << 2) of the column's run (a permutation inside each 128-byte block); lane (g, t) of
+    warp w reads pieces w * 8 + 4q + t of columns g and g + 8 back from there, and the 8 lanes of a
+    quarter warp hit 8 distinct 16-byte bank groups."""
+    run = chunk * 8  # pieces a column's run
+    where = {(c, j): c * run + (j ^ ((c & 1) << 2)) for c in range(16) for j in range(run)}
+    assert sorted(where.values()) == list(range(16 * run))
+    assert all(pos // 8 == (c * run + j) // 8 for (c, j), pos in where.items())  # same block, same column
+    for w in range(chunk):
+        for q in range(2):
+            for h in range(2):
+                for quarter in range(4):
+                    lanes = range(8 * quarter, 8 * quarter + 8)
+                    banks = {where[(lane // 4 + 8 * h, w * 8 + 4 * q + lane % 4)] % 8 for lane in lanes}
+                    assert len(banks) == 8
+
+
 # ----------------------------------------------------------------------------------------------
 # On the GPU
 

@@ -17,7 +17,10 @@ Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
     M <= 2 on long columns), or (`ctas` > 0: the stream) a grid of `ctas` blocks a SM whose warps
     each take an equal contiguous share of all (tile, block) items of the weight through one ring
-    that runs on across tiles, partial tiles added by their last contributor in a fixed order;
+    that runs on across tiles, partial tiles added by their last contributor in a fixed order; or
+    (`slab`, blocks of 32 words) the block's warps copying chunks of `warps` blocks of its 16
+    columns into shared memory together (512 contiguous bytes a warp instruction), `stages` chunks
+    in flight;
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -51,6 +54,7 @@ MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer
 MAX_STAGES = 8  # gemv_mma.cuh
 STREAM_STAGES = (2, 3, 4, 6)  # the stream's ring depths that plans() offers
 STREAM_CTAS = (1, 2, 3, 4)  # its blocks a SM that plans() offers
+SLAB_STAGES = (2, 3, 4)  # the slab's chunks in flight that plans() offers
 FRAGMENT_FLOATS = 128  # a 16-column tile's fp32 fragment of 8 batch rows: a slot of the stream's work buffer
 # The ring (2 blocks a warp) where device run 3 of bench/NOTES-kernels.md measured it faster than the
 # register double buffer: M <= 2 with 8 warps of at least 4 blocks each (8192x28672, 14336x4096)
@@ -74,7 +78,8 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
                 ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int),
-                ("ctas", ctypes.c_int), ("work", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
+                ("ctas", ctypes.c_int), ("work", ctypes.c_void_p), ("counters", ctypes.c_void_p),
+                ("slab", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class GemvPlan:
     warps: int  # warps a block, splitting the input axis
     stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer)
     ctas: int = 0  # the tensor-core plan's stream: its blocks a SM (0: one block a 16-column tile)
+    slab: bool = False  # the tensor-core plan's slab: `stages` chunks of `warps` blocks a block
 
 
 @dataclass(frozen=True)
@@ -266,6 +272,9 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype)
+        # the slab copies the tables in 16-byte pieces
+        self.slab_ok = self.geo.mma and self.geo.log2r == 5 and all(
+            t is None or t.data_ptr() % 16 == 0 for t in (layout.scales, layout.zeros))
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
@@ -281,6 +290,8 @@ class GemvKernel:
                 yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
                 yield from (GemvPlan(rows, cols, warps, stages, ctas) for stages in STREAM_STAGES
                             for ctas in STREAM_CTAS)
+                if self.slab_ok:
+                    yield from (GemvPlan(rows, cols, warps, stages, slab=True) for stages in SLAB_STAGES)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -304,7 +315,8 @@ class GemvKernel:
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
                 or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)) \
-                or plan.ctas < 0 or (plan.ctas and plan.stages == 0):
+                or plan.ctas < 0 or (plan.ctas and plan.stages == 0) \
+                or (plan.slab and (not self.slab_ok or plan.stages < 2 or plan.ctas)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -327,7 +339,7 @@ class GemvKernel:
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages, ctas=ctas,
-                    work=_ptr(work), counters=_ptr(counters))
+                    work=_ptr(work), counters=_ptr(counters), slab=int(plan.slab))
         stream = ctypes.c_void_p(stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

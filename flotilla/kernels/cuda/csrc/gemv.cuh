@@ -63,6 +63,7 @@ struct GemvParams {
   int ctas;                 // the tensor-core plan's STREAM: its grid (> 0), else one block a 16-column tile
   float* work;              // STREAM: fp32 fragments, 128 a slot, (ctas * warps + N / 16) slots
   int* counters;            // STREAM: N / 16 zeros (each launch leaves them zero)
+  int slab;                 // the tensor-core plan's SLAB (blocks of 32 words): chunks of a block's columns
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the

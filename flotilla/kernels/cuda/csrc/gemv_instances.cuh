@@ -30,7 +30,7 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_RING>;
   auto flow = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_STREAM>;
   constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
-  static int most = 0;  // dynamic shared memory the rings may take (set by prepare)
+  static int most = 0, slab_most = 0;  // dynamic shared memory the rings, the slab may take (set by prepare)
   if (op == 1) {  // what the GPU allows a block beyond its static arrays
     cudaFuncAttributes attr, fattr;
     cudaError_t e = cudaFuncGetAttributes(&attr, regs);
@@ -44,9 +44,27 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
                                                                                       : fattr.sharedSizeBytes);
     most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - statics);
     e = cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-    return e == cudaSuccess ? cudaFuncSetAttribute(flow, cudaFuncAttributeMaxDynamicSharedMemorySize, most) : e;
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(flow, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if constexpr (LOG2R == 5) {
+      auto slab = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_SLAB>;
+      if (e == cudaSuccess) e = cudaFuncGetAttributes(&fattr, slab);
+      slab_most = optin - static_cast<int>(fattr.sharedSizeBytes);
+      if (e == cudaSuccess) e = cudaFuncSetAttribute(slab, cudaFuncAttributeMaxDynamicSharedMemorySize, slab_most);
+    }
+    return e;
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
+  if (p->slab) {  // chunks of `warps` blocks, p->stages of them in flight (as many as fit, at least 2)
+    if constexpr (LOG2R == 5) {
+      const int stage = slab_stage_bytes<BITS, MODE, TPG, LOG2R>(warps, min(p->M, 8));
+      GemvParams q = *p;
+      q.stages = min(p->stages, slab_most / stage);
+      if (q.stages < 2 || p->ctas > 0) return cudaErrorInvalidValue;
+      gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_SLAB><<<p->N / MMA_COLS, 32 * warps, q.stages * stage, stream>>>(q);
+      return cudaGetLastError();
+    }
+    return cudaErrorInvalidValue;
+  }
   if (p->stages == 0) {
     if (p->ctas > 0) return cudaErrorInvalidValue;
     regs<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);

@@ -184,13 +184,32 @@ __device__ __forceinline__ void stream_items(const GemvParams& p, int lane, int 
 // How a warp streams its blocks: the register double buffer, the shared-memory ring of p.stages
 // slots, both over the blocks of one 16-column tile (grid N / 16), or the ring over a contiguous run
 // of the whole weight's (tile, block) items (grid p.ctas: see gemv_mma_kernel's STREAM part)
-enum MmaKind { MMA_REGS = 0, MMA_RING = 1, MMA_STREAM = 2 };
+enum MmaKind { MMA_REGS = 0, MMA_RING = 1, MMA_STREAM = 2, MMA_SLAB = 3 };
+
+// SLAB: the block's warps copy chunks of `warps` blocks of its 16 columns (16 contiguous runs of
+// warps * 128 bytes) into shared memory together, 512 contiguous bytes a warp instruction, p.stages
+// chunks in flight; warp w decodes block w of each chunk. A chunk's stage: the words ([column][run],
+// 16-byte pieces XOR-swizzled by column parity so that a quarter warp's fragment reads hit distinct
+// banks), then per block its groups' scales [NG][16] fp16 (and zeros [NG][16] uint8), then x of the
+// chunk's rows for each batch row (rows slab_x_row_bytes apart).
+template <int BITS, int MODE, int TPG, int LOG2R>
+__host__ __device__ constexpr int slab_table_bytes() {
+  return (16 / BITS / TPG) * (MODE == ZP ? 48 : 32);
+}
+__host__ __device__ constexpr int slab_x_row_bytes(int warps, int bk) { return warps * bk * 2 + 64; }
+template <int BITS, int MODE, int TPG, int LOG2R>
+__host__ __device__ constexpr int slab_stage_bytes(int warps, int m) {
+  return warps * (16 << (LOG2R + 2)) + warps * slab_table_bytes<BITS, MODE, TPG, LOG2R>() +
+         m * slab_x_row_bytes(warps, 2 * (1 << LOG2R) * (16 / BITS));
+}
 
 // grid: N / 16 blocks of 32 * warps threads, the warps splitting the layout's blocks of the input
 // axis (REGS, RING), or p.ctas blocks whose warps each take a contiguous share of the items (STREAM)
 template <int BITS, int MODE, int TPG, int LOG2R, int KIND>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
-  constexpr bool RING = KIND != MMA_REGS;  // the weights, tables and x through shared-memory slots
+  constexpr bool RING = KIND == MMA_RING || KIND == MMA_STREAM;  // weights, tables and x in a warp's slots
+  constexpr bool SLAB = KIND == MMA_SLAB;  // in the block's chunks
+  static_assert(!SLAB || LOG2R == 5, "the slab's swizzle takes blocks of 128 bytes a column");
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
@@ -239,6 +258,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         uint32_t z0, z1;
         if constexpr (RING) {
           z0 = (tab[(2 * NG + 2 * q) * 32] >> 8 * (g & 3)) & 0xFF, z1 = (tab[(2 * NG + 2 * q + 1) * 32] >> 8 * (g & 3)) & 0xFF;
+        } else if constexpr (SLAB) {
+          const uint8_t* zt = reinterpret_cast<const uint8_t*>(tab) + NG * 32 + q * 16;
+          z0 = zt[g], z1 = zt[g + 8];
         } else {
           const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
           z0 = __ldg(zr), z1 = __ldg(zr + 8);
@@ -266,7 +288,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         constexpr int s = decltype(sc_)::value;
         constexpr int q = s / TPG, v = s % PAR;
         uint4 xv;
-        if constexpr (RING) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
+        if constexpr (RING || SLAB) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
         else xv = load_x(xb + s * 2 * R + 32 * sq);
         const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
@@ -286,6 +308,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         const int sh = 16 * (g & 1);
         s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[2 * q * 32] >> sh)));
         s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[(2 * q + 1) * 32] >> sh)));
+      } else if constexpr (SLAB) {
+        const half* st = reinterpret_cast<const half*>(tab) + q * 16;
+        s0 = __half2float(st[g]), s1 = __half2float(st[g + 8]);
       } else {
         const uint16_t* sr = sc + grp[q] * static_cast<unsigned>(p.N);
         s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + 8)));
@@ -371,6 +396,70 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       if (i + S < nb) issue(slot, warp + (i + S) * warps);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
+    }
+  } else if constexpr (SLAB) {
+    extern __shared__ uint4 slab_smem[];
+    constexpr int TB = slab_table_bytes<BITS, MODE, TPG, LOG2R>();
+    const int S = p.stages, mx = min(p.M, 8), C = warps, threads = 32 * warps;
+    const int run = C * 128, xr = slab_x_row_bytes(C, BK);  // bytes of a column's run, of an x row
+    const int stage_bytes = slab_stage_bytes<BITS, MODE, TPG, LOG2R>(C, mx);
+    char* base = reinterpret_cast<char*>(slab_smem);
+    const unsigned base_s = static_cast<unsigned>(__cvta_generic_to_shared(base));
+    const int nchunks = (nblocks + C - 1) / C;
+    const half* x0 = static_cast<const half*>(p.x);
+    const uint4* w0 = reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0) * p.KW);
+    auto issue = [&](int stage, int k) {
+      const unsigned st = base_s + stage * stage_bytes;
+      const int b0 = k * C, cb = min(C, nblocks - b0);  // blocks of this chunk
+      // words: piece i of column c's run of cb blocks (8 pieces of 16 bytes a block)
+      for (int i = threadIdx.x; i < 16 * cb * 8; i += threads) {
+        const int c = i / (cb * 8), j = i % (cb * 8);
+        cp_async16(st + c * run + 16 * (j ^ ((c & 1) << 2)), w0 + static_cast<size_t>(c) * (p.KW / 4) + b0 * 8 + j,
+                   policy);
+      }
+      // tables: block w's group q, 8 columns of scales a piece (16 columns of zeros)
+      constexpr int PIECES = MODE == ZP ? 3 : 2;
+      for (int i = threadIdx.x; i < cb * NG * PIECES; i += threads) {
+        const int w = i / (NG * PIECES), q = (i / PIECES) % NG, e = i % PIECES;
+        const unsigned row = group_of((b0 + w) * P + q * TPG, p.group_magic) * static_cast<unsigned>(p.N) + n0;
+        const unsigned dst = st + 16 * run + w * TB;
+        if (e < 2) cp_async16_l2(dst + q * 32 + 16 * e, p.scales + row + 8 * e);
+        else cp_async16_l2(dst + NG * 32 + q * 16, p.zeros + row);
+      }
+      // x: piece e (8 halves) of batch row m over the chunk's rows
+      const int xp = cb * BK / 8;
+      for (int i = threadIdx.x; i < mx * xp; i += threads) {
+        const int m = i / xp, e = i % xp;
+        cp_async16_l2(st + 16 * run + C * TB + m * xr + 16 * e,
+                      x0 + static_cast<size_t>(m) * p.lda + static_cast<size_t>(b0) * BK + 8 * e);
+      }
+    };
+    for (int k = 0; k < S; k++) {
+      if (k < nchunks) issue(k, k);
+      cp_async_commit();
+    }
+    const int xrow = min(g, mx - 1) * xr;
+    for (int k = 0, stage = 0; k < nchunks; k++) {
+      cp_async_wait_upto(S - 1);
+      __syncthreads();  // every thread's pieces of chunk k have landed
+      const int b = k * C + warp;
+      if (b < nblocks) {
+        const char* st = base + stage * stage_bytes;
+        uint4 cur[SPB][2];
+#pragma unroll
+        for (int q = 0; q < SPB; q++)
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            const int c = g + 8 * h, j = warp * 8 + 4 * q + t;
+            cur[q][h] = *reinterpret_cast<const uint4*>(st + c * run + 16 * (j ^ ((c & 1) << 2)));
+          }
+        block(cur, b, reinterpret_cast<const uint32_t*>(st + 16 * run + warp * TB),
+              st + 16 * run + C * TB + xrow + warp * BK * 2);
+      }
+      __syncthreads();  // every warp is done with the stage
+      if (k + S < nchunks) issue(stage, k + S);
+      cp_async_commit();
+      stage = stage + 1 == S ? 0 : stage + 1;
     }
   } else {
     uint4 buf[2][SPB][2];

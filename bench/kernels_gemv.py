@@ -29,8 +29,6 @@ from flotilla.kernels.triton_linear import TritonGPTQKernel, TritonLayoutKernel,
 
 SWEEP_ROWS = (1, 2, 4, 8)
 WARPS = (1, 2, 4, 8)
-STREAM_WARPS = (4, 8)  # the stream plans' warps in the sweep
-SLAB_WARPS = (2, 4, 8)  # the slab plans' (= blocks a chunk)
 CHAIN_CALLS = 64
 CHAIN_BYTES = 160e6  # the weight copies of a chain together: > 3x the H200's 50 MB L2
 CHAIN_TOP = 6  # plans of a case re-timed in the chain
@@ -43,8 +41,8 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 def label(plan) -> str:
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
-        kind = "slab" if plan.slab else "mma"  # the slab "slab8w3s": 8 warps, 3 chunks in flight
-        return f"{kind}{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "") + (f"{plan.ctas}p" if plan.ctas else "")
+        kind = "fold" if plan.fold else "mma"  # "fold8w": the zero point folded into the decode
+        return f"{kind}{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
     return f"{plan.cols}c{plan.warps}w"
 
 
@@ -66,12 +64,9 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 for shape in kern.gemv.plans():
                     if shape.cols != MMA_COLS and shape.rows != next(r for r in SWEEP_ROWS if r >= m):
                         continue
-                    if kern.gemv.geo.mma and ((shape.cols != MMA_COLS and not args.gemv_all)
-                                              or (not shape.ctas and not shape.slab and shape.stages not in (0, 2)
-                                                  and not args.gemv_all)
-                                              or (shape.ctas and not args.gemv_all)):
-                        continue  # plans that lost in every earlier run (NOTES-kernels.md: ring depths > 2, the stream)
-                    for warps in STREAM_WARPS if shape.ctas else SLAB_WARPS if shape.slab else WARPS:
+                    if kern.gemv.geo.mma and not args.gemv_all and (shape.cols != MMA_COLS or shape.stages not in (0, 2)):
+                        continue  # plans that lost in every earlier run (NOTES-kernels.md: CUDA cores, rings > 2)
+                    for warps in WARPS:
                         plan = dataclasses.replace(shape, warps=warps)
                         torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison
                         err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()

@@ -144,12 +144,13 @@ def _pair_f32(w: np.ndarray, t: int, bits: int, z: np.ndarray) -> tuple[np.ndarr
     return lo, hi
 
 
-def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
+def emulate_mma(layout, x: np.ndarray, fold: bool = False) -> np.ndarray:
     """y [M, N] of the tensor-core plan (gemv_mma.cuh), from what each lane (g, t) loads, the
     fragments it hands mma.sync (the PTX m16n8k16 layouts: A row g / g + 8 at k 2t, 2t+1 (a0, a1)
     and 2t+8, 2t+9 (a2, a3); B k 2t.. / 2t+8.. of column g; C row g / g + 8, columns 2t, 2t+1),
     the zero MMA and the per-group, per-parity folds, with the scale and zero words its ring copies
-    (ring_scale, ring_zero); in float64. x: [M, k_padded]."""
+    (ring_scale, ring_zero); in float64. x: [M, k_padded]. fold: the FOLD decode instead (A = q - z
+    by the pair decode of the CUDA-core plan, no zero MMA, no / 16)."""
     geo = gemv.geometry(layout, torch.float16)
     assert geo.mma
     bits, pairs = layout.bits, 16 // layout.bits
@@ -182,9 +183,13 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                         for reg, (col, word, kk) in enumerate(((g, wa[:, 2 * h], 2 * t), (g + 8, wb[:, 2 * h], 2 * t),
                                                                (g, wa[:, 2 * h + 1], 2 * t + 8),
                                                                (g + 8, wb[:, 2 * h + 1], 2 * t + 8))):
-                            lo, hi = halves(_raw_pair(word, s, bits))
+                            zlane = z[np.where(reg % 2, 32 + lane, lane)]
+                            if fold:
+                                lo, hi = _pair_f16(word, s, bits, zlane * 0x00010001)
+                            else:
+                                lo, hi = halves(_raw_pair(word, s, bits))
+                                z_mat[col, kk] = z_mat[col, kk + 1] = zconst[np.where(reg % 2, 32 + lane, lane)]
                             a_mat[col, kk], a_mat[col, kk + 1] = lo, hi
-                            z_mat[col, kk] = z_mat[col, kk + 1] = zconst[np.where(reg % 2, 32 + lane, lane)]
                         b_mat[2 * t, g], b_mat[2 * t + 1, g] = xs[:, 4 * h], xs[:, 4 * h + 1]
                         b_mat[2 * t + 8, g], b_mat[2 * t + 9, g] = xs[:, 4 * h + 2], xs[:, 4 * h + 3]
                         acc[q, v] += a_mat @ b_mat + z_mat @ b_mat
@@ -194,7 +199,7 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                         continue
                     f = np.zeros(16)  # fragment rows g, g + 8: the scales lane (g, t) reads
                     f[g], f[g + 8] = ring_scale(layout, gi, n0, g, 0), ring_scale(layout, gi, n0, g, 1)
-                    y[n0:n0 + 16] += f[:, None] * acc[q, v] * (0.0625 if v else 1.0)
+                    y[n0:n0 + 16] += f[:, None] * acc[q, v] * (0.0625 if v and not fold else 1.0)
     return y[:, :m_rows].T
 
 

@@ -44,8 +44,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # dot only: apply the group scale to the weights instead of the accumulator
-    ctas: int = 0  # gemv only: the tensor-core plan's stream, its blocks a SM (0: a block a column tile)
-    slab: bool = False  # gemv only: the tensor-core plan's slab
+    fold: bool = False  # gemv only: the tensor-core plan's zero point folded into the decode
 
 
 DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
@@ -91,7 +90,7 @@ def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
 def gemv_config(plan) -> GemmConfig:
     """A GEMV plan (kernels/cuda/gemv.py GemvPlan) as this module's config."""
     return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages,
-                      ctas=plan.ctas, slab=plan.slab)
+                      fold=plan.fold)
 
 
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
@@ -197,8 +196,8 @@ class TritonLayoutKernel:
         if cfg.kind == "gemv":
             if self.gemv is None:
                 raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
-            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.ctas,
-                                                      cfg.slab))
+            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                                      cfg.fold))
             if out is not None:
                 return y
         elif cfg.kind == "dense":

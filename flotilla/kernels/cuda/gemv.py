@@ -15,12 +15,7 @@ Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md
     zero points on mma.sync; the decode is one LOP3 a pair of weights; each warp streams its
     blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
-    M <= 2 on long columns), or (`ctas` > 0: the stream) a grid of `ctas` blocks a SM whose warps
-    each take an equal contiguous share of all (tile, block) items of the weight through one ring
-    that runs on across tiles, partial tiles added by their last contributor in a fixed order; or
-    (`slab`, blocks of 32 words) the block's warps copying chunks of `warps` blocks of its 16
-    columns into shared memory together (512 contiguous bytes a warp instruction), `stages` chunks
-    in flight;
+    M <= 2 on long columns);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -52,10 +47,6 @@ ROW_TILES = (1, 2, 4, 8)
 MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
-STREAM_STAGES = (2, 3, 4, 6)  # the stream's ring depths that plans() offers
-STREAM_CTAS = (1, 2, 3, 4)  # its blocks a SM that plans() offers
-SLAB_STAGES = (2, 3, 4)  # the slab's chunks in flight that plans() offers
-FRAGMENT_FLOATS = 128  # a 16-column tile's fp32 fragment of 8 batch rows: a slot of the stream's work buffer
 # The ring (2 blocks a warp) where device run 3 of bench/NOTES-kernels.md measured it faster than the
 # register double buffer: M <= 2 with 8 warps of at least 4 blocks each (8192x28672, 14336x4096)
 RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 2, 2, 32  # min blocks a column: 8 warps of 4
@@ -78,8 +69,7 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
                 ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int),
-                ("ctas", ctypes.c_int), ("work", ctypes.c_void_p), ("counters", ctypes.c_void_p),
-                ("slab", ctypes.c_int)]
+                ("fold", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -88,8 +78,7 @@ class GemvPlan:
     cols: int  # consecutive output columns a block computes
     warps: int  # warps a block, splitting the input axis
     stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer)
-    ctas: int = 0  # the tensor-core plan's stream: its blocks a SM (0: one block a 16-column tile)
-    slab: bool = False  # the tensor-core plan's slab: `stages` chunks of `warps` blocks a block
+    fold: bool = False  # the tensor-core plan: q - z decoded in fp16 (one MMA), not a second MMA for the zero
 
 
 @dataclass(frozen=True)
@@ -186,44 +175,6 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
 
 
-def stream_share(tiles: int, nblocks: int, grid_warps: int, gw: int) -> tuple[int, int]:
-    """The stream's items [first, end) of warp gw (gemv_mma.cuh stream_items): items are (tile, block)
-    tile-major, each of the first min(grid_warps, items) warps an equal contiguous share, none empty."""
-    total = tiles * nblocks
-    warps = min(grid_warps, total)
-    return (total * gw // warps, total * (gw + 1) // warps) if gw < warps else (total, total)
-
-
-def stream_owner(item: int, total: int, warps_total: int) -> int:
-    """The warp whose share holds `item` (gemv_mma.cuh owner_of)."""
-    return ((item + 1) * warps_total + total - 1) // total - 1
-
-
-class _Workspace:
-    """The stream's fp32 fragments and per-tile counters, one per (device, stream): launches on one
-    stream run one after another, and every launch leaves its counters at zero. A larger need
-    allocates a larger pair; earlier ones stay alive (a captured CUDA graph may still use them)."""
-
-    def __init__(self):
-        self._by_stream: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def get(self, device: torch.device, stream: int, slots: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (device.index or 0, stream)
-        have = self._by_stream.get(key)
-        if have is None or have[0].numel() < slots * FRAGMENT_FLOATS or have[1].numel() < tiles:
-            if have is not None:
-                self._kept.append(have)
-                slots, tiles = max(slots, have[0].numel() // FRAGMENT_FLOATS), max(tiles, have[1].numel())
-            have = (torch.empty(slots * FRAGMENT_FLOATS, dtype=torch.float32, device=device),
-                    torch.zeros(tiles, dtype=torch.int32, device=device))
-            self._by_stream[key] = have
-        return have
-
-
-_workspace = _Workspace()
-
-
 class _Library:
     """The ctypes view of the compiled GEMV (csrc/gemv_api.cu)."""
 
@@ -272,9 +223,6 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype)
-        # the slab copies the tables in 16-byte pieces
-        self.slab_ok = self.geo.mma and self.geo.log2r == 5 and all(
-            t is None or t.data_ptr() % 16 == 0 for t in (layout.scales, layout.zeros))
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
@@ -287,11 +235,8 @@ class GemvKernel:
             if n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
             elif cols == MMA_COLS and self.geo.mma:
-                yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
-                yield from (GemvPlan(rows, cols, warps, stages, ctas) for stages in STREAM_STAGES
-                            for ctas in STREAM_CTAS)
-                if self.slab_ok:
-                    yield from (GemvPlan(rows, cols, warps, stages, slab=True) for stages in SLAB_STAGES)
+                yield from (GemvPlan(rows, cols, warps, stages, fold) for fold in (False, True)
+                            for stages in MMA_STAGES)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -315,8 +260,7 @@ class GemvKernel:
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
                 or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)) \
-                or plan.ctas < 0 or (plan.ctas and plan.stages == 0) \
-                or (plan.slab and (not self.slab_ok or plan.stages < 2 or plan.ctas)):
+                or (plan.fold and plan.cols != MMA_COLS):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -327,20 +271,12 @@ class GemvKernel:
                              f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
         if bias is not None and bias.dtype != self.dtype:
             bias = bias.to(self.dtype)
-        stream = torch.cuda.current_stream(x2.device).cuda_stream
-        ctas, work, counters = 0, None, None
-        if plan.ctas:
-            tiles = n // MMA_COLS
-            # no more blocks than give every warp an item (the kernel idles warps past the items)
-            ctas = max(1, min(plan.ctas * self.num_sms, tiles * (lay.words.shape[1] >> self.geo.log2r) // plan.warps))
-            work, counters = _workspace.get(x2.device, stream, ctas * plan.warps + tiles, tiles)
         p = _Params(x=x2.data_ptr(), words=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
                     zeros=_ptr(lay.zeros), offsets=_ptr(lay.offsets), bias=_ptr(bias), y=out.data_ptr(), M=m, N=n,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
-                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages, ctas=ctas,
-                    work=_ptr(work), counters=_ptr(counters), slab=int(plan.slab))
-        stream = ctypes.c_void_p(stream)
+                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages, fold=int(plan.fold))
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out
 

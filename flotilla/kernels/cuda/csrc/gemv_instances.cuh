@@ -21,52 +21,27 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
 }
 
 // the tensor-core plan (cols 16): one launch for any M <= 8; p->stages picks the register double
-// buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp), p->ctas > 0 the ring over a
-// grid of p->ctas blocks streaming the whole weight (STREAM). Prepare loads all three and lets the
-// rings take the dynamic shared memory of their deepest launch.
-template <int BITS, int MODE, int TPG, int LOG2R>
+// buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp). Prepare loads both and lets the
+// ring take the dynamic shared memory of its deepest launch.
+template <int BITS, int MODE, int TPG, int LOG2R, bool FOLD>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_REGS>;
-  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_RING>;
-  auto flow = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_STREAM>;
+  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, FOLD>;
+  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, FOLD>;
   constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
-  static int most = 0, slab_most = 0;  // dynamic shared memory the rings, the slab may take (set by prepare)
+  static int most = 0;  // dynamic shared memory the ring may take (set by prepare)
   if (op == 1) {  // what the GPU allows a block beyond its static arrays
-    cudaFuncAttributes attr, fattr;
+    cudaFuncAttributes attr;
     cudaError_t e = cudaFuncGetAttributes(&attr, regs);
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ring);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fattr, flow);
     int device = 0, optin = 0;
     if (e == cudaSuccess) e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e != cudaSuccess) return e;
-    const int statics = static_cast<int>(attr.sharedSizeBytes > fattr.sharedSizeBytes ? attr.sharedSizeBytes
-                                                                                      : fattr.sharedSizeBytes);
-    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - statics);
-    e = cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(flow, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-    if constexpr (LOG2R == 5) {
-      auto slab = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_SLAB>;
-      if (e == cudaSuccess) e = cudaFuncGetAttributes(&fattr, slab);
-      slab_most = optin - static_cast<int>(fattr.sharedSizeBytes);
-      if (e == cudaSuccess) e = cudaFuncSetAttribute(slab, cudaFuncAttributeMaxDynamicSharedMemorySize, slab_most);
-    }
-    return e;
+    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - static_cast<int>(attr.sharedSizeBytes));
+    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
-  if (p->slab) {  // chunks of `warps` blocks, p->stages of them in flight (as many as fit, at least 2)
-    if constexpr (LOG2R == 5) {
-      const int stage = slab_stage_bytes<BITS, MODE, TPG, LOG2R>(warps, min(p->M, 8));
-      GemvParams q = *p;
-      q.stages = min(p->stages, slab_most / stage);
-      if (q.stages < 2 || p->ctas > 0) return cudaErrorInvalidValue;
-      gemv_mma_kernel<BITS, MODE, TPG, LOG2R, MMA_SLAB><<<p->N / MMA_COLS, 32 * warps, q.stages * stage, stream>>>(q);
-      return cudaGetLastError();
-    }
-    return cudaErrorInvalidValue;
-  }
   if (p->stages == 0) {
-    if (p->ctas > 0) return cudaErrorInvalidValue;
     regs<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
     return cudaGetLastError();
   }
@@ -76,12 +51,7 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   GemvParams q = *p;
   q.stages = min(p->stages, most / (warps * slot));
   if (q.stages < 2) return cudaErrorInvalidValue;
-  if (p->ctas > 0) {
-    if (p->work == nullptr || p->counters == nullptr) return cudaErrorInvalidValue;
-    flow<<<p->ctas, 32 * warps, warps * q.stages * slot, stream>>>(q);
-  } else {
-    ring<<<p->N / MMA_COLS, 32 * warps, warps * q.stages * slot, stream>>>(q);
-  }
+  ring<<<p->N / MMA_COLS, 32 * warps, warps * q.stages * slot, stream>>>(q);
   return cudaGetLastError();
 }
 
@@ -89,8 +59,17 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, half> && MODE != OFF) {
-    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4>(op, p, warps, stream);
-    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5>(op, p, warps, stream);
+    if (op == 1) {  // prepare both decodes
+      const int e = p->log2r == 4 ? gemv_mma_op<BITS, MODE, TPG, 4, false>(op, p, warps, stream)
+                                  : gemv_mma_op<BITS, MODE, TPG, 5, false>(op, p, warps, stream);
+      if (e != cudaSuccess) return e;
+    }
+    if (p->fold || op == 1) {
+      if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4, true>(op, p, warps, stream);
+      if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5, true>(op, p, warps, stream);
+    }
+    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4, false>(op, p, warps, stream);
+    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5, false>(op, p, warps, stream);
   }
   return cudaErrorInvalidValue;
 }

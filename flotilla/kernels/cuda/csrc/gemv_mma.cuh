@@ -49,6 +49,15 @@ __device__ __forceinline__ uint32_t mma_zero(uint32_t z) {
   return z * (BITS == 4 && PARITY ? 0x00100010u : 0x00010001u) + 0xE400E400u;
 }
 
+// the zero constant of run parity PARITY: the second MMA's A (mma_zero), or with FOLD the pair
+// decode's packed -(1024 + z) (even) / -(64 + z) (odd runs at 4 bits: PairF16<4>)
+template <int BITS, int PARITY, bool FOLD>
+__device__ __forceinline__ uint32_t zero_const_of(uint32_t z) {
+  if constexpr (!FOLD) return mma_zero<BITS, PARITY>(z);
+  else if constexpr (BITS == 4 && PARITY) return zz_odd_of(z * 0x00010001u);
+  else return zz_even_of(z * 0x00010001u);
+}
+
 constexpr int MMA_COLS = 16;
 constexpr int MAX_STAGES = 8;
 
@@ -94,127 +103,19 @@ __host__ __device__ constexpr int mma_slot_bytes() {
   return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
 }
 
-// The output fragment y of lane (g, t) of the 16-column tile at column c0 (columns g and g + 8,
-// batch rows 2t and 2t + 1: y[2h + r] is column g + 8h, row 2t + r), plus bias, rounded to fp16
-__device__ __forceinline__ void store_fragment(const GemvParams& p, int lane, int c0, const float* y) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int m = 2 * t + r;
-    if (m >= p.M) continue;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int c = c0 + g + 8 * h;
-      float v = y[2 * h + r];
-      if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[c]);
-      static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + c] = __float2half_rn(v);
-    }
-  }
-}
-
-// The largest warp w of W whose share of T items, [floor(w T / W), floor((w + 1) T / W)), starts at
-// or before item a: the one that holds it
-__device__ __forceinline__ int owner_of(long long a, long long total, int W) {
-  return static_cast<int>(((a + 1) * W + total - 1) / total) - 1;
-}
-
-// STREAM: warp gw of W takes the items [floor(gw T / W), floor((gw + 1) T / W)) of the T = tiles x
-// nblocks (16-column tile, block) items, tile-major, through one ring of S slots that runs on across
-// tile boundaries (no pipeline ramp per tile, every warp of the grid busy to the end). When it
-// leaves a tile, a warp that held the whole tile stores it; else it writes its fp32 fragment to
-// p.work at slot gw + tile (unique: along the warps' staircase over the tiles, gw + tile only grows)
-// and counts itself in p.counters[tile]; the tile's last contributor adds the fragments of the
-// tile's warps in warp order (deterministic), stores the tile and sets the counter back to zero.
-// Warps past the item count take none (W = min(grid's warps, T): every share non-empty, so a tile's
-// contributors are the warps from its first item's owner to its last's).
-template <typename Issue, typename Consume>
-__device__ __forceinline__ void stream_items(const GemvParams& p, int lane, int gw, int grid_warps, int nblocks,
-                                             int S, float* y, Issue&& issue_at, Consume&& consume) {
-  const long long total = static_cast<long long>(p.N / MMA_COLS) * nblocks;
-  const int W = static_cast<int>(min(static_cast<long long>(grid_warps), total));
-  if (gw >= W) return;
-  const long long i0 = total * gw / W, i1 = total * (gw + 1) / W;
-  const int nb = static_cast<int>(i1 - i0);
-  int it = static_cast<int>(i0 / nblocks), ib = static_cast<int>(i0 % nblocks);  // the next item to issue
-  int ct = it, cb = ib;                                                           // the next to consume
-  for (int j = 0; j < S; j++) {  // S groups, some empty: the wait counts alike every step
-    if (j < nb) {
-      issue_at(j, it * MMA_COLS, ib);
-      if (++ib == nblocks) ib = 0, ++it;
-    }
-    cp_async_commit();
-  }
-  for (int i = 0, slot = 0; i < nb; i++) {
-    consume(slot, cb);
-    if (i + S < nb) {
-      issue_at(slot, it * MMA_COLS, ib);
-      if (++ib == nblocks) ib = 0, ++it;
-    }
-    cp_async_commit();
-    slot = slot + 1 == S ? 0 : slot + 1;
-    if (cb == nblocks - 1 || i == nb - 1) {  // leaving tile ct
-      const long long a0 = static_cast<long long>(ct) * nblocks;
-      const int wf = owner_of(a0, total, W), wl = owner_of(a0 + nblocks - 1, total, W);
-      if (wf == wl) {
-        store_fragment(p, lane, ct * MMA_COLS, y);
-      } else {
-        float4* work = reinterpret_cast<float4*>(p.work);
-        __stcg(work + static_cast<size_t>(gw + ct) * 32 + lane, make_float4(y[0], y[1], y[2], y[3]));
-        __threadfence();
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) last = atomicAdd(p.counters + ct, 1) == wl - wf;
-        if (__shfl_sync(0xffffffffu, last, 0)) {
-          if (lane == 0) p.counters[ct] = 0;  // for the next launch (CUDA-graph replays)
-          __threadfence();
-          float v[4] = {0.f, 0.f, 0.f, 0.f};
-          for (int w = wf; w <= wl; w++) {
-            const float4 f = __ldcg(work + static_cast<size_t>(w + ct) * 32 + lane);
-            v[0] += f.x, v[1] += f.y, v[2] += f.z, v[3] += f.w;
-          }
-          store_fragment(p, lane, ct * MMA_COLS, v);
-        }
-      }
-      y[0] = y[1] = y[2] = y[3] = 0.f;
-    }
-    if (++cb == nblocks) cb = 0, ++ct;
-  }
-}
-
-// How a warp streams its blocks: the register double buffer, the shared-memory ring of p.stages
-// slots, both over the blocks of one 16-column tile (grid N / 16), or the ring over a contiguous run
-// of the whole weight's (tile, block) items (grid p.ctas: see gemv_mma_kernel's STREAM part)
-enum MmaKind { MMA_REGS = 0, MMA_RING = 1, MMA_STREAM = 2, MMA_SLAB = 3 };
-
-// SLAB: the block's warps copy chunks of `warps` blocks of its 16 columns (16 contiguous runs of
-// warps * 128 bytes) into shared memory together, 512 contiguous bytes a warp instruction, p.stages
-// chunks in flight; warp w decodes block w of each chunk. A chunk's stage: the words ([column][run],
-// 16-byte pieces XOR-swizzled by column parity so that a quarter warp's fragment reads hit distinct
-// banks), then per block its groups' scales [NG][16] fp16 (and zeros [NG][16] uint8), then x of the
-// chunk's rows for each batch row (rows slab_x_row_bytes apart).
-template <int BITS, int MODE, int TPG, int LOG2R>
-__host__ __device__ constexpr int slab_table_bytes() {
-  return (16 / BITS / TPG) * (MODE == ZP ? 48 : 32);
-}
-__host__ __device__ constexpr int slab_x_row_bytes(int warps, int bk) { return warps * bk * 2 + 64; }
-template <int BITS, int MODE, int TPG, int LOG2R>
-__host__ __device__ constexpr int slab_stage_bytes(int warps, int m) {
-  return warps * (16 << (LOG2R + 2)) + warps * slab_table_bytes<BITS, MODE, TPG, LOG2R>() +
-         m * slab_x_row_bytes(warps, 2 * (1 << LOG2R) * (16 / BITS));
-}
-
-// grid: N / 16 blocks of 32 * warps threads, the warps splitting the layout's blocks of the input
-// axis (REGS, RING), or p.ctas blocks whose warps each take a contiguous share of the items (STREAM)
-template <int BITS, int MODE, int TPG, int LOG2R, int KIND>
+// grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
+// RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
+// register double buffer. FOLD: the A operand is q - z, exact in fp16 (the CUDA-core plan's pair
+// decode, PairF16: one HADD2 / HFMA2 a pair more), so that one MMA a strip half does the work of
+// two (no -(1024 + z) MMA) and the odd runs need no / 16
+template <int BITS, int MODE, int TPG, int LOG2R, bool RING, bool FOLD>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
-  constexpr bool RING = KIND == MMA_RING || KIND == MMA_STREAM;  // weights, tables and x in a warp's slots
-  constexpr bool SLAB = KIND == MMA_SLAB;  // in the block's chunks
-  static_assert(!SLAB || LOG2R == 5, "the slab's swizzle takes blocks of 128 bytes a column");
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
   constexpr int slot_fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), X_ROW = mma_x_row_bytes<BITS, LOG2R>();
   static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
+  __shared__ float red[MAX_WARPS][MMA_COLS][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * MMA_COLS;
@@ -231,8 +132,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   uint32_t zk[NG][PAR][2];  // zero constants of the block's groups (per parity), columns g and g + 8
 #pragma unroll
   for (int q = 0; q < NG; q++) {
-    zk[q][0][0] = zk[q][0][1] = mma_zero<BITS, 0>(p.zero_const);
-    if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = mma_zero<BITS, 1>(p.zero_const);
+    zk[q][0][0] = zk[q][0][1] = zero_const_of<BITS, 0, FOLD>(p.zero_const);
+    if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = zero_const_of<BITS, 1, FOLD>(p.zero_const);
   }
   float y[4] = {0.f, 0.f, 0.f, 0.f};
 
@@ -258,15 +159,13 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         uint32_t z0, z1;
         if constexpr (RING) {
           z0 = (tab[(2 * NG + 2 * q) * 32] >> 8 * (g & 3)) & 0xFF, z1 = (tab[(2 * NG + 2 * q + 1) * 32] >> 8 * (g & 3)) & 0xFF;
-        } else if constexpr (SLAB) {
-          const uint8_t* zt = reinterpret_cast<const uint8_t*>(tab) + NG * 32 + q * 16;
-          z0 = zt[g], z1 = zt[g + 8];
         } else {
           const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
           z0 = __ldg(zr), z1 = __ldg(zr + 8);
         }
-        zk[q][0][0] = mma_zero<BITS, 0>(z0), zk[q][0][1] = mma_zero<BITS, 0>(z1);
-        if constexpr (PAR == 2) zk[q][PAR - 1][0] = mma_zero<BITS, 1>(z0), zk[q][PAR - 1][1] = mma_zero<BITS, 1>(z1);
+        zk[q][0][0] = zero_const_of<BITS, 0, FOLD>(z0), zk[q][0][1] = zero_const_of<BITS, 0, FOLD>(z1);
+        if constexpr (PAR == 2)
+          zk[q][PAR - 1][0] = zero_const_of<BITS, 1, FOLD>(z0), zk[q][PAR - 1][1] = zero_const_of<BITS, 1, FOLD>(z1);
       }
     }
     float acc[NG][PAR][4];
@@ -288,15 +187,25 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         constexpr int s = decltype(sc_)::value;
         constexpr int q = s / TPG, v = s % PAR;
         uint4 xv;
-        if constexpr (RING || SLAB) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
+        if constexpr (RING) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
         else xv = load_x(xb + s * 2 * R + 32 * sq);
         const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-          mma_f16(acc[q][v], raw_pair<BITS, s>(a[2 * h], a8[2 * h]), raw_pair<BITS, s>(bw[2 * h], b8[2 * h]),
-                  raw_pair<BITS, s>(a[2 * h + 1], a8[2 * h + 1]), raw_pair<BITS, s>(bw[2 * h + 1], b8[2 * h + 1]),
-                  xs[2 * h], xs[2 * h + 1]);
-          mma_f16(acc[q][v], zk[q][v][0], zk[q][v][1], zk[q][v][0], zk[q][v][1], xs[2 * h], xs[2 * h + 1]);
+          if constexpr (FOLD) {  // q - z of column g (a) and g + 8 (bw)
+            using D = PairF16<BITS>;
+            const uint32_t* za = zk[q][0];
+            const uint32_t* zo = zk[q][PAR - 1];
+            mma_f16(acc[q][v], h2_bits(D::template get<s>(a[2 * h], a8[2 * h], za[0], zo[0])),
+                    h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], za[1], zo[1])),
+                    h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], za[0], zo[0])),
+                    h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], za[1], zo[1])), xs[2 * h], xs[2 * h + 1]);
+          } else {
+            mma_f16(acc[q][v], raw_pair<BITS, s>(a[2 * h], a8[2 * h]), raw_pair<BITS, s>(bw[2 * h], b8[2 * h]),
+                    raw_pair<BITS, s>(a[2 * h + 1], a8[2 * h + 1]), raw_pair<BITS, s>(bw[2 * h + 1], b8[2 * h + 1]),
+                    xs[2 * h], xs[2 * h + 1]);
+            mma_f16(acc[q][v], zk[q][v][0], zk[q][v][1], zk[q][v][0], zk[q][v][1], xs[2 * h], xs[2 * h + 1]);
+          }
         }
       });
     }
@@ -308,9 +217,6 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         const int sh = 16 * (g & 1);
         s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[2 * q * 32] >> sh)));
         s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[(2 * q + 1) * 32] >> sh)));
-      } else if constexpr (SLAB) {
-        const half* st = reinterpret_cast<const half*>(tab) + q * 16;
-        s0 = __half2float(st[g]), s1 = __half2float(st[g + 8]);
       } else {
         const uint16_t* sr = sc + grp[q] * static_cast<unsigned>(p.N);
         s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + 8)));
@@ -318,7 +224,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
 #pragma unroll
       for (int v = 0; v < PAR; v++) {
         if (TPG == 1 && v != q % PAR) continue;  // a group of one run has one parity
-        const float f0 = v ? s0 * 0.0625f : s0, f1 = v ? s1 * 0.0625f : s1;
+        const float f0 = v && !FOLD ? s0 * 0.0625f : s0, f1 = v && !FOLD ? s1 * 0.0625f : s1;
         y[0] = fmaf(f0, acc[q][v][0], y[0]), y[1] = fmaf(f0, acc[q][v][1], y[1]);
         y[2] = fmaf(f1, acc[q][v][2], y[2]), y[3] = fmaf(f1, acc[q][v][3], y[3]);
       }
@@ -336,19 +242,17 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
     const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
     const unsigned slots_s = ring_s + 16 * lane, tab_s = ring_s + SPB * 2 * 32 * 16 + 4 * lane;
+    // this lane's 4-byte words of the tables: scales at columns (n0 + g) & ~1, zeros (n0 + g) & ~3
+    const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
+    const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
     const half* x0 = static_cast<const half*>(p.x);
-    // block b of the 16-column tile at column c0 into a slot; this lane's 4-byte words of the
-    // tables: scales at columns (c0 + g) & ~1, zeros (c0 + g) & ~3
-    auto issue_at = [&](int slot, int c0, int b) {
-      const uint4* ta = KIND == MMA_RING ? wa : reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(c0 + g) * p.KW) + t;
-      const uint4* tb = KIND == MMA_RING ? wb : ta + 2 * p.KW;  // column g + 8: 8 rows of KW words on
-      const uint16_t* sc_w = p.scales + ((c0 + g) & ~1);
-      const uint8_t* zp_w = MODE == ZP ? p.zeros + ((c0 + g) & ~3) : nullptr;
+    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
+    auto issue = [&](int slot, int b) {
       const unsigned base = slot * slot_bytes;
 #pragma unroll
       for (int q = 0; q < SPB; q++) {
-        cp_async16(slots_s + base + (q * 2 + 0) * 32 * 16, ta + b * (R / 4) + 4 * q, policy);
-        cp_async16(slots_s + base + (q * 2 + 1) * 32 * 16, tb + b * (R / 4) + 4 * q, policy);
+        cp_async16(slots_s + base + (q * 2 + 0) * 32 * 16, wa + b * (R / 4) + 4 * q, policy);
+        cp_async16(slots_s + base + (q * 2 + 1) * 32 * 16, wb + b * (R / 4) + 4 * q, policy);
       }
 #pragma unroll
       for (int q = 0; q < NG; q++) {
@@ -366,10 +270,13 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
                       x0 + static_cast<size_t>(m) * p.lda + static_cast<size_t>(b) * BK + 8 * e);
       }
     };
+    for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
+      if (j < nb) issue(j, warp + j * warps);
+      cp_async_commit();
+    }
     const int xrow = min(g, mx - 1) * X_ROW;  // batch rows past M repeat the last
-    // the block in a slot, once it has landed, into y
-    auto consume = [&](int slot, int b) {
-      cp_async_wait_upto(S - 1);  // the slot's group has landed
+    for (int i = 0, slot = 0; i < nb; i++) {
+      cp_async_wait_upto(S - 1);  // block i has landed
       __syncwarp();               // and the x pieces the other lanes copied
       const char* mine = slots + slot * slot_bytes;
       const uint4* w16 = reinterpret_cast<const uint4*>(mine) + lane;
@@ -378,88 +285,12 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       for (int q = 0; q < SPB; q++)
 #pragma unroll
         for (int h = 0; h < 2; h++) cur[q][h] = w16[(q * 2 + h) * 32];
-      block(cur, b, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane, mine + slot_fixed + xrow);
+      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane,
+            mine + slot_fixed + xrow);
       __syncwarp();  // every lane is done with the slot
-    };
-    if constexpr (KIND == MMA_STREAM) {
-      stream_items(p, lane, blockIdx.x * warps + warp, gridDim.x * warps, nblocks, S, y, issue_at, consume);
-      return;
-    }
-    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
-    auto issue = [&](int slot, int b) { issue_at(slot, n0, b); };
-    for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
-      if (j < nb) issue(j, warp + j * warps);
-      cp_async_commit();
-    }
-    for (int i = 0, slot = 0; i < nb; i++) {
-      consume(slot, warp + i * warps);  // block i
       if (i + S < nb) issue(slot, warp + (i + S) * warps);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
-    }
-  } else if constexpr (SLAB) {
-    extern __shared__ uint4 slab_smem[];
-    constexpr int TB = slab_table_bytes<BITS, MODE, TPG, LOG2R>();
-    const int S = p.stages, mx = min(p.M, 8), C = warps, threads = 32 * warps;
-    const int run = C * 128, xr = slab_x_row_bytes(C, BK);  // bytes of a column's run, of an x row
-    const int stage_bytes = slab_stage_bytes<BITS, MODE, TPG, LOG2R>(C, mx);
-    char* base = reinterpret_cast<char*>(slab_smem);
-    const unsigned base_s = static_cast<unsigned>(__cvta_generic_to_shared(base));
-    const int nchunks = (nblocks + C - 1) / C;
-    const half* x0 = static_cast<const half*>(p.x);
-    const uint4* w0 = reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0) * p.KW);
-    auto issue = [&](int stage, int k) {
-      const unsigned st = base_s + stage * stage_bytes;
-      const int b0 = k * C, cb = min(C, nblocks - b0);  // blocks of this chunk
-      // words: piece i of column c's run of cb blocks (8 pieces of 16 bytes a block)
-      for (int i = threadIdx.x; i < 16 * cb * 8; i += threads) {
-        const int c = i / (cb * 8), j = i % (cb * 8);
-        cp_async16(st + c * run + 16 * (j ^ ((c & 1) << 2)), w0 + static_cast<size_t>(c) * (p.KW / 4) + b0 * 8 + j,
-                   policy);
-      }
-      // tables: block w's group q, 8 columns of scales a piece (16 columns of zeros)
-      constexpr int PIECES = MODE == ZP ? 3 : 2;
-      for (int i = threadIdx.x; i < cb * NG * PIECES; i += threads) {
-        const int w = i / (NG * PIECES), q = (i / PIECES) % NG, e = i % PIECES;
-        const unsigned row = group_of((b0 + w) * P + q * TPG, p.group_magic) * static_cast<unsigned>(p.N) + n0;
-        const unsigned dst = st + 16 * run + w * TB;
-        if (e < 2) cp_async16_l2(dst + q * 32 + 16 * e, p.scales + row + 8 * e);
-        else cp_async16_l2(dst + NG * 32 + q * 16, p.zeros + row);
-      }
-      // x: piece e (8 halves) of batch row m over the chunk's rows
-      const int xp = cb * BK / 8;
-      for (int i = threadIdx.x; i < mx * xp; i += threads) {
-        const int m = i / xp, e = i % xp;
-        cp_async16_l2(st + 16 * run + C * TB + m * xr + 16 * e,
-                      x0 + static_cast<size_t>(m) * p.lda + static_cast<size_t>(b0) * BK + 8 * e);
-      }
-    };
-    for (int k = 0; k < S; k++) {
-      if (k < nchunks) issue(k, k);
-      cp_async_commit();
-    }
-    const int xrow = min(g, mx - 1) * xr;
-    for (int k = 0, stage = 0; k < nchunks; k++) {
-      cp_async_wait_upto(S - 1);
-      __syncthreads();  // every thread's pieces of chunk k have landed
-      const int b = k * C + warp;
-      if (b < nblocks) {
-        const char* st = base + stage * stage_bytes;
-        uint4 cur[SPB][2];
-#pragma unroll
-        for (int q = 0; q < SPB; q++)
-#pragma unroll
-          for (int h = 0; h < 2; h++) {
-            const int c = g + 8 * h, j = warp * 8 + 4 * q + t;
-            cur[q][h] = *reinterpret_cast<const uint4*>(st + c * run + 16 * (j ^ ((c & 1) << 2)));
-          }
-        block(cur, b, reinterpret_cast<const uint32_t*>(st + 16 * run + warp * TB),
-              st + 16 * run + C * TB + xrow + warp * BK * 2);
-      }
-      __syncthreads();  // every warp is done with the stage
-      if (k + S < nchunks) issue(stage, k + S);
-      cp_async_commit();
-      stage = stage + 1 == S ? 0 : stage + 1;
     }
   } else {
     uint4 buf[2][SPB][2];
@@ -475,7 +306,6 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   }
 
   // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
-  __shared__ float red[MAX_WARPS][MMA_COLS][8];
   red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
   red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
   __syncthreads();

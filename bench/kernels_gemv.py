@@ -41,8 +41,7 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 def label(plan) -> str:
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
-        kind = "fold" if plan.fold else "mma"  # "fold8w": the zero point folded into the decode
-        return f"{kind}{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
+        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
     return f"{plan.cols}c{plan.warps}w"
 
 

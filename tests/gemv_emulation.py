@@ -144,13 +144,13 @@ def _pair_f32(w: np.ndarray, t: int, bits: int, z: np.ndarray) -> tuple[np.ndarr
     return lo, hi
 
 
-def emulate_mma(layout, x: np.ndarray, fold: bool = False) -> np.ndarray:
+def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     """y [M, N] of the tensor-core plan (gemv_mma.cuh), from what each lane (g, t) loads, the
     fragments it hands mma.sync (the PTX m16n8k16 layouts: A row g / g + 8 at k 2t, 2t+1 (a0, a1)
     and 2t+8, 2t+9 (a2, a3); B k 2t.. / 2t+8.. of column g; C row g / g + 8, columns 2t, 2t+1),
-    the zero MMA and the per-group, per-parity folds, with the scale and zero words its ring copies
-    (ring_scale, ring_zero); in float64. x: [M, k_padded]. fold: the FOLD decode instead (A = q - z
-    by the pair decode of the CUDA-core plan, no zero MMA, no / 16)."""
+    A = q - z by the pair decode of the CUDA-core plan (its zero constants from the zero the lane
+    holds for the column), the per-group, per-parity accumulators times the scale and zero words
+    its ring copies (ring_scale, ring_zero); in float64. x: [M, k_padded]."""
     geo = gemv.geometry(layout, torch.float16)
     assert geo.mma
     bits, pairs = layout.bits, 16 // layout.bits
@@ -177,29 +177,24 @@ def emulate_mma(layout, x: np.ndarray, fold: bool = False) -> np.ndarray:
                     xs = x[xrow[:, None], rows[:, None] + np.arange(8)]  # [32, 8]
                     z = (np.concatenate([ring_zero(layout, grp[q], n0, g, c) for c in (0, 1)])
                          if layout.zeros is not None else np.full(64, layout.zero_const, dtype=np.uint64))
-                    zconst = halves(z * (0x00100010 if bits == 4 and v else 0x00010001) + 0xE400E400)[0]  # [64]
                     for h in range(2):
-                        a_mat, z_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 16)), np.zeros((16, 8))
+                        a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
                         for reg, (col, word, kk) in enumerate(((g, wa[:, 2 * h], 2 * t), (g + 8, wb[:, 2 * h], 2 * t),
                                                                (g, wa[:, 2 * h + 1], 2 * t + 8),
                                                                (g + 8, wb[:, 2 * h + 1], 2 * t + 8))):
-                            zlane = z[np.where(reg % 2, 32 + lane, lane)]
-                            if fold:
-                                lo, hi = _pair_f16(word, s, bits, zlane * 0x00010001)
-                            else:
-                                lo, hi = halves(_raw_pair(word, s, bits))
-                                z_mat[col, kk] = z_mat[col, kk + 1] = zconst[np.where(reg % 2, 32 + lane, lane)]
+                            zlane = z[np.where(reg % 2, 32 + lane, lane)]  # the zero of the lane's column
+                            lo, hi = _pair_f16(word, s, bits, zlane * 0x00010001)
                             a_mat[col, kk], a_mat[col, kk + 1] = lo, hi
                         b_mat[2 * t, g], b_mat[2 * t + 1, g] = xs[:, 4 * h], xs[:, 4 * h + 1]
                         b_mat[2 * t + 8, g], b_mat[2 * t + 9, g] = xs[:, 4 * h + 2], xs[:, 4 * h + 3]
-                        acc[q, v] += a_mat @ b_mat + z_mat @ b_mat
+                        acc[q, v] += a_mat @ b_mat
             for q, gi in enumerate(grp):
                 for v in range(par):
                     if tpg == 1 and v != q % par:
                         continue
                     f = np.zeros(16)  # fragment rows g, g + 8: the scales lane (g, t) reads
                     f[g], f[g + 8] = ring_scale(layout, gi, n0, g, 0), ring_scale(layout, gi, n0, g, 1)
-                    y[n0:n0 + 16] += f[:, None] * acc[q, v] * (0.0625 if v and not fold else 1.0)
+                    y[n0:n0 + 16] += f[:, None] * acc[q, v]
     return y[:, :m_rows].T
 
 
@@ -253,14 +248,6 @@ def ring_offsets(spb: int, ng: int, zp: bool, stages: int, warps: int, m: int, b
                     for sq in range(spb):
                         x_r.append((xs + 2 * (s_ * 2 * r + 32 * sq + 8 * t), 16))
     return own_w, own_r, x_w, x_r, warps * stages * slot_bytes
-
-
-def _raw_pair(w: np.ndarray, s: int, bits: int) -> np.ndarray:
-    """gemv_mma.cuh raw_pair<bits, s>: 1024 + q (1024 + 16 q for odd runs at 4 bits), as bits."""
-    if bits == 8:
-        return ((w if s == 0 else w >> 8) & 0x00FF00FF) | 0x64006400
-    src = w if s < 2 else w >> 8
-    return (src & (0x00F000F0 if s % 2 else 0x000F000F)) | 0x64006400
 
 
 def reference_rows(w: GPTQWeight, layout, dtype: torch.dtype) -> np.ndarray:

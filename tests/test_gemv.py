@@ -86,9 +86,8 @@ def test_emulated_tensor_core_plan_is_the_matmul(case):
         x = np.zeros((m, layout.k_padded))
         x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
         ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
-        for fold in (False, True):
-            y = emulate_mma(layout, x, fold)
-            np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+        y = emulate_mma(layout, x)
+        np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("spb,ng,zp,bk", [(2, 2, False, 256), (2, 4, True, 256), (1, 1, True, 128),
@@ -184,17 +183,22 @@ def test_plans():
     assert gemv.choose_plan(8, 4096, 512, 132, 4).cols == 2
     assert gemv.choose_plan(1, 4098, 512, 132, 4).cols == 2  # 4 does not divide N
     assert gemv.choose_plan(1, 4096, 512, 132, 8).cols == 2
-    mma = gemv.choose_plan(1, 4096, 512, 132, 4, mma_r=32)
-    assert (mma.rows, mma.cols, mma.warps) == (8, 16, 8)  # 256 blocks: 8 warps each reach 16 a SM
-    assert mma.stages == 0 and gemv.choose_plan(1, 4096, 512, 132, 4).stages == 0  # 16 blocks a column: no ring
-    ring = gemv.choose_plan(2, 28672, 1024, 132, 4, mma_r=32)  # 8 warps of 4 blocks: the ring
-    assert (ring.warps, ring.stages) == (8, gemv.RING_STAGES) and gemv.choose_plan(3, 28672, 1024, 132, 4, 32).stages == 0
-    assert gemv.choose_plan(1, 4096, 1792, 132, 4, mma_r=32).stages == gemv.RING_STAGES  # 14336x4096
+    # the tensor-core plan on llama-3-8b's shapes (in x out: KW = in / 8 words, blocks of 32)
+    def mma(m, k, n):
+        plan = gemv.choose_plan(m, n, k // 8, 132, 4, mma_r=32)
+        return plan.warps, plan.stages
+
+    assert mma(1, 4096, 4096) == (8, 0)  # 256 column tiles x 8 warps: 16 a SM
+    assert mma(1, 4096, 6144) == (4, 0)  # 384 tiles: 8 warps would be 23 a SM
+    assert mma(1, 4096, 28672) == mma(2, 4096, 28672) == (1, 0)  # 1792 tiles
+    assert mma(4, 4096, 28672) == (2, 0)  # from M = 3: a warp per 8 of the column's 16 blocks
+    assert mma(1, 14336, 4096) == mma(1, 8192, 28672) == (8, gemv.RING_STAGES)  # >= 32 blocks: the ring at M = 1
+    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 8192, 28672) == (4, 0)
+    assert mma(1, 256, 64) == (1, 0)  # never more warps than the column's blocks
     from flotilla.kernels.triton_linear import gemv_config
 
+    ring = gemv.choose_plan(1, 28672, 1024, 132, 4, mma_r=32)
     assert gemv_config(ring).num_stages == ring.stages  # the registry's config keeps the ring depth
-    assert gemv.choose_plan(5, 28672, 1024, 132, 4, mma_r=32).warps == 8  # 32 blocks a column: 8 warps
-    assert gemv.choose_plan(1, 14336, 512, 132, 4, mma_r=32).warps == 4  # 896 column tiles
     assert gemv.choose_plan(1, 4096, 512, 132, 8, mma_r=32).cols == 2  # 8 bits: the CUDA-core plan
     for m in range(1, 9):
         for n, kw in ((4096, 512), (14336, 512), (4096, 1792), (28672, 1024), (64, 64)):
@@ -305,6 +309,22 @@ def test_graph_replays():
             x.copy_(torch.randn_like(x))
             graph.replay()
             assert rel_err(y, x.float() @ w32) < 2e-3
+
+
+@needs_cuda
+def test_registry_crosses_to_dense_at_the_measured_batch():
+    """triton_linear.dense_min_rows on the GPU: below it the Triton tiles, from it dequantize + cuBLAS,
+    both the reference's product."""
+    from flotilla.kernels.triton_linear import TritonGPTQKernel, dense_min_rows
+
+    w = weight(1024, 512, 4, 128, False, True, seed=10).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    first = dense_min_rows(kern.layout)
+    w32 = dequantize(w, torch.float32)
+    for m, kind in ((first - 1, "dot"), (first, "dense")):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
+        assert kern.config_for(m).kind == kind
+        assert rel_err(kern(x), x.float() @ w32) < 2e-3, m
 
 
 @needs_cuda

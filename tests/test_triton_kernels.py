@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
@@ -123,6 +124,26 @@ def test_default_configs_cover_every_batch_path():
         kinds.add(kernel.config_for(m).kind)
         assert rel_err(y, gptq_matmul(x.float(), w)) < 2e-3, m
     assert kinds == {"dot", "dense"}
+
+
+def test_dense_from_the_measured_crossover_per_shape():
+    """choose_config: dequantize + cuBLAS from 256 rows on small weights, 512 on large (the H200
+    crossovers), the Triton tiles below; and the registry's pick at the crossover is right."""
+    from flotilla.kernels.triton_linear import choose_config, dense_min_rows
+
+    def layout(k, n):  # only the shape matters to the rule
+        return SimpleNamespace(in_features=k, out_features=n, k_padded=k, block_k=256, rows_per_field=32)
+
+    for (k, n), first in {(4096, 4096): 256, (4096, 6144): 256, (14336, 4096): 256, (4096, 28672): 512,
+                          (8192, 28672): 512}.items():
+        assert dense_min_rows(layout(k, n)) == first
+        assert choose_config(first, layout(k, n), 132).kind == "dense"
+        assert choose_config(first - 1, layout(k, n), 132).kind == "dot"
+    w = random_weight(256, 128, 4, 128, True, False, seed=5)
+    kernel = TritonGPTQKernel(w, torch.float16)
+    x = torch.randn(256, 256).half()
+    assert kernel.config_for(256).kind == "dense"
+    assert rel_err(kernel(x), gptq_matmul(x.float(), w)) < 2e-3
 
 
 def test_leading_dims_and_strided_input():

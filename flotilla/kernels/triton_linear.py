@@ -44,15 +44,19 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # dot only: apply the group scale to the weights instead of the accumulator
-    fold: bool = False  # gemv only: the tensor-core plan's zero point folded into the decode
 
 
-DENSE_MIN_ROWS = 1024  # at and above this many rows, dequantize + cuBLAS
+# From this many rows on, dequantize + cuBLAS: the crossovers measured on the H200 (bench/kernels_dense.py,
+# bench/NOTES-kernels.md "Large batches"): faster than the Triton tiles at 512 rows and above on every
+# llama-3-8b / 70b shape, at 256 on the weights of at most DENSE_SMALL_WEIGHT codes (4096x4096,
+# 4096x6144, 14336x4096), whose dequantization is short next to the tile kernel's loss
+DENSE_MIN_ROWS, DENSE_MIN_ROWS_SMALL, DENSE_SMALL_WEIGHT = 512, 256, 64 << 20
 
 
 def dense_min_rows(layout: TritonLayout) -> int:
     """From how many rows dequantize + cuBLAS beats the Triton tile kernel on this weight."""
-    return DENSE_MIN_ROWS
+    small = layout.in_features * layout.out_features <= DENSE_SMALL_WEIGHT
+    return DENSE_MIN_ROWS_SMALL if small else DENSE_MIN_ROWS
 
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
@@ -89,8 +93,7 @@ def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
 
 def gemv_config(plan) -> GemmConfig:
     """A GEMV plan (kernels/cuda/gemv.py GemvPlan) as this module's config."""
-    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages,
-                      fold=plan.fold)
+    return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages)
 
 
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
@@ -196,8 +199,7 @@ class TritonLayoutKernel:
         if cfg.kind == "gemv":
             if self.gemv is None:
                 raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
-            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                                      cfg.fold))
+            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))
             if out is not None:
                 return y
         elif cfg.kind == "dense":

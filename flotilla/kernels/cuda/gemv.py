@@ -11,11 +11,11 @@ x) gets a zero-padded copy, both on the torch side.
 
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
-    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products and the
-    zero points on mma.sync; the decode is one LOP3 a pair of weights; each warp streams its
-    blocks either through a register double buffer (stages 0) or through a cp.async ring of
+    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products on mma.sync
+    of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
+    its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
-    M <= 2 on long columns);
+    M = 1 on long columns);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -47,9 +47,13 @@ ROW_TILES = (1, 2, 4, 8)
 MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
-# The ring (2 blocks a warp) where device run 3 of bench/NOTES-kernels.md measured it faster than the
-# register double buffer: M <= 2 with 8 warps of at least 4 blocks each (8192x28672, 14336x4096)
-RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 2, 2, 32  # min blocks a column: 8 warps of 4
+# The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
+# it fastest back to back: M = 1 on columns of at least 32 blocks (8192x28672, 14336x4096)
+RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
+# The register double buffer's warps a block: the power of two that brings the grid's warps nearest
+# below WARPS_PER_SM a SM (those runs' fastest back to back: 4 on 4096x6144, 8 on 4096x4096 and
+# 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 8 of a column's blocks
+WARPS_PER_SM = 16
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
@@ -68,8 +72,7 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("zeros", ctypes.c_void_p), ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
-                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int),
-                ("fold", ctypes.c_int)]
+                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,6 @@ class GemvPlan:
     cols: int  # consecutive output columns a block computes
     warps: int  # warps a block, splitting the input axis
     stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer)
-    fold: bool = False  # the tensor-core plan: q - z decoded in fp16 (one MMA), not a second MMA for the zero
 
 
 @dataclass(frozen=True)
@@ -157,22 +159,25 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     """The plan for M rows over N columns of KW words each (the H200 sweeps' rules,
     bench/NOTES-kernels.md). mma_r: the layout's words a block where the tensor-core plan reads it
     (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
-    enough warps to bring the grid to 16 a SM, and at least one per 4 of a column's blocks (the
-    sweep's best within 3% on the four shapes, at every M); the shared-memory ring of 2 blocks a
-    warp for M <= 2 where that gives 8 warps of at least 4 blocks each (a column of >= 32 blocks),
-    else the register double buffer. CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads
-    shared by more columns), else 2; two warps up to M = 2, else one."""
+    the shared-memory ring of 2 blocks a warp, 8 warps, at M = 1 on columns of >= 32 blocks, else
+    the register double buffer with WARPS_PER_SM's warps (the sweeps' fastest back to back, as a
+    decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
+    more columns), else 2; two warps up to M = 2, else one."""
     if mma_r and bits == 4:
-        blocks, layout_blocks = n // MMA_COLS, kw // mma_r
-        want = max(16 * num_sms / blocks, layout_blocks / 4)
-        warps = 1
-        while warps < min(MAX_WARPS, layout_blocks) and warps < want:
-            warps *= 2
-        ring = m <= RING_MAX_ROWS and warps == MAX_WARPS and layout_blocks >= RING_MIN_BLOCKS
-        return GemvPlan(MAX_ROWS, MMA_COLS, warps, RING_STAGES if ring else 0)
+        tiles, layout_blocks = n // MMA_COLS, kw // mma_r
+        if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
+            return GemvPlan(MAX_ROWS, MMA_COLS, MAX_WARPS, RING_STAGES)
+        warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
+        if m >= 3:
+            warps = max(warps, _pow2_floor(max(1, layout_blocks // 8)))
+        return GemvPlan(MAX_ROWS, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (v.bit_length() - 1)
 
 
 class _Library:
@@ -235,8 +240,7 @@ class GemvKernel:
             if n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
             elif cols == MMA_COLS and self.geo.mma:
-                yield from (GemvPlan(rows, cols, warps, stages, fold) for fold in (False, True)
-                            for stages in MMA_STAGES)
+                yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -259,8 +263,7 @@ class GemvKernel:
         plan = plan or self.plan_for(m)
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)) \
-                or (plan.fold and plan.cols != MMA_COLS):
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -275,7 +278,7 @@ class GemvKernel:
                     zeros=_ptr(lay.zeros), offsets=_ptr(lay.offsets), bias=_ptr(bias), y=out.data_ptr(), M=m, N=n,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
-                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages, fold=int(plan.fold))
+                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

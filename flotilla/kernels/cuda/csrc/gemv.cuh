@@ -60,8 +60,6 @@ struct GemvParams {
   int scale_bf16;           // bf16 activations only: scales and offsets are bf16 (GGUF tables), else fp16
   int stages;               // the tensor-core plan: 0 a register double buffer, 2..8 a cp.async ring of
                             // that many blocks a warp (gemv_mma.cuh); the CUDA-core plans ignore it
-  int fold;                 // the tensor-core plan: the zero point folded into the decode (q - z in fp16,
-                            // one MMA a pair of strips) instead of a second MMA with -(1024 + z)
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the

@@ -23,10 +23,10 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
 // the tensor-core plan (cols 16): one launch for any M <= 8; p->stages picks the register double
 // buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp). Prepare loads both and lets the
 // ring take the dynamic shared memory of its deepest launch.
-template <int BITS, int MODE, int TPG, int LOG2R, bool FOLD>
+template <int BITS, int MODE, int TPG, int LOG2R>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, FOLD>;
-  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, FOLD>;
+  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
+  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
   constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
   static int most = 0;  // dynamic shared memory the ring may take (set by prepare)
   if (op == 1) {  // what the GPU allows a block beyond its static arrays
@@ -59,17 +59,8 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, half> && MODE != OFF) {
-    if (op == 1) {  // prepare both decodes
-      const int e = p->log2r == 4 ? gemv_mma_op<BITS, MODE, TPG, 4, false>(op, p, warps, stream)
-                                  : gemv_mma_op<BITS, MODE, TPG, 5, false>(op, p, warps, stream);
-      if (e != cudaSuccess) return e;
-    }
-    if (p->fold || op == 1) {
-      if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4, true>(op, p, warps, stream);
-      if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5, true>(op, p, warps, stream);
-    }
-    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4, false>(op, p, warps, stream);
-    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5, false>(op, p, warps, stream);
+    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4>(op, p, warps, stream);
+    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5>(op, p, warps, stream);
   }
   return cudaErrorInvalidValue;
 }

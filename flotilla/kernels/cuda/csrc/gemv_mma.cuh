@@ -1,19 +1,19 @@
 // The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 8;
-// R = 16 or 32 words a block): the same Triton layout, the products and the zero points on
-// mma.sync, so that a pair of weights costs one LOP3 (+ a shift a word for runs 2, 3) on the CUDA
-// cores and nothing else.
+// R = 16 or 32 words a block): the same Triton layout, the products on mma.sync, so that a pair of
+// weights costs one LOP3 and one HADD2 / HFMA2 (+ a shift a word for runs 2, 3) on the CUDA cores.
 //
 // A warp computes 16 output columns (the MMA's rows) for all M <= 8 batch rows (its 8 columns).
 // Per strip of 16 words of each column, lane (g, t) = (lane / 4, lane % 4) loads words 4t..4t+3
 // of columns g and g + 8 (16 bytes each), i.e. the (2r, 2r+1) row pairs of every run of them, and
 // x of batch row g at those rows (one 16-byte load a run). The MMA's k order is chosen so that
 // these are its fragments: for run s and half h, k-slot t holds word 2h, slot t + 4 word 2h + 1.
-// The raw decode (w & mask) | 0x6400 is 1024 + q (1024 + 16 q for the odd runs at 4 bits); a
-// second MMA with the constant -(1024 + z) (-(1024 + 16 z)) as A and the same x leaves
-// sum (q - z) x (16 times it) in fp32: exact but for fp32 rounding at the size of 1024 * sum x, a
-// relative 1e-5 of a block's sum. Each group of a block and run parity has its own accumulator,
-// times its scale (/ 16) into the output fragment when the warp leaves the block; a warp takes
-// whole blocks (blocks warp, warp + warps, ...).
+// The A operand is q - z, exact in fp16: the CUDA-core plan's pair decode (gemv.cuh PairF16: (w &
+// mask) | 0x6400 = 1024 + q, plus -(1024 + z); odd runs at 4 bits 1024 + 16 q, times 1 / 16 plus
+// -(64 + z)). (Until device run 3 of bench/NOTES-kernels.md, "GEMV, round 3", the raw 1024 + q went
+// into the MMA and a second MMA with -(1024 + z) as A removed the offset: one LOP3 a pair, but
+// twice the MMAs; this decode measured 3-9% faster.) Each group of a block and run parity has its
+// own accumulator, times its scale into the output fragment when the warp leaves the block; a warp
+// takes whole blocks (blocks warp, warp + warps, ...).
 //
 // How a warp streams its blocks (p.stages): 0, a register double buffer (the next block's 16-byte
 // loads issued before this block is decoded; x, scales and zeros read from global memory in the
@@ -35,26 +35,11 @@ __device__ __forceinline__ void mma_f16(float* c, uint32_t a0, uint32_t a1, uint
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// run T of a word w (w8 = w >> 8) without its zero: 1024 + q, or 1024 + 16 q (odd runs, 4 bits)
-template <int BITS, int T>
-__device__ __forceinline__ uint32_t raw_pair(uint32_t w, uint32_t w8) {
-  if constexpr (BITS == 8) return and_or<0x00FF00FFu, 0x64006400u>(T == 0 ? w : w8);
-  else if constexpr (T % 2 == 0) return and_or<0x000F000Fu, 0x64006400u>(T < 2 ? w : w8);
-  else return and_or<0x00F000F0u, 0x64006400u>(T < 2 ? w : w8);
-}
-
-// packed -(1024 + z), and -(1024 + 16 z) for the odd runs at 4 bits (z < 64)
+// the pair decode's zero constant for run parity PARITY (z < 64): packed -(1024 + z), or -(64 + z)
+// for the odd runs at 4 bits (PairF16<4>)
 template <int BITS, int PARITY>
-__device__ __forceinline__ uint32_t mma_zero(uint32_t z) {
-  return z * (BITS == 4 && PARITY ? 0x00100010u : 0x00010001u) + 0xE400E400u;
-}
-
-// the zero constant of run parity PARITY: the second MMA's A (mma_zero), or with FOLD the pair
-// decode's packed -(1024 + z) (even) / -(64 + z) (odd runs at 4 bits: PairF16<4>)
-template <int BITS, int PARITY, bool FOLD>
 __device__ __forceinline__ uint32_t zero_const_of(uint32_t z) {
-  if constexpr (!FOLD) return mma_zero<BITS, PARITY>(z);
-  else if constexpr (BITS == 4 && PARITY) return zz_odd_of(z * 0x00010001u);
+  if constexpr (BITS == 4 && PARITY) return zz_odd_of(z * 0x00010001u);
   else return zz_even_of(z * 0x00010001u);
 }
 
@@ -105,10 +90,8 @@ __host__ __device__ constexpr int mma_slot_bytes() {
 
 // grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
-// register double buffer. FOLD: the A operand is q - z, exact in fp16 (the CUDA-core plan's pair
-// decode, PairF16: one HADD2 / HFMA2 a pair more), so that one MMA a strip half does the work of
-// two (no -(1024 + z) MMA) and the odd runs need no / 16
-template <int BITS, int MODE, int TPG, int LOG2R, bool RING, bool FOLD>
+// register double buffer
+template <int BITS, int MODE, int TPG, int LOG2R, bool RING>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
@@ -132,8 +115,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   uint32_t zk[NG][PAR][2];  // zero constants of the block's groups (per parity), columns g and g + 8
 #pragma unroll
   for (int q = 0; q < NG; q++) {
-    zk[q][0][0] = zk[q][0][1] = zero_const_of<BITS, 0, FOLD>(p.zero_const);
-    if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = zero_const_of<BITS, 1, FOLD>(p.zero_const);
+    zk[q][0][0] = zk[q][0][1] = zero_const_of<BITS, 0>(p.zero_const);
+    if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(p.zero_const);
   }
   float y[4] = {0.f, 0.f, 0.f, 0.f};
 
@@ -163,9 +146,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
           const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
           z0 = __ldg(zr), z1 = __ldg(zr + 8);
         }
-        zk[q][0][0] = zero_const_of<BITS, 0, FOLD>(z0), zk[q][0][1] = zero_const_of<BITS, 0, FOLD>(z1);
+        zk[q][0][0] = zero_const_of<BITS, 0>(z0), zk[q][0][1] = zero_const_of<BITS, 0>(z1);
         if constexpr (PAR == 2)
-          zk[q][PAR - 1][0] = zero_const_of<BITS, 1, FOLD>(z0), zk[q][PAR - 1][1] = zero_const_of<BITS, 1, FOLD>(z1);
+          zk[q][PAR - 1][0] = zero_const_of<BITS, 1>(z0), zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(z1);
       }
     }
     float acc[NG][PAR][4];
@@ -191,21 +174,14 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         else xv = load_x(xb + s * 2 * R + 32 * sq);
         const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-          if constexpr (FOLD) {  // q - z of column g (a) and g + 8 (bw)
-            using D = PairF16<BITS>;
-            const uint32_t* za = zk[q][0];
-            const uint32_t* zo = zk[q][PAR - 1];
-            mma_f16(acc[q][v], h2_bits(D::template get<s>(a[2 * h], a8[2 * h], za[0], zo[0])),
-                    h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], za[1], zo[1])),
-                    h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], za[0], zo[0])),
-                    h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], za[1], zo[1])), xs[2 * h], xs[2 * h + 1]);
-          } else {
-            mma_f16(acc[q][v], raw_pair<BITS, s>(a[2 * h], a8[2 * h]), raw_pair<BITS, s>(bw[2 * h], b8[2 * h]),
-                    raw_pair<BITS, s>(a[2 * h + 1], a8[2 * h + 1]), raw_pair<BITS, s>(bw[2 * h + 1], b8[2 * h + 1]),
-                    xs[2 * h], xs[2 * h + 1]);
-            mma_f16(acc[q][v], zk[q][v][0], zk[q][v][1], zk[q][v][0], zk[q][v][1], xs[2 * h], xs[2 * h + 1]);
-          }
+        for (int h = 0; h < 2; h++) {  // q - z of column g (a) and g + 8 (bw)
+          using D = PairF16<BITS>;
+          const uint32_t* ze = zk[q][0];
+          const uint32_t* zo = zk[q][PAR - 1];
+          mma_f16(acc[q][v], h2_bits(D::template get<s>(a[2 * h], a8[2 * h], ze[0], zo[0])),
+                  h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], ze[1], zo[1])),
+                  h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], ze[0], zo[0])),
+                  h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], ze[1], zo[1])), xs[2 * h], xs[2 * h + 1]);
         }
       });
     }
@@ -224,9 +200,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
 #pragma unroll
       for (int v = 0; v < PAR; v++) {
         if (TPG == 1 && v != q % PAR) continue;  // a group of one run has one parity
-        const float f0 = v && !FOLD ? s0 * 0.0625f : s0, f1 = v && !FOLD ? s1 * 0.0625f : s1;
-        y[0] = fmaf(f0, acc[q][v][0], y[0]), y[1] = fmaf(f0, acc[q][v][1], y[1]);
-        y[2] = fmaf(f1, acc[q][v][2], y[2]), y[3] = fmaf(f1, acc[q][v][3], y[3]);
+        y[0] = fmaf(s0, acc[q][v][0], y[0]), y[1] = fmaf(s0, acc[q][v][1], y[1]);
+        y[2] = fmaf(s1, acc[q][v][2], y[2]), y[3] = fmaf(s1, acc[q][v][3], y[3]);
       }
     }
   };

@@ -191,9 +191,9 @@ def test_plans():
     assert mma(1, 4096, 4096) == (8, 0)  # 256 column tiles x 8 warps: 16 a SM
     assert mma(1, 4096, 6144) == (4, 0)  # 384 tiles: 8 warps would be 23 a SM
     assert mma(1, 4096, 28672) == mma(2, 4096, 28672) == (1, 0)  # 1792 tiles
-    assert mma(4, 4096, 28672) == (2, 0)  # from M = 3: a warp per 8 of the column's 16 blocks
+    assert mma(4, 4096, 28672) == (4, 0)  # from M = 3: a warp per 4 of the column's 16 blocks
     assert mma(1, 14336, 4096) == mma(1, 8192, 28672) == (8, gemv.RING_STAGES)  # >= 32 blocks: the ring at M = 1
-    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 8192, 28672) == (4, 0)
+    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 8192, 28672) == (8, 0)
     assert mma(1, 256, 64) == (1, 0)  # never more warps than the column's blocks
     from flotilla.kernels.triton_linear import gemv_config
 

@@ -52,7 +52,8 @@ MAX_STAGES = 8  # gemv_mma.cuh
 RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # The register double buffer's warps a block: the power of two that brings the grid's warps nearest
 # below WARPS_PER_SM a SM (those runs' fastest back to back: 4 on 4096x6144, 8 on 4096x4096 and
-# 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 8 of a column's blocks
+# 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 4 of a column's blocks (8 on
+# 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
@@ -169,7 +170,7 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
             return GemvPlan(MAX_ROWS, MMA_COLS, MAX_WARPS, RING_STAGES)
         warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
         if m >= 3:
-            warps = max(warps, _pow2_floor(max(1, layout_blocks // 8)))
+            warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
         return GemvPlan(MAX_ROWS, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2

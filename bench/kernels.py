@@ -5,6 +5,8 @@
     python bench/kernels.py --sweep         # also time a grid of tile configs per case (tuning)
     python bench/kernels.py --gguf --batches 1,16   # the GGUF forms' kernels (bench/kernels_gguf.py)
     python bench/kernels.py --batches 1,2,4,8,16 --skip-cuda --gemv-sweep   # + the GEMV's plans (kernels_gemv.py)
+    python bench/kernels.py --graph --only-sweeps --gemv-sweep --gemv-chain --gemv-rows 1,2,4   # + back to back
+    python bench/kernels.py --graph --only-sweeps --dense-sweep     # Triton tiles vs dequantize + cuBLAS
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
 triton.testing.do_bench, which clears the L2 cache before every call) for

@@ -13,32 +13,41 @@ import json
 import torch
 
 from flotilla.kernels.reference import dequantize
-from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, dequantize_layout, dot_config, weight_side
+from flotilla.kernels.triton_linear import (
+    GemmConfig,
+    TritonGPTQKernel,
+    dequantize_layout,
+    dot_config,
+    weight_side,
+)
 
 
 def run_dense_sweep(args, time_us, random_gptq) -> None:
     for k, n in args.shapes:
-        w = random_gptq(k, n, 4, 128, True, False, "cuda")
-        kern = TritonGPTQKernel(w, torch.float16)
-        w16 = dequantize(w, torch.float16).t().contiguous()  # [out, in]
-        for m in args.dense_rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            ref = x.float() @ w16.float().t()
-            dot = weight_side(dot_config(m, kern.layout, kern.num_sms), kern.layout)
-            dense = GemmConfig("dense")
-            for name, cfg in (("dot", dot), ("dense", dense)):
-                err = ((kern(x, config=cfg).float() - ref).norm() / ref.norm()).item()
-                if not err < 2e-3:
-                    print(f"FAIL dense sweep {k}x{n} m={m} {name}: rel err {err:.2e}", flush=True)
-            row = {"shape": f"{k}x{n}", "m": m,
-                   "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
-                   "dot_us": time_us(lambda: kern(x, config=dot)),
-                   "dense_us": time_us(lambda: kern(x, config=dense)),
-                   "dequant_us": time_us(lambda: dequantize_layout(kern.layout, torch.float16))}
-            print(f"dense sweep {k}x{n} m={m}: fp16 {row['fp16_us']:.1f}us, dot {row['dot_us']:.1f} "
-                  f"({row['fp16_us'] / row['dot_us']:.2f}x), dense {row['dense_us']:.1f} "
-                  f"({row['fp16_us'] / row['dense_us']:.2f}x; dequant {row['dequant_us']:.1f})", flush=True)
-            if args.json:
-                print(json.dumps({"dense_sweep": row}), flush=True)
-        del kern, w16
+        _dense_shape(args, k, n, time_us, random_gptq)
         torch.cuda.empty_cache()
+
+
+def _dense_shape(args, k: int, n: int, time_us, random_gptq) -> None:
+    w = random_gptq(k, n, 4, 128, True, False, "cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    w16 = dequantize(w, torch.float16).t().contiguous()  # [out, in]
+    for m in args.dense_rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ref = x.float() @ w16.float().t()
+        dot = weight_side(dot_config(m, kern.layout, kern.num_sms), kern.layout)
+        dense = GemmConfig("dense")
+        for name, cfg in (("dot", dot), ("dense", dense)):
+            err = ((kern(x, config=cfg).float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-3:
+                print(f"FAIL dense sweep {k}x{n} m={m} {name}: rel err {err:.2e}", flush=True)
+        row = {"shape": f"{k}x{n}", "m": m,
+               "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),  # noqa: B023 - called at once
+               "dot_us": time_us(lambda: kern(x, config=dot)),  # noqa: B023
+               "dense_us": time_us(lambda: kern(x, config=dense)),  # noqa: B023
+               "dequant_us": time_us(lambda: dequantize_layout(kern.layout, torch.float16))}
+        print(f"dense sweep {k}x{n} m={m}: fp16 {row['fp16_us']:.1f}us, dot {row['dot_us']:.1f} "
+              f"({row['fp16_us'] / row['dot_us']:.2f}x), dense {row['dense_us']:.1f} "
+              f"({row['fp16_us'] / row['dense_us']:.2f}x; dequant {row['dequant_us']:.1f})", flush=True)
+        if args.json:
+            print(json.dumps({"dense_sweep": row}), flush=True)

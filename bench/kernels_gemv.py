@@ -17,15 +17,19 @@ so no dirty lines to write back; launch gaps of a graph included).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
 
-import dataclasses
-
 from flotilla.kernels.cuda.gemv import MMA_COLS
 from flotilla.kernels.reference import dequantize
-from flotilla.kernels.triton_linear import TritonGPTQKernel, TritonLayoutKernel, choose_config, weight_side
+from flotilla.kernels.triton_linear import (
+    TritonGPTQKernel,
+    TritonLayoutKernel,
+    choose_config,
+    weight_side,
+)
 
 SWEEP_ROWS = (1, 2, 4, 8)
 WARPS = (1, 2, 4, 8)
@@ -153,7 +157,7 @@ def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: 
     row = {"floor": chain_time_us([floor_call(kc) for kc in seq]),
            "triton": chain_time_us([(lambda kc=kc: kc(x, config=triton_config(kc, m))) for kc in seq])}
     for plan in dict.fromkeys(plans):
-        row[label(plan)] = chain_time_us([(lambda kc=kc: kc.gemv(x, plan=plan)) for kc in seq])
+        row[label(plan)] = chain_time_us([(lambda kc=kc, plan=plan: kc.gemv(x, plan=plan)) for kc in seq])
     nbytes = kern.layout.nbytes()
     text = ", ".join(f"{k} {v:.1f} ({nbytes / (v * 1e-6) / 1e12:.2f})" for k, v in row.items())
     print(f"  chain {kern.layout.in_features}x{kern.layout.out_features} m={m} ({len(kerns)} copies), "

@@ -14,6 +14,9 @@ flotilla/envs.py documents itself; FLOTILLA_CPU_ISA=avx2 forces the AVX2 build o
     FLOTILLA_CACHE_DIR     else $FLOTILLA_CACHE_DIR/torch_extensions
     XDG_CACHE_HOME         else $XDG_CACHE_HOME/flotilla/torch_extensions (~/.cache/flotilla/…)
 
+A build runs under an flock of its directory (_build_util.build_lock), so a process killed while
+compiling never leaves the next one waiting on torch's lock file forever.
+
 When the CPU lacks AVX2/FMA/F16C, or compiling fails (no compiler, no ninja, a read-only
 cache), `load()` prints one warning line and returns None; callers fall back to the dense
 kernel.
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .._build_util import failure_reason
+from .._build_util import build_lock, failure_reason
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("module.cpp", "kernels.cpp", "ops.cpp", "ops_module.cpp")
@@ -139,8 +142,9 @@ def _compile(isa: str):
               file=sys.stderr, flush=True)
     start = time.perf_counter()
     flags = list(BASE_FLAGS + ISA_FLAGS[isa])
-    module = cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
-                      extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    with build_lock(directory, f"the flotilla CPU kernels ({isa})"):
+        module = cpp_load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
+                          extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     if fresh:
         print(f"compiled flotilla CPU kernels in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return module

@@ -292,6 +292,22 @@ def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_sl
 
 
 @needs_cuda
+def test_strided_and_transposed_inputs_when_k_needs_no_padding():
+    """x with a row stride that is not its width, and a transposed x (column stride 2): the GEMV
+    copies either to a contiguous x rather than passing the wrong row stride to the kernel."""
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    w = weight(1024, 256, 4, 128, True, False, seed=8).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16).gemv
+    assert kern is not None and kern.layout.k_padded == 1024
+    w32 = dequantize(w, torch.float32)
+    transposed = torch.randn(1024, 2, device="cuda", dtype=torch.float16).t()  # strides (1, 2)
+    wide = torch.randn(2, 1032, device="cuda", dtype=torch.float16)[:, 4:1028]  # row stride 1032, offset 8 bytes
+    for x in (transposed, wide):
+        assert rel_err(kern(x), x.float() @ w32) < 2e-3, x.stride()
+
+
+@needs_cuda
 def test_graph_replays():
     from flotilla.kernels.triton_linear import TritonGPTQKernel
 

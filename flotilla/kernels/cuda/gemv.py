@@ -292,7 +292,8 @@ class GemvKernel:
             x2 = x2.index_select(1, lay.perm)  # [M, in], contiguous
         pad = lay.k_padded - lay.in_features
         if pad or x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-            x2 = F.pad(x2, (0, pad))  # a fresh contiguous [M, k_padded]
+            # a fresh contiguous [M, k_padded] (F.pad with no padding would keep a transposed x's strides)
+            x2 = F.pad(x2, (0, pad)) if pad else x2.clone(memory_format=torch.contiguous_format)
         return x2
 
 
@@ -318,4 +319,10 @@ def gemv_for(layout: TritonLayout, dtype: torch.dtype) -> GemvKernel | None:
             _reported.add(str(e))
             log.info("CUDA GEMV not used for a %dx%d %d-bit layout (%s): the Triton kernel serves small batches",
                      layout.in_features, layout.out_features, layout.bits, e)
+        return None
+    except RuntimeError as e:  # the library refused the plan's set-up (a driver or resource error)
+        if str(e) not in _reported:
+            _reported.add(str(e))
+            log.warning("CUDA GEMV set-up failed for a %dx%d %d-bit layout (%s): the Triton kernel serves small "
+                        "batches", layout.in_features, layout.out_features, layout.bits, e)
         return None

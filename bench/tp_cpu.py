@@ -1,11 +1,13 @@
-"""Tensor parallel on the CPU: TP=1 against TP=N (default 2) through the engine, in the same run.
+"""Tensor parallel: TP=1 against TP=N (default 2) through the engine, in the same run.
 
     python3 bench/tp_cpu.py                          # the table
     python3 bench/tp_cpu.py --json                   # one JSON object per row
     python3 bench/tp_cpu.py --model CKPT --tp 3      # any model whose heads divide (SmolLM2: 3)
+    python3 bench/tp_cpu.py --device cuda --model CKPT   # NCCL: rank r on cuda:r, fp16
 
-A reference for the CPU path (gloo all-reduces between processes on one host); GPU figures
-(NCCL) come from the multi-GPU benchmarks. Rows: TP=1 and TP=N, each with one stream and with
+On the CPU the ranks are processes on one host joined by gloo; with --device cuda TP=1 runs on
+cuda:0 and TP=N on cuda:0..N-1, joined by NCCL (e.g. the llama-3-8b checkpoint of
+bench/random_checkpoint.py, written on the GPU machine itself). Rows: TP=1 and TP=N, each with one stream and with
 --streams concurrent streams (greedy, EOS ignored). The same --threads cores are used either way:
 TP=1 runs them in one process, TP=N gives each rank threads / N.
 
@@ -63,14 +65,14 @@ def prompts(n: int) -> list[list[int]]:
     return [[1] + [(97 * s + 31 * i) % 40000 + 100 for i in range(24)] for s in range(n)]
 
 
-def run(model: Path, tp: int, streams_list: list[int], tokens: int, repeats: int) -> list[dict]:
+def run(model: Path, tp: int, streams_list: list[int], tokens: int, repeats: int, device: str = "cpu") -> list[dict]:
     import torch
 
     from flotilla.runtime.engine_args import EngineArgs, build_engine
     from flotilla.runtime.sampling import SamplingParams
     from flotilla.runtime.tp import load_model_parallel
 
-    lm = load_model_parallel(model, "cpu", "float32", tp=tp, progress=False)
+    lm = load_model_parallel(model, device, "float32" if device == "cpu" else "float16", tp=tp, progress=False)
     rows = []
     try:
         engine = build_engine(lm, EngineArgs(kv_cache_memory="256MiB", max_num_seqs=max(streams_list),
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="cores in all: TP=N gives each rank threads / N")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -118,12 +121,12 @@ def main(argv=None) -> int:
     rows = []
     for tp in (1, args.tp):
         torch.set_num_threads(args.threads)  # load_model_parallel divides it among the ranks
-        rows += run(model, tp, [1, args.streams], args.tokens, args.repeats)
+        rows += run(model, tp, [1, args.streams], args.tokens, args.repeats, args.device)
     peers = {r["streams"]: r for r in rows if r["tp"] == 1}
     for r in rows:
         peer = peers[r["streams"]]
         got, ref = r["tokens_out"], peer["tokens_out"]
-        r.update(model=model.name, threads=args.threads, tokens=args.tokens, vs_tp1=r["tok_s"] / peer["tok_s"],
+        r.update(model=model.name, device=args.device, threads=args.threads, tokens=args.tokens, vs_tp1=r["tok_s"] / peer["tok_s"],
                  agree=next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref))))
     for r in rows:
         r.pop("tokens_out", None)
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"CPU tensor parallel, {model.name}: {args.tokens} tokens a stream, {args.threads} cores in all, "
+    print(f"{args.device.upper()} tensor parallel, {model.name}: {args.tokens} tokens a stream, {args.threads} cores in all, "
           f"best of {args.repeats}")
     print(f"{'TP':>3s} {'streams':>8s} {'threads/rank':>13s} {'decode tok/s':>13s} {'vs TP=1':>8s} {'agree':>7s}")
     for r in rows:

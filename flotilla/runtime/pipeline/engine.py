@@ -79,7 +79,8 @@ class PipelineEngine(LLMEngine):
         self.num_rewinds = 0
         self.overlap = self.overlap and executor.depth == 1
         self._early: dict[int, SamplerOutput] = {}  # the result of the step sent ahead, before it is kept
-        self.num_dropped = 0  # steps sent ahead, then dropped (a sequence in them ended)
+        self.num_ahead = 0  # decodes sent before the step before them was read
+        self.num_dropped = 0  # of those, dropped (a sequence in them ended)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -124,6 +125,7 @@ class PipelineEngine(LLMEngine):
             step = self._ahead_input(ahead, current)
             mb = self.executor.submit(step, self._generation, prev_mb=current.step.mb, feed=True)
             self._ahead = _Launched(ahead, step.sampling, _Sent(mb))
+            self.num_ahead += 1
 
     def _keep_ahead(self) -> list[RequestOutput]:
         """The step before the one sent ahead has been read: keep that one (and send the next

@@ -38,7 +38,7 @@ def ring(tmp_path_factory):
     engine = build_pipeline_engine(ckpt, ARGS, settings, lambda line: None, with_tokenizer=False)
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     try:
-        yield engine, vocab
+        yield engine, vocab, workers, ckpt
     finally:
         engine.close()
         for w in workers:
@@ -56,13 +56,14 @@ def requests(vocab: int, stops: dict[str, int]) -> list[tuple[str, list[int], Sa
     return out
 
 
-def drive(engine, reqs, abort: bool) -> dict[str, tuple[list[int], str | None]]:
+def drive(engine, reqs, abort: bool, on_step=lambda n: None) -> dict[str, tuple[list[int], str | None]]:
     out = {rid: ([], None) for rid, _, _ in reqs}
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt, params)
-    for _ in range(10_000):
+    for n in range(10_000):
         if not engine.has_unfinished():
             break
+        on_step(n)
         if abort and len(out[ABORTED][0]) >= 5 and ABORTED in engine.seqs:
             engine.abort(ABORTED)
             out[ABORTED] = (out[ABORTED][0], "abort")
@@ -75,7 +76,7 @@ def drive(engine, reqs, abort: bool) -> dict[str, tuple[list[int], str | None]]:
 
 
 def test_overlapped_ring_equals_the_plain_ring(ring):
-    engine, vocab = ring
+    engine, vocab, _, _ = ring
     assert engine.executor.depth == 1 and engine.overlap  # one micro-batch in flight: overlapped by default
     engine.overlap = False
     free = drive(engine, requests(vocab, {}), abort=False)
@@ -92,3 +93,23 @@ def test_overlapped_ring_equals_the_plain_ring(ring):
     assert engine.num_dropped - dropped >= 2  # the stops and the abort dropped steps sent ahead
     stats = engine.executor.pipeline.worker_stats()
     assert stats[0].steps > 0 and stats[1].bytes_sent > 0
+
+
+def test_stage_0_lost_while_decodes_go_ahead(ring):
+    """Stage 0 (which holds the feedback link's far end and the parked step) dies mid-way and
+    comes back: the ring rewinds, re-prefills, and the tokens are the undisturbed ones."""
+    engine, vocab, workers, ckpt = ring
+    reqs = requests(vocab, {})
+    engine.overlap = False
+    want = drive(engine, reqs, abort=False)
+    engine.overlap = True
+    rewinds = engine.num_rewinds
+
+    def kill(n: int) -> None:
+        if n == 6:
+            port = workers[0].port
+            workers[0].stop()
+            workers[0] = ThreadWorker(workers[0].config.cache_dir, ckpt, port=port)
+
+    assert drive(engine, reqs, abort=False, on_step=kill) == want
+    assert engine.num_rewinds == rewinds + 1

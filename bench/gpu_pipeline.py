@@ -19,7 +19,12 @@ streams (from the moment every stream has its first token); per hop, the bytes a
 costs on a stage-to-stage hop (the workers count every frame) and the ring's time per hop:
 (wall time per token of one stream - the stages' compute time per token) / hops, where a stage's
 compute counts its input to the device, its layers and its output back in host memory; the
-head's own time per token is in it too.
+head's own time per token is in it too. Hops: head -> stage 0 -> ... -> last -> head, or, with
+overlap, last -> stage 0 (the head off the ring). Each stage's step splits into prepare (sequence
+mirror, inputs to the device), execute (the graph's launch; the last stage waits for its ids
+there), output (a middle stage's wait for the device and copy to host) and send (encoding and
+writing the frames), in µs a token; parked_steps counts decodes that reached stage 0 before their
+input ids (the head was ahead of the ring, as overlap wants).
 
 Every step runs at most --max-num-batched-tokens (16) tokens, and GPU stages replay the decode
 graphs for prefill chunks too (one row per token, --graph-query-len 16): so every row of every
@@ -155,9 +160,32 @@ def hops(engine, prompt, args) -> dict:
     steps = args.tokens  # one step a token: the prompt's (one chunk of <= 16) and each decode
     compute = [s.compute_seconds / steps for s in stats]
     n_hops = len(stats) + 1  # head -> stage 0 -> ... -> last -> head
+    if engine.overlap:
+        n_hops = len(stats)  # last stage -> stage 0: the head is off the ring
     return {"bytes_per_token_hop": max(s.decode_bytes / max(1, s.decode_tokens) for s in stats[:-1]),
             "us_per_hop": (run["seconds"] / steps - sum(compute)) / n_hops * 1e6,
-            "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3}
+            "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3,
+            **breakdown(stats, steps, "")}
+
+
+def breakdown(stats, steps: int, prefix: str) -> dict:
+    """Each stage's µs a step in prepare / execute / output / send, and stage 0's parked steps."""
+    parts = {f"{prefix}stage_{name}_us": [round(getattr(s, f"{name}_seconds") / steps * 1e6, 1) for s in stats]
+             for name in ("prepare", "execute", "output", "send")}
+    return {**parts, f"{prefix}parked_steps": stats[0].parked_steps}
+
+
+def multi_steps(engine, prompts, args) -> dict:
+    """The --streams run again, its steps' breakdown: wall ms a step of the decode phase, and
+    each stage's parts (per step of the whole run: prefill chunks included)."""
+    pipeline = engine.executor.pipeline
+    pipeline.worker_stats(reset=True)
+    run = run_requests(engine, prompts, args.tokens)
+    stats = pipeline.worker_stats()
+    steps = stats[0].steps
+    return {"multi_ms_per_step": len(prompts) / run["multi_tok_s"] * 1e3, "multi_steps": steps,
+            "multi_stage_ms": [round(s.compute_seconds / steps * 1e3, 3) for s in stats],
+            **breakdown(stats, steps, "multi_")}
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
@@ -271,7 +299,8 @@ def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batc
                "spin_us": local.spin_us, "micro_batches": pipeline.depth, "overlap": engine.overlap,
                "split": ",".join(str(s.end - s.start) for s in pipeline.stages),
                **measure(engine, prompts, args)}
-        row.update(hops(engine, prompts[0], args), steps_ahead=engine.num_ahead, steps_dropped=engine.num_dropped)
+        row.update(hops(engine, prompts[0], args), **multi_steps(engine, prompts, args),
+                   steps_ahead=engine.num_ahead, steps_dropped=engine.num_dropped)
         row.update(agreement(base["tokens"], row["tokens"]), single_vs_pp1=row["single_tok_s"] / base["single_tok_s"],
                    multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"])
         rows = [row]

@@ -142,6 +142,12 @@ class WorkerStats:
     bytes_sent: int  # everything sent on the data path (to the next stage or the head)
     shard_bytes_received: int  # weight-push payload received since the worker started
     compute_seconds: float  # time in steps: inputs to the device, the stage's compute, outputs back to the host
+    # where compute_seconds goes (the stage's fixed cost per step is in the first and last):
+    prepare_seconds: float  # the sequence mirror, the step's inputs to the device
+    execute_seconds: float  # the runner: launching the layers (a graph replay); the last stage waits for its ids
+    output_seconds: float  # a middle stage's hidden states to host memory (it waits for the device) and packed
+    send_seconds: float  # encoding, sealing and writing the step's output frames
+    parked_steps: int  # stage 0: overlapped decodes that came before their input ids (the head ahead of the ring)
 
 
 @message("failure")

@@ -55,7 +55,7 @@ from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd
                        WorkerStats)
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox
-from .stage_runtime import StageRuntime, on_device
+from .stage_runtime import StageRuntime, StageTimes, on_device
 from .step_codec import fill_tokens
 from .stream import start_server
 from .weight_push import ShardReceiver, WeightCache, fingerprint
@@ -94,6 +94,8 @@ class _Counters:
     decode_bytes: int = 0
     bytes_sent: int = 0
     compute_seconds: float = 0.0
+    send_seconds: float = 0.0
+    parked_steps: int = 0
 
 
 @dataclass
@@ -278,10 +280,14 @@ class Worker:
             return await self._configure(msg)
         if isinstance(msg, StatsRequest):
             c = self.counters
+            t = self.runtime.times if self.runtime is not None else StageTimes()
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
-                                self.shard_bytes_received, c.compute_seconds)
+                                self.shard_bytes_received, c.compute_seconds, t.prepare, t.execute, t.output,
+                                c.send_seconds, c.parked_steps)
             if msg.reset:
                 self.counters = _Counters()
+                if self.runtime is not None:
+                    self.runtime.times = StageTimes()
             return stats
         raise FlotillaError(f"unexpected {msg.WIRE_NAME}: no weight push is in progress")
 
@@ -414,6 +420,7 @@ class Worker:
         them (parked), and so does every step behind it; any other step is dispatched."""
         self.on_step()
         if self._parked or (msg.prev_rows is not None and msg.prev_mb not in self._fed):
+            self.counters.parked_steps += msg.prev_rows is not None
             self._parked.append(msg)
             return
         self._dispatch(msg)
@@ -443,7 +450,10 @@ class Worker:
         for mb in [mb for mb in self._fed if mb < msg.mb]:  # ids no later step can name
             del self._fed[mb]
         if self._behind == 0 and sum(msg.query_lens) <= len(msg.query_lens) * self._inline_query_len:
-            self._emit(self._run_step(msg), msg.feed)
+            out = self._run_step(msg)
+            start = time.perf_counter()
+            self._emit(out, msg.feed)
+            self.counters.send_seconds += time.perf_counter() - start
             return
         self._behind += 1
         self._steps.put(msg)

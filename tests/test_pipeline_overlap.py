@@ -113,3 +113,29 @@ def test_stage_0_lost_while_decodes_go_ahead(ring):
 
     assert drive(engine, reqs, abort=False, on_step=kill) == want
     assert engine.num_rewinds == rewinds + 1
+
+
+def test_stage_0_gate_keeps_the_order_and_fills_the_tokens():
+    """A decode sent ahead waits for the ids of the step it names, and every step behind it
+    waits too; its tokens come from those ids by row; rows that do not fit are an error."""
+    from flotilla.runtime.pipeline.feed import FeedGate
+    from flotilla.runtime.pipeline.messages import Sampled, Step
+
+    def step(mb, tokens, prev_mb=0, rows=None):
+        n = len(tokens)
+        return Step(1, mb, list(range(n)), [5] * n, [1] * n, n, [True] * n, [[]] * n, [], [], tokens, None, None,
+                    prev_mb=prev_mb, prev_rows=rows, feed=True)
+
+    gate = FeedGate()
+    assert [s.mb for s in gate.step(step(1, [7, 8]))] == [1]
+    assert gate.step(step(2, [0, 0, 9], 1, [1, 0, -1])) == [] and gate.step(step(3, [4])) == []
+    assert len(gate) == 2 and gate.parked_steps == 1
+    assert gate.sampled(Sampled(1, 0, [1])) == []  # not the ids step 2 waits for
+    out = gate.sampled(Sampled(1, 1, [30, 31]))
+    assert [(s.mb, s.token_ids, s.prev_rows) for s in out] == [(2, [31, 30, 9], None), (3, [4], None)]
+    assert gate._fed == {}  # ids of steps before the last one let through are forgotten
+    gate.sampled(Sampled(1, 3, [44]))
+    assert [s.token_ids for s in gate.step(step(4, [0], 3, [0]))] == [[44]]
+    gate.sampled(Sampled(1, 4, [1]))
+    with pytest.raises(ValueError, match="rows"):
+        gate.step(step(5, [0], 4, [3]))

@@ -31,7 +31,6 @@ the ring stage 0 -> ... -> last -> stage 0 turns without the head.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import ssl
@@ -56,7 +55,7 @@ from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox
 from .stage_runtime import StageRuntime, StageTimes, on_device
-from .step_codec import fill_tokens
+from .feed import FeedGate
 from .stream import start_server
 from .weight_push import ShardReceiver, WeightCache, fingerprint
 from .wire import DEFAULT_MAX_FRAME, ProtocolError
@@ -95,7 +94,6 @@ class _Counters:
     bytes_sent: int = 0
     compute_seconds: float = 0.0
     send_seconds: float = 0.0
-    parked_steps: int = 0
 
 
 @dataclass
@@ -120,8 +118,7 @@ class Worker:
         self.downstream: _Link | None = None
         self.results: _Link | None = None  # the head's result connection of this epoch (last stage)
         self.feedback: _Link | None = None  # the last stage's link to stage 0 (Sampled), in a ring of several
-        self._fed: dict[int, list[int]] = {}  # stage 0: sampled ids by step, for the overlapped decodes
-        self._parked: collections.deque[Step] = collections.deque()  # stage 0: steps waiting for them
+        self.gate = FeedGate()  # stage 0: overlapped decodes wait there for their input ids
         self.counters = _Counters()
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
@@ -283,9 +280,10 @@ class Worker:
             t = self.runtime.times if self.runtime is not None else StageTimes()
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
                                 self.shard_bytes_received, c.compute_seconds, t.prepare, t.execute, t.output,
-                                c.send_seconds, c.parked_steps)
+                                c.send_seconds, self.gate.parked_steps)
             if msg.reset:
                 self.counters = _Counters()
+                self.gate.parked_steps = 0
                 if self.runtime is not None:
                     self.runtime.times = StageTimes()
             return stats
@@ -346,8 +344,7 @@ class Worker:
         await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.configure, msg)
         self._drop_downstream()
         self._drop_results()
-        self._fed.clear()
-        self._parked.clear()
+        self.gate.reset()
         if msg.downstream is not None:
             self.downstream = await self._open_link(msg, msg.downstream, "the next stage")
         if msg.feedback is not None:
@@ -416,39 +413,29 @@ class Worker:
         return self._behind == 0
 
     def _step_arrived(self, msg: Step) -> None:
-        """On the loop's thread: an overlapped decode whose input ids have not come yet waits for
-        them (parked), and so does every step behind it; any other step is dispatched."""
+        """On the loop's thread: a step of this epoch goes through stage 0's gate (an overlapped
+        decode waits there for its input ids, and every step behind it too) and is dispatched."""
         self.on_step()
-        if self._parked or (msg.prev_rows is not None and msg.prev_mb not in self._fed):
-            self.counters.parked_steps += msg.prev_rows is not None
-            self._parked.append(msg)
-            return
-        self._dispatch(msg)
+        if msg.epoch == self.epoch:
+            self._through(self.gate.step, msg)
 
     def _sampled_arrived(self, msg: Sampled) -> None:
-        """Stage 0: the last stage's ids of a step; the parked steps that can run now, run."""
-        if msg.epoch != self.epoch:
+        """Stage 0: the last stage's ids of a step; the steps that waited for them run."""
+        if msg.epoch == self.epoch:
+            self._through(self.gate.sampled, msg)
+
+    def _through(self, gate, msg) -> None:
+        try:
+            steps = gate(msg)
+        except ValueError as e:
+            self._fault(msg.epoch, f"stage {self.stage_index}: {e}")
             return
-        self._fed[msg.mb] = msg.token_ids
-        while self._parked:
-            step = self._parked[0]
-            if step.epoch == self.epoch and step.prev_rows is not None and step.prev_mb not in self._fed:
-                return
-            self._dispatch(self._parked.popleft())
+        for step in steps:
+            self._dispatch(step)
 
     def _dispatch(self, msg: Step) -> None:
         """Run a decode step here and now, unless steps wait for the compute thread (then it
         queues behind them); hand anything longer to the compute thread."""
-        if msg.epoch != self.epoch:
-            return
-        if msg.prev_rows is not None:
-            try:
-                msg = fill_tokens(msg, self._fed.pop(msg.prev_mb))
-            except ValueError as e:
-                self._fault(msg.epoch, f"stage {self.stage_index}: {e}")
-                return
-        for mb in [mb for mb in self._fed if mb < msg.mb]:  # ids no later step can name
-            del self._fed[mb]
         if self._behind == 0 and sum(msg.query_lens) <= len(msg.query_lens) * self._inline_query_len:
             out = self._run_step(msg)
             start = time.perf_counter()

@@ -176,14 +176,15 @@ def breakdown(stats, steps: int, prefix: str) -> dict:
 
 
 def multi_steps(engine, prompts, args) -> dict:
-    """The --streams run again, its steps' breakdown: wall ms a step of the decode phase, and
-    each stage's parts (per step of the whole run: prefill chunks included)."""
+    """The --streams run again, its steps' breakdown, per step of the whole run (prefill chunks
+    and the ragged end, where streams admitted one by one finish one by one, included): wall ms
+    and each stage's parts."""
     pipeline = engine.executor.pipeline
     pipeline.worker_stats(reset=True)
     run = run_requests(engine, prompts, args.tokens)
     stats = pipeline.worker_stats()
     steps = stats[0].steps
-    return {"multi_ms_per_step": len(prompts) / run["multi_tok_s"] * 1e3, "multi_steps": steps,
+    return {"multi_ms_per_step": run["seconds"] / steps * 1e3, "multi_steps": steps,
             "multi_stage_ms": [round(s.compute_seconds / steps * 1e3, 3) for s in stats],
             **breakdown(stats, steps, "multi_")}
 

@@ -133,7 +133,7 @@ class StageRuntime:
             if msg.hidden is None or msg.hidden.shape != (step.num_tokens, self.lm.config.hidden_size):
                 raise ValueError(f"step {msg.mb}: hidden states of shape "
                                  f"{None if msg.hidden is None else tuple(msg.hidden.shape)} for {step.num_tokens} tokens")
-            hidden = unpack(self.staging.to_device(msg.hidden), self.staging.to_device(msg.scales, 1), self.lm.dtype,
+            hidden = unpack(self.staging.to_device(msg.hidden), self.staging.to_device(msg.scales), self.lm.dtype,
                             self.lm.device)
         t1 = time.perf_counter()
         out = self.executor.execute(step, hidden)

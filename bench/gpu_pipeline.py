@@ -19,7 +19,12 @@ streams (from the moment every stream has its first token); per hop, the bytes a
 costs on a stage-to-stage hop (the workers count every frame) and the ring's time per hop:
 (wall time per token of one stream - the stages' compute time per token) / hops, where a stage's
 compute counts its input to the device, its layers and its output back in host memory; the
-head's own time per token is in it too.
+head's own time per token is in it too. Hops: head -> stage 0 -> ... -> last -> head, or, with
+overlap, last -> stage 0 (the head off the ring). Each stage's step splits into prepare (sequence
+mirror, inputs to the device), execute (the graph's launch; the last stage waits for its ids
+there), output (a middle stage's wait for the device and copy to host) and send (encoding and
+writing the frames), in µs a token; parked_steps counts decodes that reached stage 0 before their
+input ids (the head was ahead of the ring, as overlap wants).
 
 Every step runs at most --max-num-batched-tokens (16) tokens, and GPU stages replay the decode
 graphs for prefill chunks too (one row per token, --graph-query-len 16): so every row of every
@@ -28,8 +33,10 @@ its tiles by row count, identical up to 16 rows), and token equality is exact on
 a CPU stage computes in fp32 with other kernels, so its ring is compared, not required equal.
 
 Each ring runs once per value of `--micro-batches` (kept in flight; 0: one per stage that can
-compute at once, stages on one GPU counting once) and of `--spin-us` (the workers and the head poll
-that long before sleeping; auto: as `runtime serve` decides, by the cores the ring leaves spare).
+compute at once, stages on one GPU counting once), of `--spin-us` (the workers and the head poll
+that long before sleeping; auto: as `runtime serve` decides, by the cores the ring leaves spare)
+and of `--overlap` (on: with one micro-batch in flight, each decode goes out before the step
+before it is read, its tokens fed to stage 0 by the last stage; off: `--no-overlap`).
 
 The fault test runs on the ring named by `--kill-ring` (one of --rings): its workers start
 without the model, so the head pushes their shards (counted); after that ring's measurements,
@@ -123,10 +130,10 @@ def local_engine(checkpoint: Path, device: str, args) -> LLMEngine:
     return LLMEngine(runner, config, None, (), cfg.vocab_size)
 
 
-def engine_args(args) -> EngineArgs:
+def engine_args(args, overlap: bool = True) -> EngineArgs:
     return EngineArgs(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.streams,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, overlap=overlap)
 
 
 def pipeline_settings(hosts, token: bytes, args, spin_us: int, micro_batches: int,
@@ -153,9 +160,33 @@ def hops(engine, prompt, args) -> dict:
     steps = args.tokens  # one step a token: the prompt's (one chunk of <= 16) and each decode
     compute = [s.compute_seconds / steps for s in stats]
     n_hops = len(stats) + 1  # head -> stage 0 -> ... -> last -> head
+    if engine.overlap:
+        n_hops = len(stats)  # last stage -> stage 0: the head is off the ring
     return {"bytes_per_token_hop": max(s.decode_bytes / max(1, s.decode_tokens) for s in stats[:-1]),
             "us_per_hop": (run["seconds"] / steps - sum(compute)) / n_hops * 1e6,
-            "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3}
+            "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3,
+            **breakdown(stats, steps, "")}
+
+
+def breakdown(stats, steps: int, prefix: str) -> dict:
+    """Each stage's µs a step in prepare / execute / output / send, and stage 0's parked steps."""
+    parts = {f"{prefix}stage_{name}_us": [round(getattr(s, f"{name}_seconds") / steps * 1e6, 1) for s in stats]
+             for name in ("prepare", "execute", "output", "send")}
+    return {**parts, f"{prefix}parked_steps": stats[0].parked_steps}
+
+
+def multi_steps(engine, prompts, args) -> dict:
+    """The --streams run again, its steps' breakdown, per step of the whole run (prefill chunks
+    and the ragged end, where streams admitted one by one finish one by one, included): wall ms
+    and each stage's parts."""
+    pipeline = engine.executor.pipeline
+    pipeline.worker_stats(reset=True)
+    run = run_requests(engine, prompts, args.tokens)
+    stats = pipeline.worker_stats()
+    steps = stats[0].steps
+    return {"multi_ms_per_step": run["seconds"] / steps * 1e3, "multi_steps": steps,
+            "multi_stage_ms": [round(s.compute_seconds / steps * 1e3, 3) for s in stats],
+            **breakdown(stats, steps, "multi_")}
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
@@ -250,8 +281,8 @@ def kill_and_restart(engine, workers: PushedWorkers, prompts, reference, args) -
             "restarted_worker_weights_from": back.source, "seconds": run["seconds"]}
 
 
-def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batches: int, kill: bool, prompts,
-              base: dict, args, log) -> list[dict]:
+def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batches: int, overlap: bool, kill: bool,
+              prompts, base: dict, args, log) -> list[dict]:
     """Measure one local pipeline; with `kill` (the --kill-ring), its workers get their weights
     pushed and the fault test follows on the same engine."""
     token = secrets.token_hex(16).encode()
@@ -263,13 +294,14 @@ def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batc
         t = time.perf_counter()
         stage_timeout = 600 if kill else 60
         settings = pipeline_settings(hosts, token, args, local.spin_us, micro_batches, stage_timeout)
-        engine = build_pipeline_engine(checkpoint, engine_args(args), settings, log, with_tokenizer=False)
+        engine = build_pipeline_engine(checkpoint, engine_args(args, overlap), settings, log, with_tokenizer=False)
         pipeline = engine.executor.pipeline
         row = {"row": f"pp{len(ring)}", "devices": ",".join(ring), "setup_s": time.perf_counter() - t,
-               "spin_us": local.spin_us, "micro_batches": pipeline.depth,
+               "spin_us": local.spin_us, "micro_batches": pipeline.depth, "overlap": engine.overlap,
                "split": ",".join(str(s.end - s.start) for s in pipeline.stages),
                **measure(engine, prompts, args)}
-        row.update(hops(engine, prompts[0], args))
+        row.update(hops(engine, prompts[0], args), **multi_steps(engine, prompts, args),
+                   steps_ahead=engine.num_ahead, steps_dropped=engine.num_dropped)
         row.update(agreement(base["tokens"], row["tokens"]), single_vs_pp1=row["single_tok_s"] / base["single_tok_s"],
                    multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"])
         rows = [row]
@@ -308,6 +340,8 @@ def main(argv=None) -> int:
                     "each ring runs once per value")
     ap.add_argument("--spin-us", default="auto", help="comma-separated: µs the workers and the head poll before "
                     "sleeping, or auto; each ring runs once per value")
+    ap.add_argument("--overlap", default="on", help="comma-separated on/off: decodes sent before the step before "
+                    "is read (with one micro-batch in flight; `runtime serve --no-overlap`); each ring runs once per value")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="the workers' and the head's log lines")
     args = ap.parse_args(argv)
@@ -339,14 +373,16 @@ def main(argv=None) -> int:
 
     spins = [None if v == "auto" else int(v) for v in args.spin_us.split(",")]
     batches = [int(v) for v in args.micro_batches.split(",")]
+    overlaps = [{"on": True, "off": False}[v] for v in args.overlap.split(",")]
     for ring in [r.split(",") for r in args.rings.split(";") if r]:
         killed = False
         for spin in spins:
             for mb in batches:
-                kill = ",".join(ring) == args.kill_ring and not killed  # the fault test once, on the first variant
-                killed |= kill
-                for row in ring_rows(checkpoint, ring, spin, mb, kill, prompts, base, args, log):
-                    emit(row)
+                for overlap in overlaps:
+                    kill = ",".join(ring) == args.kill_ring and not killed  # the fault test once, on the first variant
+                    killed |= kill
+                    for row in ring_rows(checkpoint, ring, spin, mb, overlap, kill, prompts, base, args, log):
+                        emit(row)
     if not args.json:
         print_tables(rows, args)
     return 0
@@ -359,7 +395,7 @@ def print_tables(rows: list[dict], args) -> None:
           f"{args.max_num_batched_tokens} tokens")
     print(f"{'config':>6s} {'devices':>18s} {'split':>9s} {'single tok/s':>12s} {'x pp1':>6s} "
           f"{f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'B/tok/hop':>9s} {'us/hop':>7s} {'identical':>9s} "
-          f"{'mb':>2s} {'spin µs':>7s}")
+          f"{'mb':>2s} {'spin µs':>7s} {'overlap':>7s}")
     for r in rows:
         if not r["row"].startswith("pp"):
             continue
@@ -369,7 +405,7 @@ def print_tables(rows: list[dict], args) -> None:
         us = f"{r['us_per_hop']:.0f}" if "us_per_hop" in r else "-"
         print(f"{r['row']:>6s} {r['devices']:>18s} {r['split']:>9s} {r['single_tok_s']:12.1f} {x1:>6s} "
               f"{r['multi_tok_s']:15.1f} {xn:>6s} {b:>9s} {us:>7s} {r['identical']:>4d}/{args.streams:<4d} "
-              f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7}")
+              f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7} {str(r.get('overlap', '-')):>7}")
     for r in rows:
         if r["row"] == "kill":
             print(f"kill -9 of the last stage ({r['devices']}) after {r['killed_after_tokens']} tokens a stream, "

@@ -14,7 +14,8 @@ of threads and event loops between them. Rows, each the median of --repeats runs
 
     ms/token       one stream's decode time per token (first token to last)
     stages ms      the stages' compute per step, summed (the workers time each step: input, layers, output)
-    µs/hop         (ms/token - stages ms) / hops, hops = pp + 1 (head -> stage 0 -> ... -> head); for pp=1,
+    µs/hop         (ms/token - stages ms) / hops, hops = pp + 1 (head -> stage 0 -> ... -> head), or pp
+                   when overlapped (--overlap: last stage -> stage 0, the head off the ring); for pp=1,
                    ms/token - its own compute (the engine's overhead per step: schedule, sample, postprocess)
     over pp1 µs/hop (ms/token - pp1's ms/token) / hops: what the ring adds per hop beyond what pp=1 costs
     N-stream tok/s  --streams concurrent greedy streams, aggregate tokens per second (prefill included)
@@ -55,11 +56,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 
-def engine_args(streams: int):
+def engine_args(streams: int, overlap: bool = True):
     from flotilla.runtime.engine_args import EngineArgs
 
     return EngineArgs(kv_cache_memory="64MiB", max_num_seqs=max(streams, 1), max_num_batched_tokens=256,
-                      max_model_len=1024, enable_prefix_caching=False)
+                      max_model_len=1024, enable_prefix_caching=False, overlap=overlap)
 
 
 TIE_LIMIT = 0.02  # nats: a divergence at a larger top-2 margin is a mismatch whatever the noise
@@ -166,7 +167,8 @@ def pp1_row(checkpoint: Path, prompts, args) -> dict:
     return row
 
 
-def ring_row(checkpoint: Path, pp: int, spin_us: int | None, micro_batches: int, prompts, args, base: dict) -> dict:
+def ring_row(checkpoint: Path, pp: int, spin_us: int | None, micro_batches: int, overlap: bool, prompts, args,
+             base: dict) -> dict:
     from flotilla.runtime.pipeline.head import build_pipeline_engine
     from flotilla.runtime.pipeline.local import LocalWorkers
     from flotilla.runtime.pipeline.peer import LinkSettings
@@ -180,7 +182,7 @@ def ring_row(checkpoint: Path, pp: int, spin_us: int | None, micro_batches: int,
         hosts = workers.start()
         settings = PipelineSettings(tuple(hosts), LinkSettings(token), spin_us=workers.spin_us,
                                     micro_batches=micro_batches)
-        engine = build_pipeline_engine(checkpoint, engine_args(args.streams), settings, lambda line: None,
+        engine = build_pipeline_engine(checkpoint, engine_args(args.streams, overlap), settings, lambda line: None,
                                        with_tokenizer=False)
         pipeline = engine.executor.pipeline
 
@@ -189,8 +191,9 @@ def ring_row(checkpoint: Path, pp: int, spin_us: int | None, micro_batches: int,
             return sum(w.compute_seconds for w in s), s[0].steps
 
         row = measure(engine, prompts, args, stats)
-        hops = pp + 1
-        row.update(pp=pp, hops=hops, spin_us=workers.spin_us, micro_batches=pipeline.depth, us_per_hop=(row["ms_per_token"] - row["stage_ms"]) / hops * 1e3,
+        hops = pp if engine.overlap else pp + 1  # overlapped: last stage -> stage 0, the head off the ring
+        row.update(pp=pp, hops=hops, spin_us=workers.spin_us, micro_batches=pipeline.depth, overlap=engine.overlap,
+                   steps_ahead=engine.num_ahead, us_per_hop=(row["ms_per_token"] - row["stage_ms"]) / hops * 1e3,
                    over_pp1_us_per_hop=(row["ms_per_token"] - base["ms_per_token"]) / hops * 1e3,
                    single_vs_pp1=base["ms_per_token"] / row["ms_per_token"],
                    multi_vs_pp1=row["multi_tok_s"] / base["multi_tok_s"], **agreement(base["check"], row["check"]))
@@ -216,6 +219,8 @@ def main(argv=None) -> int:
                     "sleeping, or auto; each ring runs once per value")
     ap.add_argument("--micro-batches", default="0", help="comma-separated: micro-batches in flight (0: automatic); "
                     "each ring runs once per value")
+    ap.add_argument("--overlap", default="on", help="comma-separated on/off: decodes sent before the step before is "
+                    "read (with one micro-batch in flight); each ring runs once per value")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
     from flotilla.runtime.random_model import write_random_checkpoint
@@ -228,9 +233,10 @@ def main(argv=None) -> int:
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(args.streams)]
         base = pp1_row(checkpoint, prompts, args)
-        rows = [base] + [ring_row(checkpoint, pp, spin, mb, prompts, args, base) for pp in depths
+        rows = [base] + [ring_row(checkpoint, pp, spin, mb, overlap, prompts, args, base) for pp in depths
                          for spin in [None if v == "auto" else int(v) for v in args.spin_us.split(",")]
-                         for mb in [int(v) for v in args.micro_batches.split(",")]]
+                         for mb in [int(v) for v in args.micro_batches.split(",")]
+                         for overlap in [{"on": True, "off": False}[v] for v in args.overlap.split(",")]]
     load = os.getloadavg()
     for r in rows:
         r.update(tokens_per_stream=args.tokens, streams=args.streams, repeats=args.repeats, threads=args.threads,
@@ -244,11 +250,12 @@ def main(argv=None) -> int:
           f"{args.threads} thread(s) a "
           f"stage; one stream of {args.tokens} tokens (median of {args.repeats}); load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"{'pp':>3s} {'spin µs':>7s} {'mb':>2s} {'ms/token':>9s} {'tok/s':>7s} {'x pp1':>6s} {'stages ms':>10s} {'µs/hop':>7s} "
+    print(f"{'pp':>3s} {'spin µs':>7s} {'mb':>2s} {'ovl':>3s} {'ms/token':>9s} {'tok/s':>7s} {'x pp1':>6s} {'stages ms':>10s} {'µs/hop':>7s} "
           f"{'over pp1 µs/hop':>16s} {f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'identical':>15s}")
     for r in rows:
         ring = r["pp"] > 1
         print(f"{r['pp']:>3d} {r['spin_us'] if ring else '-':>7} {r['micro_batches'] if ring else '-':>2} "
+              f"{('on' if r['overlap'] else 'off') if ring else '-':>3} "
               f"{r['ms_per_token']:9.3f} {1e3 / r['ms_per_token']:7.1f} "
               f"{r['single_vs_pp1'] if ring else 1.0:5.2f}x {r['stage_ms']:10.3f} {r['us_per_hop']:7.0f} "
               f"{r['over_pp1_us_per_hop'] if ring else 0:16.0f} {r['multi_tok_s']:15.1f} "

@@ -10,6 +10,7 @@ one micro-batch at a time, so several are in flight.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -20,7 +21,7 @@ import pytest
 from flotilla.runtime.async_engine import AsyncEngine, RequestFailed
 from flotilla.runtime.engine import EngineConfig
 from flotilla.runtime.pipeline.engine import PipelineEngine
-from flotilla.runtime.pipeline.step_codec import StageSequences, StepEncoder, sampler_output, step_result
+from flotilla.runtime.pipeline.step_codec import StageSequences, StepEncoder, fill_tokens, sampler_output, step_result
 from flotilla.runtime.pipeline.wire import decode, encode
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.runtime.scheduler import SchedulerConfig
@@ -29,33 +30,48 @@ from fake_executor import EchoKVExecutor, check_echo_tokens, echo_next
 
 
 class LoopbackExecutor:
-    def __init__(self, num_blocks: int, block_size: int, depth: int = 3):
+    """`overlap`: steps may be sent ahead (PipelineEngine's overlap); the "last stage" feeds the
+    ids of steps sent with `feed` to "stage 0", which fills in the next step's tokens from them."""
+
+    def __init__(self, num_blocks: int, block_size: int, depth: int = 3, overlap: bool = False,
+                 vocab_size: int = 1000):
         self.depth = depth
+        self.prefers_overlap = overlap
+        self.max_launch_rows = 1 << 30 if overlap else 0
+        self.fed: dict[int, list[int]] = {}
+        self.discarded: list[int] = []
         self.generation = 0
         self.ready = True
         self.down_since: float | None = None
         self.epoch = 1
         self.encoder = StepEncoder()
         self.mirror = StageSequences()
-        self.echo = EchoKVExecutor(num_blocks, block_size)
+        self.echo = EchoKVExecutor(num_blocks, block_size, vocab_size)
         self.pending: deque = deque()
         self.submitted: list[tuple[int, int]] = []  # (micro-batch id, sequences)
         self.max_in_flight = 0
         self.bytes = 0
         self._next = 0
+        self.ran = 0  # the last step "stage 0" ran
         self._lock = threading.Lock()  # the async test fails the "network" from another thread
 
     # the PipelineExecutor interface
-    def submit(self, step, generation: int) -> int:
+    def submit(self, step, generation: int, prev_mb: int = 0, feed: bool = False) -> int:
         with self._lock:
-            return self._submit(step, generation)
+            return self._submit(step, generation, prev_mb, feed)
 
-    def _submit(self, step, generation: int) -> int:
+    def same_rows(self, num_rows: int, fewer: int) -> bool:
+        return False
+
+    def discard(self, mb: int) -> None:
+        self.discarded.append(mb)
+
+    def _submit(self, step, generation: int, prev_mb: int, feed: bool) -> int:
         self._next += 1
         mb = self._next
         if generation != self.generation or not self.ready:
             return mb
-        data = encode(self.encoder.encode(step, self.epoch, mb))
+        data = encode(self.encoder.encode(step, self.epoch, mb, prev_mb, feed))
         self.bytes += len(data)
         msg = decode(data)
         rebuilt = self.mirror.apply(msg, is_last=True)
@@ -72,7 +88,15 @@ class LoopbackExecutor:
             if not self.pending:
                 return []
             mb, msg, step = self.pending.popleft()  # one at a time: the rest stay in flight
+            if msg.prev_rows is not None:  # stage 0 takes the tokens the step before sampled
+                assert msg.prev_mb == self.ran and step.prev_rows is None
+                msg = fill_tokens(msg, self.fed.pop(msg.prev_mb))
+                step = dataclasses.replace(step, token_ids=msg.token_ids)
+            self.ran = mb
+            self.fed = {k: v for k, v in self.fed.items() if k >= mb}  # as a worker forgets them
             out = self.echo.execute(step)
+            if msg.feed:
+                self.fed[mb] = out.token_ids
             self.mirror.record(msg, out.token_ids)
             return [(mb, sampler_output(decode(encode(step_result(msg.epoch, mb, out)))))]
 
@@ -110,11 +134,12 @@ class LoopbackExecutor:
 
 
 def pipeline_engine(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, depth=3,
-                    stage_timeout=60.0, caching=True) -> PipelineEngine:
+                    stage_timeout=60.0, caching=True, overlap=False, vocab_size=1000, eos=()) -> PipelineEngine:
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=1 << 20,
-                          scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens), enable_prefix_caching=caching)
-    return PipelineEngine(LoopbackExecutor(num_blocks, block_size, depth), config, vocab_size=1000,
-                          stage_timeout=stage_timeout)
+                          scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens), enable_prefix_caching=caching,
+                          overlap=overlap)
+    return PipelineEngine(LoopbackExecutor(num_blocks, block_size, depth, overlap, vocab_size), config,
+                          eos_token_ids=eos, vocab_size=vocab_size, stage_timeout=stage_timeout)
 
 
 def run(engine, max_steps=20_000) -> dict[str, list[int]]:
@@ -261,3 +286,60 @@ def test_results_of_aborted_sequences_in_flight_are_skipped():
     out = run(eng)
     assert "drop" not in out and len(first[0].new_token_ids + out["keep"]) == 5
     check_echo_tokens([1, 2, 3], first[0].new_token_ids + out["keep"])
+
+
+def overlap_workload(eng, rng_seed: int, fail_at: int = 0) -> dict[str, tuple[list[int], str | None]]:
+    """Requests in two waves with stop tokens (vocab 40: stops come often), EOS, max_tokens,
+    seeded sampling, a penalty now and then (the plain path), an abort of a sequence in flight,
+    and, with `fail_at`, a fault at that step: tokens and finish reasons per request."""
+    rng = random.Random(rng_seed)
+    reqs = []
+    for i in range(14):
+        params = SamplingParams(max_tokens=rng.randrange(1, 40), stop_token_ids=(rng.randrange(3, 40),),
+                                temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(100), ignore_eos=i % 3 == 0)
+        if i == 9:
+            params = SamplingParams(max_tokens=20, ignore_eos=True)
+        if i == 10:  # a penalty: the plain path while it runs
+            params = SamplingParams(max_tokens=4, presence_penalty=0.5)
+        reqs.append((f"r{i}", [rng.randrange(3, 40) for _ in range(rng.randrange(1, 10))], params))
+    out: dict[str, tuple[list[int], str | None]] = {rid: ([], None) for rid, _, _ in reqs}
+    for rid, prompt, params in reqs[:8]:
+        eng.add_request(rid, prompt, params)
+    for n in range(5000):
+        if n == 12:
+            for rid, prompt, params in reqs[8:]:
+                eng.add_request(rid, prompt, params)
+        if len(out["r9"][0]) >= 3 and "r9" in eng.seqs:  # in flight, and sent ahead once overlapping
+            eng.abort("r9")
+            out["r9"] = (out["r9"][0], "abort")
+        if fail_at and n == fail_at:
+            eng.executor.fail()
+        if fail_at and n == fail_at + 5:
+            eng.executor.recover()
+        for o in eng.step():
+            tokens, _ = out[o.request_id]
+            out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason)
+        eng.check_integrity()
+        if n > 12 and not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return out
+
+
+@pytest.mark.parametrize("fail_at", [0, 40], ids=["plain", "fault"])
+def test_overlapped_ring_gives_the_plain_rings_tokens(fail_at):
+    """One micro-batch in flight, decodes sent ahead with their tokens filled in by "stage 0"
+    from the fed ids: the same tokens and finish reasons as without overlap, stops and an abort
+    dropping steps sent ahead, a fault losing them."""
+    kw = dict(num_blocks=96, max_num_seqs=16, depth=1, vocab_size=40, eos=(7,))
+    want = overlap_workload(pipeline_engine(**kw), 3)
+    eng = pipeline_engine(**kw, overlap=True)
+    assert eng.overlap
+    got = overlap_workload(eng, 3, fail_at)
+    assert got == want
+    ex = eng.executor
+    assert {"stop", "length", "abort"} <= {r for _, r in want.values()}
+    assert len(ex.fed) <= 1 and ex.discarded and eng.num_dropped == len(ex.discarded)
+    assert sum(1 for _, n in ex.submitted) > 30
+    assert pipeline_engine(**dict(kw, depth=2), overlap=True).overlap is False  # only with one micro-batch

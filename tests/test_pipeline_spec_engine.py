@@ -40,7 +40,7 @@ class SpecLoopback(LoopbackExecutor):
         self.max_prob_bytes = max_prob_bytes
         self.messages = []
 
-    def _submit(self, step, generation: int) -> int:
+    def _submit(self, step, generation: int, prev_mb: int = 0, feed: bool = False) -> int:
         self._next += 1
         mb = self._next
         if generation != self.generation or not self.ready:

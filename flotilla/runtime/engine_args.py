@@ -30,7 +30,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs for decode steps
-    overlap: bool = True  # on a GPU, launch each decode step before the last one's tokens are read
+    overlap: bool = True  # on a GPU (or a ring of one micro-batch), launch each decode before the last one's tokens are read
     speculative: str | None = None  # "ngram" or "draft:PATH" (see runtime/spec)
     num_speculative_tokens: int = 4
 
@@ -63,7 +63,9 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
         g.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="on a GPU, wait for each decode step's tokens before launching the next (default: "
-                            "the next is launched first, and the host's work hides behind the GPU's)")
+                            "the next is launched first, and the host's work hides behind the GPU's); in a "
+                            "pipeline with one micro-batch in flight, wait for each step's tokens before sending "
+                            "the next (default: the last stage feeds them to stage 0)")
         g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
                             "lower-bit copy of the target, same tokenizer); the output distribution is the target's")

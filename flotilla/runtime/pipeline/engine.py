@@ -14,6 +14,19 @@ until its token comes back). So `step()` here is:
 Every stage runs the steps in the order the head sent them, which is what keeps KV writes before
 the reads that depend on them, as in the local engine.
 
+Overlap (one micro-batch in flight: stages that share a GPU; on by default there, `--no-overlap`
+turns it off), as the local engine's (runtime/engine.py): a plain decode step is sent with
+`feed`, and at once the decode after it (`Scheduler.schedule_ahead`), whose input tokens are
+"the ids the last stage samples for the step before" (`prev_rows`): stage 0 holds it until the
+last stage has sent it those ids, so the ring turns stage 0 -> ... -> last -> stage 0 while the
+head reads the step before, detokenizes it and checks its stops. Whatever could change the next
+schedule (an arrival, preemption, a prefill chunk, penalties, logprobs) takes the plain path. A
+sequence that a stop ends (or an abort) is known only once the step before is read: the step
+sent ahead is then dropped (its result ignored, its other sequences' tokens and blocks rolled
+back) and they are scheduled afresh, so the tokens are always those of the plain ring. The
+dropped step's writes land in slots that are written again, or in blocks freed behind it: every
+stage runs steps in the order sent, so nothing later reads them.
+
 Speculative decoding: the head proposes (n-gram lookup, or a draft model on its own KV cache
 here) before each schedule, for the sequences that are not in flight; a verifying sequence's
 1 + k tokens travel the ring like a short prefill chunk, the last stage verifies them with the
@@ -37,8 +50,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
-from flotilla.runtime.engine import EngineConfig, LLMEngine
+from flotilla.runtime.engine import EngineConfig, LLMEngine, _Launched
 from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampler import SamplerOutput
 from flotilla.runtime.scheduler import SchedulerOutput
@@ -63,6 +77,10 @@ class PipelineEngine(LLMEngine):
         self._inflight: dict[int, SchedulerOutput] = {}
         self._generation = executor.generation
         self.num_rewinds = 0
+        self.overlap = self.overlap and executor.depth == 1
+        self._early: dict[int, SamplerOutput] = {}  # the result of the step sent ahead, before it is kept
+        self.num_ahead = 0  # decodes sent before the step before them was read
+        self.num_dropped = 0  # of those, dropped (a sequence in them ended)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -71,24 +89,61 @@ class PipelineEngine(LLMEngine):
             self._rewind()
         if not ex.ready:
             return self._while_down()
-        self._fill()
         outputs = []
-        for mb, result in ex.results(POLL_SECONDS if self._inflight else 0.0):
+        if self._ahead is not None and not self._inflight:
+            outputs += self._keep_ahead()
+        self._fill()
+        for mb, result in ex.results(POLL_SECONDS if self._inflight or self._ahead else 0.0):
             piece = self._inflight.pop(mb, None)
             if piece is not None:
                 outputs += self._postprocess(*_live(piece, result))
+            elif self._ahead is not None and mb == self._ahead.step.mb:
+                self._early[mb] = result
         return outputs
 
     def _fill(self) -> None:
         ex = self.executor
-        while len(self._inflight) < ex.depth:
+        while len(self._inflight) < ex.depth and self._ahead is None:
             if self.spec is not None:
                 self.spec.propose(self.scheduler.running, self.seeds)
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return
             for piece in self._pieces(scheduled):
-                self._inflight[ex.submit(self._step_input(piece), self._generation)] = piece
+                step = self._step_input(piece)
+                feed = self.overlap and self._launches(piece, step)
+                mb = ex.submit(step, self._generation, feed=feed)
+                self._inflight[mb] = piece
+                if feed:
+                    self._send_ahead(_Launched(piece, step.sampling, _Sent(mb)))
+
+    # ------------------------------------------------------------------ overlap
+    def _send_ahead(self, current: _Launched) -> None:
+        """`current` is sent: send the decode after it too, its tokens those current samples."""
+        ahead = self.scheduler.schedule_ahead(current.scheduled)
+        if ahead is not None:
+            step = self._ahead_input(ahead, current)
+            mb = self.executor.submit(step, self._generation, prev_mb=current.step.mb, feed=True)
+            self._ahead = _Launched(ahead, step.sampling, _Sent(mb))
+            self.num_ahead += 1
+
+    def _keep_ahead(self) -> list[RequestOutput]:
+        """The step before the one sent ahead has been read: keep that one (and send the next
+        ahead of it), or drop it if a sequence in it has ended (LLMEngine._take_ahead rolls the
+        others back; the executor ignores its result)."""
+        mb = self._ahead.step.mb
+        kept = self._take_ahead()
+        early = self._early.pop(mb, None)
+        if kept is None:
+            self.executor.discard(mb)
+            self.num_dropped += 1
+            return []
+        self._inflight[mb] = kept.scheduled
+        self._send_ahead(kept)
+        if early is None:
+            return []
+        del self._inflight[mb]
+        return self._postprocess(*_live(kept.scheduled, early))
 
     def _pieces(self, scheduled: SchedulerOutput) -> list[SchedulerOutput]:
         """Micro-batches: contiguous runs of about running / depth sequences, each cut short
@@ -109,6 +164,8 @@ class PipelineEngine(LLMEngine):
     # ------------------------------------------------------------------ faults
     def _rewind(self) -> None:
         self._inflight.clear()
+        self._ahead = None
+        self._early.clear()
         self.executor.reset()
         seqs = self.scheduler.preempt_all()
         self.block_manager.pool.reset_prefix_cache()
@@ -152,6 +209,13 @@ class PipelineEngine(LLMEngine):
 
     def close(self) -> None:
         self.executor.close()
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A step on the ring, by its micro-batch id (what _Launched.step is for the local engine)."""
+
+    mb: int
 
 
 def _live(piece: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:

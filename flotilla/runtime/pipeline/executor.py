@@ -22,6 +22,8 @@ from .step_codec import StepEncoder, sampler_output
 
 
 class PipelineExecutor:
+    max_launch_rows = 1 << 30  # overlapped decodes (PipelineEngine): the last stage samples any batch
+
     def __init__(self, pipeline: Pipeline):
         self.pipeline = pipeline
         self.encoder = StepEncoder()
@@ -55,7 +57,19 @@ class PipelineExecutor:
     def wait_ready(self, timeout: float) -> bool:
         return self.pipeline.ready.wait(timeout)
 
-    def submit(self, step: StepInput, generation: int) -> int:
+    @property
+    def prefers_overlap(self) -> bool:
+        """Overlapped decodes pay where one micro-batch is in flight (stages taking turns on one
+        GPU): the head's work for a step then hides behind the ring's work for the next."""
+        return self.depth == 1
+
+    def same_rows(self, num_rows: int, fewer: int) -> bool:
+        """Never promised across the ring (stages of other kinds, batch sizes in other graph
+        buckets): a step sent ahead with a sequence that ended is dropped and recomputed."""
+        return False
+
+    def submit(self, step: StepInput, generation: int, prev_mb: int = 0, feed: bool = False) -> int:
+        """Send a step; `prev_mb`, `feed`: see StepEncoder.encode (overlapped decodes)."""
         mb = next(self._ids)
         p = self.pipeline
         epoch = p.epoch
@@ -65,8 +79,12 @@ class PipelineExecutor:
             self.encoder.reset()
             self._epoch = epoch
         self._submitted[mb] = epoch
-        p.send_step(self.encoder.encode(step, epoch, mb))
+        p.send_step(self.encoder.encode(step, epoch, mb, prev_mb, feed))
         return mb
+
+    def discard(self, mb: int) -> None:
+        """The engine dropped this step: its result, when it comes, is ignored."""
+        self._submitted.pop(mb, None)
 
     def results(self, timeout: float) -> list[tuple[int, SamplerOutput]]:
         out = []

@@ -43,7 +43,8 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
     pipeline.start()
     config = EngineConfig(num_blocks=pipeline.num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          overlap=None if args.overlap else False)  # None: with one micro-batch in flight
     spec = None
     try:
         if args.speculative_config is not None:

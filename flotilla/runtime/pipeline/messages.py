@@ -13,12 +13,15 @@ Control, on the head's connection to each worker (one request at a time, answere
 
 Data, around the ring head -> stage 0 -> … -> last stage -> head:
 
-    Upstream         first frame of a stage-to-stage connection: "my steps come to you"
+    Upstream         first frame of a stage-to-stage connection: "my steps come to you" (from
+                     the last stage to stage 0: its feedback link, "my Sampled ids come to you")
     ResultsLink      first frame of the head's result connection to the last stage (one per epoch),
                      answered there by Configured: "send this epoch's StepResults here"
     Step             one micro-batch: block-table diffs, token ids (stage 0) or hidden states,
                      and drafts to verify (speculative decoding)
     StepResult       the last stage's sampled tokens (and accepted drafts), back to the head
+    Sampled          the same ids, last stage -> stage 0 on its feedback link (a step with `feed`):
+                     the input of the decode the head sent before it read them (overlap)
     Fault            a worker tells the head that its part of the ring broke
 
 Steps carry the epoch they were sent in; a worker drops steps of any other epoch, so nothing of
@@ -106,6 +109,7 @@ class Configure:
     graph_tokens: int  # CUDA graphs for decode steps of up to this many tokens (0: eager)
     graph_query_len: int  # most new tokens of one sequence in a replayed step (1 + speculative tokens)
     max_model_len: int  # longest context: the graphs' block-table width
+    feedback: str | None = None  # the last stage of a ring of several: "host:port" of stage 0, fed sampled ids
 
 
 @message("configured")
@@ -138,6 +142,12 @@ class WorkerStats:
     bytes_sent: int  # everything sent on the data path (to the next stage or the head)
     shard_bytes_received: int  # weight-push payload received since the worker started
     compute_seconds: float  # time in steps: inputs to the device, the stage's compute, outputs back to the host
+    # where compute_seconds goes (the stage's fixed cost per step is in the first and last):
+    prepare_seconds: float  # the sequence mirror, the step's inputs to the device
+    execute_seconds: float  # the runner: launching the layers (a graph replay); the last stage waits for its ids
+    output_seconds: float  # a middle stage's hidden states to host memory (it waits for the device) and packed
+    send_seconds: float  # encoding, sealing and writing the step's output frames
+    parked_steps: int  # stage 0: overlapped decodes that came before their input ids (the head ahead of the ring)
 
 
 @message("failure")
@@ -203,6 +213,22 @@ class Step:
     # in order; None: every draft is a point mass (n-gram drafts, greedy requests)
     draft_probs: torch.Tensor | None = None
     trims: list[list[int]] | None = None  # [handle, blocks]: cut the table to this length, then append
+    # overlapped decodes (sent before the step before was read): stage 0 takes the token of each
+    # sequence with prev_rows[i] >= 0 from the ids the last stage sampled for step `prev_mb` (row
+    # prev_rows[i]), which that stage sends it (`Sampled`) when the step before asked with `feed`
+    prev_mb: int = 0
+    prev_rows: list[int] | None = None
+    feed: bool = False  # the last stage sends this step's sampled ids to stage 0 as well
+
+
+@message("sampled")
+class Sampled:
+    """The last stage's sampled ids of a step sent with `feed`, to stage 0 (on its feedback link):
+    the input tokens of the overlapped decode that follows."""
+
+    epoch: int
+    mb: int
+    token_ids: list[int]
 
 
 @message("step_result")

@@ -2,7 +2,8 @@
 
 Setting up (`start`): connect to every worker, probe them, split the layers (partition.py; the
 split is printed), have each load its stage (pushing shards it lacks), size the KV pool to the
-smallest stage, and configure epoch 1: each stage connects to the next, the last answers the head.
+smallest stage, and configure epoch 1: each stage connects to the next, the last answers the head
+(and feeds stage 0 the sampled ids that overlapped decodes take as their input tokens).
 
 Running: `send_step` writes a Step for stage 0 to its socket from the engine's thread (or, over
 TLS or behind unsent bytes, hands it to the I/O thread); `get_results` reads the current epoch's
@@ -233,8 +234,10 @@ class Pipeline:
         self.epoch += 1
         peers = self.peers
         s = self.settings
-        msgs = [Configure(self.epoch, self.num_blocks, peers[i + 1].address if i + 1 < len(peers) else None,
-                          s.wire_dtype, i, s.graph_tokens, s.graph_query_len, s.max_model_len)
+        tail = len(peers) - 1  # its feedback link feeds stage 0 the sampled ids of overlapped decodes
+        msgs = [Configure(self.epoch, self.num_blocks, peers[i + 1].address if i < tail else None,
+                          s.wire_dtype, i, s.graph_tokens, s.graph_query_len, s.max_model_len,
+                          peers[0].address if 0 < i == tail else None)
                 for i in range(len(peers))]
         # from the last stage back, so each stage's next hop is already in the new epoch
         for peer, msg in reversed(list(zip(peers, msgs))):

@@ -15,6 +15,7 @@ states) to the other ranks; TP ranks step eagerly.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,15 @@ class RunnerShape:
         return cls(msg.num_blocks, msg.graph_tokens, msg.graph_query_len, msg.max_model_len)
 
 
+@dataclass
+class StageTimes:
+    """Seconds the stage's steps spent in each part of `StageRuntime.run` (WorkerStats)."""
+
+    prepare: float = 0.0
+    execute: float = 0.0
+    output: float = 0.0
+
+
 class StageRuntime:
     def __init__(self, lm: LoadedModel, request: LoadStage, source: str):
         cfg = lm.config
@@ -70,6 +80,7 @@ class StageRuntime:
         self.seqs = StageSequences()
         self.wire_dtype = "fp16"
         self.staging = HostStaging(lm.device)
+        self.times = StageTimes()
 
     @property
     def memory_shares(self) -> int:
@@ -115,6 +126,7 @@ class StageRuntime:
 
     @torch.inference_mode()
     def run(self, msg: Step) -> Step | StepResult:
+        t0 = time.perf_counter()
         step = self.seqs.apply(msg, self.stage.is_last)
         hidden = None
         if not self.stage.is_first:
@@ -123,11 +135,17 @@ class StageRuntime:
                                  f"{None if msg.hidden is None else tuple(msg.hidden.shape)} for {step.num_tokens} tokens")
             hidden = unpack(self.staging.to_device(msg.hidden), self.staging.to_device(msg.scales), self.lm.dtype,
                             self.lm.device)
+        t1 = time.perf_counter()
         out = self.executor.execute(step, hidden)
+        t2 = time.perf_counter()
+        times = self.times
+        times.prepare += t1 - t0
+        times.execute += t2 - t1
         if self.stage.is_last:
             self.seqs.record(msg, out.token_ids, out.accepted)
             return step_result(msg.epoch, msg.mb, out)
         data, scales = self.staging.to_host(*pack(out, self.wire_dtype))
+        times.output += time.perf_counter() - t2
         return dataclasses.replace(msg, hidden=data, scales=scales)
 
     def close(self) -> None:

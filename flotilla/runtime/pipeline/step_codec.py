@@ -13,6 +13,9 @@ Both sides keep a mirror of every running sequence, keyed by a small integer han
   step's positions. Penalties need the tokens generated so far: they come with the parameters,
   and the last stage appends each token it samples.
 - finished sequences: their handles ride on the next step as `dropped`.
+- overlapped decodes: a step sent before the head read the step before it names that step
+  (`prev_mb`) and, per sequence, the row of its sampled ids that is its input token
+  (`prev_rows`); stage 0 fills the tokens in from the last stage's `Sampled` (`fill_tokens`).
 - speculative decoding: a verifying sequence's new tokens end with its drafts
   (`spec_token_ids`); its sampling rows (one per verified position) follow from its drafts and
   the parameters the last stage holds. Draft distributions travel as one float32 tensor holding
@@ -25,6 +28,7 @@ every stage in the order the head sent it, which keeps the mirrors equal.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +64,9 @@ class StepEncoder:
         if known is not None:
             self._dropped.append(known.handle)
 
-    def encode(self, step: StepInput, epoch: int, mb: int) -> Step:
+    def encode(self, step: StepInput, epoch: int, mb: int, prev_mb: int = 0, feed: bool = False) -> Step:
+        """`prev_mb`: the step whose sampled ids `step.prev_rows` point at (an overlapped decode);
+        `feed`: the last stage sends this step's ids to stage 0 (a decode may follow it that way)."""
         handles, blocks, sampling, trims = [], [], [], []
         spec = step.spec_token_ids or [[]] * step.num_seqs
         row = 0
@@ -91,7 +97,9 @@ class StepEncoder:
         return Step(epoch, mb, handles, list(step.starts), list(step.query_lens), step.num_decodes, list(step.sample),
                     blocks, sampling, dropped, list(step.token_ids), None, None,
                     [list(d) for d in spec] if speculating else None,
-                    _sampled_draft_probs(step) if speculating else None, trims or None)
+                    _sampled_draft_probs(step) if speculating else None, trims or None,
+                    prev_mb if step.prev_rows is not None else 0,
+                    list(step.prev_rows) if step.prev_rows is not None else None, feed)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -127,6 +135,18 @@ def _sampling_row(handle: int, step: StepInput, b: int, row: int, num_spec: int)
     return SeqSampling(handle, s.temperature[row], s.top_k[row], s.top_p[row], s.min_p[row],
                        s.repetition_penalty[row], s.presence_penalty[row], s.frequency_penalty[row], s.seeds[row],
                        s.top_logprobs[row], num_prompt, list(s.prompt_ids[row]), list(s.output_ids[row]))
+
+
+def fill_tokens(msg: Step, sampled: list[int]) -> Step:
+    """Stage 0: an overlapped decode with its input tokens taken from the ids the last stage
+    sampled for step `msg.prev_mb`."""
+    rows = msg.prev_rows
+    tokens = msg.token_ids or []
+    if rows is None or len(rows) != len(tokens) or any(r >= len(sampled) for r in rows):
+        raise ValueError(f"step {msg.mb}: rows {rows} of step {msg.prev_mb}'s {len(sampled)} sampled ids "
+                         f"for {len(tokens)} tokens")
+    filled = [sampled[r] if r >= 0 else t for r, t in zip(rows, tokens)]
+    return dataclasses.replace(msg, token_ids=filled, prev_mb=0, prev_rows=None)
 
 
 def sampler_output(result: StepResult) -> SamplerOutput:

@@ -5,6 +5,8 @@ says what the peer is:
 
     the head            Probe/LoadStage/Configure/Ping/… (control), and on stage 0 the Steps
     the previous stage  Upstream, then Steps
+    the last stage      (to stage 0, in a ring of several) Upstream, then Sampled: the ids of steps
+                        sent with `feed`, the input tokens of the overlapped decodes that follow
     the head's results  ResultsLink (to the last stage, once per epoch): answered by Configured, then
                         this epoch's StepResults go there (results.py reads them on the engine's thread)
 
@@ -19,6 +21,12 @@ the loop reads on: a hop costs no thread hand-off. Longer steps (prefill chunks)
 thread, and so does every step behind them until it has caught up, so steps always run in
 arrival order and heartbeats are answered while a long chunk computes. Each step carries the
 epoch it was sent in; `Configure` starts a new epoch, and steps of any other epoch are dropped.
+
+Overlapped decodes (the head sends a decode before it has read the step before it): stage 0
+holds such a step (and every step behind it, to keep the order) until the last stage's `Sampled`
+ids of that step before have come; then it fills in the input tokens and runs it as any other.
+The last stage sends `Sampled` on its feedback link before the StepResult goes to the head, so
+the ring stage 0 -> ... -> last -> stage 0 turns without the head.
 """
 from __future__ import annotations
 
@@ -42,10 +50,12 @@ from flotilla.runtime.tp import load_model_parallel
 from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
                          server_handshake)
 from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
-                       Pong, Probe, ResultsLink, StageLoaded, StatsRequest, Step, StepResult, Upstream, WorkerStats)
+                       Pong, Probe, ResultsLink, Sampled, StageLoaded, StatsRequest, Step, StepResult, Upstream,
+                       WorkerStats)
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox
-from .stage_runtime import StageRuntime, on_device
+from .stage_runtime import StageRuntime, StageTimes, on_device
+from .feed import FeedGate
 from .stream import start_server
 from .weight_push import ShardReceiver, WeightCache, fingerprint
 from .wire import DEFAULT_MAX_FRAME, ProtocolError
@@ -83,6 +93,7 @@ class _Counters:
     decode_bytes: int = 0
     bytes_sent: int = 0
     compute_seconds: float = 0.0
+    send_seconds: float = 0.0
 
 
 @dataclass
@@ -106,6 +117,8 @@ class Worker:
         self.upstream: Connection | None = None
         self.downstream: _Link | None = None
         self.results: _Link | None = None  # the head's result connection of this epoch (last stage)
+        self.feedback: _Link | None = None  # the last stage's link to stage 0 (Sampled), in a ring of several
+        self.gate = FeedGate()  # stage 0: overlapped decodes wait there for their input ids
         self.counters = _Counters()
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
@@ -135,7 +148,7 @@ class Worker:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for box in (self.head, *(link.outbox for link in (self.downstream, self.results) if link)):
+        for box in (self.head, *(link.outbox for link in (self.downstream, self.results, self.feedback) if link)):
             if box is not None:
                 box.close()
         if self.upstream is not None:
@@ -207,9 +220,12 @@ class Worker:
         self.upstream = conn
 
         def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
-            if not isinstance(msg, Step):
+            if isinstance(msg, Step):
+                self._step_arrived(msg)
+            elif isinstance(msg, Sampled):
+                self._sampled_arrived(msg)
+            else:
                 raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
-            self._step_arrived(msg)
 
         try:
             await conn.serve(handle)
@@ -261,10 +277,15 @@ class Worker:
             return await self._configure(msg)
         if isinstance(msg, StatsRequest):
             c = self.counters
+            t = self.runtime.times if self.runtime is not None else StageTimes()
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
-                                self.shard_bytes_received, c.compute_seconds)
+                                self.shard_bytes_received, c.compute_seconds, t.prepare, t.execute, t.output,
+                                c.send_seconds, self.gate.parked_steps)
             if msg.reset:
                 self.counters = _Counters()
+                self.gate.parked_steps = 0
+                if self.runtime is not None:
+                    self.runtime.times = StageTimes()
             return stats
         raise FlotillaError(f"unexpected {msg.WIRE_NAME}: no weight push is in progress")
 
@@ -323,38 +344,48 @@ class Worker:
         await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.configure, msg)
         self._drop_downstream()
         self._drop_results()
+        self.gate.reset()
         if msg.downstream is not None:
-            host, port = parse_address(msg.downstream)
-            try:
-                conn = await connect(host, port, self.config.token, f"stage-{msg.stage_index}", self.config.ssl_client,
-                                     self.config.handshake_timeout, self.config.max_frame)
-            except (AuthError, ProtocolError, *_GONE) as e:
-                raise FlotillaError(f"stage {msg.stage_index} cannot reach the next stage at {msg.downstream}: "
-                                    f"{type(e).__name__}: {e}") from None
-            link = self.downstream = _Link(conn, Outbox(conn, self._count), msg.epoch)
-            link.outbox.put(Upstream(msg.epoch, msg.stage_index))
-            link.watch = asyncio.create_task(self._watch_downstream(link))
+            self.downstream = await self._open_link(msg, msg.downstream, "the next stage")
+        if msg.feedback is not None:
+            self.feedback = await self._open_link(msg, msg.feedback, "stage 0")
         log.info("epoch %d: stage %d, %d KV blocks, next hop %s", msg.epoch, msg.stage_index, msg.num_blocks,
                  msg.downstream or "the head")
         return Configured(msg.epoch)
 
-    async def _watch_downstream(self, link: _Link) -> None:
-        """The next stage never talks back on this link; its end is a fault of the current epoch."""
+    async def _open_link(self, msg: Configure, address: str, whom: str) -> _Link:
+        """This epoch's link to the next stage (Steps), or the last stage's to stage 0 (Sampled)."""
+        host, port = parse_address(address)
+        try:
+            conn = await connect(host, port, self.config.token, f"stage-{msg.stage_index}", self.config.ssl_client,
+                                 self.config.handshake_timeout, self.config.max_frame)
+        except (AuthError, ProtocolError, *_GONE) as e:
+            raise FlotillaError(f"stage {msg.stage_index} cannot reach {whom} at {address}: "
+                                f"{type(e).__name__}: {e}") from None
+        link = _Link(conn, Outbox(conn, self._count), msg.epoch)
+        link.outbox.put(Upstream(msg.epoch, msg.stage_index))
+        link.watch = asyncio.create_task(self._watch_link(link, whom))
+        return link
+
+    async def _watch_link(self, link: _Link, whom: str) -> None:
+        """The receiver never talks back on a link; its end is a fault of the current epoch."""
         try:
             msg = await link.conn.recv()
-            log.warning("unexpected %s from the next stage; closing the link", msg.WIRE_NAME)
+            log.warning("unexpected %s from %s; closing the link", msg.WIRE_NAME, whom)
         except (ProtocolError, *_GONE):
             pass
-        if self.downstream is link:
-            self._fault(link.epoch, f"stage {self.stage_index} lost its connection to the next stage")
+        if link in (self.downstream, self.feedback):
+            self._fault(link.epoch, f"stage {self.stage_index} lost its connection to {whom}")
             self._drop_downstream()
 
     def _drop_downstream(self) -> None:
-        link, self.downstream = self.downstream, None
-        if link is not None:
-            if link.watch is not None:
-                link.watch.cancel()
-            link.outbox.close()
+        """Close this epoch's outgoing links (to the next stage, and the feedback link)."""
+        links, self.downstream, self.feedback = (self.downstream, self.feedback), None, None
+        for link in links:
+            if link is not None:
+                if link.watch is not None:
+                    link.watch.cancel()
+                link.outbox.close()
 
     def _fault(self, epoch: int, message: str) -> None:
         log.warning("%s", message)
@@ -382,11 +413,34 @@ class Worker:
         return self._behind == 0
 
     def _step_arrived(self, msg: Step) -> None:
-        """On the loop's thread: run a decode step here and now, unless steps wait for the compute
-        thread (then it queues behind them); hand anything longer to the compute thread."""
+        """On the loop's thread: a step of this epoch goes through stage 0's gate (an overlapped
+        decode waits there for its input ids, and every step behind it too) and is dispatched."""
         self.on_step()
+        if msg.epoch == self.epoch:
+            self._through(self.gate.step, msg)
+
+    def _sampled_arrived(self, msg: Sampled) -> None:
+        """Stage 0: the last stage's ids of a step; the steps that waited for them run."""
+        if msg.epoch == self.epoch:
+            self._through(self.gate.sampled, msg)
+
+    def _through(self, gate, msg) -> None:
+        try:
+            steps = gate(msg)
+        except ValueError as e:
+            self._fault(msg.epoch, f"stage {self.stage_index}: {e}")
+            return
+        for step in steps:
+            self._dispatch(step)
+
+    def _dispatch(self, msg: Step) -> None:
+        """Run a decode step here and now, unless steps wait for the compute thread (then it
+        queues behind them); hand anything longer to the compute thread."""
         if self._behind == 0 and sum(msg.query_lens) <= len(msg.query_lens) * self._inline_query_len:
-            self._emit(self._run_step(msg))
+            out = self._run_step(msg)
+            start = time.perf_counter()
+            self._emit(out, msg.feed)
+            self.counters.send_seconds += time.perf_counter() - start
             return
         self._behind += 1
         self._steps.put(msg)
@@ -398,11 +452,11 @@ class Worker:
             msg = self._steps.get()
             if msg is None:
                 return
-            self._loop.call_soon_threadsafe(self._caught_up, self._run_step(msg))
+            self._loop.call_soon_threadsafe(self._caught_up, self._run_step(msg), msg.feed)
 
-    def _caught_up(self, out: Step | StepResult | Fault | None) -> None:
+    def _caught_up(self, out: Step | StepResult | Fault | None, feed: bool) -> None:
         self._behind -= 1
-        self._emit(out)
+        self._emit(out, feed)
 
     def _run_step(self, msg: Step) -> Step | StepResult | Fault | None:
         """Run one step (on either thread): what goes to the next hop, a Fault for the head if the
@@ -421,7 +475,9 @@ class Worker:
                 return Fault(msg.epoch, f"stage {self.stage_index} failed a step: {type(e).__name__}: {e}")
         return out
 
-    def _emit(self, out: Step | StepResult | Fault | None) -> None:
+    def _emit(self, out: Step | StepResult | Fault | None, feed: bool = False) -> None:
+        """Send a step's output on: hidden states to the next stage; sampled ids to the head, and
+        first to stage 0 when the step asked (`feed`: an overlapped decode waits for them)."""
         if out is None:
             return
         if isinstance(out, Fault):
@@ -429,13 +485,17 @@ class Worker:
         elif out.epoch != self.epoch:
             return
         elif isinstance(out, StepResult):
+            if feed and self.feedback is not None and self.feedback.epoch == out.epoch:
+                self.feedback.outbox.put(Sampled(out.epoch, out.mb, out.token_ids))
             if self.results is not None and self.results.epoch == out.epoch:
                 self.results.outbox.put(out)
+            if feed and self.stage_index == 0:  # a ring of one stage feeds itself
+                self._sampled_arrived(Sampled(out.epoch, out.mb, out.token_ids))
         elif self.downstream is not None and self.downstream.epoch == out.epoch:
             self.downstream.outbox.put(out)
 
     def _count(self, msg, nbytes: int) -> None:
-        if not isinstance(msg, (Step, StepResult)):
+        if not isinstance(msg, (Step, StepResult, Sampled)):
             return
         c = self.counters
         c.bytes_sent += nbytes

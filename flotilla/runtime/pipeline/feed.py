@@ -1,0 +1,60 @@
+"""Stage 0's gate for overlapped decodes: steps leave it in the order they came, each with its
+input tokens.
+
+The head sends an overlapped decode before it has read the step before it (PipelineEngine): its
+tokens are "row r of the ids the last stage samples for step `prev_mb`", which the last stage
+sends stage 0 (`Sampled`) on its feedback link. Such a step waits here until those ids have
+come, and so does every step behind it, so that stage 0 runs steps in the order the head sent
+them (what keeps KV writes before the reads that depend on them). Ids no later step can name
+(those of steps before the one just let through) are forgotten.
+"""
+from __future__ import annotations
+
+import collections
+
+from .messages import Sampled, Step
+from .step_codec import fill_tokens
+
+
+class FeedGate:
+    """One epoch's steps at stage 0 (`reset` at each Configure). Not thread-safe: the worker's
+    event-loop thread owns it."""
+
+    def __init__(self):
+        self._fed: dict[int, list[int]] = {}  # sampled ids by step
+        self._parked: collections.deque[Step] = collections.deque()
+        self.parked_steps = 0  # overlapped decodes that came before their ids (the head ahead of the ring)
+
+    def reset(self) -> None:
+        self._fed.clear()
+        self._parked.clear()
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def step(self, msg: Step) -> list[Step]:
+        """A step came: what may run now (it, tokens filled in, or nothing while it must wait)."""
+        if self._parked or (msg.prev_rows is not None and msg.prev_mb not in self._fed):
+            self.parked_steps += msg.prev_rows is not None and msg.prev_mb not in self._fed
+            self._parked.append(msg)
+            return []
+        return [self._through(msg)]
+
+    def sampled(self, msg: Sampled) -> list[Step]:
+        """The last stage's ids of a step came: the parked steps that may run now, in order."""
+        self._fed[msg.mb] = msg.token_ids
+        out = []
+        while self._parked:
+            head = self._parked[0]
+            if head.prev_rows is not None and head.prev_mb not in self._fed:
+                break
+            out.append(self._through(self._parked.popleft()))
+        return out
+
+    def _through(self, msg: Step) -> Step:
+        """The step as it runs (ValueError: its rows do not fit the ids)."""
+        if msg.prev_rows is not None:
+            msg = fill_tokens(msg, self._fed.pop(msg.prev_mb))
+        for mb in [mb for mb in self._fed if mb < msg.mb]:  # named by no step after this one
+            del self._fed[mb]
+        return msg

@@ -26,7 +26,10 @@ token_ids); a row whose token is still on the device (a decode launched before t
 step's ids were read) holds 0 in token_ids and the previous step's row in prev_rows.
 
 Only what changed is written and sent: a row's block table is rewritten when its list is a new
-object (the engine replaces a sequence's table when it grows and never changes it in place), and
+object or a new length. Every caller keeps to that: the engine replaces a sequence's table when it
+grows and never changes it in place; a pipeline worker's mirror (pipeline/step_codec.StageSequences)
+extends a table in place (a new length) and replaces it when it trims it, since a trim then an
+extend can give the same length with other blocks (a preempted sequence back with new blocks); and
 the copy covers the fields and the table rows up to the last one written.
 
 Padding rows hold token 0 at position 0 with one token of context, and a block table of null

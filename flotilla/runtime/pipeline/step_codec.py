@@ -197,7 +197,9 @@ class StageSequences:
         for trim in msg.trims or ():
             if len(trim) != 2 or trim[0] not in self.tables or not 0 < trim[1] <= len(self.tables[trim[0]]):
                 raise ValueError(f"step {msg.mb}: a bad table trim {trim}")
-            del self.tables[trim[0]][trim[1]:]
+            # a new list, never a trim in place: graph inputs (cuda_graphs.DecodeInputs) skip a row whose
+            # table is the same object of the same length, and a trim + extend keeps the length
+            self.tables[trim[0]] = self.tables[trim[0]][:trim[1]]
         tables = []
         for h, new in zip(msg.handles, msg.blocks):
             table = self.tables.setdefault(h, [])

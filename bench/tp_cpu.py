@@ -72,7 +72,8 @@ def run(model: Path, tp: int, streams_list: list[int], tokens: int, repeats: int
     from flotilla.runtime.sampling import SamplingParams
     from flotilla.runtime.tp import load_model_parallel
 
-    lm = load_model_parallel(model, device, "float32" if device == "cpu" else "float16", tp=tp, progress=False)
+    lm = load_model_parallel(model, device, "float32" if device == "cpu" else "float16", tp=tp,
+                             with_tokenizer=False, progress=False)
     rows = []
     try:
         engine = build_engine(lm, EngineArgs(kv_cache_memory="256MiB", max_num_seqs=max(streams_list),

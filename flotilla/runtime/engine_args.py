@@ -64,7 +64,7 @@ class EngineArgs:
         g.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="on a GPU, wait for each decode step's tokens before launching the next (default: "
                             "the next is launched first, and the host's work hides behind the GPU's); in a "
-                            "pipeline (one micro-batch in flight, or a GPU ring's lone micro-batch), wait for each step's tokens before sending "
+                            "pipeline with one micro-batch in flight, wait for each step's tokens before sending "
                             "the next (default: the last stage feeds them to stage 0)")
         g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "

@@ -14,11 +14,8 @@ until its token comes back). So `step()` here is:
 Every stage runs the steps in the order the head sent them, which is what keeps KV writes before
 the reads that depend on them, as in the local engine.
 
-Overlap (on by default where one micro-batch is in flight, stages that share a GPU, and on rings
-of GPU stages only; `--no-overlap` turns it off), as the local engine's (runtime/engine.py), for a
-schedule that is the ring's only micro-batch (a ring of several micro-batches in flight overlaps
-its decodes only while one holds every running sequence, e.g. a single stream on two GPUs,
-where micro-batches cannot help): a plain decode step is sent with
+Overlap (one micro-batch in flight: stages that share a GPU; on by default there, `--no-overlap`
+turns it off), as the local engine's (runtime/engine.py): a plain decode step is sent with
 `feed`, and at once the decode after it (`Scheduler.schedule_ahead`), whose input tokens are
 "the ids the last stage samples for the step before" (`prev_rows`): stage 0 holds it until the
 last stage has sent it those ids, so the ring turns stage 0 -> ... -> last -> stage 0 while the
@@ -80,6 +77,7 @@ class PipelineEngine(LLMEngine):
         self._inflight: dict[int, SchedulerOutput] = {}
         self._generation = executor.generation
         self.num_rewinds = 0
+        self.overlap = self.overlap and executor.depth == 1
         self._early: dict[int, SamplerOutput] = {}  # the result of the step sent ahead, before it is kept
         self.num_ahead = 0  # decodes sent before the step before them was read
         self.num_dropped = 0  # of those, dropped (a sequence in them ended)
@@ -111,11 +109,9 @@ class PipelineEngine(LLMEngine):
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return
-            pieces = self._pieces(scheduled)
-            for piece in pieces:
+            for piece in self._pieces(scheduled):
                 step = self._step_input(piece)
-                # overlapped only as the ring's one micro-batch: nothing else in flight, not cut
-                feed = self.overlap and len(pieces) == 1 and not self._inflight and self._launches(piece, step)
+                feed = self.overlap and self._launches(piece, step)
                 mb = ex.submit(step, self._generation, feed=feed)
                 self._inflight[mb] = piece
                 if feed:

@@ -60,10 +60,8 @@ class PipelineExecutor:
     @property
     def prefers_overlap(self) -> bool:
         """Overlapped decodes pay where one micro-batch is in flight (stages taking turns on one
-        GPU): the head's work for a step then hides behind the ring's work for the next; and on
-        rings of GPU stages, for a schedule that makes one micro-batch (a single stream). Not on
-        CPU rings of several micro-batches, whose cores the head's work would take from a stage."""
-        return self.depth == 1 or self.pipeline.all_gpu
+        GPU): the head's work for a step then hides behind the ring's work for the next."""
+        return self.depth == 1
 
     def same_rows(self, num_rows: int, fewer: int) -> bool:
         """Never promised across the ring (stages of other kinds, batch sizes in other graph

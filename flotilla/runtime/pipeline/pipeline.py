@@ -122,11 +122,6 @@ class Pipeline:
             return self.num_stages
         return compute_units([i.device for i in self.infos], [i.memory_id for i in self.infos])
 
-    @property
-    def all_gpu(self) -> bool:
-        """Whether every stage runs on a GPU (known once the workers have said)."""
-        return bool(self.infos) and all(i.device.startswith("cuda") for i in self.infos)
-
     # ------------------------------------------------------------------ the engine thread's side
     def start(self) -> None:
         try:

@@ -125,18 +125,15 @@ def rank_logits(rank: int, world: int, init: str, model_dirs: list[str], out_dir
     dist.destroy_process_group()
 
 
-def greedy_tokens(model_dir: str, tp: int, max_tokens: int = 12, device: str = "cpu",
-                  enforce_eager: bool = False) -> list[list[int]]:
-    """Greedy decoding of PROMPTS through the engine (continuous batching, chunked prefill; on CUDA
-    decode steps replay graphs unless `enforce_eager`)."""
+def greedy_tokens(model_dir: str, tp: int, max_tokens: int = 12) -> list[list[int]]:
+    """Greedy decoding of PROMPTS through the engine (continuous batching, chunked prefill)."""
     from flotilla.runtime.engine_args import EngineArgs, build_engine, generate
     from flotilla.runtime.sampling import SamplingParams
     from flotilla.runtime.tp import load_model_parallel
 
-    lm = load_model_parallel(model_dir, device, None, tp=tp)
+    lm = load_model_parallel(model_dir, "cpu", None, tp=tp)
     try:
-        engine = build_engine(lm, EngineArgs(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=16,
-                                             enforce_eager=enforce_eager))
+        engine = build_engine(lm, EngineArgs(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=16))
         return generate(engine, PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     finally:
         if lm.parallel is not None:

@@ -102,12 +102,11 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching, overlap=None if args.overlap else False)
-    # CUDA graphs for decode steps (on TP ranks too, each capturing its collectives in lockstep). A
+    # CUDA graphs on one device; TP ranks step eagerly (the collectives stay outside graphs). A
     # verify step (each sequence's token and up to K drafts) replays them too: buckets of tokens.
     query_len = 1 + spec_config.num_speculative_tokens if spec_config is not None else 1
-    graphs = () if args.enforce_eager else capture_sizes(args.max_num_seqs * query_len)
-    make_runner = lm.parallel.runner if lm.parallel else ModelRunner  # TP: the other ranks build theirs too
-    runner = make_runner(lm.model, cache, graph_sizes=graphs, max_model_len=config.context_len,
+    graphs = () if args.enforce_eager or lm.parallel else capture_sizes(args.max_num_seqs * query_len)
+    runner = ModelRunner(lm.model, cache, graph_sizes=graphs, max_model_len=config.context_len,
                          graph_query_len=query_len)
     executor = lm.parallel.executor(runner) if lm.parallel else runner  # rank 0 sends each step to the others
     decoder = None

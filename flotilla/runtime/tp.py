@@ -12,11 +12,7 @@ Each step rank 0 sends the StepInput to every other rank over a pipe (msgpack; t
 stay on rank 0), and then all ranks run the same ModelRunner step: the collectives inside the
 layers (an all-reduce after o_proj and down_proj, one after the embedding, a gather of the
 logits) keep them in lockstep, and only rank 0 receives the logits and samples. Each rank's KV
-cache holds its own KV heads, with the block ids rank 0's block manager hands out. On CUDA every
-rank captures the same decode graphs with the collectives inside (NCCL in a CUDA graph): rank 0
-tells the ranks to build their runners before it builds its own (`TensorParallel.runner`), so the
-captures, whose warm-up and recording run the collectives, proceed in lockstep; a replayed step
-is then one graph launch a rank, not a few hundred kernel launches from Python.
+cache holds its own KV heads, with the block ids rank 0's block manager hands out.
 
 The control messages go over pipes rather than the process group, so that an idle server has no
 collective waiting out a timeout, and a rank whose parent dies reads EOF and exits.
@@ -167,16 +163,6 @@ class TensorParallel:
         """Wait until every other rank has loaded its share (a FlotillaError names a failed rank)."""
         self._wait_for("ready")
 
-    def runner(self, model, cache: KVCache, graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
-               graph_query_len: int = 1) -> ModelRunner:
-        """Rank 0's ModelRunner over `cache`, and the same runner on every other rank (a pool of the
-        same blocks, the same decode graphs). The ranks hear of it first: on CUDA each rank captures
-        its graphs, collectives included (NCCL in a graph), in lockstep with rank 0's capture."""
-        self.send(_pack("setup", cache.num_blocks, cache.spec.block_size, list(graph_sizes), max_model_len,
-                        graph_query_len))
-        return ModelRunner(model, cache, graph_sizes=graph_sizes, max_model_len=max_model_len,
-                           graph_query_len=graph_query_len)
-
     def executor(self, runner: ModelRunner) -> "TPExecutor":
         return TPExecutor(runner, self)
 
@@ -224,7 +210,8 @@ class TPExecutor:
     """The engine's executor on rank 0: each step goes to the other ranks, then runs here."""
 
     def __init__(self, runner: ModelRunner, tp: TensorParallel):
-        self.runner, self.tp = runner, tp  # built by tp.runner(): the same pool and graphs on every rank
+        self.runner, self.tp = runner, tp
+        tp.send(_pack("setup", runner.cache.num_blocks, runner.block_size))  # the same pool on every rank
 
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
         self.tp.send(encode_step(step, hidden))
@@ -315,14 +302,12 @@ def _run_steps(lm: LoadedModel, conn, group: TPGroup) -> None:
         msg = _unpack(conn.recv_bytes())
         if msg[0] == "stop":
             return
-        if msg[0] == "setup":  # rank 0 builds a runner (TensorParallel.runner): the same one here
-            _, num_blocks, block_size, graph_sizes, max_model_len, graph_query_len = msg
+        if msg[0] == "setup":  # an engine was built on rank 0: a cache of the same blocks here
+            _, num_blocks, block_size = msg
             spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, lm.config.head_dim, lm.dtype,
                                block_size)
-            runner = None  # the old cache and graphs go first
-            runner = ModelRunner(lm.model, KVCache(spec, num_blocks, lm.device), sampler=_NoSampler(),
-                                 graph_sizes=tuple(graph_sizes), max_model_len=max_model_len,
-                                 graph_query_len=graph_query_len)
+            runner = None  # the old cache goes first
+            runner = ModelRunner(lm.model, KVCache(spec, num_blocks, lm.device), sampler=_NoSampler())
             continue
         step, shape = decode_step(msg)
         hidden = None

@@ -115,9 +115,9 @@ class StageRuntime:
         if shape != self.shape:
             self.drop_pool()  # the old pool and graphs go first
             self.cache = KVCache(self.spec, shape.num_blocks, self.lm.device)
-            sizes = () if shape.graph_tokens < 1 else capture_sizes(shape.graph_tokens)
-            make_runner = self.lm.parallel.runner if self.lm.parallel is not None else ModelRunner  # TP: every rank's
-            self.runner = make_runner(self.lm.model, self.cache, graph_sizes=sizes,
+            eager = shape.graph_tokens < 1 or self.lm.parallel is not None  # TP ranks step eagerly
+            sizes = () if eager else capture_sizes(shape.graph_tokens)
+            self.runner = ModelRunner(self.lm.model, self.cache, graph_sizes=sizes,
                                       max_model_len=shape.max_model_len or None, graph_query_len=shape.graph_query_len)
             self.executor = self.lm.parallel.executor(self.runner) if self.lm.parallel is not None else self.runner
             self.shape = shape

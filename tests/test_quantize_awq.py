@@ -138,10 +138,11 @@ def test_awq_beats_rtn_on_a_tiny_models_outputs(tmp_path):
     assert err["awq"] < err["rtn"]
 
 
-def test_awq_rounds_on_the_min_max_grid_unless_told():
+def test_calibrated_methods_clip_by_output_error_unless_told():
     """A weight-space clipping search would clip the weights AWQ scaled up (options.default_grid)."""
-    assert QuantizeOptions(method="awq").grid == "minmax" and QuantizeOptions(method="awq+gptq").grid == "minmax"
-    assert QuantizeOptions(method="gptq").grid == "mse" and QuantizeOptions(method="rtn").grid == "mse"
-    assert QuantizeOptions(method="awq", grid="mse").grid == "mse"
+    for method in ("awq", "awq+gptq", "gptq"):
+        assert QuantizeOptions(method=method).grid == "output"
+    assert QuantizeOptions(method="rtn").grid == "mse"
+    assert QuantizeOptions(method="awq", grid="minmax").grid == "minmax"
     assert QuantizeOptions(method="awq").label == "INT4 AWQ g128 sym"
     assert QuantizeOptions(method="awq", grid="mse").label == "INT4 AWQ g128 sym mse"

@@ -16,7 +16,8 @@ from flotilla.models.weights import load_layer, load_stage
 from flotilla.quantize import QuantizeOptions, quantize_model
 from flotilla.quantize.activations import CalibrationActivations
 from flotilla.quantize.awq import InputStats, apply_scale, output_error, scale_sites, search_scale
-from flotilla.quantize.grid import GridSpec
+from flotilla.quantize.clip import output_clip_params
+from flotilla.quantize.grid import GridSpec, rtn_quantize
 
 from quantize_helpers import decode_gptq, read_checkpoint, tiny_model_dir
 
@@ -47,15 +48,32 @@ def test_search_lowers_the_output_error_where_a_few_channels_dominate():
     assert float(s[X.abs().mean(0) > 5].mean()) > float(s[X.abs().mean(0) < 5].mean())  # salient channels grow
 
 
-def test_search_keeps_s_one_when_nothing_helps():
-    """Scores include s = 1, so the chosen scales never do worse than plain rounding."""
+@pytest.mark.parametrize("grid", ["minmax", "output"])
+def test_search_keeps_s_one_when_nothing_helps(grid):
+    """Scores include s = 1, so the chosen scales never do worse than plain rounding (on the grid
+    the weights will be rounded on)."""
     W = torch.randn(16, 64)
     stats = InputStats(64, "cpu")
     stats.add(torch.randn(512, 64))
-    spec = GridSpec(4, sym=False)
+    spec = GridSpec(4, sym=False, grid=grid)
     s, _ = search_scale(W, stats, spec, 32)
     H = stats.hessian.hessian()
     assert output_error(W, s, H, spec, 32) <= output_error(W, torch.ones(64), H, spec, 32)
+
+
+def test_output_grid_scores_the_rounding_the_layer_gets():
+    """On the output grid a candidate is scored by exactly what the layer will hold: RTN with the
+    clipping ranges clip.py picks for the scaled weight and its scaled input."""
+    X, W = uneven_inputs(1024, 128), torch.randn(32, 128) * 0.05
+    stats = InputStats(128, "cpu")
+    stats.add(X)
+    spec, H = GridSpec(4, sym=True, grid="output"), stats.hessian.hessian()
+    s, alpha = search_scale(W, stats, spec, 64)
+    Ws, Hs = W * s, (X / s).T @ (X / s) * (2 / X.shape[0])
+    held = rtn_quantize(Ws, spec, 64, output_clip_params(Ws, Hs, spec, 64)).dequantize() / s
+    assert alpha >= 0 and output_error(W, s, H, spec, 64) != output_error(W, s, H, GridSpec(4, sym=True), 64)
+    assert output_error(W, s, H, spec, 64) == pytest.approx(float(((X @ (held - W).T) ** 2).sum() * 2 / X.shape[0]),
+                                                            rel=1e-3)
 
 
 def test_folded_scales_keep_the_layers_float_outputs(mha_src):
@@ -138,10 +156,11 @@ def test_awq_beats_rtn_on_a_tiny_models_outputs(tmp_path):
     assert err["awq"] < err["rtn"]
 
 
-def test_awq_rounds_on_the_min_max_grid_unless_told():
+def test_calibrated_methods_clip_by_output_error_unless_told():
     """A weight-space clipping search would clip the weights AWQ scaled up (options.default_grid)."""
-    assert QuantizeOptions(method="awq").grid == "minmax" and QuantizeOptions(method="awq+gptq").grid == "minmax"
-    assert QuantizeOptions(method="gptq").grid == "mse" and QuantizeOptions(method="rtn").grid == "mse"
-    assert QuantizeOptions(method="awq", grid="mse").grid == "mse"
+    for method in ("awq", "awq+gptq", "gptq"):
+        assert QuantizeOptions(method=method).grid == "output"
+    assert QuantizeOptions(method="rtn").grid == "mse"
+    assert QuantizeOptions(method="awq", grid="minmax").grid == "minmax"
     assert QuantizeOptions(method="awq").label == "INT4 AWQ g128 sym"
     assert QuantizeOptions(method="awq", grid="mse").label == "INT4 AWQ g128 sym mse"

@@ -211,10 +211,10 @@ def test_searched_grid_never_loses_to_minmax(sym):
     assert torch.equal(scale, scale.half().float()) and int(zero.min()) >= 1  # still format-exact
 
 
-def test_mse_grid_is_the_default_and_minmax_is_kept():
+def test_mse_grid_is_rtns_default_and_minmax_is_kept():
     from flotilla.quantize.options import QuantizeOptions
 
-    assert QuantizeOptions().grid == "mse"
+    assert QuantizeOptions(method="rtn").grid == "mse"
     w = torch.randn(16, 64)
     exact = rtn_quantize(w, GridSpec(4, True), 32)
     torch.testing.assert_close(exact.scales, find_params(w.view(16, 2, 32).transpose(0, 1).reshape(32, 32),

@@ -115,3 +115,36 @@ def test_sensitive_picks_the_linear_of_largest_error(src, tmp_path, monkeypatch)
     worst = sorted(seen, key=seen.get, reverse=True)[:2]
     assert len(seen) == 8 and all(e > 0 for e in seen.values())
     assert sorted(report.kept) == sorted(f"{u.label}:8" for u in worst)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_sensitivity_of_down_proj_is_what_its_rounding_adds_to_the_residual_stream(src, index):
+    """down_proj's measure is exact: the energy its rounding adds to the layer's output over that
+    output's energy, checked by running the layer with only down_proj rounded (the last layer too)."""
+    from flotilla.models.attention import DenseCausalAttention
+    from flotilla.models.weights import load_layer
+    from flotilla.quantize.activations import CalibrationActivations
+    from flotilla.quantize.grid import GridSpec, rtn_quantize
+    from flotilla.quantize.mixed import measure_errors
+
+    source = open_source(src)
+    cfg = source.config
+    x = torch.randn(3, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(2)) * 2
+    options = QuantizeOptions(method="rtn", group_size=64)
+    acts = CalibrationActivations(x.clone(), cfg)
+    errors = measure_errors(source, cfg, acts, options, progress=False)
+    unit = next(u for u in units(cfg) if u.layer == index and u.merged == "down_proj")
+
+    h = x.view(48, -1)
+    for i in range(index + 1):
+        layer = load_layer(source, i)
+        run = lambda: layer(h, acts.positions.repeat(3), acts.rope, DenseCausalAttention(3, 16))  # noqa: E731
+        out = run()
+        if i < index:
+            h = out
+    w = layer.mlp.down_proj.weight
+    with torch.no_grad():
+        w.copy_(rtn_quantize(w, GridSpec(4, True, grid="mse"), 64).dequantize())
+    rounded = run()
+    want = float((rounded - out).pow(2).sum(-1).mean() / out.pow(2).sum(-1).mean())
+    assert errors[unit] == pytest.approx(want, rel=1e-3)

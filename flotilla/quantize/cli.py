@@ -2,7 +2,7 @@
 
     quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
              [--keep BITS:PATTERN]... [--sensitive N]
-             [--grid mse|minmax|output] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
+             [--grid output|mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
 Without -o the checkpoint goes beside the source: `DIR-gptq-int4/` for `DIR/`, `NAME-gptq-int4/`
@@ -49,11 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--sym", dest="sym", action="store_true", default=_DEFAULTS.sym,
                      help="symmetric grid, zero point 2^(bits-1) (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid, a zero point per group")
-    p.add_argument("--grid", default="", metavar="{mse,minmax,output}",
-                   help="how a group's scale is chosen: mse searches the clipping range with the least rounding "
-                        "error, minmax spans the group's min to max (default mse; minmax for awq and awq+gptq, whose "
-                        "scaled-up salient weights a clipping search would clip); output searches it by the error "
-                        "of the linear's output on the calibration inputs (gptq, awq, awq+gptq)")
+    p.add_argument("--grid", default="", metavar="{output,mse,minmax}",
+                   help="how a group's scale is chosen: output searches the clipping range with the least error in "
+                        "the linear's output on the calibration text, mse the one with the least weight error, minmax "
+                        "spans the group's min to max (default output; mse for rtn, which has no calibration text)")
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",

@@ -28,6 +28,7 @@ from flotilla.kernels.gptq import num_groups
 from .grid import GridSpec, dequantize_codes, quantize_codes, range_params
 
 RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # AutoAWQ's: 1.00, 0.95, ... 0.55
+SUB_BLOCK = 16  # columns of a group updated one by one in gptq_group_params; the rest lazily
 
 
 def output_clip_params(w: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: int,
@@ -67,12 +68,18 @@ def gptq_group_params(w: torch.Tensor, U: torch.Tensor, spec: GridSpec,
     scale, zero = scale.view(R, out_f), zero.view(R, out_f)
     W = w.float().unsqueeze(0).repeat(R, 1, 1)  # [R, out, n]: one copy of the group per candidate
     loss = torch.zeros(R, out_f, device=w.device)
-    for j in range(n):
-        col = W[:, :, j]
-        e = (col - dequantize_codes(quantize_codes(col, scale, zero, spec.maxq), scale, zero)) / U[j, j]
-        loss.addcmul_(e, e)
-        if j + 1 < n:
-            W[:, :, j + 1:].sub_(e.unsqueeze(-1) * U[j, j + 1:])
+    for b0 in range(0, n, SUB_BLOCK):  # lazy updates, as GPTQ's blocks: columns past the sub-block
+        b1 = min(b0 + SUB_BLOCK, n)    # get its errors in one matmul, not one update per column
+        E = torch.empty(R, out_f, b1 - b0, device=w.device)
+        for j in range(b0, b1):
+            col = W[:, :, j]
+            e = (col - dequantize_codes(quantize_codes(col, scale, zero, spec.maxq), scale, zero)) / U[j, j]
+            loss.addcmul_(e, e)
+            E[:, :, j - b0] = e
+            if j + 1 < b1:
+                W[:, :, j + 1:b1].sub_(e.unsqueeze(-1) * U[j, j + 1:b1])
+        if b1 < n:
+            W[:, :, b1:].sub_(E @ U[b0:b1, b1:])  # [R, out, sub] @ [sub, rest]
     # the first minimum along R: ratios run from the widest range down, so ties keep the wider one
     pick = loss.argmin(dim=0, keepdim=True)  # [1, out]
     return scale.gather(0, pick).squeeze(0), zero.gather(0, pick).squeeze(0)

@@ -56,7 +56,7 @@ def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, qu
     if options.uses_activations and acts is None:
         raise ValueError(f"--method {options.method} needs calibration activations")
     if options.method in ("awq", "awq+gptq"):
-        result.awq_alpha = scale_layer(layer, acts, lambda m: _triple(configs[m]))
+        result.awq_alpha = scale_layer(layer, acts, lambda m: _triple(configs[m]), options.grid)
     rounding = options.method in ("rtn", "awq")
     if acts is None or (rounding and options.grid != "output" and not advance):
         stages = ((m, iter(())) for m in configs)  # rounding alone: no inputs to run

@@ -22,6 +22,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from flotilla.errors import FlotillaError
 
 from .engine import EngineStats, LLMEngine
@@ -173,6 +175,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            device = getattr(self.engine.executor, "device", None)
+            if isinstance(device, torch.device) and device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread: launches go to the model's GPU
             while not self._stop:
                 self._wake.clear()
                 self._drain_inbox()

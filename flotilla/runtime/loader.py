@@ -67,6 +67,8 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     path = resolve_model_path(str(model) if model else None)
     dev = device if isinstance(device, torch.device) else parse_device(device)
     dt = parse_dtype(dtype, dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # this thread's kernel builds, launches and graph captures go to that GPU
     source = open_source(path)
     if progress is None:
         progress = sys.stderr.isatty()

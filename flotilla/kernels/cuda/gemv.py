@@ -314,15 +314,12 @@ def gemv_for(layout: TritonLayout, dtype: torch.dtype) -> GemvKernel | None:
         if lib is None:
             return None  # build.load printed the reason once
         return GemvKernel(layout, dtype, lib)
-    except GemvUnsupported as e:
+    except (GemvUnsupported, RuntimeError) as e:  # a layout it does not read, or a failed plan set-up
         if str(e) not in _reported:
             _reported.add(str(e))
-            log.info("CUDA GEMV not used for a %dx%d %d-bit layout (%s): the Triton kernel serves small batches",
-                     layout.in_features, layout.out_features, layout.bits, e)
-        return None
-    except RuntimeError as e:  # the library refused the plan's set-up (a driver or resource error)
-        if str(e) not in _reported:
-            _reported.add(str(e))
-            log.warning("CUDA GEMV set-up failed for a %dx%d %d-bit layout (%s): the Triton kernel serves small "
-                        "batches", layout.in_features, layout.out_features, layout.bits, e)
+            refused = isinstance(e, GemvUnsupported)
+            log.log(logging.INFO if refused else logging.WARNING,
+                    "CUDA GEMV %s for a %dx%d %d-bit layout (%s): the Triton kernel serves small batches",
+                    "not used" if refused else "set-up failed", layout.in_features, layout.out_features,
+                    layout.bits, e)
         return None

@@ -138,11 +138,10 @@ class PipelineEngine(LLMEngine):
             self.executor.discard(mb)
             self.num_dropped += 1
             return []
-        self._inflight[mb] = kept.scheduled
         self._send_ahead(kept)
-        if early is None:
+        if early is None:  # still on the ring: collected as any step in flight
+            self._inflight[mb] = kept.scheduled
             return []
-        del self._inflight[mb]
         return self._postprocess(*_live(kept.scheduled, early))
 
     def _pieces(self, scheduled: SchedulerOutput) -> list[SchedulerOutput]:

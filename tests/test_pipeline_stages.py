@@ -90,9 +90,12 @@ def test_a_stage_graph_needs_its_hidden_states(tiny):
 def test_host_staging_on_a_cpu_stage_hands_the_tensors_through():
     staging = HostStaging(torch.device("cpu"))
     t = torch.arange(6.0).view(2, 3)
-    assert staging.to_device(t) is t and staging.to_device(None) is None
+    (moved,) = staging.to_device(t)
+    assert moved is t and staging.to_device(None) == (None,)
+    assert staging.to_pinned(t, None)[0] is t
     data, scales = staging.to_host(t, None)
     assert data is t and scales is None
+    staging.release()
 
 
 def test_random_checkpoint_is_seeded_and_loads_as_a_checkpoint(tiny, tmp_path):

@@ -156,6 +156,17 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied.record()
 
+    def set_tokens(self, token_ids: list[int]) -> None:
+        """Replace the token ids of the step `fill` wrote (same rows): only they go to the device
+        (a prepared step whose tokens came later)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # fill's copy from the host twin
+        T = len(token_ids)
+        self._fields[0][:T] = token_ids
+        self.device_buf[:T].copy_(self.host_buf[:T], non_blocking=True)  # token_ids: the buffer's first row
+        if self._copied is not None:
+            self._copied.record()
+
     def _write_tables(self, block_tables: list[list[int]]) -> int:
         """Write sequence b's table into row b, zeros into the rows past them; a row that holds
         the same list (same object, same length) is left as it is. Returns 1 + the last row
@@ -221,6 +232,7 @@ class DecodeGraphRunner:
         self.sizes = tuple(sorted(set(sizes)))
         self.pool = None
         self.buckets: dict[int, _Bucket] = {}
+        self._staged: tuple[_Bucket, int] | None = None  # (bucket, tokens) of the step `stage` wrote
         start = time.perf_counter()
         for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             self.buckets[n] = self._capture(n) if capture else self._eager(n)
@@ -241,12 +253,33 @@ class DecodeGraphRunner:
         stage passes the previous stage's hidden states [T, hidden] on this device. `prev_rows`:
         see `DecodeInputs.fill` (rows whose token is in `sampled`)."""
         T = len(token_ids)
+        self._staged = None  # a staged step's inputs are overwritten
         bucket = self.buckets[bucket_for(T, self.sizes)]
         if bucket.inputs.hidden is not None:
             if hidden is None or hidden.shape[0] != T:
                 raise ValueError(f"a stage after the first replays with hidden states for its {T} tokens")
-            bucket.inputs.hidden[:T].copy_(hidden, non_blocking=True)  # rows T.. keep finite stale values
+            # from the device, or from pinned host memory (one copy in); rows T.. keep finite stale values
+            bucket.inputs.hidden[:T].copy_(hidden, non_blocking=True)
         bucket.inputs.fill(token_ids, starts, block_tables, query_lens, prev_rows)
+        return bucket.replay()[:T]
+
+    def stage(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
+              query_lens: list[int] | None = None) -> None:
+        """Write a first stage's step into its bucket's static inputs ahead of time, its token ids
+        still unknown (`run_staged` brings them and replays)."""
+        if not self.model.stage.is_first:
+            raise ValueError("only a first stage's steps are staged ahead (a later one needs its hidden states)")
+        T = len(token_ids)
+        self._staged = (self.buckets[bucket_for(T, self.sizes)], T)
+        self._staged[0].inputs.fill(token_ids, starts, block_tables, query_lens)
+
+    def run_staged(self, token_ids: list[int]) -> torch.Tensor:
+        """The staged step with its token ids: the output `run` gives (read it before the next step)."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged[1] != len(token_ids):
+            raise ValueError(f"no step of {len(token_ids)} tokens is staged")
+        bucket, T = staged
+        bucket.inputs.set_tokens(token_ids)
         return bucket.replay()[:T]
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:

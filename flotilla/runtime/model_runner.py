@@ -107,10 +107,30 @@ class ModelRunner:
         return self._ids_to_host.start(ids)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> SamplerOutput | torch.Tensor:
-        """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H]."""
-        replay = self._replays(step)  # decodes (drafts to verify, short chunks): the captured graph
-        out = self._replay(step, hidden) if replay else self._forward(step, hidden)
+    def stage(self, step: StepInput) -> bool:
+        """A first stage's step whose token ids are not known yet: write the rest of its inputs
+        into its decode graph's static inputs now, if a graph serves it (then `execute(...,
+        staged=True)` with the ids replays it; any other step in between undoes this)."""
+        if not self.model.stage.is_first or not self._replays(step):
+            return False
+        self.graphs.stage(step.token_ids, step.starts, step.block_tables, step.query_lens)
+        return True
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput, hidden: torch.Tensor | None = None,
+                staged: bool = False) -> SamplerOutput | torch.Tensor:
+        """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H].
+        `hidden` may be in pinned host memory (a replay copies it in). `staged`: the step went
+        to `stage` before; only its token ids go to the device now."""
+        replay = staged or self._replays(step)  # decodes (drafts to verify, short chunks): the captured graph
+        if staged:
+            out = self._replay(step, staged=True)
+        elif replay:
+            out = self._replay(step, hidden)
+        else:
+            if hidden is not None and hidden.device != self.device:
+                hidden = hidden.to(self.device, non_blocking=True)
+            out = self._forward(step, hidden)
         if not self.model.stage.is_last:
             return out  # hidden states [T, H]
         if not any(step.sample):  # only partial prefill chunks this step
@@ -143,9 +163,13 @@ class ModelRunner:
         sampling sequences' rows are read)."""
         return self.graphs is not None and self.graphs.can_run(step.token_ids, step.query_lens, step.block_tables)
 
-    def _replay(self, step: StepInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def _replay(self, step: StepInput, hidden: torch.Tensor | None = None, staged: bool = False) -> torch.Tensor:
         """The last stage's logits of the sampling rows; an earlier stage's hidden states [T, H]."""
-        out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden, step.prev_rows)
+        if staged:
+            out = self.graphs.run_staged(step.token_ids)
+        else:
+            out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden,
+                                  step.prev_rows)
         if not self.model.stage.is_last:
             return out
         logits, rows = out, logit_rows(step)  # [T, vocab]

@@ -46,35 +46,89 @@ def unpack(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, 
 
 
 class HostStaging:
-    """A stage's tensors between its device and the socket, through pinned host memory.
+    """A stage's tensors between its device and the socket, through pinned host memory kept for
+    the stage's life (no pinned allocation a step).
 
-    `to_host`: device -> pinned host copies, all started before one wait for them (the step's
-    only host sync on a middle stage). `to_device`: a received tensor (decoded from a frame,
-    pageable) is copied into pinned memory and sent on without waiting; the caching host
-    allocator keeps that pinned block until its copy is done. On a CPU device both return
-    their inputs.
+    `to_host`: device -> the pinned buffer, one copy a tensor that does not block the host, then
+    one wait for them (the step's only host sync on a middle stage); the caller gets pageable
+    copies (a frame may be encoded after the next step reuses the buffer). `to_pinned`: a
+    received tensor (decoded from a frame) copied into the pinned buffer: the device copies it in
+    from there without blocking the host (a graph replay straight into its static input);
+    `release` after that copy is queued, and the next `to_pinned` waits for it first (long done
+    by then). On a CPU device all three do nothing.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pinned = device.type == "cuda"
+        self._out = _PinnedBuffer()
+        self._in = _PinnedBuffer()
+        self._in_read = torch.cuda.Event() if self.pinned else None  # the device's copy out of `_in`
+        self._in_pending = False
 
     def to_host(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if not self.pinned:
             return tensors
-        out = []
+        views, offset = [], 0
         for t in tensors:
-            if t is not None:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t = host
-            out.append(t)
+            if t is None:
+                views.append(None)
+                continue
+            view = self._out.view(offset, t)
+            view.copy_(t, non_blocking=True)
+            views.append(view)
+            offset += _aligned(t.numel() * t.element_size())
         torch.cuda.current_stream(self.device).synchronize()  # the bytes that must cross
-        return tuple(out)
+        return tuple(None if v is None else v.clone() for v in views)
 
-    def to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or not self.pinned:
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t)
-        return host.to(self.device, non_blocking=True)
+    def to_pinned(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Host tensors' pinned twins (valid until the next call; `release` once their copies
+        to the device are queued)."""
+        if not self.pinned:
+            return tensors
+        if self._in_pending:
+            self._in_read.synchronize()
+            self._in_pending = False
+        views, offset = [], 0
+        for t in tensors:
+            if t is None:
+                views.append(None)
+                continue
+            view = self._in.view(offset, t)
+            view.copy_(t)
+            views.append(view)
+            offset += _aligned(t.numel() * t.element_size())
+        return tuple(views)
+
+    def release(self) -> None:
+        """The device's copy out of `to_pinned`'s buffer is queued on the current stream."""
+        if self.pinned:
+            self._in_read.record(torch.cuda.current_stream(self.device))
+            self._in_pending = True
+
+    def to_device(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Host tensors on the device, through the pinned buffer (`release` after)."""
+        if not self.pinned:
+            return tensors
+        return tuple(None if t is None else t.to(self.device, non_blocking=True) for t in self.to_pinned(*tensors))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+class _PinnedBuffer:
+    """One growing pinned byte buffer, viewed as tensors."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of `like`'s shape and dtype at byte `offset` (the buffer grows to hold it)."""
+        nbytes = like.numel() * like.element_size()
+        if offset + nbytes > self._buf.numel():
+            size = max(offset + nbytes, 2 * self._buf.numel(), 1 << 16)
+            grown = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            grown[:offset].copy_(self._buf[:offset])
+            self._buf = grown
+        return self._buf[offset:offset + nbytes].view(like.dtype).view(like.shape)

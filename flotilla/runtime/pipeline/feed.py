@@ -32,6 +32,10 @@ class FeedGate:
     def __len__(self) -> int:
         return len(self._parked)
 
+    def waiting(self) -> Step | None:
+        """The first parked step (it waits for its ids; every step before it has left the gate)."""
+        return self._parked[0] if self._parked else None
+
     def step(self, msg: Step) -> list[Step]:
         """A step came: what may run now (it, tokens filled in, or nothing while it must wait)."""
         if self._parked or (msg.prev_rows is not None and msg.prev_mb not in self._fed):

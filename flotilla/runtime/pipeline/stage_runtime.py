@@ -7,7 +7,10 @@ Called under the worker's lock, from its event-loop thread (decode steps) or its
 
 On a GPU the stage runs like a local GPU engine: Triton kernels, paged attention, and decode
 steps replayed from CUDA graphs captured when the head configures the pool (`Configure` says
-for how many tokens); hidden states cross host memory through pinned buffers (HostStaging).
+for how many tokens); hidden states cross host memory through pinned buffers (HostStaging), and
+a replay copies the received ones straight into its graph's input. `prepare` does a step's
+host work before its input tokens are known (stage 0, while an overlapped decode waits for the
+last stage's ids): `run` then only writes the ids and replays.
 Under tensor parallelism (`runtime worker --tp M`) this process is rank 0 of the stage's group:
 the runner's steps go through the TPExecutor, which hands every step (and the incoming hidden
 states) to the other ranks; TP ranks step eagerly.
@@ -24,7 +27,7 @@ from flotilla.models.llama import Stage
 from flotilla.runtime.cuda_graphs import capture_sizes
 from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, plan_kv_cache, plan_num_blocks
 from flotilla.runtime.loader import LoadedModel
-from flotilla.runtime.model_runner import ModelRunner
+from flotilla.runtime.model_runner import ModelRunner, StepInput
 
 from .activations import HostStaging, pack, unpack
 from .messages import Configure, LoadStage, Step, StepResult
@@ -63,6 +66,16 @@ class StageTimes:
     output: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A step `prepare` made ready: its StepInput (token ids still unknown), and whether its
+    graph's static inputs hold it (`staged`)."""
+
+    mb: int
+    step: StepInput
+    staged: bool
+
+
 class StageRuntime:
     def __init__(self, lm: LoadedModel, request: LoadStage, source: str):
         cfg = lm.config
@@ -81,6 +94,7 @@ class StageRuntime:
         self.wire_dtype = "fp16"
         self.staging = HostStaging(lm.device)
         self.times = StageTimes()
+        self._prepared: _Prepared | None = None
 
     @property
     def memory_shares(self) -> int:
@@ -107,6 +121,7 @@ class StageRuntime:
     def drop_pool(self) -> None:
         """Free the KV pool and its graphs (the next Configure builds them again)."""
         self.executor = self.runner = self.cache = self.shape = None
+        self._prepared = None
 
     def configure(self, msg: Configure) -> None:
         """A new epoch: a pool of `num_blocks` with its decode graphs (rebuilt only if they change)
@@ -123,20 +138,45 @@ class StageRuntime:
             self.shape = shape
         self.seqs = StageSequences()
         self.wire_dtype = msg.wire_dtype
+        self._prepared = None
+
+    @property
+    def prepared_mb(self) -> int | None:
+        """The step `prepare` made ready, if any."""
+        return self._prepared.mb if self._prepared is not None else None
+
+    @torch.inference_mode()
+    def prepare(self, msg: Step) -> None:
+        """Stage 0: the host work of the next step to run, before its input tokens are known (an
+        overlapped decode waiting for them): the mirror, its StepInput and, where a decode graph
+        serves it, the graph's static inputs. The steps before it must all have run; the next
+        `run` must be this step's."""
+        if not self.stage.is_first or self._prepared is not None:
+            raise ValueError(f"step {msg.mb} cannot be prepared on stage {self.stage.start}-{self.stage.end - 1}"
+                             f" (prepared: {self.prepared_mb})")
+        t0 = time.perf_counter()
+        step = self.seqs.apply(msg, self.stage.is_last)
+        staged = self.executor is self.runner and self.runner.stage(step)
+        self._prepared = _Prepared(msg.mb, step, staged)
+        self.times.prepare += time.perf_counter() - t0
 
     @torch.inference_mode()
     def run(self, msg: Step) -> Step | StepResult:
         t0 = time.perf_counter()
-        step = self.seqs.apply(msg, self.stage.is_last)
+        prepared, self._prepared = self._prepared, None
+        staged = False
+        if prepared is not None:  # its tokens are known now (the gate filled them in)
+            if prepared.mb != msg.mb:
+                raise ValueError(f"step {msg.mb} came to run while step {prepared.mb} was prepared")
+            step, staged = dataclasses.replace(prepared.step, token_ids=msg.token_ids or []), prepared.staged
+        else:
+            step = self.seqs.apply(msg, self.stage.is_last)
         hidden = None
         if not self.stage.is_first:
-            if msg.hidden is None or msg.hidden.shape != (step.num_tokens, self.lm.config.hidden_size):
-                raise ValueError(f"step {msg.mb}: hidden states of shape "
-                                 f"{None if msg.hidden is None else tuple(msg.hidden.shape)} for {step.num_tokens} tokens")
-            hidden = unpack(self.staging.to_device(msg.hidden), self.staging.to_device(msg.scales), self.lm.dtype,
-                            self.lm.device)
+            hidden = self._hidden(msg, step.num_tokens)
         t1 = time.perf_counter()
-        out = self.executor.execute(step, hidden)
+        out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
+        self.staging.release()  # the received hidden states are on their way in (or in)
         t2 = time.perf_counter()
         times = self.times
         times.prepare += t1 - t0
@@ -147,6 +187,17 @@ class StageRuntime:
         data, scales = self.staging.to_host(*pack(out, self.wire_dtype))
         times.output += time.perf_counter() - t2
         return dataclasses.replace(msg, hidden=data, scales=scales)
+
+    def _hidden(self, msg: Step, num_tokens: int) -> torch.Tensor:
+        """The received hidden states as the runner takes them: in pinned host memory when they
+        are already in the stage's dtype (a graph replay copies them straight into its input),
+        else unpacked on the device."""
+        if msg.hidden is None or msg.hidden.shape != (num_tokens, self.lm.config.hidden_size):
+            raise ValueError(f"step {msg.mb}: hidden states of shape "
+                             f"{None if msg.hidden is None else tuple(msg.hidden.shape)} for {num_tokens} tokens")
+        if msg.hidden.dtype == self.lm.dtype and self.executor is self.runner:
+            return self.staging.to_pinned(msg.hidden)[0]
+        return unpack(*self.staging.to_device(msg.hidden, msg.scales), self.lm.dtype, self.lm.device)
 
     def close(self) -> None:
         """Stop the stage's other TP ranks, if any."""

@@ -164,7 +164,7 @@ def encode_tensor(t: torch.Tensor) -> list:
         raise ValueError(f"dtype {t.dtype} cannot go on the wire")
     if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
         t = t.detach().contiguous().cpu()
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""  # msgpack copies it once
     return [_DTYPE_NAMES[t.dtype], list(t.shape), raw]
 
 

@@ -14,31 +14,17 @@ Anything else — a failed handshake, an oversized frame, malformed msgpack, an 
 unexpected message — closes that one connection; the worker goes on serving its head. A new head
 connection replaces the old one (a restarted head); the loaded stage is kept.
 
-Threads: the asyncio loop does all network I/O and answers heartbeats. A decode step (every
-sequence brings at most the configured query length, as in a replayed decode graph) runs right
-where it arrives, on the loop's thread, and its output is written to the next hop's socket before
-the loop reads on: a hop costs no thread hand-off. Longer steps (prefill chunks) go to one compute
-thread, and so does every step behind them until it has caught up, so steps always run in
-arrival order and heartbeats are answered while a long chunk computes. Each step carries the
-epoch it was sent in; `Configure` starts a new epoch, and steps of any other epoch are dropped.
-
-Overlapped decodes (the head sends a decode before it has read the step before it): stage 0
-holds such a step (and every step behind it, to keep the order) until the last stage's `Sampled`
-ids of that step before have come; then it fills in the input tokens and runs it as any other.
-The last stage sends `Sampled` on its feedback link before the StepResult goes to the head, so
-the ring stage 0 -> ... -> last -> stage 0 turns without the head.
+The asyncio loop does all network I/O and answers heartbeats; the steps themselves (which run
+where, in what order, and where their output goes) are step_path.py's. `Configure` starts a new
+epoch.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import ssl
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -55,7 +41,7 @@ from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox
 from .stage_runtime import StageRuntime, StageTimes, on_device
-from .feed import FeedGate
+from .step_path import Counters, Link, StepPath
 from .stream import start_server
 from .weight_push import ShardReceiver, WeightCache, fingerprint
 from .wire import DEFAULT_MAX_FRAME, ProtocolError
@@ -84,63 +70,41 @@ class WorkerConfig:
     tp: int = 1  # tensor-parallel ranks of the stage (this process is rank 0; `runtime worker --tp`)
 
 
-@dataclass
-class _Counters:
-    steps: int = 0
-    tokens: int = 0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_bytes: int = 0
-    bytes_sent: int = 0
-    compute_seconds: float = 0.0
-    send_seconds: float = 0.0
-
-
-@dataclass
-class _Link:
-    """The connection to the next stage, made for one epoch."""
-
-    conn: Connection
-    outbox: Outbox
-    epoch: int
-    watch: asyncio.Task | None = field(default=None)
-
-
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.cache = WeightCache(config.cache_dir)
-        self.runtime: StageRuntime | None = None
-        self.epoch = 0
-        self.stage_index = -1
+        self.path = StepPath(config.device, self._fault)
         self.head: Outbox | None = None
         self.upstream: Connection | None = None
-        self.downstream: _Link | None = None
-        self.results: _Link | None = None  # the head's result connection of this epoch (last stage)
-        self.feedback: _Link | None = None  # the last stage's link to stage 0 (Sampled), in a ring of several
-        self.gate = FeedGate()  # stage 0: overlapped decodes wait there for their input ids
-        self.counters = _Counters()
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
         self._fingerprint: str | None = None
-        self._steps: queue.SimpleQueue = queue.SimpleQueue()  # steps for the compute thread
-        self._behind = 0  # steps handed to the compute thread and not yet emitted
-        self._inline_query_len = 1  # a step whose sequences bring at most this many tokens runs on the loop
-        self._lock = threading.Lock()  # held while a step runs or the stage changes
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._compute: threading.Thread | None = None
         self._threads = torch.get_num_threads()  # the stage's CPU threads (`--threads`)
-        self.on_step: Callable[[], None] = lambda: None  # each step's arrival (spin.SpinSelector.arm)
+
+    @property
+    def runtime(self) -> StageRuntime | None:
+        return self.path.runtime
+
+    def idle(self) -> bool:
+        """Whether the compute thread has nothing to do (spin.py polls only then)."""
+        return self.path.idle()
+
+    @property
+    def on_step(self):
+        return self.path.on_step
+
+    @on_step.setter
+    def on_step(self, fn) -> None:  # each step's arrival (spin.SpinSelector.arm)
+        self.path.on_step = fn
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen; returns the bound address (port 0 picks a free one)."""
-        self._loop = asyncio.get_running_loop()
         if self.config.device.type == "cuda":
             torch.cuda.set_device(self.config.device)  # decode steps launch from the loop's thread
-        self._compute = threading.Thread(target=self._compute_loop, name="flotilla-stage", daemon=True)
-        self._compute.start()
+        self.path.start(asyncio.get_running_loop())
         self._server = await start_server(self._accept, host, port, STREAM_LIMIT, self.config.ssl_server)
         sock = self._server.sockets[0].getsockname()
         return sock[0], sock[1]
@@ -148,13 +112,14 @@ class Worker:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for box in (self.head, *(link.outbox for link in (self.downstream, self.results, self.feedback) if link)):
+        path = self.path
+        for box in (self.head, *(link.outbox for link in (path.downstream, path.results, path.feedback) if link)):
             if box is not None:
                 box.close()
         if self.upstream is not None:
             self.upstream.close()
-        self._steps.put(None)
-        await asyncio.to_thread(self._swap, None)
+        path.stop()
+        await asyncio.to_thread(path.swap, None)
 
     # ------------------------------------------------------------------ connections
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -191,7 +156,7 @@ class Worker:
         if self.head is not None:
             log.info("a new head connected from %s; dropping the previous one", conn.peer)
             self.head.close()
-        outbox = self.head = Outbox(conn, self._count)
+        outbox = self.head = Outbox(conn, self.path.count)
         control: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self._control_loop(outbox, control))
 
@@ -199,7 +164,7 @@ class Worker:
             if isinstance(msg, Ping):
                 outbox.put(Pong(msg.nonce))
             elif isinstance(msg, Step):
-                self._step_arrived(msg)  # stage 0's data comes from the head
+                self.path.step_arrived(msg)  # stage 0's data comes from the head
             elif isinstance(msg, (Probe, LoadStage, Configure, StatsRequest, FileChunk, FileEnd)):
                 control.put_nowait(msg)
             else:
@@ -221,9 +186,9 @@ class Worker:
 
         def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
             if isinstance(msg, Step):
-                self._step_arrived(msg)
+                self.path.step_arrived(msg)
             elif isinstance(msg, Sampled):
-                self._sampled_arrived(msg)
+                self.path.sampled_arrived(msg)
             else:
                 raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
 
@@ -236,23 +201,19 @@ class Worker:
 
     async def _serve_results(self, conn: Connection, first: ResultsLink) -> None:
         """The head's result connection for this epoch: confirmed once the StepResults go there."""
-        if first.epoch != self.epoch or self.downstream is not None:
+        path = self.path
+        if first.epoch != path.epoch or path.downstream is not None:
             raise ProtocolError(f"a result link for epoch {first.epoch}, but this worker is "
-                                f"{'not the last stage' if self.downstream is not None else f'in epoch {self.epoch}'}")
-        self._drop_results()
-        link = self.results = _Link(conn, Outbox(conn, self._count), first.epoch)
+                                f"{'not the last stage' if path.downstream is not None else f'in epoch {path.epoch}'}")
+        path.drop_results()
+        link = path.results = Link(conn, Outbox(conn, path.count), first.epoch)
         link.outbox.put(Configured(first.epoch))
         try:
             msg = await conn.recv()  # the head sends nothing more on it
             raise ProtocolError(f"unexpected {msg.WIRE_NAME} on the result connection")
         finally:
-            if self.results is link:
-                self.results = None
-
-    def _drop_results(self) -> None:
-        link, self.results = self.results, None
-        if link is not None:
-            link.outbox.close()
+            if path.results is link:
+                path.results = None
 
     # ------------------------------------------------------------------ control
     async def _control_loop(self, outbox: Outbox, inbox: asyncio.Queue) -> None:
@@ -276,14 +237,15 @@ class Worker:
         if isinstance(msg, Configure):
             return await self._configure(msg)
         if isinstance(msg, StatsRequest):
-            c = self.counters
+            path = self.path
+            c = path.counters
             t = self.runtime.times if self.runtime is not None else StageTimes()
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
                                 self.shard_bytes_received, c.compute_seconds, t.prepare, t.execute, t.output,
-                                c.send_seconds, self.gate.parked_steps)
+                                c.send_seconds, path.gate.parked_steps)
             if msg.reset:
-                self.counters = _Counters()
-                self.gate.parked_steps = 0
+                path.counters = Counters()
+                path.gate.parked_steps = 0
                 if self.runtime is not None:
                     self.runtime.times = StageTimes()
             return stats
@@ -292,10 +254,10 @@ class Worker:
     async def _load(self, req: LoadStage, outbox: Outbox, inbox: asyncio.Queue) -> StageLoaded:
         if self.runtime is not None and self.runtime.serves(req):
             if not req.exact_blocks:  # a new head sizes the pool afresh, from all the free memory
-                self.epoch = -1
-                await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.drop_pool)
+                self.path.epoch = -1
+                await asyncio.to_thread(on_device, self.config.device, self.path.locked, self.runtime.drop_pool)
             return StageLoaded(self.runtime.capacity(req), f"already loaded ({self.runtime.source})", 0)
-        self.epoch = -1  # drop whatever steps are still queued for the old stage
+        self.path.epoch = -1  # drop whatever steps are still queued for the old stage
         received, directory = 0, None
         if self.config.model is not None and await asyncio.to_thread(self._model_fingerprint) == req.fingerprint:
             directory, source = self.config.model, f"its --model {self.config.model}"
@@ -307,7 +269,7 @@ class Worker:
                 source = f"pushed by the head ({received / 2**20:.1f} MiB)"
             else:
                 source = f"its cache {directory}"
-        await asyncio.to_thread(self._swap, None)  # free the old stage's memory first
+        await asyncio.to_thread(self.path.swap, None)  # free the old stage's memory first
         stage = Stage(req.start, req.end, req.num_layers)
         torch.set_num_threads(self._threads)  # a TP group divides them among its ranks at each load
         with lean_cpu_load(self.config.device):  # the `runtime worker` process
@@ -315,7 +277,7 @@ class Worker:
                                          str(self.config.device), req.dtype, self.config.tp, stage, False, False)
         runtime = StageRuntime(lm, req, source)
         capacity = runtime.capacity(req)
-        await asyncio.to_thread(self._swap, runtime)
+        await asyncio.to_thread(self.path.swap, runtime)
         log.info("loaded layers %d-%d from %s; room for %d KV blocks", req.start, req.end - 1, source, capacity)
         return StageLoaded(capacity, source, received)
 
@@ -338,22 +300,23 @@ class Worker:
     async def _configure(self, msg: Configure) -> Configured:
         if self.runtime is None:
             raise FlotillaError("Configure before LoadStage: this worker has no stage loaded")
-        self.epoch = msg.epoch
-        self.stage_index = msg.stage_index
-        self._inline_query_len = max(1, msg.graph_query_len)
-        await asyncio.to_thread(on_device, self.config.device, self._locked, self.runtime.configure, msg)
-        self._drop_downstream()
-        self._drop_results()
-        self.gate.reset()
+        path = self.path
+        path.epoch = msg.epoch
+        path.stage_index = msg.stage_index
+        path.inline_query_len = max(1, msg.graph_query_len)
+        await asyncio.to_thread(on_device, self.config.device, path.locked, self.runtime.configure, msg)
+        path.drop_downstream()
+        path.drop_results()
+        path.gate.reset()
         if msg.downstream is not None:
-            self.downstream = await self._open_link(msg, msg.downstream, "the next stage")
+            path.downstream = await self._open_link(msg, msg.downstream, "the next stage")
         if msg.feedback is not None:
-            self.feedback = await self._open_link(msg, msg.feedback, "stage 0")
+            path.feedback = await self._open_link(msg, msg.feedback, "stage 0")
         log.info("epoch %d: stage %d, %d KV blocks, next hop %s", msg.epoch, msg.stage_index, msg.num_blocks,
                  msg.downstream or "the head")
         return Configured(msg.epoch)
 
-    async def _open_link(self, msg: Configure, address: str, whom: str) -> _Link:
+    async def _open_link(self, msg: Configure, address: str, whom: str) -> Link:
         """This epoch's link to the next stage (Steps), or the last stage's to stage 0 (Sampled)."""
         host, port = parse_address(address)
         try:
@@ -362,151 +325,31 @@ class Worker:
         except (AuthError, ProtocolError, *_GONE) as e:
             raise FlotillaError(f"stage {msg.stage_index} cannot reach {whom} at {address}: "
                                 f"{type(e).__name__}: {e}") from None
-        link = _Link(conn, Outbox(conn, self._count), msg.epoch)
+        link = Link(conn, Outbox(conn, self.path.count), msg.epoch)
         link.outbox.put(Upstream(msg.epoch, msg.stage_index))
         link.watch = asyncio.create_task(self._watch_link(link, whom))
         return link
 
-    async def _watch_link(self, link: _Link, whom: str) -> None:
+    async def _watch_link(self, link: Link, whom: str) -> None:
         """The receiver never talks back on a link; its end is a fault of the current epoch."""
         try:
             msg = await link.conn.recv()
             log.warning("unexpected %s from %s; closing the link", msg.WIRE_NAME, whom)
         except (ProtocolError, *_GONE):
             pass
-        if link in (self.downstream, self.feedback):
-            self._fault(link.epoch, f"stage {self.stage_index} lost its connection to {whom}")
-            self._drop_downstream()
-
-    def _drop_downstream(self) -> None:
-        """Close this epoch's outgoing links (to the next stage, and the feedback link)."""
-        links, self.downstream, self.feedback = (self.downstream, self.feedback), None, None
-        for link in links:
-            if link is not None:
-                if link.watch is not None:
-                    link.watch.cancel()
-                link.outbox.close()
+        if link in (self.path.downstream, self.path.feedback):
+            self._fault(link.epoch, f"stage {self.path.stage_index} lost its connection to {whom}")
+            self.path.drop_downstream()
 
     def _fault(self, epoch: int, message: str) -> None:
         log.warning("%s", message)
-        if self.head is not None and epoch == self.epoch:
+        if self.head is not None and epoch == self.path.epoch:
             self.head.put(Fault(epoch, message))
 
     def _model_fingerprint(self) -> str:
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.config.model)
         return self._fingerprint
-
-    # ------------------------------------------------------------------ compute
-    def _locked(self, fn, *args):
-        with self._lock:
-            return fn(*args)
-
-    def _swap(self, runtime: StageRuntime | None) -> None:
-        with self._lock:
-            old, self.runtime = self.runtime, runtime
-        if old is not None and old is not runtime:
-            old.close()
-
-    def idle(self) -> bool:
-        """Whether the compute thread has nothing to do (spin.py polls only then)."""
-        return self._behind == 0
-
-    def _step_arrived(self, msg: Step) -> None:
-        """On the loop's thread: a step of this epoch goes through stage 0's gate (an overlapped
-        decode waits there for its input ids, and every step behind it too) and is dispatched."""
-        self.on_step()
-        if msg.epoch == self.epoch:
-            self._through(self.gate.step, msg)
-
-    def _sampled_arrived(self, msg: Sampled) -> None:
-        """Stage 0: the last stage's ids of a step; the steps that waited for them run."""
-        if msg.epoch == self.epoch:
-            self._through(self.gate.sampled, msg)
-
-    def _through(self, gate, msg) -> None:
-        try:
-            steps = gate(msg)
-        except ValueError as e:
-            self._fault(msg.epoch, f"stage {self.stage_index}: {e}")
-            return
-        for step in steps:
-            self._dispatch(step)
-
-    def _dispatch(self, msg: Step) -> None:
-        """Run a decode step here and now, unless steps wait for the compute thread (then it
-        queues behind them); hand anything longer to the compute thread."""
-        if self._behind == 0 and sum(msg.query_lens) <= len(msg.query_lens) * self._inline_query_len:
-            out = self._run_step(msg)
-            start = time.perf_counter()
-            self._emit(out, msg.feed)
-            self.counters.send_seconds += time.perf_counter() - start
-            return
-        self._behind += 1
-        self._steps.put(msg)
-
-    def _compute_loop(self) -> None:
-        if self.config.device.type == "cuda":
-            torch.cuda.set_device(self.config.device)  # this thread's launches go to the stage's GPU
-        while True:
-            msg = self._steps.get()
-            if msg is None:
-                return
-            self._loop.call_soon_threadsafe(self._caught_up, self._run_step(msg), msg.feed)
-
-    def _caught_up(self, out: Step | StepResult | Fault | None, feed: bool) -> None:
-        self._behind -= 1
-        self._emit(out, feed)
-
-    def _run_step(self, msg: Step) -> Step | StepResult | Fault | None:
-        """Run one step (on either thread): what goes to the next hop, a Fault for the head if the
-        step failed, or None for a step of a broken ring."""
-        if msg.epoch != self.epoch:
-            return None
-        with self._lock:
-            if self.runtime is None or msg.epoch != self.epoch:
-                return None
-            try:
-                start = time.perf_counter()
-                out = self.runtime.run(msg)
-                self.counters.compute_seconds += time.perf_counter() - start
-            except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
-                log.exception("step %d failed", msg.mb)
-                return Fault(msg.epoch, f"stage {self.stage_index} failed a step: {type(e).__name__}: {e}")
-        return out
-
-    def _emit(self, out: Step | StepResult | Fault | None, feed: bool = False) -> None:
-        """Send a step's output on: hidden states to the next stage; sampled ids to the head, and
-        first to stage 0 when the step asked (`feed`: an overlapped decode waits for them)."""
-        if out is None:
-            return
-        if isinstance(out, Fault):
-            self._fault(out.epoch, out.message)
-        elif out.epoch != self.epoch:
-            return
-        elif isinstance(out, StepResult):
-            if feed and self.feedback is not None and self.feedback.epoch == out.epoch:
-                self.feedback.outbox.put(Sampled(out.epoch, out.mb, out.token_ids))
-            if self.results is not None and self.results.epoch == out.epoch:
-                self.results.outbox.put(out)
-            if feed and self.stage_index == 0:  # a ring of one stage feeds itself
-                self._sampled_arrived(Sampled(out.epoch, out.mb, out.token_ids))
-        elif self.downstream is not None and self.downstream.epoch == out.epoch:
-            self.downstream.outbox.put(out)
-
-    def _count(self, msg, nbytes: int) -> None:
-        if not isinstance(msg, (Step, StepResult, Sampled)):
-            return
-        c = self.counters
-        c.bytes_sent += nbytes
-        if isinstance(msg, Step):
-            tokens = sum(msg.query_lens)
-            c.steps += 1
-            c.tokens += tokens
-            if msg.num_decodes == len(msg.handles):
-                c.decode_steps += 1
-                c.decode_tokens += tokens
-                c.decode_bytes += nbytes
 
     def address(self) -> str:
         host, port = self._server.sockets[0].getsockname()[:2]

@@ -5,6 +5,7 @@ share one device's memory; the random-weight checkpoint the GPU proof loads."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -42,13 +43,14 @@ def engine_over(executor, vocab: int) -> LLMEngine:
     return LLMEngine(executor, config, None, (), vocab)
 
 
-def stage_runner(path, stage: Stage | None, graphs: bool) -> ModelRunner:
-    lm = load_model(path, "cpu", None, stage, with_tokenizer=False, progress=False)
+def stage_runner(path, stage: Stage | None, graphs: bool, device: str = "cpu") -> ModelRunner:
+    lm = load_model(path, device, None, stage, with_tokenizer=False, progress=False)
     spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, lm.config.head_dim, lm.dtype, BLOCK)
     runner = ModelRunner(lm.model, KVCache(spec, BLOCKS, lm.device))
-    if graphs:  # what a GPU stage captures (runtime/pipeline/stage_runtime.py), without CUDA
-        runner.graphs = DecodeGraphRunner(lm.model, runner.cache, (1, 2, 4, 8), 64, runner.scale, capture=False,
-                                          max_query_len=BUDGET)
+    if graphs:  # what a GPU stage captures (runtime/pipeline/stage_runtime.py); on a CPU run eagerly
+        runner.graphs = DecodeGraphRunner(lm.model, runner.cache, (1, 2, 4, 8), 64, runner.scale,
+                                          capture=lm.device.type == "cuda", max_query_len=BUDGET,
+                                          sampled=runner.sampled)
     return runner
 
 
@@ -79,6 +81,46 @@ def test_stage_graphs_serve_decodes_and_chunks_with_the_tokens_of_the_eager_whol
     # sampling), chunks beside decodes, and decodes with padding rows
     assert stages.replays == stages.steps > 10
     assert not stages.first.graphs.can_run([1] * 9, [9], [[1, 2, 3]])  # longer chunks run eagerly
+
+
+class PreparedStages(TwoStages):
+    """As a worker runs them: the first stage's inputs written ahead with the token ids unknown
+    (zeros), then only the ids (`stage`, `execute(staged=True)`); the hidden states reach the
+    last stage in pinned host memory, as the hop's HostStaging hands them."""
+
+    def __init__(self, first: ModelRunner, last: ModelRunner):
+        super().__init__(first, last)
+        self.staging, self.staged = HostStaging(last.device), 0
+
+    def execute(self, step):
+        self.steps += 1
+        staged = self.first.stage(dataclasses.replace(step, token_ids=[0] * step.num_tokens))
+        self.staged += staged
+        hidden = self.first.execute(step, staged=staged) if staged else self.first.execute(step)
+        data = hidden.to(torch.float16).cpu()  # the wire's form
+        (pinned,) = self.staging.to_pinned(data) if self.last.device.type == "cuda" else (data,)
+        out = self.last.execute(step, pinned if self.last.device.type == "cuda" else data.to(hidden.dtype))
+        self.staging.release()
+        return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+@torch.inference_mode()
+def test_a_first_stage_step_prepared_before_its_tokens_gives_the_plain_tokens(tiny, device):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = TwoStages(stage_runner(tiny, Stage(0, 2, 4), True, device), stage_runner(tiny, Stage(2, 4, 4), True, device))
+    want = generate(engine_over(plain, 512), PROMPTS, params)
+    stages = PreparedStages(stage_runner(tiny, Stage(0, 2, 4), True, device),
+                            stage_runner(tiny, Stage(2, 4, 4), True, device))
+    assert generate(engine_over(stages, 512), PROMPTS, params) == want
+    assert stages.staged == stages.steps > 10  # every step went through the staged replay
+    # a step run in between overwrites the staged inputs: the staged replay refuses
+    graphs = stages.first.graphs
+    graphs.stage([0], [3], [[1]])
+    graphs.run([5], [3], [[1]])
+    with pytest.raises(ValueError, match="no step of 1 tokens is staged"):
+        graphs.run_staged([5])
 
 
 def test_a_stage_graph_needs_its_hidden_states(tiny):

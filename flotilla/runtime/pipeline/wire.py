@@ -46,6 +46,7 @@ class ProtocolError(Exception):
 _MESSAGES: dict[str, type] = {}
 _VALIDATORS: dict[type, list[tuple[str, Callable[[Any, str], Any]]]] = {}
 _ENCODERS: dict[type, list[tuple[str, Callable[[Any], Any] | None]]] = {}  # None: msgpack takes the value as is
+_PATHS: dict[type, list[str]] = {}  # "message.field" per field, for errors
 
 
 def message(name: str):
@@ -59,6 +60,7 @@ def message(name: str):
         hints = typing.get_type_hints(cls)
         _VALIDATORS[cls] = [(f.name, _validator(hints[f.name])) for f in dataclasses.fields(cls)]
         _ENCODERS[cls] = [(f.name, _encoder(hints[f.name])) for f in dataclasses.fields(cls)]
+        _PATHS[cls] = [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
         _MESSAGES[name] = cls
         return cls
 
@@ -236,7 +238,9 @@ def _build(cls, values: list, where: str):
     fields = _VALIDATORS[cls]
     if len(values) != len(fields):
         raise ProtocolError(f"{where}: {len(values)} fields, expected {len(fields)}")
-    return cls(**{fname: check(v, f"{where}.{fname}") for (fname, check), v in zip(fields, values)})
+    # each field's place for the error messages: made once per class (a step's frame has ~20 fields)
+    paths = _PATHS[cls] if where == cls.WIRE_NAME else [f"{where}.{fname}" for fname, _ in fields]
+    return cls(**{fname: check(v, path) for (fname, check), v, path in zip(fields, values, paths)})
 
 
 def _reject_ext(code, data):

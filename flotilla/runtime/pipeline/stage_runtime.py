@@ -59,7 +59,8 @@ class RunnerShape:
 
 @dataclass
 class StageTimes:
-    """Seconds the stage's steps spent in each part of `StageRuntime.run` (WorkerStats)."""
+    """Seconds the stage's steps spent in each part of `StageRuntime.run` (WorkerStats): the
+    ring's critical path (a step's `prepare`, done while it waited for its ids, is not counted)."""
 
     prepare: float = 0.0
     execute: float = 0.0
@@ -154,11 +155,9 @@ class StageRuntime:
         if not self.stage.is_first or self._prepared is not None:
             raise ValueError(f"step {msg.mb} cannot be prepared on stage {self.stage.start}-{self.stage.end - 1}"
                              f" (prepared: {self.prepared_mb})")
-        t0 = time.perf_counter()
         step = self.seqs.apply(msg, self.stage.is_last)
         staged = self.executor is self.runner and self.runner.stage(step)
         self._prepared = _Prepared(msg.mb, step, staged)
-        self.times.prepare += time.perf_counter() - t0
 
     @torch.inference_mode()
     def run(self, msg: Step) -> Step | StepResult:

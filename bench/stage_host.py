@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     vocab = args.vocab or (128256 if device.type == "cuda" else 1024)
     now = time.thread_time if args.clock == "cpu" else time.perf_counter

@@ -104,7 +104,7 @@ class PreparedStages(TwoStages):
         return out
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no GPU"))])
 @torch.inference_mode()
 def test_a_first_stage_step_prepared_before_its_tokens_gives_the_plain_tokens(tiny, device):

@@ -69,15 +69,7 @@ class HostStaging:
     def to_host(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if not self.pinned:
             return tensors
-        views, offset = [], 0
-        for t in tensors:
-            if t is None:
-                views.append(None)
-                continue
-            view = self._out.view(offset, t)
-            view.copy_(t, non_blocking=True)
-            views.append(view)
-            offset += _aligned(t.numel() * t.element_size())
+        views = self._out.copy(tensors, non_blocking=True)  # device -> pinned, none waited for yet
         torch.cuda.current_stream(self.device).synchronize()  # the bytes that must cross
         return tuple(None if v is None else v.clone() for v in views)
 
@@ -89,16 +81,7 @@ class HostStaging:
         if self._in_pending:
             self._in_read.synchronize()
             self._in_pending = False
-        views, offset = [], 0
-        for t in tensors:
-            if t is None:
-                views.append(None)
-                continue
-            view = self._in.view(offset, t)
-            view.copy_(t)
-            views.append(view)
-            offset += _aligned(t.numel() * t.element_size())
-        return tuple(views)
+        return self._in.copy(tensors, non_blocking=False)
 
     def release(self) -> None:
         """The device's copy out of `to_pinned`'s buffer is queued on the current stream."""
@@ -122,6 +105,19 @@ class _PinnedBuffer:
 
     def __init__(self):
         self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def copy(self, tensors, non_blocking: bool) -> tuple[torch.Tensor | None, ...]:
+        """Each tensor copied into the buffer (None stays None), at 256-byte aligned offsets."""
+        views, offset = [], 0
+        for t in tensors:
+            if t is None:
+                views.append(None)
+                continue
+            view = self.view(offset, t)
+            view.copy_(t, non_blocking=non_blocking)
+            views.append(view)
+            offset += _aligned(t.numel() * t.element_size())
+        return tuple(views)
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor of `like`'s shape and dtype at byte `offset` (the buffer grows to hold it)."""

@@ -251,3 +251,39 @@ def test_a_cpu_stage_sizes_its_kv_pool_as_a_single_process_run(tiny):
     per_block = runtime.spec.bytes_per_block
     assert capacity(1024, 64, kv_memory=10 * per_block) == 10
     assert capacity(1024, 64, exact=7) == 7
+
+
+def test_stage_0_prepares_a_held_decode_and_runs_it_as_the_plain_step(tiny):
+    """StageRuntime.prepare (the mirror and inputs of a decode waiting for its ids), then run with
+    the ids filled in: the same hidden states as a stage that runs it plainly; a different step
+    may not run while one is prepared."""
+    from flotilla.runtime.model_runner import StepInput
+    from flotilla.runtime.pipeline.messages import Configure, LoadStage
+    from flotilla.runtime.pipeline.stage_runtime import StageRuntime
+    from flotilla.runtime.pipeline.step_codec import StepEncoder, fill_tokens
+
+    def stage0() -> StageRuntime:
+        lm = load_model(tiny, "cpu", None, Stage(0, 2, 4), with_tokenizer=False, progress=False)
+        rt = StageRuntime(lm, LoadStage("f" * 64, {}, {}, 0, 2, 4, "auto", 0, 0.0, 64, 4, 2, BLOCK, 0), "test")
+        rt.configure(Configure(1, BLOCKS, None, "fp16", 0, 0, 1, 64))
+        return rt
+
+    enc = StepEncoder()
+    tables = [[1, 2], [3, 4]]
+    prefill = enc.encode(StepInput(["a", "b"], [5, 6, 7, 8, 9], [0, 0], [3, 2], tables, 0, [False, False]), 1, 1)
+    ahead = [enc.encode(StepInput(["a", "b"], [0, 0], [3 + i, 2 + i], [1, 1], tables, 2, [False, False],
+                                  prev_rows=[1, 0]), 1, 2 + i, prev_mb=1 + i) for i in range(3)]
+    plain, prepared = stage0(), stage0()
+    for rt in (plain, prepared):
+        rt.run(prefill)
+    for i, step in enumerate(ahead[:2]):
+        prepared.prepare(step)
+        assert prepared.prepared_mb == step.mb
+        filled = fill_tokens(step, [40 + i, 50 + i])
+        assert torch.equal(prepared.run(filled).hidden, plain.run(filled).hidden)
+        assert prepared.prepared_mb is None
+    prepared.prepare(ahead[2])
+    with pytest.raises(ValueError, match="came to run while step 4 was prepared"):
+        prepared.run(dataclasses.replace(fill_tokens(ahead[2], [1, 2]), mb=9))
+    prepared.configure(Configure(2, BLOCKS, None, "fp16", 0, 0, 1, 64))  # a new epoch forgets it
+    assert prepared.prepared_mb is None

@@ -30,6 +30,7 @@ cast; the host-to-device copies and pinned buffers are measured with --device cu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -174,22 +175,21 @@ def run(batch: int, steps: int, mode: str, device: torch.device, hidden_size: in
                                       lambda: main_staging_to_host(device, *pack(out0[:batch], "fp16")))
         else:
             data, scales = parts.time("0", "hidden states out", lambda: pack(out0[:batch], "fp16"))
-        body = parts.time("0", "seal Step frame", lambda: hop.seal(_with_hidden(run0, data, scales)))
+        body = parts.time("0", "seal Step frame", _seal_with_hidden, hop, run0, data, scales)
         # stage 1
         m1 = parts.time("1", "open Step frame", hop.open, body)
         step1 = parts.time("1", "mirror + sampling batch", seqs1.apply, m1, True)
         if prepared and cuda:
-            parts.time("1", "hidden states in",
-                       lambda: in1.hidden[:batch].copy_(staging1.to_pinned(m1.hidden)[0], non_blocking=True))
+            way_in = _pinned_in
         elif cuda:
-            parts.time("1", "hidden states in",
-                       lambda: in1.hidden[:batch].copy_(main_staging_in(device, m1.hidden), non_blocking=True))
+            way_in = _main_way_in
         else:
-            parts.time("1", "hidden states in", lambda: in1.hidden[:batch].copy_(m1.hidden.to(dtype)))
+            way_in = _cpu_way_in
+        parts.time("1", "hidden states in", way_in, in1.hidden[:batch], m1.hidden, staging1)
         parts.time("1", "graph inputs fill", in1.fill, step1.token_ids, step1.starts, step1.block_tables)
         staging1.release()
         out = parts.time("1", "sampler (ids to host)", sampler, logits[:batch], step1.sampling)
-        result = parts.time("1", "result + record", lambda: (seqs1.record(m1, out.token_ids), step_result(1, m1.mb, out))[1])
+        result = parts.time("1", "result + record", _result, seqs1, m1, out)
         pending = parts.time("1", "seal Sampled frame", feedback.seal, Sampled(1, m1.mb, result.token_ids))
         parts.time("1", "seal StepResult frame", to_head.seal, result)
     wall = now() - wall
@@ -200,9 +200,27 @@ def run(batch: int, steps: int, mode: str, device: torch.device, hidden_size: in
     return row
 
 
-def _with_hidden(msg, data, scales):
-    import dataclasses
-    return dataclasses.replace(msg, hidden=data, scales=scales)
+def _seal_with_hidden(link: Link, msg, data, scales) -> bytes:
+    """Stage 0's output frame: the step with its hidden states (as StageRuntime.run makes it)."""
+    return link.seal(dataclasses.replace(msg, hidden=data, scales=scales))
+
+
+def _pinned_in(static: torch.Tensor, hidden: torch.Tensor, staging: HostStaging) -> None:
+    """This branch: into the pinned buffer, then straight into the graph's static input."""
+    static.copy_(staging.to_pinned(hidden)[0], non_blocking=True)
+
+
+def _main_way_in(static: torch.Tensor, hidden: torch.Tensor, staging: HostStaging) -> None:
+    static.copy_(main_staging_in(static.device, hidden), non_blocking=True)
+
+
+def _cpu_way_in(static: torch.Tensor, hidden: torch.Tensor, staging: HostStaging) -> None:
+    static.copy_(hidden.to(static.dtype))
+
+
+def _result(seqs: StageSequences, msg, out):
+    seqs.record(msg, out.token_ids)
+    return step_result(1, msg.mb, out)
 
 
 def main(argv=None) -> int:

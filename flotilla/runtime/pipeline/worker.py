@@ -36,7 +36,7 @@ from flotilla.runtime.tp import load_model_parallel
 from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
                          server_handshake)
 from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
-                       Pong, Probe, ResultsLink, Sampled, StageLoaded, StatsRequest, Step, StepResult, Upstream,
+                       Pong, Probe, ResultsLink, Sampled, StageLoaded, StatsRequest, Step, Upstream,
                        WorkerStats)
 from .probe import worker_info
 from .outbox import GONE as _GONE, Outbox

@@ -10,7 +10,9 @@ one to three (flotilla.kernels.fused dispatches to them on CUDA):
 
 Each rounds where the torch expression it replaces rounds (half-precision intermediates where
 torch keeps them, fp32 arithmetic inside one op), so results agree with torch's to the last
-place or one unit of it. No host synchronisation: all can be captured in a CUDA graph.
+place or one unit of it. No host synchronisation: all can be captured in a CUDA graph. On sm_90+
+each is launched as a programmatic dependent (kernels/pdl.py): it waits for the kernel before it
+first thing, then lets the next kernel (the CUDA GEMV, whose weight loads do not wait) launch.
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_args, pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stride_y, stride_s, n, eps,
-                     BLOCK: tl.constexpr, HAS_ADD: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -37,7 +42,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stri
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -49,7 +55,8 @@ def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexp
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_yt, stride_yh,
-                 heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+                 heads, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
@@ -67,7 +74,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+                     heads, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -90,7 +98,7 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
     _rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, y, s, x.stride(0),
         delta.stride(0) if delta is not None else 0, y.stride(0), s.stride(0), n, eps,
-        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)))
+        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)), **launch_args(x))
     return s, y
 
 
@@ -111,7 +119,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), y.stride(0), inter,
-                                                         BLOCK=block, num_warps=4)
+                                                         BLOCK=block, num_warps=4, **launch_args(gate_up))
     return y
 
 
@@ -124,7 +132,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     block_h = min(8, triton.next_power_of_2(heads))
     _rope_kernel[(T, triton.cdiv(heads, block_h))](
         x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1), heads,
-        D=D, BLOCK_H=block_h, num_warps=4)
+        D=D, BLOCK_H=block_h, num_warps=4, **launch_args(x))
     return y
 
 
@@ -135,4 +143,4 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         raise ValueError("store_kv needs contiguous caches and a power-of-2 head size")
     _store_kv_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
                            value.stride(0), value.stride(1), heads, D=D, BLOCK_H=triton.next_power_of_2(heads),
-                           num_warps=4)
+                           num_warps=4, **launch_args(key))

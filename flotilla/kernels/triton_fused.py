@@ -7,6 +7,9 @@ one to three (flotilla.kernels.fused dispatches to them on CUDA):
     rope(x, cos, sin)                      x [T, H, D], cos/sin [T, 1, D] (sin signed, full width)
                                            -> x * cos + roll(x, D/2) * sin
     store_kv(key_cache, value_cache, key, value, slot_mapping)
+    rope_store_kv(qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping)
+                                           qkv [T, (Hq + 2 Hkv) D]: q rotated -> [T, Hq, D]; k rotated
+                                           and v written into the caches (rope + store_kv, one launch)
 
 Each rounds where the torch expression it replaces rounds (half-precision intermediates where
 torch keeps them, fp32 arithmetic inside one op), so results agree with torch's to the last
@@ -70,6 +73,33 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct
     a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)  # torch rounds x * cos, then addcmul
     out = (a + xr * s[None, :]).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + t * stride_yt + h[:, None] * stride_yh + d[None, :], out, mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_xt, stride_ct, stride_st,
+                       hq, hkv, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Rows h of qkv [T, Hq + 2 Hkv, D]: q heads (rotated into q [T, Hq, D]), k heads (rotated into the
+    key cache at the token's slot), v heads (copied into the value cache): _rope_kernel's arithmetic."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    ok = (h < hq + 2 * hkv)[:, None]
+    row = x_ptr + t * stride_xt + h[:, None] * D
+    x = tl.load(row + d[None, :], mask=ok, other=0.0)
+    xr = tl.load(row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)  # torch rounds x * cos, then addcmul
+    rotated = (a + xr * s[None, :]).to(q_ptr.dtype.element_ty)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    is_q, is_v = (h < hq)[:, None], (h >= hq + hkv)[:, None]
+    kv_head = tl.where(h >= hq + hkv, h - hq - hkv, h - hq)  # (negative on q rows, which store no k or v)
+    dst = slot * hkv * D + kv_head[:, None] * D + d[None, :]  # the caches are contiguous [slots, Hkv, D]
+    tl.store(q_ptr + t * hq * D + h[:, None] * D + d[None, :], rotated, mask=ok & is_q)
+    tl.store(kc_ptr + dst, rotated, mask=ok & ~is_q & ~is_v)
+    tl.store(vc_ptr + dst, x, mask=ok & is_v)
 
 
 @triton.jit
@@ -144,3 +174,20 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     _store_kv_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
                            value.stride(0), value.stride(1), heads, D=D, BLOCK_H=triton.next_power_of_2(heads),
                            num_warps=4, **launch_args(key))
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    T, width = qkv.shape
+    hkv, D = key_cache.shape[-2], key_cache.shape[-1]
+    if (D & (D - 1) or width != (num_heads + 2 * hkv) * D or qkv.stride(1) != 1 or cos.shape != (T, 1, D)
+            or sin.shape != (T, 1, D) or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        raise ValueError(f"rope_store_kv needs qkv [T, (Hq + 2 Hkv) D] with unit column stride, cos/sin [T, 1, D], "
+                         f"contiguous caches [..., Hkv, D] and a power-of-2 D; got qkv {tuple(qkv.shape)}, "
+                         f"{num_heads} query heads, caches {tuple(key_cache.shape)}, cos {tuple(cos.shape)}")
+    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    block_h = 8
+    _rope_store_kernel[(T, triton.cdiv(num_heads + 2 * hkv, block_h))](
+        qkv, cos, sin, q, key_cache, value_cache, slot_mapping, qkv.stride(0), cos.stride(0), sin.stride(0),
+        num_heads, hkv, D=D, BLOCK_H=block_h, num_warps=4, **launch_args(qkv))
+    return q

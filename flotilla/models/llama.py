@@ -51,6 +51,10 @@ class Stage:
 
 
 class AttentionBackend(Protocol):
+    """A backend may also have `attend_qkv(layer, qkv, cos, sin, num_heads)`: the same from the unrotated
+    projection qkv [T, (Hq + 2 Hkv) D] and the rope tables [T, 1, D], rotating itself (the runtime's
+    paged backend rotates and stores in one kernel); attention_output uses it where present."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq, D]. Stores k/v as it likes."""
         ...
@@ -158,6 +162,9 @@ def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: tor
     qk_size = (hq + hkv) * d
     h = rms_norm(x, ops.input_norm, ops.eps)
     qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
+    attend_qkv = getattr(attn, "attend_qkv", None)
+    if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
+        return attend_qkv(ops.layer, qkv, cos, sin, hq).reshape(T, hq * d)
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
     return out.reshape(T, hq * d)

@@ -9,7 +9,10 @@ its weight loads go before the wait) and the small Triton kernels of triton_fuse
 attention's decode kernel (the wait first, then the signal, so the GEMV after them starts at
 once). Inside a CUDA graph the launches become programmatic edges (CUDA >= 12.3).
 
-    enabled(tensor)   # True on an sm_90+ GPU unless FLOTILLA_PDL=0 or Triton interprets
+    enabled(tensor)          # True on an sm_90+ GPU unless FLOTILLA_PDL=0 or Triton interprets
+    enabled(tensor, rows)    # and rows <= MAX_ROWS: the Triton kernels take part only at the
+                             # batches where the GEMV follows them (bench/NOTES-gpu-decode.md, run 13:
+                             # at 16 and 64 rows PDL measured ~1% slower)
 
 `ENABLED = False` (or FLOTILLA_PDL=0 in the environment) turns it off for every later launch (a
 CUDA graph keeps what it captured); bench/gpu_decode.py measures both.
@@ -25,13 +28,14 @@ import torch
 ENV = "FLOTILLA_PDL"
 ENABLED = os.environ.get(ENV, "1") != "0"
 MIN_CAPABILITY = (9, 0)
+MAX_ROWS = 8  # the CUDA GEMV's rows (cuda/gemv.py MAX_ROWS)
 
 _capable: dict[int, bool] = {}
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Launch the kernels that read `t`'s device as programmatic dependents."""
-    if not ENABLED or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def enabled(t: torch.Tensor, rows: int = 1) -> bool:
+    """Launch a kernel of `rows` tokens on `t`'s device as a programmatic dependent."""
+    if not ENABLED or rows > MAX_ROWS or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _capable.get(index)

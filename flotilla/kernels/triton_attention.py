@@ -141,10 +141,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, num_warps=4, **launch_args(q))
+        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, num_warps=4, **launch_args(q, batch))
     if split:
         _combine_kernel[(batch, num_heads)](
             ws_acc, ws_ml, out, out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            NUM_SPLITS=num_splits, num_warps=4, **launch_args(q))
+            NUM_SPLITS=num_splits, num_warps=4, **launch_args(q, batch))
     return out

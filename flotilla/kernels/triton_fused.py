@@ -128,7 +128,8 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
     _rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, y, s, x.stride(0),
         delta.stride(0) if delta is not None else 0, y.stride(0), s.stride(0), n, eps,
-        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)), **launch_args(x))
+        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)),
+        **launch_args(x, rows))
     return s, y
 
 
@@ -149,7 +150,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), y.stride(0), inter,
-                                                         BLOCK=block, num_warps=4, **launch_args(gate_up))
+                                                         BLOCK=block, num_warps=4, **launch_args(gate_up, rows))
     return y
 
 
@@ -162,7 +163,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     block_h = min(8, triton.next_power_of_2(heads))
     _rope_kernel[(T, triton.cdiv(heads, block_h))](
         x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1), heads,
-        D=D, BLOCK_H=block_h, num_warps=4, **launch_args(x))
+        D=D, BLOCK_H=block_h, num_warps=4, **launch_args(x, T))
     return y
 
 
@@ -173,7 +174,7 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         raise ValueError("store_kv needs contiguous caches and a power-of-2 head size")
     _store_kv_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
                            value.stride(0), value.stride(1), heads, D=D, BLOCK_H=triton.next_power_of_2(heads),
-                           num_warps=4, **launch_args(key))
+                           num_warps=4, **launch_args(key, T))
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, key_cache: torch.Tensor,
@@ -189,5 +190,5 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     block_h = 8
     _rope_store_kernel[(T, triton.cdiv(num_heads + 2 * hkv, block_h))](
         qkv, cos, sin, q, key_cache, value_cache, slot_mapping, qkv.stride(0), cos.stride(0), sin.stride(0),
-        num_heads, hkv, D=D, BLOCK_H=block_h, num_warps=4, **launch_args(qkv))
+        num_heads, hkv, D=D, BLOCK_H=block_h, num_warps=4, **launch_args(qkv, T))
     return q

@@ -4,7 +4,7 @@
     def _kernel(..., PDL: tl.constexpr):
         pdl_enter(PDL)                      # first thing: no load or store before it
         ...
-    _kernel[grid](..., **launch_args(x))    # PDL and Triton's launch_pdl together
+    _kernel[grid](..., **launch_args(x, rows))    # PDL and Triton's launch_pdl together
 
 A kernel launched so waits for the kernel before it (its writes visible) and then at once lets the
 next kernel of the stream launch: the CUDA GEMV after a norm, silu * up or attention places its
@@ -28,7 +28,7 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def launch_args(t: torch.Tensor) -> dict:
-    """A launch's PDL arguments for a kernel taking `PDL: tl.constexpr`, on `t`'s device."""
-    on = pdl.enabled(t)
+def launch_args(t: torch.Tensor, rows: int) -> dict:
+    """A launch's PDL arguments for a kernel taking `PDL: tl.constexpr` over `rows` tokens on `t`'s device."""
+    on = pdl.enabled(t, rows)
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}

@@ -283,7 +283,7 @@ class GemvKernel:
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
-                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2)))
+                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)))
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

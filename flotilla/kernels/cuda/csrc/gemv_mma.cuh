@@ -50,10 +50,12 @@ __device__ __forceinline__ uint32_t zero_const_of(uint32_t z) {
 }
 
 // wait until the grids this one depends on programmatically have completed and their writes are
-// visible (at once when launched without PDL)
+// visible (at once when launched without PDL). No "memory" clobber: every read of x is itself a
+// volatile asm (load_x, cp.async), which the compiler keeps after this one, while the constant
+// tables' loads (scales, zeros: __ldg) may still be hoisted above it
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n");
 #endif
 }
 // let the next kernel of the stream launch (if launched as a programmatic dependent) before this one ends

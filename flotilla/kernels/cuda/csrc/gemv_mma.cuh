@@ -25,8 +25,8 @@
 //
 // Programmatic dependent launch (sm_90+, p.pdl): the kernel may start while the kernel before it
 // (the norm, silu * up or attention that writes x) still runs. Only x depends on that kernel, so a
-// warp issues its first weight loads (register plan: two blocks; ring: all S slots' weights, scales
-// and zeros) before griddepcontrol.wait, and x's after; it lets the kernel after it launch
+// warp issues its first weight loads (register plan: its first block; ring: all S slots' weights,
+// scales and zeros) before griddepcontrol.wait, and x's after; it lets the kernel after it launch
 // (griddepcontrol.launch_dependents) once its weight stream is done. Without PDL both are no-ops.
 #pragma once
 #include "gemv.cuh"
@@ -299,15 +299,14 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   } else {
     uint4 buf[2][SPB][2];
     int b = warp;
-    if (b < nblocks) load(buf[0], b);
-    if (b + warps < nblocks) load(buf[1], b + warps);  // both before the wait: they do not depend on it
+    if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
     grid_dependency_wait();
-    for (; b < nblocks; b += 2 * warps) {  // one block in flight while the other is decoded
+    for (; b < nblocks; b += 2 * warps) {
+      if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
       block(buf[0], b, nullptr, nullptr);
-      if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
       if (b + warps >= nblocks) break;
+      if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
       block(buf[1], b + warps, nullptr, nullptr);
-      if (b + 3 * warps < nblocks) load(buf[1], b + 3 * warps);
     }
   }
   launch_dependents();  // the weight stream is done: the next kernel may take the SM slots that free up

@@ -57,21 +57,30 @@ def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexp
 
 
 @triton.jit
+def _rotate(row, cos_ptr, sin_ptr, t, stride_ct, stride_st, mask, D: tl.constexpr):
+    """Head rows at `row` ([BLOCK_H, 1] pointers to their first element) of token t: (x, x * cos +
+    roll(x, D/2) * sin in fp32, x * cos rounded to x's dtype first, as torch rounds it before addcmul)."""
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    xr = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)
+    return x, a + xr * s[None, :]
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_yt, stride_yh,
                  heads, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    partner = (d + D // 2) % D
     mask = (h < heads)[:, None]
-    row = x_ptr + t * stride_xt + h[:, None] * stride_xh
-    x = tl.load(row + d[None, :], mask=mask, other=0.0)
-    xr = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
-    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)  # torch rounds x * cos, then addcmul
-    out = (a + xr * s[None, :]).to(y_ptr.dtype.element_ty)
+    _, rotated = _rotate(x_ptr + t * stride_xt + h[:, None] * stride_xh, cos_ptr, sin_ptr, t, stride_ct, stride_st,
+                         mask, D)
+    out = rotated.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + t * stride_yt + h[:, None] * stride_yh + d[None, :], out, mask=mask)
 
 
@@ -84,15 +93,9 @@ def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    partner = (d + D // 2) % D
     ok = (h < hq + 2 * hkv)[:, None]
-    row = x_ptr + t * stride_xt + h[:, None] * D
-    x = tl.load(row + d[None, :], mask=ok, other=0.0)
-    xr = tl.load(row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
-    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)  # torch rounds x * cos, then addcmul
-    rotated = (a + xr * s[None, :]).to(q_ptr.dtype.element_ty)
+    x, rotated = _rotate(x_ptr + t * stride_xt + h[:, None] * D, cos_ptr, sin_ptr, t, stride_ct, stride_st, ok, D)
+    rotated = rotated.to(q_ptr.dtype.element_ty)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     is_q, is_v = (h < hq)[:, None], (h >= hq + hkv)[:, None]
     kv_head = tl.where(h >= hq + hkv, h - hq - hkv, h - hq)  # (negative on q rows, which store no k or v)

@@ -9,6 +9,8 @@ Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
                           Triton on NVIDIA GPUs, sampler), decode steps overlapped (each launched
                           before the last one's tokens are read: the default on a GPU)
   flotilla int4 sync      the same with every step waiting for its tokens (EngineConfig.overlap=False)
+  flotilla int4 no-pdl    the same without programmatic dependent launch (kernels/pdl.py; on sm_90+
+                          the default launches the GEMV and the small Triton kernels as dependents)
   flotilla int4 CUDA      the same with the CUDA dequant-matmul (FLOTILLA_KERNEL=cuda)
   flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
   flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
@@ -31,6 +33,7 @@ latency) and the gaps over 20 µs (the device waiting for the host).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flotilla.kernels import registry  # noqa: E402
+from flotilla.kernels import pdl, registry  # noqa: E402
 from flotilla.models.linear import QuantLinear  # noqa: E402
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
@@ -119,6 +122,16 @@ def hf_decode(model, batch: int, prompt_len: int, tokens: int) -> DecodeRun:
 
 # ------------------------------------------------------------------------------------- profile
 
+@contextlib.contextmanager
+def pdl_off():
+    """Kernels launched (and graphs captured) inside launch without programmatic dependent launch."""
+    before, pdl.ENABLED = pdl.ENABLED, False
+    try:
+        yield
+    finally:
+        pdl.ENABLED = before
+
+
 def kernel_family(name: str) -> str:
     if "wqa16_kernel" in name or "flotilla::dequant_kernel" in name:
         return "int4 linears (CUDA)"
@@ -163,7 +176,7 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 16, top: i
         count[fam] = count.get(fam, 0) + e.count / steps
         kernels.append((t / steps, e.count / steps, e.key))
     total = sum(fams.values())
-    mode = "overlap" if engine.overlap else "sync"
+    mode = ("overlap" if engine.overlap else "sync") + ("" if pdl.ENABLED else ", no PDL")
     lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs, {mode}: wall {wall * 1e3:.3f} ms, "
              f"GPU busy {total / 1e3:.3f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
     lines.append("    " + device_timeline(prof, steps))
@@ -235,8 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="also the int4 rows after tuning tile configs on the GPU")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
                                                "transformers rows), nf4, fp16, cuda, sync (the int4 rows "
-                                               "without overlap), slow-checks (attention, fused ops, "
-                                               "engine spec)")
+                                               "without overlap), nopdl (the int4 rows and profile without "
+                                               "programmatic dependent launch), slow-checks (attention, fused ops, "
+                                               "engine spec), spec-check (the engine spec check alone)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -287,11 +301,16 @@ def main(argv=None) -> int:
     for overlap in (False, True):
         print(section("sync check", lambda: check_syncs(model, overlap=overlap)), flush=True)
     print(section("overlap check", lambda: check_overlap(model)), flush=True)
-    if slow:
+    if slow and "spec-check" not in skip:
         print(section("engine spec check", check_engine_spec), flush=True)
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
     if "sync" not in skip:
         section("flotilla int4 sync", lambda: ours("flotilla int4 sync", model, overlap=False))
+    if "nopdl" not in skip:
+        def nopdl_rows():
+            with pdl_off():
+                ours("flotilla int4 no-pdl", model)
+        section("flotilla int4 no-pdl", nopdl_rows)
     if "cuda" not in skip:
         def cuda_rows():
             os.environ[registry.ENV_KERNEL] = "cuda"
@@ -309,6 +328,9 @@ def main(argv=None) -> int:
             if graphs or "eager" not in skip:
                 print(section("profile", lambda: profile_decode(model, graphs, args.prompt_len, top=16 if graphs and overlap is None else 0,
                                                                 overlap=overlap)), flush=True)
+        if "nopdl" not in skip:
+            with pdl_off():
+                print(section("profile", lambda: profile_decode(model, True, args.prompt_len, top=16)), flush=True)
     if "hf" not in skip:
         hf = section("build transformers fp16", lambda: hf_model(args.shape))
         hf_rows("transformers fp16", hf)

@@ -89,6 +89,31 @@ def test_store_kv_writes_each_token_at_its_slot_and_nothing_else():
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_is_rope_then_the_store(dtype):
+    """One kernel for rope of q and k and the store of k and v: q as rope's, the caches as store_kv's
+    of rope's k, nothing else written; the dispatching function's torch path gives the same."""
+    T, hq, hkv, d, blocks, bs = 3, 6, 2, 32, 5, 4
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d + 8, generator=gen).to(dtype)[:, :(hq + 2 * hkv) * d]  # row stride > width
+    rope = RotaryEmbedding(d, 64, 10000.0, None)
+    cos, sin = rope.tables(torch.tensor([1, 7, 30]), dtype)
+    slots = torch.tensor([5, 17, 2])
+    x = qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d)
+    qk = triton_fused.rope(x, cos, sin)
+    terms = (x * cos).abs() + (x.roll(d // 2, dims=-1) * sin).abs()  # the size of what is summed
+    want_k, want_v = torch.zeros(blocks, bs, hkv, d, dtype=dtype), torch.zeros(blocks, bs, hkv, d, dtype=dtype)
+    triton_fused.store_kv(want_k, want_v, qk[:, hq:], qkv[:, (hq + hkv) * d:].view(T, hkv, d), slots)
+    for fn in (triton_fused.rope_store_kv, fused.rope_store_kv):  # the kernel; off CUDA, the torch path
+        kc, vc = torch.zeros_like(want_k), torch.zeros_like(want_v)
+        q = fn(qkv, cos, sin, hq, kc, vc, slots)
+        assert q.shape == (T, hq, d)
+        close(q, qk[:, :hq], dtype, scale=terms[:, :hq])
+        close(kc.view(-1, hkv, d)[slots], want_k.view(-1, hkv, d)[slots], dtype, scale=terms[:, hq:])
+        assert torch.equal(vc, want_v)
+        assert not kc.view(-1, hkv, d)[[i for i in range(blocks * bs) if i not in (5, 17, 2)]].any()
+
+
 @pytest.fixture
 def torch_only_cpu_ops(monkeypatch):
     """FLOTILLA_KERNEL=dense, decided afresh (the CPU ops decide once, at first use)."""

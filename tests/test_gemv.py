@@ -17,10 +17,12 @@ bias, a column slice as `out`, NaN-poisoned outputs, CUDA-graph replays), and th
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gemv_emulation import (
     emulate,
     emulate_mma,
@@ -353,3 +355,66 @@ def test_odd_n_falls_back_to_triton():
     gw = random_weight("Q4_0", 33, 256, seed=9, scale=0.01)
     x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
     assert rel_err(kern(x), x.float() @ gw.dequantize(torch.float32).to("cuda").t()) < 2e-3
+
+
+def test_pdl_only_on_hopper_gpus_and_never_interpreted(monkeypatch):
+    from flotilla.kernels import pdl
+
+    assert not pdl.enabled(torch.zeros(1))  # a CPU tensor
+    if torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        t = torch.zeros(1, device="cuda")
+        hopper = tuple(torch.cuda.get_device_capability()) >= pdl.MIN_CAPABILITY
+        assert pdl.enabled(t) == hopper
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not pdl.enabled(t)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert not pdl.enabled(t)
+
+
+@needs_cuda
+def test_pdl_chain_in_a_graph_is_the_chain_without_pdl(monkeypatch):
+    """A decode step's pattern captured in a CUDA graph: a Triton norm (or silu * up) writes x, the GEMV
+    reads it (register plan and ring); on sm_90+ both as programmatic dependents (the GEMV's weight
+    loads before its wait). Fresh inputs at each replay: the outputs are the reference's, and equal to
+    the same graph captured without PDL bit for bit (a GEMV reading x before the norm wrote it would
+    show the previous replay's x)."""
+    from flotilla.kernels import fused, pdl
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    wr = weight(4096, 512, 4, 128, True, False, seed=11).to("cuda")
+    wg = weight(16384, 256, 4, 128, False, False, seed=12).to("cuda")
+    regs, ring = TritonGPTQKernel(wr, torch.float16), TritonGPTQKernel(wg, torch.float16)
+    assert regs.gemv.plan_for(1).stages == 0 and ring.gemv.plan_for(1).stages >= 2
+    w_regs, w_ring = dequantize(wr, torch.float32), dequantize(wg, torch.float32)
+    norm_w = torch.rand(4096, device="cuda", dtype=torch.float16) + 0.5
+    x = torch.empty(1, 4096, device="cuda", dtype=torch.float16)
+    gate_up = torch.empty(1, 2 * 16384, device="cuda", dtype=torch.float16)
+
+    def step():
+        h = fused.rms_norm(x, norm_w, 1e-5)
+        return h, regs(h), ring(fused.silu_mul(gate_up))
+
+    def capture():
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        return graph, outs
+
+    with_pdl = capture()
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    without = capture()
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for _ in range(4):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
+        gate_up.copy_(torch.randn(gate_up.shape, generator=gen, device="cuda", dtype=torch.float16))
+        (graph, (h, y_regs, y_ring)), (graph0, outs0) = with_pdl, without
+        graph.replay()
+        graph0.replay()
+        torch.cuda.synchronize()
+        act = F.silu(gate_up[:, :16384].float()) * gate_up[:, 16384:].float()
+        assert rel_err(y_regs, h.float() @ w_regs) < 2e-3
+        assert rel_err(y_ring, act @ w_ring) < 2e-3
+        assert all(torch.equal(a, b) for a, b in zip((h, y_regs, y_ring), outs0))

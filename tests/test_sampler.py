@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flotilla.errors import FlotillaError
-from flotilla.runtime.sampler import Sampler, SamplingBatch
+from flotilla.runtime.sampler import Sampler, SamplingBatch, chunked_first_max, first_max
 from flotilla.runtime.sampling import SamplingParams
 
 V = 50
@@ -145,3 +145,23 @@ def test_sampling_params_are_validated():
                 dict(repetition_penalty=0), dict(presence_penalty=3), dict(top_logprobs=21)]:
         with pytest.raises(FlotillaError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_first_max_in_chunks_is_argmax_with_ties_at_the_first(device):
+    """Ties inside a chunk, across chunks, at a chunk's border, and -inf rows: the first maximum."""
+    V = 128256  # llama-3's vocabulary: 128 chunks of 1002
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, V, generator=gen)
+    x[0, [7, 5000, 90000]] = 50.0  # across chunks
+    x[1, [1002, 1003]] = 50.0  # at a chunk's first entries
+    x[2, [1001, 1002]] = 50.0  # either side of a border
+    x[3] = float("-inf")
+    x[3, [128255, 128000]] = 1.0
+    x = x.to(device)
+    want = [7, 1002, 1001, 128000, int(x[4].argmax())]
+    assert chunked_first_max(x, 1002).tolist() == want
+    assert chunked_first_max(x, 256).tolist() == want
+    assert first_max(x).tolist() == want == Sampler()(x, SamplingBatch.build([(SamplingParams(temperature=0), 0, [], [])]
+                                                                              * 5)).token_ids

@@ -5,6 +5,9 @@
     silu_mul(gate_up)                         [T, 2I] -> silu(first half) * second half
     rope(x, cos, sin)                         x [T, H, D] -> x * cos + roll(x, D/2) * sin
     store_kv_slots(key_cache, value_cache, key, value, slot_mapping)
+    rope_store_kv(qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping)
+                                              qkv [T, (Hq + 2 Hkv) D] -> q rotated [T, Hq, D], with k
+                                              rotated and v stored (rope + store_kv_slots; one launch on CUDA)
 
 On CUDA (fp16/bf16) they run the Triton kernels of flotilla.kernels.triton_fused; on the CPU
 (fp32) rms_norm, add_rms_norm, silu_mul and rope run one compiled pass each (flotilla.kernels.cpu.ops). A batch-1
@@ -111,3 +114,22 @@ def store_kv_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torc
         return
     key_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value)
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q, k and v of one fused projection qkv [T, (Hq + 2 Hkv) D]: k and v written into the caches
+    [..., Hkv, D] at flat slots `slot_mapping` [T] (k rotated), q rotated returned [T, Hq, D]; exactly
+    rope of q and k, then store_kv_slots."""
+    T = qkv.shape[0]
+    hkv, d = key_cache.shape[-2], key_cache.shape[-1]
+    if (qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * hkv) * d and d & (d - 1) == 0
+            and cos.shape == sin.shape == (T, 1, d) and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and _on_gpu(qkv, cos, sin, key_cache, value_cache)):
+        from .triton_fused import rope_store_kv as triton_rope_store_kv
+
+        return triton_rope_store_kv(qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping)
+    qk = rope(qkv[:, :(num_heads + hkv) * d].view(T, num_heads + hkv, d), cos, sin)  # q and k are adjacent
+    store_kv_slots(key_cache, value_cache, qk[:, num_heads:], qkv[:, (num_heads + hkv) * d:].view(T, hkv, d),
+                   slot_mapping)
+    return qk[:, :num_heads]

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_args, pdl_enter
+
 
 @triton.jit
 def _decode_kernel(
@@ -31,8 +33,9 @@ def _decode_kernel(
     scale, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # programmatic dependent launch on sm_90+ (kernels/pdl.py)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,7 +91,9 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -136,10 +141,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, num_warps=4)
+        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, num_warps=4, **launch_args(q, batch))
     if split:
         _combine_kernel[(batch, num_heads)](
             ws_acc, ws_ml, out, out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            NUM_SPLITS=num_splits, num_warps=4)
+            NUM_SPLITS=num_splits, num_warps=4, **launch_args(q, batch))
     return out

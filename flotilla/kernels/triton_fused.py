@@ -7,10 +7,15 @@ one to three (flotilla.kernels.fused dispatches to them on CUDA):
     rope(x, cos, sin)                      x [T, H, D], cos/sin [T, 1, D] (sin signed, full width)
                                            -> x * cos + roll(x, D/2) * sin
     store_kv(key_cache, value_cache, key, value, slot_mapping)
+    rope_store_kv(qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping)
+                                           qkv [T, (Hq + 2 Hkv) D]: q rotated -> [T, Hq, D]; k rotated
+                                           and v written into the caches (rope + store_kv, one launch)
 
 Each rounds where the torch expression it replaces rounds (half-precision intermediates where
 torch keeps them, fp32 arithmetic inside one op), so results agree with torch's to the last
-place or one unit of it. No host synchronisation: all can be captured in a CUDA graph.
+place or one unit of it. No host synchronisation: all can be captured in a CUDA graph. On sm_90+
+each is launched as a programmatic dependent (kernels/pdl.py): it waits for the kernel before it
+first thing, then lets the next kernel (the CUDA GEMV, whose weight loads do not wait) launch.
 """
 from __future__ import annotations
 
@@ -18,10 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_args, pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stride_y, stride_s, n, eps,
-                     BLOCK: tl.constexpr, HAS_ADD: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -37,7 +45,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stri
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -48,26 +57,58 @@ def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, inter, BLOCK: tl.constexp
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_yt, stride_yh,
-                 heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rotate(row, cos_ptr, sin_ptr, t, stride_ct, stride_st, mask, D: tl.constexpr):
+    """Head rows at `row` ([BLOCK_H, 1] pointers to their first element) of token t: (x, x * cos +
+    roll(x, D/2) * sin in fp32, x * cos rounded to x's dtype first, as torch rounds it before addcmul)."""
     d = tl.arange(0, D)
     partner = (d + D // 2) % D
-    mask = (h < heads)[:, None]
-    row = x_ptr + t * stride_xt + h[:, None] * stride_xh
     x = tl.load(row + d[None, :], mask=mask, other=0.0)
     xr = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
-    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)  # torch rounds x * cos, then addcmul
-    out = (a + xr * s[None, :]).to(y_ptr.dtype.element_ty)
+    a = (x.to(tl.float32) * c[None, :]).to(x.dtype).to(tl.float32)
+    return x, a + xr * s[None, :]
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_yt, stride_yh,
+                 heads, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    mask = (h < heads)[:, None]
+    _, rotated = _rotate(x_ptr + t * stride_xt + h[:, None] * stride_xh, cos_ptr, sin_ptr, t, stride_ct, stride_st,
+                         mask, D)
+    out = rotated.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + t * stride_yt + h[:, None] * stride_yh + d[None, :], out, mask=mask)
 
 
 @triton.jit
+def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_xt, stride_ct, stride_st,
+                       hq, hkv, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Rows h of qkv [T, Hq + 2 Hkv, D]: q heads (rotated into q [T, Hq, D]), k heads (rotated into the
+    key cache at the token's slot), v heads (copied into the value cache): _rope_kernel's arithmetic."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    ok = (h < hq + 2 * hkv)[:, None]
+    x, rotated = _rotate(x_ptr + t * stride_xt + h[:, None] * D, cos_ptr, sin_ptr, t, stride_ct, stride_st, ok, D)
+    rotated = rotated.to(q_ptr.dtype.element_ty)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    is_q, is_v = (h < hq)[:, None], (h >= hq + hkv)[:, None]
+    kv_head = tl.where(h >= hq + hkv, h - hq - hkv, h - hq)  # (negative on q rows, which store no k or v)
+    dst = slot * hkv * D + kv_head[:, None] * D + d[None, :]  # the caches are contiguous [slots, Hkv, D]
+    tl.store(q_ptr + t * hq * D + h[:, None] * D + d[None, :], rotated, mask=ok & is_q)
+    tl.store(kc_ptr + dst, rotated, mask=ok & ~is_q & ~is_v)
+    tl.store(vc_ptr + dst, x, mask=ok & is_v)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+                     heads, D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -90,7 +131,8 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
     _rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, y, s, x.stride(0),
         delta.stride(0) if delta is not None else 0, y.stride(0), s.stride(0), n, eps,
-        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)))
+        BLOCK=block, HAS_ADD=delta is not None, num_warps=max(1, min(16, block // 512)),
+        **launch_args(x, rows))
     return s, y
 
 
@@ -111,7 +153,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), y.stride(0), inter,
-                                                         BLOCK=block, num_warps=4)
+                                                         BLOCK=block, num_warps=4, **launch_args(gate_up, rows))
     return y
 
 
@@ -124,7 +166,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     block_h = min(8, triton.next_power_of_2(heads))
     _rope_kernel[(T, triton.cdiv(heads, block_h))](
         x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1), heads,
-        D=D, BLOCK_H=block_h, num_warps=4)
+        D=D, BLOCK_H=block_h, num_warps=4, **launch_args(x, T))
     return y
 
 
@@ -135,4 +177,21 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         raise ValueError("store_kv needs contiguous caches and a power-of-2 head size")
     _store_kv_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
                            value.stride(0), value.stride(1), heads, D=D, BLOCK_H=triton.next_power_of_2(heads),
-                           num_warps=4)
+                           num_warps=4, **launch_args(key, T))
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    T, width = qkv.shape
+    hkv, D = key_cache.shape[-2], key_cache.shape[-1]
+    if (D & (D - 1) or width != (num_heads + 2 * hkv) * D or qkv.stride(1) != 1 or cos.shape != (T, 1, D)
+            or sin.shape != (T, 1, D) or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        raise ValueError(f"rope_store_kv needs qkv [T, (Hq + 2 Hkv) D] with unit column stride, cos/sin [T, 1, D], "
+                         f"contiguous caches [..., Hkv, D] and a power-of-2 D; got qkv {tuple(qkv.shape)}, "
+                         f"{num_heads} query heads, caches {tuple(key_cache.shape)}, cos {tuple(cos.shape)}")
+    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    block_h = 8
+    _rope_store_kernel[(T, triton.cdiv(num_heads + 2 * hkv, block_h))](
+        qkv, cos, sin, q, key_cache, value_cache, slot_mapping, qkv.stride(0), cos.stride(0), sin.stride(0),
+        num_heads, hkv, D=D, BLOCK_H=block_h, num_warps=4, **launch_args(qkv, T))
+    return q

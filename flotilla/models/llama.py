@@ -51,6 +51,10 @@ class Stage:
 
 
 class AttentionBackend(Protocol):
+    """A backend may also have `attend_qkv(layer, qkv, cos, sin, num_heads)`: the same from the unrotated
+    projection qkv [T, (Hq + 2 Hkv) D] and the rope tables [T, 1, D], rotating itself (the runtime's
+    paged backend rotates and stores in one kernel); attention_output uses it where present."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq, D]. Stores k/v as it likes."""
         ...
@@ -144,20 +148,41 @@ def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                attn: AttentionBackend) -> torch.Tensor:
     """One decoder layer over flattened tokens x [T, hidden] (the only implementation of its math;
     quantize's calibration pass, flotilla.quantize.activations, runs the same steps in stages)."""
-    out = attention_output(ops, x, cos, sin, attn)
+    x, delta = layer_residual(ops, x, None, cos, sin, attn)
+    return x + delta
+
+
+def layer_residual(ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                   sin: torch.Tensor, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer_step on the input x + delta (delta None: x), its output returned as (residual, delta)
+    with the last residual add left to the caller: the next layer's input norm (or the final norm)
+    adds it in its own kernel (add_rms_norm rounds the sum as torch's add: the same values)."""
+    if delta is None:
+        h = rms_norm(x, ops.input_norm, ops.eps)
+    else:
+        x, h = add_rms_norm(x, delta, ops.input_norm, ops.eps)
+    out = attend_normed(ops, h, cos, sin, attn)
     x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
     gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
-    return x + ops.down(silu_mul(gate_up))  # silu(gate) * up
+    return x, ops.down(silu_mul(gate_up))  # silu(gate) * up
 
 
 def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      attn: AttentionBackend) -> torch.Tensor:
     """The first half of layer_step: x [T, hidden] -> the attention's output [T, Hq * D], o_proj's input."""
-    T = x.shape[0]
+    return attend_normed(ops, rms_norm(x, ops.input_norm, ops.eps), cos, sin, attn)
+
+
+def attend_normed(ops: LayerOps, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttentionBackend) -> torch.Tensor:
+    """The attention of the normed input h [T, hidden] -> its output [T, Hq * D], o_proj's input."""
+    T = h.shape[0]
     hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
-    h = rms_norm(x, ops.input_norm, ops.eps)
     qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
+    attend_qkv = getattr(attn, "attend_qkv", None)
+    if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
+        return attend_qkv(ops.layer, qkv, cos, sin, hq).reshape(T, hq * d)
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
     return out.reshape(T, hq * d)
@@ -221,11 +246,13 @@ class CausalLM(nn.Module):
         h = self.embed(x) if self.stage.is_first else x
         cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
         layers = self._frozen or [layer.ops() for layer in self.model.layers.values()]
+        delta = None  # each layer's last residual add, done by the next norm's kernel
         for ops in layers:
-            h = layer_step(ops, h, cos, sin, attn)
+            h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
-            h = self.model.norm(h)
-        return h
+            norm = self.model.norm
+            return norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1]
+        return h if delta is None else h + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

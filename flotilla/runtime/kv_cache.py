@@ -13,6 +13,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 from flotilla.kernels.attention import PagedAttentionMetadata, paged_attention, store_kv
+from flotilla.kernels.fused import rope_store_kv
 
 from .host_memory import resident_bytes, zero_pages
 
@@ -169,4 +170,12 @@ class PagedAttentionBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.cache.key[layer], self.cache.value[layer]
         store_kv(kc, vc, k, v, self.meta)
+        return paged_attention(q, kc, vc, self.meta, self.scale)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   num_heads: int) -> torch.Tensor:
+        """`attend` of the unrotated projection qkv [T, (Hq + 2 Hkv) D]: rope, the store of k and v and
+        the attention, the first two in one kernel on CUDA (kernels/fused.py rope_store_kv)."""
+        kc, vc = self.cache.key[layer], self.cache.value[layer]
+        q = rope_store_kv(qkv, cos, sin, num_heads, kc, vc, self.meta.slot_mapping)
         return paged_attention(q, kc, vc, self.meta, self.scale)

@@ -15,7 +15,8 @@ Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md
     of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
     its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
-    M = 1 on long columns);
+    M = 1 on long columns); on sm_90+ launched as a programmatic dependent of the kernel before it
+    (kernels/pdl.py: its first weight loads overlap that kernel);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import pdl
 from ..triton_layout import TritonLayout
 from . import build
 
@@ -73,7 +75,8 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("zeros", ctypes.c_void_p), ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
-                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int)]
+                ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int),
+                ("pdl", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,8 @@ class GemvKernel:
                     zeros=_ptr(lay.zeros), offsets=_ptr(lay.offsets), bias=_ptr(bias), y=out.data_ptr(), M=m, N=n,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
-                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages)
+                    scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
+                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)))
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

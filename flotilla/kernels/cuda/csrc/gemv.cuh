@@ -60,6 +60,8 @@ struct GemvParams {
   int scale_bf16;           // bf16 activations only: scales and offsets are bf16 (GGUF tables), else fp16
   int stages;               // the tensor-core plan: 0 a register double buffer, 2..8 a cp.async ring of
                             // that many blocks a warp (gemv_mma.cuh); the CUDA-core plans ignore it
+  int pdl;                  // the tensor-core plan on sm_90+: launched as a programmatic dependent of the
+                            // kernel before it (gemv_mma.cuh); the CUDA-core plans ignore it
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the

@@ -20,6 +20,23 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
   return cudaGetLastError();
 }
 
+// launch the tensor-core plan, as a programmatic dependent of the stream's previous kernel when p.pdl
+// (sm_90+: its weight loads overlap that kernel's tail; gemv_mma.cuh), else as a plain launch
+template <typename K>
+cudaError_t launch_mma(K kernel, const GemvParams& p, int warps, int smem, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.N / MMA_COLS);
+  cfg.blockDim = dim3(32 * warps);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 // the tensor-core plan (cols 16): one launch for any M <= 8; p->stages picks the register double
 // buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp). Prepare loads both and lets the
 // ring take the dynamic shared memory of its deepest launch.
@@ -41,18 +58,14 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
     return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
-  if (p->stages == 0) {
-    regs<<<p->N / MMA_COLS, 32 * warps, 0, stream>>>(*p);
-    return cudaGetLastError();
-  }
+  if (p->stages == 0) return launch_mma(regs, *p, warps, 0, stream);
   if (p->stages < 2 || p->stages > MAX_STAGES) return cudaErrorInvalidValue;
   // the ring's depth: p->stages, or as many as fit the shared memory (at least 2)
   const int slot = fixed + min(p->M, 8) * x_row;
   GemvParams q = *p;
   q.stages = min(p->stages, most / (warps * slot));
   if (q.stages < 2) return cudaErrorInvalidValue;
-  ring<<<p->N / MMA_COLS, 32 * warps, warps * q.stages * slot, stream>>>(q);
-  return cudaGetLastError();
+  return launch_mma(ring, q, warps, warps * q.stages * slot, stream);
 }
 
 // fp16, a zero constant or uint8 zeros, blocks of 16 or 32 words (op 1 reads log2r too)

@@ -22,6 +22,12 @@
 // words and x of the block's rows all ride in the slot, so that no global load sits in a warp's
 // chain behind its own prefetch (with x read from global memory in the block, the ring measured
 // up to 2x slower than the double buffer: bench/NOTES-kernels.md, GEMV device run 3).
+//
+// Programmatic dependent launch (sm_90+, p.pdl): the kernel may start while the kernel before it
+// (the norm, silu * up or attention that writes x) still runs. Only x depends on that kernel, so a
+// warp issues its first weight loads (register plan: its first block; ring: all S slots' weights,
+// scales and zeros) before griddepcontrol.wait, and x's after; it lets the kernel after it launch
+// (griddepcontrol.launch_dependents) once its weight stream is done. Without PDL both are no-ops.
 #pragma once
 #include "gemv.cuh"
 
@@ -41,6 +47,22 @@ template <int BITS, int PARITY>
 __device__ __forceinline__ uint32_t zero_const_of(uint32_t z) {
   if constexpr (BITS == 4 && PARITY) return zz_odd_of(z * 0x00010001u);
   else return zz_even_of(z * 0x00010001u);
+}
+
+// wait until the grids this one depends on programmatically have completed and their writes are
+// visible (at once when launched without PDL). No "memory" clobber: every read of x is itself a
+// volatile asm (load_x, cp.async), which the compiler keeps after this one, while the constant
+// tables' loads (scales, zeros: __ldg) may still be hoisted above it
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n");
+#endif
+}
+// let the next kernel of the stream launch (if launched as a programmatic dependent) before this one ends
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 constexpr int MMA_COLS = 16;
@@ -222,7 +244,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
     const half* x0 = static_cast<const half*>(p.x);
     const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
-    auto issue = [&](int slot, int b) {
+    auto issue_weights = [&](int slot, int b) {  // the block's words, scales (and zeros): no dependency
       const unsigned base = slot * slot_bytes;
 #pragma unroll
       for (int q = 0; q < SPB; q++) {
@@ -238,6 +260,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
           if constexpr (MODE == ZP) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, zp_w + row + 8 * c);
         }
       }
+    };
+    auto issue_x = [&](int slot, int b) {  // x of the block's rows: written by the kernel before this one
+      const unsigned base = slot * slot_bytes;
       // x: piece j (8 halves) of the block's rows, batch row j / (BK / 8)
       for (int j = lane; j < mx * (BK / 8); j += 32) {
         const int m = j / (BK / 8), e = j % (BK / 8);
@@ -245,8 +270,12 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
                       x0 + static_cast<size_t>(m) * p.lda + static_cast<size_t>(b) * BK + 8 * e);
       }
     };
-    for (int j = 0; j < S; j++) {  // S groups, some empty: the wait below then counts alike every step
-      if (j < nb) issue(j, warp + j * warps);
+    // S groups, some empty: the wait below then counts alike every step. The first S blocks' weights
+    // go before the grid dependency wait, into group 0 with block 0's x (so block 0 waits for them all)
+    for (int j = 0; j < S && j < nb; j++) issue_weights(j, warp + j * warps);
+    grid_dependency_wait();
+    for (int j = 0; j < S; j++) {
+      if (j < nb) issue_x(j, warp + j * warps);
       cp_async_commit();
     }
     const int xrow = min(g, mx - 1) * X_ROW;  // batch rows past M repeat the last
@@ -263,14 +292,15 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane,
             mine + slot_fixed + xrow);
       __syncwarp();  // every lane is done with the slot
-      if (i + S < nb) issue(slot, warp + (i + S) * warps);
+      if (i + S < nb) issue_weights(slot, warp + (i + S) * warps), issue_x(slot, warp + (i + S) * warps);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
     }
   } else {
     uint4 buf[2][SPB][2];
     int b = warp;
-    if (b < nblocks) load(buf[0], b);
+    if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
+    grid_dependency_wait();
     for (; b < nblocks; b += 2 * warps) {
       if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
       block(buf[0], b, nullptr, nullptr);
@@ -279,6 +309,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       block(buf[1], b + warps, nullptr, nullptr);
     }
   }
+  launch_dependents();  // the weight stream is done: the next kernel may take the SM slots that free up
 
   // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
   red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];

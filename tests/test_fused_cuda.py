@@ -1,0 +1,82 @@
+"""The small-op Triton kernels compiled on a CUDA GPU (on sm_90+ launched as programmatic dependents,
+kernels/pdl.py), against the torch expressions they replace, eagerly and replayed in a CUDA graph.
+Run without the TRITON_INTERPRET test files in the same process (they interpret every Triton kernel)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flotilla.kernels import fused, pdl
+from flotilla.models.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def step(x, delta, norm_w, gate_up, qkv, cos, sin, kc, vc, slots, hq):
+    """A decode layer's small ops in their order, each reading the previous one's output."""
+    s, h = fused.add_rms_norm(x, delta, norm_w, 1e-5)
+    act = fused.silu_mul(gate_up + h[:, :1].to(gate_up.dtype))  # depends on the norm
+    q = fused.rope_store_kv(qkv + act[:, :1], cos, sin, hq, kc, vc, slots)
+    return s, h, act, q
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_small_ops_on_the_gpu_eager_and_in_a_graph(dtype):
+    if "TRITON_INTERPRET" in os.environ:
+        pytest.skip("Triton interprets in this process")
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    T, hq, hkv, d, hidden, inter = 2, 32, 8, 128, 4096, 1100
+    x = torch.randn(T, hidden, device=dev, generator=gen).to(dtype)
+    delta = torch.randn(T, hidden, device=dev, generator=gen).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(hidden, device=dev, generator=gen)).to(dtype)
+    gate_up = torch.randn(T, 2 * inter, device=dev, generator=gen).to(dtype)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=dev, generator=gen).to(dtype)
+    rope = RotaryEmbedding(d, 64, 500000.0, None).to(dev)
+    cos, sin = rope.tables(torch.tensor([3, 40], device=dev), dtype)
+    kc = torch.zeros(6, 16, hkv, d, device=dev, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([17, 90], device=dev)
+
+    def reference():
+        s = x + delta
+        h = F.rms_norm(s.float(), (hidden,), norm_w.float(), 1e-5)
+        g = gate_up.float() + h[:, :1].to(dtype).float()
+        act = F.silu(g[:, :inter]) * g[:, inter:]
+        qk_in = (qkv.float() + act[:, :1].to(dtype).float())
+        xqk = qk_in[:, :(hq + hkv) * d].view(T, hq + hkv, d)
+        qk = xqk * cos.float() + xqk.roll(d // 2, dims=-1) * sin.float()
+        return s, h, act, qk[:, :hq], qk[:, hq:], qk_in[:, (hq + hkv) * d:].view(T, hkv, d)
+
+    s_ref, h_ref, act_ref, q_ref, k_ref, v_ref = reference()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+
+    def check(outs):
+        s, h, act, q = outs
+        assert torch.equal(s, s_ref) if dtype == torch.float16 else rel_err(s, s_ref) < tol
+        for got, want in ((h, h_ref), (act, act_ref), (q, q_ref), (kc.view(-1, hkv, d)[slots], k_ref),
+                          (vc.view(-1, hkv, d)[slots], v_ref)):
+            assert rel_err(got, want) < tol
+
+    args = (x, delta, norm_w, gate_up, qkv, cos, sin, kc, vc, slots, hq)
+    check(step(*args))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(*args)
+    for i in range(3):  # fresh inputs: each kernel must read what the one before it wrote in this replay
+        for t in (x, delta, gate_up, qkv):
+            t.copy_(torch.randn(t.shape, device=dev, generator=gen).to(dtype))
+        kc.zero_(), vc.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        s_ref, h_ref, act_ref, q_ref, k_ref, v_ref = reference()
+        check(outs)
+    assert pdl.enabled(x) == (tuple(torch.cuda.get_device_capability()) >= pdl.MIN_CAPABILITY)

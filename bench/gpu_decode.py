@@ -11,6 +11,8 @@ Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
   flotilla int4 sync      the same with every step waiting for its tokens (EngineConfig.overlap=False)
   flotilla int4 no-pdl    the same without programmatic dependent launch (kernels/pdl.py; on sm_90+
                           the default launches the GEMV and the small Triton kernels as dependents)
+  flotilla int4, int8 head  the same with the lm_head quantized too (8 bits, `lm_head: true` in the
+                          config, as `quantize --lm-head-bits 8` writes it): a separate configuration
   flotilla int4 CUDA      the same with the CUDA dequant-matmul (FLOTILLA_KERNEL=cuda)
   flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
   flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
@@ -249,7 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
                                                "transformers rows), nf4, fp16, cuda, sync (the int4 rows "
                                                "without overlap), nopdl (the int4 rows and profile without "
-                                               "programmatic dependent launch), slow-checks (attention, fused ops, "
+                                               "programmatic dependent launch), head8 (the int4 rows with an int8 lm_head), slow-checks (attention, fused ops, "
                                                "engine spec), spec-check (the engine spec check alone)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -320,6 +322,14 @@ def main(argv=None) -> int:
                 del os.environ[registry.ENV_KERNEL]
             ours("flotilla int4 CUDA", forced)
         section("flotilla int4 CUDA", cuda_rows)
+        torch.cuda.empty_cache()
+    if "head8" not in skip:
+        def head8_rows():
+            headed = build_random_model(args.shape, 4, "cuda", torch.float16, head_bits=8)
+            ours("flotilla int4, int8 head", headed)
+            if "profile" not in skip:
+                print(section("profile", lambda: profile_decode(headed, True, args.prompt_len, top=4)), flush=True)
+        section("flotilla int4, int8 head", head8_rows)
         torch.cuda.empty_cache()
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))

@@ -30,15 +30,18 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--head-bits", type=int, default=None, choices=(4, 8),
+                    help="quantize the lm_head too, to 4 or 8 bits (default: fp16, as GPTQ tools write it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the weights are generated (default: cuda if available)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     path = write_random_checkpoint(args.shape, args.out, args.bits, args.group_size, args.seed, args.device,
-                                   args.layers)
+                                   args.layers, args.head_bits)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    print(f"wrote {path}: {args.shape} int{args.bits} g{args.group_size}, {size / 2**30:.2f} GiB in "
+    print(f"wrote {path}: {args.shape} int{args.bits} g{args.group_size}"
+          f"{'' if args.head_bits is None else f', lm_head int{args.head_bits}'}, {size / 2**30:.2f} GiB in "
           f"{time.perf_counter() - start:.1f}s")
     return 0
 

@@ -61,6 +61,7 @@ class QuantConfig:
     checkpoint_format: str = "gptq"
     method: str = "gptq"  # how it was made: gptq, rtn, awq or awq+gptq (all stored in the GPTQ layout)
     dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    lm_head: bool = False  # the lm_head is stored quantized too (GPTQModel's flag; vLLM reads it)
 
     def for_module(self, names: Sequence[str]) -> "QuantConfig | None":
         """The config of one linear made of the checkpoint projections `names` (one, or the q/k/v or
@@ -81,6 +82,11 @@ class QuantConfig:
                 return dataclasses.replace(self, dynamic=(), **dict(overrides))
         return dataclasses.replace(self, dynamic=()) if self.dynamic else self
 
+    def head_quant(self) -> "QuantConfig | None":
+        """The config of a quantized lm_head (`dynamic` may give it other bits, as GPTQModel and
+        vLLM resolve the module name `lm_head`), or None when the head is stored in fp16."""
+        return self.for_module(["lm_head"]) if self.lm_head else None
+
     @property
     def zero_offset(self) -> int:
         """What a reader adds to a stored zero field (kernels/gptq.py)."""
@@ -96,7 +102,7 @@ class QuantConfig:
             "damp_percent": self.damp_percent,
             "checkpoint_format": self.checkpoint_format,
             "true_sequential": True,
-            "lm_head": False,
+            "lm_head": self.lm_head,
             "flotilla_method": self.method,
             **({"dynamic": {p: dict(o) for p, o in self.dynamic}} if self.dynamic else {}),
         }
@@ -118,12 +124,10 @@ class QuantConfig:
         bits = d.get("bits")
         if bits not in (4, 8):
             raise FlotillaError(f"{where}: quantization_config.bits is {bits!r}; supported: 4, 8")
-        if d.get("lm_head"):
-            raise FlotillaError(f"{where}: a quantized lm_head is not supported")
         return cls(bits=bits, group_size=int(d.get("group_size", -1)), sym=bool(d.get("sym", True)),
                    desc_act=bool(d.get("desc_act", False)), damp_percent=float(d.get("damp_percent", 0.01)),
                    checkpoint_format=fmt, method=d.get("flotilla_method", "gptq"),
-                   dynamic=_parse_dynamic(d.get("dynamic"), where))
+                   dynamic=_parse_dynamic(d.get("dynamic"), where), lm_head=bool(d.get("lm_head", False)))
 
 
 def _parse_dynamic(d: Any, where: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:

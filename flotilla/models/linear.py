@@ -149,7 +149,7 @@ class QuantLinear(nn.Module, _Shards):
 
 
 class LMHead(nn.Linear):
-    """The output projection hidden -> vocabulary logits (never quantized)."""
+    """The output projection hidden -> vocabulary logits, unquantized (QuantLMHead: stored quantized)."""
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__(hidden_size, vocab_size, bias=False)
@@ -213,8 +213,28 @@ def make_embedding(vocab_size: int, hidden_size: int, quant: QuantConfig | GGUFQ
     return nn.Embedding(vocab_size, hidden_size)
 
 
+class QuantLMHead(QuantLinear):
+    """The output projection stored in the GPTQ layout: a checkpoint whose quantization_config says
+    `lm_head: true` (GPTQModel writes it; vLLM reads it), e.g. `quantize --lm-head-bits 8`. It runs
+    through the registry's kernel like any other linear, so a step reads its bytes once."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, quant: QuantConfig):
+        super().__init__(hidden_size, [vocab_size], False, quant)
+
+    def logits_fn(self, device: torch.device) -> None:
+        """The module itself computes the logits (its kernel is already the registry's)."""
+        return None
+
+
 def make_lm_head(hidden_size: int, vocab_size: int, quant: QuantConfig | GGUFQuant | None = None) -> nn.Module:
     group = parallel_state.current()
+    head_quant = quant.head_quant() if isinstance(quant, QuantConfig) else None
+    if head_quant is not None:
+        if group is not None:
+            raise FlotillaError("this checkpoint's lm_head is quantized (quantization_config.lm_head), which "
+                                "tensor parallelism (--tp) does not split yet; run it with --pp, or re-quantize "
+                                "without --lm-head-bits")
+        return QuantLMHead(hidden_size, vocab_size, head_quant)
     if group is not None and isinstance(quant, GGUFQuant):
         from .gguf_parallel import ParallelGGUFLMHead
 

@@ -226,7 +226,8 @@ class CausalLM(nn.Module):
         return next(iter(self.model.layers.values())).self_attn.num_kv_heads
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last:
+        if (self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last
+                and isinstance(self.lm_head, nn.Linear)):  # a quantized head is stored on its own
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def build_rope(self, max_positions: int | None = None) -> None:

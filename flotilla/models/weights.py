@@ -51,7 +51,9 @@ def load_plan(model: CausalLM) -> list[LoadItem]:
     """Every checkpoint tensor this stage needs, with its destination."""
     cfg, plan = model.config, []
     for name, mod in model.named_modules():
-        if isinstance(mod, LINEARS):
+        if isinstance(mod, QuantLinear) and name == "lm_head":  # stored on its own, tied or not
+            plan.extend(LoadItem(f"lm_head.{suffix}", mod, suffix, 0) for suffix in mod.tensor_suffixes())
+        elif isinstance(mod, LINEARS):
             plan.extend(_linear_items(model, name, mod))
         elif name == "lm_head":
             if cfg.tie_word_embeddings and model.stage.is_first:

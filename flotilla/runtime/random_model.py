@@ -44,8 +44,10 @@ SHAPES: dict[str, ModelConfig] = {
 BITS = (4, 8, 16)  # 16: unquantized linears in the activation dtype
 
 
-def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: int | None = None) -> ModelConfig:
-    """The config of a named shape, quantized to `bits` (GPTQ, symmetric, `group_size`)."""
+def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: int | None = None,
+                 head_bits: int | None = None) -> ModelConfig:
+    """The config of a named shape, quantized to `bits` (GPTQ, symmetric, `group_size`); the lm_head
+    quantized too to `head_bits` (4 or 8) when given, else fp16."""
     if name not in SHAPES:
         raise FlotillaError(f"unknown model shape {name!r}; valid: {', '.join(SHAPES)}")
     if bits not in BITS:
@@ -55,16 +57,21 @@ def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: i
         if num_layers < 1:
             raise FlotillaError(f"--layers {num_layers}: a model needs at least one layer")
         cfg = replace(cfg, num_hidden_layers=num_layers)
+    if head_bits is not None and (bits == 16 or head_bits not in (4, 8)):
+        raise FlotillaError(f"--head-bits {head_bits}: expected 4 or 8, on a quantized model (--bits 4 or 8)")
     quant = None if bits == 16 else QuantConfig(bits=bits, group_size=group_size, sym=True, method="rtn")
+    if quant is not None and head_bits is not None:
+        dynamic = () if head_bits == bits else ((r"+:^lm_head$", (("bits", head_bits),)),)
+        quant = replace(quant, lm_head=True, dynamic=dynamic)
     return cfg.with_quant(quant)
 
 
 @torch.no_grad()
 def build_random_model(name: str, bits: int = 4, device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.float32, group_size: int = 128, seed: int = 0,
-                       num_layers: int | None = None) -> CausalLM:
+                       num_layers: int | None = None, head_bits: int | None = None) -> CausalLM:
     """A whole model of shape `name` with random weights, ready for a ModelRunner."""
-    cfg = shape_config(name, bits, group_size, num_layers)
+    cfg = shape_config(name, bits, group_size, num_layers, head_bits)
     device = torch.device(device)
     model = build_stage(cfg, None, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -78,7 +85,8 @@ def build_random_model(name: str, bits: int = 4, device: torch.device | str = "c
         elif isinstance(mod, RMSNorm):
             mod.weight.fill_(1.0)
     model.model.embed_tokens.weight.normal_(0, 1.0, generator=gen)
-    model.lm_head.weight.normal_(0, cfg.hidden_size ** -0.5, generator=gen)
+    if not isinstance(model.lm_head, QuantLinear):
+        model.lm_head.weight.normal_(0, cfg.hidden_size ** -0.5, generator=gen)
     model.build_rope()
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
@@ -117,17 +125,27 @@ def _projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
 
 @torch.no_grad()
 def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_size: int = 128, seed: int = 0,
-                            device: torch.device | str = "cpu", num_layers: int | None = None) -> Path:
+                            device: torch.device | str = "cpu", num_layers: int | None = None,
+                            head_bits: int | None = None) -> Path:
     """A flotilla checkpoint (GPTQ layout, fp16 embedding, norms and lm_head) of shape `name` with
     the weights `build_random_model` makes, generated on `device` from one seeded generator (same
     seed and device: the same bytes), one layer at a time through the checkpoint writer. No
     tokenizer: drive it with token ids. Replaces `out` if it exists."""
     if bits not in (4, 8):
         raise FlotillaError(f"a random checkpoint is quantized: --bits 4 or 8, got {bits}")
-    cfg = shape_config(name, bits, group_size, num_layers)
+    cfg = shape_config(name, bits, group_size, num_layers, head_bits)
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    h, per_word = cfg.hidden_size, 32 // bits
+    h = cfg.hidden_size
+
+    def gptq(prefix: str, n_in: int, n_out: int, bits: int) -> dict[str, torch.Tensor]:
+        per_word, groups = 32 // bits, 1 if group_size == -1 else n_in // group_size
+        t = {"qweight": torch.empty(n_in // per_word, n_out, dtype=torch.int32, device=device),
+             "qzeros": torch.empty(groups, n_out // per_word, dtype=torch.int32, device=device),
+             "scales": torch.empty(groups, n_out, dtype=torch.float16, device=device),
+             "g_idx": torch.empty(n_in, dtype=torch.int32, device=device)}
+        _random_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, group_size, gen)
+        return {f"{prefix}.{k}": v for k, v in t.items()}
 
     def normal(rows: int, std: float) -> torch.Tensor:
         return torch.empty(rows, h, device=device).normal_(0, std, generator=gen).half()
@@ -139,16 +157,12 @@ def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_siz
             tensors = {f"{p}{norm}.weight": torch.ones(h, dtype=torch.float16)
                        for norm in ("input_layernorm", "post_attention_layernorm")}
             for proj, n_in, n_out in _projections(cfg):
-                groups = 1 if group_size == -1 else n_in // group_size
-                t = {"qweight": torch.empty(n_in // per_word, n_out, dtype=torch.int32, device=device),
-                     "qzeros": torch.empty(groups, n_out // per_word, dtype=torch.int32, device=device),
-                     "scales": torch.empty(groups, n_out, dtype=torch.float16, device=device),
-                     "g_idx": torch.empty(n_in, dtype=torch.int32, device=device)}
-                _random_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, group_size, gen)
-                tensors.update({f"{p}{proj}.{k}": v for k, v in t.items()})
+                tensors.update(gptq(f"{p}{proj}", n_in, n_out, bits))
             w.add_layer(str(layer), tensors)
-        w.add_layer("head", {"model.norm.weight": torch.ones(h, dtype=torch.float16),
-                             "lm_head.weight": normal(cfg.vocab_size, h ** -0.5)})
+        head_quant = cfg.quant.head_quant()
+        head = (gptq("lm_head", h, cfg.vocab_size, head_quant.bits) if head_quant is not None
+                else {"lm_head.weight": normal(cfg.vocab_size, h ** -0.5)})
+        w.add_layer("head", {"model.norm.weight": torch.ones(h, dtype=torch.float16), **head})
         return w.commit()
 
 
@@ -164,6 +178,6 @@ def weight_bytes(model: CausalLM) -> int:
             total += sum(t.numel() * t.element_size() for t in parts if t is not None)
         elif isinstance(mod, (Linear, RMSNorm)):
             total += sum(p.numel() * p.element_size() for p in mod.parameters())
-    if model.lm_head is not None:
+    if model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):  # a quantized one: above
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     return total

@@ -1,0 +1,85 @@
+"""A quantized lm_head (quantization_config `lm_head: true`, GPTQModel's flag): read from the config,
+loaded from `lm_head.qweight/...`, run by the registry's kernel, equal to its dequantized weight."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from flotilla.errors import FlotillaError
+from flotilla.kernels.reference import dequantize
+from flotilla.models.config import QuantConfig
+from flotilla.models.linear import LMHead, QuantLMHead
+from flotilla.runtime.loader import load_model
+from flotilla.runtime.random_model import shape_config, write_random_checkpoint
+
+
+@pytest.mark.parametrize("head_bits", [8, 4])
+def test_quantized_head_loads_and_matches_its_dequantized_weight(tmp_path, head_bits):
+    ckpt = write_random_checkpoint("tiny", tmp_path / "m", 4, 128, seed=3, device="cpu", num_layers=2,
+                                   head_bits=head_bits)
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] is True and qc["bits"] == 4
+    names = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.qweight" in names and "lm_head.weight" not in names
+
+    lm = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
+    head = lm.model.lm_head
+    assert isinstance(head, QuantLMHead) and head.bits == head_bits
+    with safe_open(str(ckpt / names["lm_head.qweight"]), "pt") as f:  # the loader put the file's tensors in
+        for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+            assert torch.equal(getattr(head, suffix), f.get_tensor(f"lm_head.{suffix}").to(getattr(head, suffix).dtype))
+    hidden = torch.randn(5, lm.config.hidden_size)
+    want = hidden @ dequantize(head.gptq_weight())  # dequantize gives [in, out]
+    torch.testing.assert_close(lm.model.compute_logits(hidden), want, rtol=1e-4, atol=1e-4)
+    # and the whole model runs to logits through it
+    ids = torch.tensor([1, 2, 3])
+    assert lm.model.embed(ids).shape == (3, lm.config.hidden_size)
+
+
+def test_fp16_head_stays_a_plain_linear(tmp_path):
+    ckpt = write_random_checkpoint("tiny", tmp_path / "m", 4, 128, seed=3, device="cpu", num_layers=1)
+    lm = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
+    assert isinstance(lm.model.lm_head, LMHead)
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["lm_head"] is False
+
+
+def test_head_config_from_dynamic_and_round_trip():
+    q = QuantConfig.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True,
+                             "dynamic": {r"+:^lm_head$": {"bits": 8}}})
+    assert q.lm_head and q.head_quant().bits == 8 and q.for_module(["model.layers.0.mlp.down_proj"]).bits == 4
+    assert QuantConfig.from_hf(q.to_hf()) == q
+    assert QuantConfig.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128}).head_quant() is None
+    # a `-:` pattern that names the head leaves it in fp16 even with the flag
+    q2 = QuantConfig.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True,
+                              "dynamic": {"-:lm_head": {}}})
+    assert q2.head_quant() is None
+
+
+def test_head_bits_need_a_quantized_model():
+    with pytest.raises(FlotillaError, match="head-bits"):
+        shape_config("tiny", 16, head_bits=8)
+    with pytest.raises(FlotillaError, match="head-bits"):
+        shape_config("tiny", 4, head_bits=6)
+
+
+def test_engine_with_a_quantized_head_equals_its_dequantized_head(tmp_path):
+    """Greedy tokens through the engine (paged KV, the runner's logits path) with the int8 head
+    equal those of the same model whose head is the plain fp32 linear of the dequantized weight."""
+    from torch import nn
+
+    from flotilla.runtime.engine_args import EngineArgs, build_engine, generate
+    from flotilla.runtime.sampling import SamplingParams
+
+    ckpt = write_random_checkpoint("tiny", tmp_path / "m", 4, 128, seed=5, device="cpu", num_layers=2, head_bits=8)
+    prompts = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    args = EngineArgs(kv_cache_memory="8MiB", max_num_seqs=4, max_model_len=128)
+    lm = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
+    got = generate(build_engine(lm, args), prompts, params)
+
+    oracle = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
+    plain = LMHead(oracle.config.hidden_size, oracle.config.vocab_size)
+    plain.weight = nn.Parameter(dequantize(oracle.model.lm_head.gptq_weight()).T.contiguous(), requires_grad=False)
+    oracle.model.lm_head = plain
+    assert got == generate(build_engine(oracle, args), prompts, params)

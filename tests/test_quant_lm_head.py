@@ -83,3 +83,41 @@ def test_engine_with_a_quantized_head_equals_its_dequantized_head(tmp_path):
     plain.weight = nn.Parameter(dequantize(oracle.model.lm_head.gptq_weight()).T.contiguous(), requires_grad=False)
     oracle.model.lm_head = plain
     assert got == generate(build_engine(oracle, args), prompts, params)
+
+
+def test_quantize_lm_head_bits_writes_a_head_the_runtime_reads(tmp_path):
+    """quantize --lm-head-bits: a tied source's head becomes its own quantized tensor (GPTQModel's
+    layout and flag); the body is unchanged; the logits stay close to the fp16-head checkpoint's."""
+    from quantize_helpers import quantize_cli, tiny_model_dir
+
+    from flotilla.models.sources import open_source
+    from flotilla.models.weights import EMBED, load_stage
+    from flotilla.quantize import QuantizeOptions, quantize_model
+
+    src = tiny_model_dir(tmp_path / "src", seed=4, tie_word_embeddings=True)
+    plain = quantize_model(src, tmp_path / "plain", QuantizeOptions(method="rtn"), progress=False).out
+    headed = quantize_model(src, tmp_path / "h8", QuantizeOptions(method="rtn", lm_head_bits=8), progress=False).out
+    cfg = json.loads((headed / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["quantization_config"]["lm_head"] is True
+    assert list(cfg["quantization_config"]["dynamic"]) == [r"+:^lm_head$"]
+
+    a, b = (load_stage(open_source(p), dtype=torch.float32) for p in (plain, headed))
+    assert isinstance(b.lm_head, QuantLMHead) and b.lm_head.bits == 8 and isinstance(a.lm_head, LMHead)
+    for name in ("qweight", "scales"):  # the body is what it was
+        assert torch.equal(getattr(a.model.layers["0"].self_attn.qkv_proj, name),
+                           getattr(b.model.layers["0"].self_attn.qkv_proj, name))
+    embed = open_source(src).get(EMBED).float()  # the tied head of the source
+    head = dequantize(b.lm_head.gptq_weight()).T
+    assert (head - embed).abs().max() <= embed.abs().amax(dim=1).max() / 127  # within one 8-bit step
+    hidden = torch.randn(4, embed.shape[1])
+    ref = a.compute_logits(hidden)
+    assert (b.compute_logits(hidden) - ref).abs().max() < 0.02 * ref.abs().max()
+
+    four = quantize_model(src, tmp_path / "h4", QuantizeOptions(method="rtn", lm_head_bits=4), progress=False).out
+    q4 = json.loads((four / "config.json").read_text())["quantization_config"]
+    assert q4["lm_head"] is True and "dynamic" not in q4
+    assert load_stage(open_source(four), dtype=torch.float32).lm_head.bits == 4
+
+    bad = quantize_cli(src, "-o", tmp_path / "bad", "--method", "rtn", "--lm-head-bits", "6")
+    assert bad.returncode == 2 and "--lm-head-bits 6" in bad.stderr and "Traceback" not in bad.stderr

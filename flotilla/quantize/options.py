@@ -63,6 +63,7 @@ class QuantizeOptions:
     force: bool = False
     keep: tuple[tuple[int, str], ...] = field(default=())  # (bits, regex over checkpoint module names)
     sensitive: int = 0  # this many linears, those of largest measured INT4 error, kept at 8 bits
+    lm_head_bits: int | None = None  # the lm_head quantized too (quantize/head.py); None: fp16
 
     def __post_init__(self):
         if not self.grid:
@@ -80,6 +81,8 @@ class QuantizeOptions:
             (self.method in ("gptq", "awq+gptq") or not self.act_order,
              "--act-order needs --method gptq or awq+gptq (it orders GPTQ's columns)"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),
+            (self.lm_head_bits in (None, *BITS),
+             f"--lm-head-bits {self.lm_head_bits} is not supported; choose one of {', '.join(map(str, BITS))}"),
             (0 < self.damp_percent < 1, f"--damp-percent {self.damp_percent} must be in (0, 1)"),
             (self.calib_samples >= 1, f"--calib-samples {self.calib_samples} must be at least 1"),
             (self.calib_seq_len >= 2, f"--calib-seq-len {self.calib_seq_len} must be at least 2"),

@@ -40,6 +40,7 @@ from flotilla.models.weights import EMBED, HEAD, load_layer, required_tensor_nam
 from .activations import CalibrationActivations
 from .calibration import generate_tokens, tokens_from_file
 from .layer import LayerResult, layer_tensors, quantize_layer
+from .head import check_head, head_dynamic, head_tensors
 from .mixed import dynamic_entries, keep_choice, measure_errors, most_sensitive, units
 from .options import QuantizeOptions
 from .report import QuantizeReport, linear_storage, peak_gpu_bytes, peak_rss_bytes, source_bytes
@@ -83,10 +84,13 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         errors = measure_errors(source, cfg, acts, options, progress)
         del acts
         chosen.update({u: 8 for u in most_sensitive(errors, options.sensitive, chosen)})
+    head_bits = options.lm_head_bits
     quant = QuantConfig(bits=options.bits, group_size=options.group_size, sym=options.sym,
                         desc_act=options.act_order, damp_percent=options.damp_percent, method=options.method,
-                        dynamic=dynamic_entries(chosen))
-    out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16")
+                        dynamic=(head_dynamic(head_bits, options.bits) if head_bits else ()) + dynamic_entries(chosen),
+                        lm_head=head_bits is not None)
+    out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16",  # a quantized head is its own tensor
+                                  tie_word_embeddings=cfg.tie_word_embeddings and head_bits is None)
     damp_raised, linear_bytes = 0, 0
     with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
         writer.add_layer("embed", {EMBED: _fp16(EMBED, source.get(EMBED))})
@@ -106,7 +110,12 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             writer.add_layer(str(i), tensors)
             del layer, result
             source.release()
-        writer.add_layer("head", _head_tensors(source, cfg))
+        head = _head_tensors(source, cfg)
+        if head_bits is not None:
+            head.pop(HEAD, None)
+            head.update(head_tensors(source.get(EMBED if cfg.tie_word_embeddings else HEAD), head_bits,
+                                     options.group_size, options.sym, device))
+        writer.add_layer("head", head)
         _write_tokenizer(writer, src, tokenizer, cfg)
         writer.commit()
     return QuantizeReport(
@@ -129,6 +138,8 @@ def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:
     if cfg.quant is not None:
         raise FlotillaError(f"{where}: already quantized (quantization_config bits={cfg.quant.bits}); "
                             "quantize needs an unquantized model")
+    if options.lm_head_bits is not None:
+        check_head(cfg, options.lm_head_bits, where)
     per_word = 32 // options.bits
     linears = [  # (projections, in_features, out sizes)
         ("q/k/v_proj and gate/up_proj", cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.intermediate_size]),

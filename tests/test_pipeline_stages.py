@@ -287,3 +287,23 @@ def test_stage_0_prepares_a_held_decode_and_runs_it_as_the_plain_step(tiny):
         prepared.run(dataclasses.replace(fill_tokens(ahead[2], [1, 2]), mb=9))
     prepared.configure(Configure(2, BLOCKS, None, "fp16", 0, 0, 1, 64))  # a new epoch forgets it
     assert prepared.prepared_mb is None
+
+    # a prepare that fails after the mirror took the step (writing the graph's inputs): its run does
+    # not apply the step (a new block for "a") to the mirror a second time
+    enc = StepEncoder()
+    prefill = enc.encode(StepInput(["a", "b"], [5, 6, 7, 8, 9], [0, 0], [3, 2], [[1], [3]], 0, [False, False]), 3, 1)
+    grows = enc.encode(StepInput(["a", "b"], [0, 0], [4, 2], [1, 1], [[1, 2], [3]], 2, [False, False],
+                                 prev_rows=[1, 0]), 3, 2, prev_mb=1)
+    for rt in (plain, prepared):
+        rt.configure(Configure(3, BLOCKS, None, "fp16", 0, 0, 1, 64))
+        rt.run(prefill)
+
+    def fails(step):
+        raise RuntimeError("the graph's inputs could not be written")
+
+    prepared.runner.stage = fails
+    with pytest.raises(RuntimeError, match="could not be written"):
+        prepared.prepare(grows)
+    filled = fill_tokens(grows, [40, 50])
+    assert torch.equal(prepared.run(filled).hidden, plain.run(filled).hidden)
+    assert prepared.seqs.tables == plain.seqs.tables

@@ -120,11 +120,11 @@ class _PinnedBuffer:
         return tuple(views)
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        """A tensor of `like`'s shape and dtype at byte `offset` (the buffer grows to hold it)."""
+        """A tensor of `like`'s shape and dtype at byte `offset` (the buffer grows to hold it; the
+        views handed out before keep the old buffer, and its pending copies, alive: nothing is
+        copied over, the next call writes from offset 0)."""
         nbytes = like.numel() * like.element_size()
         if offset + nbytes > self._buf.numel():
             size = max(offset + nbytes, 2 * self._buf.numel(), 1 << 16)
-            grown = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            grown[:offset].copy_(self._buf[:offset])
-            self._buf = grown
+            self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return self._buf[offset:offset + nbytes].view(like.dtype).view(like.shape)

@@ -156,8 +156,9 @@ class StageRuntime:
             raise ValueError(f"step {msg.mb} cannot be prepared on stage {self.stage.start}-{self.stage.end - 1}"
                              f" (prepared: {self.prepared_mb})")
         step = self.seqs.apply(msg, self.stage.is_last)
-        staged = self.executor is self.runner and self.runner.stage(step)
-        self._prepared = _Prepared(msg.mb, step, staged)
+        self._prepared = _Prepared(msg.mb, step, False)  # the mirror has it: `run` must not apply it again
+        if self.executor is self.runner and self.runner.stage(step):
+            self._prepared = _Prepared(msg.mb, step, True)
 
     @torch.inference_mode()
     def run(self, msg: Step) -> Step | StepResult:

@@ -1,7 +1,7 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
     quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
-             [--keep BITS:PATTERN]... [--sensitive N]
+             [--keep BITS:PATTERN]... [--sensitive N] [--rotate [hadamard|random]] [--rotate-scope r1|r1+r2]
              [--grid output|mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -64,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sensitive", type=int, default=0, metavar="N",
                    help="also keep at 8 bits the N linears whose INT4 error, measured on the calibration text, "
                         "is largest (default 0)")
+    p.add_argument("--rotate", nargs="?", const="hadamard", default="", metavar="{hadamard,random}",
+                   help="rotate the model by orthogonal matrices folded into its weights before quantizing "
+                        "(QuaRot-style, weights only: the checkpoint needs nothing at load time): norm weights are "
+                        "folded into the linears, the residual stream is rotated by a hidden x hidden matrix and "
+                        "each head's values by a head_dim one. hadamard (the default when the flag is bare): a "
+                        "randomized Hadamard matrix where the order is 2^k times a Paley order (576 = 72 x 8, "
+                        "64, 2048, 4096, ...), else a seeded random orthogonal one (QR of a Gaussian); random: "
+                        "always the latter. A tied lm_head becomes an untied fp16 one")
+    p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r1+r2}",
+                   help="r1: the residual stream only; r1+r2: also each attention head's values (default r1+r2)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
@@ -86,7 +96,8 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            act_order=args.act_order, grid=args.grid, damp_percent=args.damp_percent, calib_file=args.calib,
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
                            shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
-                           keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive)
+                           keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive,
+                           rotate=args.rotate, rotate_scope=args.rotate_scope)
 
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:

@@ -1,7 +1,8 @@
 """Quantize a model into a flotilla/GPTQ checkpoint, one decoder layer at a time.
 
     check the source and the options (nothing is written before all checks pass)
-    calibration tokens (all but RTN): from --calib, or sampled from the model itself
+    calibration tokens (all but RTN): from --calib, or sampled from the model itself (unrotated)
+    --rotate: from here on the source serves the rotated model's tensors (rotate.py)
     --sensitive N: one pass through the float model measuring each linear's INT4 error; the N
                    worst stay at 8 bits (with --keep's choice: quantization_config.dynamic)
     embeddings -> fp16 into the checkpoint; hidden states = embed(tokens), fp32
@@ -42,6 +43,7 @@ from .calibration import generate_tokens, tokens_from_file
 from .layer import LayerResult, layer_tensors, quantize_layer
 from .mixed import dynamic_entries, keep_choice, measure_errors, most_sensitive, units
 from .options import QuantizeOptions
+from .rotate import rotated
 from .report import QuantizeReport, linear_storage, peak_gpu_bytes, peak_rss_bytes, source_bytes
 
 NORM = "model.norm.weight"
@@ -77,6 +79,10 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             tokens = generate_tokens(source, options.calib_samples, options.calib_seq_len, options.seed, device,
                                      progress)
             calib_from = "model-generated"
+    untied_head = False
+    if options.rotate:
+        source = rotated(source, options.rotate, options.rotate_scope, options.seed)
+        cfg, untied_head = source.config, source.untied_head
 
     if options.sensitive:
         acts = _activations(source, tokens, cfg, device)
@@ -85,7 +91,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         chosen.update({u: 8 for u in most_sensitive(errors, options.sensitive, chosen)})
     quant = QuantConfig(bits=options.bits, group_size=options.group_size, sym=options.sym,
                         desc_act=options.act_order, damp_percent=options.damp_percent, method=options.method,
-                        dynamic=dynamic_entries(chosen))
+                        dynamic=dynamic_entries(chosen), rotation=source.rot.description if options.rotate else "")
     out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16")
     damp_raised, linear_bytes = 0, 0
     with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
@@ -106,7 +112,10 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             writer.add_layer(str(i), tensors)
             del layer, result
             source.release()
-        writer.add_layer("head", _head_tensors(source, cfg))
+        head = _head_tensors(source, cfg)
+        if untied_head:  # stored only because of the rotation: counted as the linears' cost
+            linear_bytes += head[HEAD].numel() * head[HEAD].element_size()
+        writer.add_layer("head", head)
         _write_tokenizer(writer, src, tokenizer, cfg)
         writer.commit()
     return QuantizeReport(
@@ -114,7 +123,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         out_bytes=writer.total_bytes, shards=len(list(out.glob("model-*.safetensors"))),
         seconds=time.perf_counter() - start, peak_rss=peak_rss_bytes(), peak_gpu=peak_gpu_bytes(device),
         calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised,
-        bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)),
+        bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)), untied_head=untied_head,
         kept=tuple(f"{u.label}:{b}" for u, b in sorted(chosen.items(), key=lambda c: (c[0].layer, c[0].merged))))
 
 

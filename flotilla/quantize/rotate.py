@@ -1,0 +1,135 @@
+"""`quantize --rotate`: orthogonal rotations folded into the weights before quantizing (QuaRot/SpinQuant's
+weight-only part), so the checkpoint stays a plain Llama GPTQ-layout one that needs nothing at load time.
+
+A rotation spreads each linear's outlier input channels over all channels, so a group's range is set
+by typical weights, not by a few large ones. With x the residual stream and Q (hidden x hidden) and
+R (head_dim x head_dim) orthogonal, the model computes the same function with:
+
+    R1  residual stream x -> x Q. First every RMSNorm weight g is folded into the linears that read
+        its output (W -> W diag(g)) and set to ones: an RMSNorm without a weight commutes with Q
+        (rms(x Q) = rms(x)). Then
+            embed -> embed Q                       (rows are residual vectors)
+            q/k/v, gate/up, lm_head: W -> W Q      (they read the residual: input side)
+            o_proj, down_proj:       W -> Qᵀ W     (they write it: output side; bias b -> b Q)
+        A tied lm_head becomes untied (embed Q ≠ diag(g) embed Q): the checkpoint gains an fp16
+        lm_head, counted in the bits per weight of the report.
+    R2  each attention head's values v_h -> v_h R: v_proj's rows of each KV head W -> Rᵀ W (bias
+        b -> b R), o_proj's columns of every query head W -> W R (one R for all heads, so a KV head
+        and its GQA query group agree). Attention mixes values linearly, so this is exact.
+
+RotatedSource wraps a weight source and serves the rotated tensors (fp32) under the same names;
+everything downstream (calibration activations, --sensitive, AWQ, GPTQ) sees the rotated model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+
+import torch
+
+from flotilla.models.config import ModelConfig
+from flotilla.models.weights import EMBED, HEAD
+
+from .hadamard import rotation
+
+NORM = "model.norm.weight"
+SCOPES = ("r1", "r1+r2")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_READS = {  # layer tensor -> the norm whose output it reads
+    "self_attn.q_proj.weight": "input_layernorm", "self_attn.k_proj.weight": "input_layernorm",
+    "self_attn.v_proj.weight": "input_layernorm",
+    "mlp.gate_proj.weight": "post_attention_layernorm", "mlp.up_proj.weight": "post_attention_layernorm",
+}
+_WRITES = ("self_attn.o_proj", "mlp.down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """The orthogonal matrices of one model (fp32): q (hidden), r (head_dim, or None: R1 only)."""
+
+    q: torch.Tensor
+    r: torch.Tensor | None
+    description: str  # recorded in quantization_config.flotilla_rotation
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, kind: str, scope: str, seed: int) -> "Rotation":
+        q, q_name = rotation(cfg.hidden_size, kind, seed)
+        r, r_name = rotation(cfg.head_dim, kind, seed + 1) if scope == "r1+r2" else (None, "")
+        description = f"r1 {q_name}" + (f", r2 {r_name}" if r is not None else "") + f", seed {seed}"
+        return cls(q.float(), None if r is None else r.float(), description)
+
+
+class RotatedSource:
+    """A weight source whose tensors are those of the rotated model (module docstring), in fp32;
+    `config` is the source's with tie_word_embeddings off, and `lm_head.weight` is always present."""
+
+    def __init__(self, source, rot: Rotation):
+        self.source, self.rot = source, rot
+        self.path, self.opened_files = source.path, getattr(source, "opened_files", [])
+        self.config = dataclasses.replace(source.config, tie_word_embeddings=False)
+        self.untied_head = source.config.tie_word_embeddings  # the checkpoint gains an lm_head
+
+    def release(self) -> None:
+        self.source.release()
+
+    def names(self) -> list[str]:
+        names = self.source.names()
+        return names + [HEAD] if HEAD not in names else names
+
+    def get(self, name: str) -> torch.Tensor:
+        q = self.rot.q
+        if name == EMBED:
+            return self._f32(EMBED) @ q
+        if name == HEAD:
+            head = EMBED if self.untied_head else HEAD
+            return (self._f32(head) * self._f32(NORM)) @ q
+        if name == NORM:
+            return torch.ones_like(self._f32(NORM))
+        m = _LAYER.match(name)
+        if m is None:
+            return self.source.get(name)
+        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        if rest.endswith("layernorm.weight"):
+            return torch.ones_like(self._f32(name))
+        if rest in _READS:
+            w = (self._f32(name) * self._f32(prefix + _READS[rest] + ".weight")) @ q
+            return self._heads_out(w) if rest.startswith("self_attn.v_proj") else w
+        if rest == "self_attn.v_proj.bias":
+            return self._heads_out(self._f32(name)[:, None])[:, 0]
+        if rest == "self_attn.o_proj.weight":
+            return q.T @ self._heads_in(self._f32(name))
+        if rest in tuple(f"{p}.weight" for p in _WRITES):
+            return q.T @ self._f32(name)
+        if rest in tuple(f"{p}.bias" for p in _WRITES):
+            return self._f32(name) @ q
+        return self.source.get(name)  # q/k/gate/up biases: their outputs are not rotated
+
+    def _f32(self, name: str) -> torch.Tensor:
+        return self.source.get(name).float()
+
+    def _heads_out(self, w: torch.Tensor) -> torch.Tensor:
+        """R2 on v_proj's output rows: each KV head's [head_dim, in] block -> Rᵀ block."""
+        if self.rot.r is None:
+            return w
+        d = self.rot.r.shape[0]
+        return (self.rot.r.T @ w.reshape(-1, d, w.shape[1])).reshape(w.shape)  # [heads, d, in]
+
+    def _heads_in(self, w: torch.Tensor) -> torch.Tensor:
+        """R2 on o_proj's input columns: each query head's [out, head_dim] block -> block R."""
+        if self.rot.r is None:
+            return w
+        d = self.rot.r.shape[0]
+        return (w.reshape(w.shape[0], -1, d) @ self.rot.r).reshape(w.shape)  # [out, heads, d]
+
+
+def rotated(source, kind: str, scope: str, seed: int) -> RotatedSource:
+    """`source` rotated (--rotate KIND --rotate-scope SCOPE); says on stderr what was used."""
+    rot = Rotation.build(source.config, kind, scope, seed)
+    note = f"rotation: {rot.description}"
+    if kind == "hadamard" and "random" in rot.description:
+        note += " (no Hadamard matrix of that order is built here: a random orthogonal one instead)"
+    if source.config.tie_word_embeddings:
+        note += "; the tied lm_head is untied (an fp16 lm_head is written)"
+    print(note, file=sys.stderr)
+    return RotatedSource(source, rot)

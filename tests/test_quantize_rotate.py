@@ -47,6 +47,7 @@ def _logits(source) -> torch.Tensor:
     ("llama", "hadamard", "r1+r2", dict(tie_word_embeddings=True)),  # hidden 96 = 12 x 8, head_dim 24 = Paley I
     ("llama", "random", "r1", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
     ("qwen2", "hadamard", "r1+r2", dict(tie_word_embeddings=False)),  # q/k/v biases
+    ("qwen2", "random", "r2", dict(tie_word_embeddings=True)),
 ])
 def test_rotated_model_gives_the_same_logits(tmp_path, family, kind, scope, extra):
     cfg = tiny_config(family, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -54,8 +55,12 @@ def test_rotated_model_gives_the_same_logits(tmp_path, family, kind, scope, extr
     src = save_hf_model(make_hf_model(cfg, seed=2), tmp_path / "m")
     source = open_source(src)
     rot = rotated(source, kind, scope, seed=0)
-    assert (rot.rot.r is None) == (scope == "r1") and not rot.config.tie_word_embeddings
-    assert torch.equal(rot.get("model.layers.1.input_layernorm.weight"), torch.ones(96))
+    assert (rot.rot.r is None) == (scope == "r1") and (rot.rot.q is None) == (scope == "r2")
+    norm = rot.get("model.layers.1.input_layernorm.weight")
+    if scope == "r2":  # the residual stream as it was: norms and a tied head kept
+        assert rot.config.tie_word_embeddings and torch.equal(norm, source.get("model.layers.1.input_layernorm.weight"))
+    else:
+        assert not rot.config.tie_word_embeddings and torch.equal(norm, torch.ones(96))
     torch.testing.assert_close(_logits(rot), _logits(source), rtol=1e-4, atol=1e-4)
 
 

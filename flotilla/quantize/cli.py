@@ -1,7 +1,7 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
     quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
-             [--keep BITS:PATTERN]... [--sensitive N] [--rotate [hadamard|random]] [--rotate-scope r1|r1+r2]
+             [--keep BITS:PATTERN]... [--sensitive N] [--rotate [hadamard|random]] [--rotate-scope r1|r2|r1+r2]
              [--grid output|mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "randomized Hadamard matrix where the order is 2^k times a Paley order (576 = 72 x 8, "
                         "64, 2048, 4096, ...), else a seeded random orthogonal one (QR of a Gaussian); random: "
                         "always the latter. A tied lm_head becomes an untied fp16 one")
-    p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r1+r2}",
-                   help="r1: the residual stream only; r1+r2: also each attention head's values (default r1+r2)")
+    p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r2,r1+r2}",
+                   help="r1: the residual stream only; r2: each attention head's values only (keeps the norms and a "
+                        "tied lm_head); r1+r2: both (default r1+r2)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")

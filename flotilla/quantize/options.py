@@ -14,7 +14,7 @@ GROUP_MULTIPLE = 16  # a group size is -1 (per channel) or a positive multiple o
 DEVICES = ("cpu", "cuda")
 GRIDS = ("mse", "minmax", "output")
 ROTATIONS = ("", "hadamard", "random")  # "": no rotation (rotate.py)
-ROTATE_SCOPES = ("r1", "r1+r2")
+ROTATE_SCOPES = ("r1", "r2", "r1+r2")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -66,7 +66,7 @@ class QuantizeOptions:
     keep: tuple[tuple[int, str], ...] = field(default=())  # (bits, regex over checkpoint module names)
     sensitive: int = 0  # this many linears, those of largest measured INT4 error, kept at 8 bits
     rotate: str = ""  # hadamard or random: rotate the model first (rotate.py); "": not
-    rotate_scope: str = "r1+r2"  # r1: the residual stream only; r1+r2: and each head's values
+    rotate_scope: str = "r1+r2"  # r1: the residual stream only; r2: each head's values only; r1+r2: both
 
     def __post_init__(self):
         if not self.grid:
@@ -85,7 +85,7 @@ class QuantizeOptions:
              "--act-order needs --method gptq or awq+gptq (it orders GPTQ's columns)"),
             (self.rotate in ROTATIONS, f"--rotate {self.rotate!r} is not a rotation; choose hadamard or random"),
             (self.rotate_scope in ROTATE_SCOPES,
-             f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {' or '.join(ROTATE_SCOPES)}"),
+             f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),
             (0 < self.damp_percent < 1, f"--damp-percent {self.damp_percent} must be in (0, 1)"),
             (self.calib_samples >= 1, f"--calib-samples {self.calib_samples} must be at least 1"),

@@ -15,7 +15,8 @@ R (head_dim x head_dim) orthogonal, the model computes the same function with:
         lm_head, counted in the bits per weight of the report.
     R2  each attention head's values v_h -> v_h R: v_proj's rows of each KV head W -> Rᵀ W (bias
         b -> b R), o_proj's columns of every query head W -> W R (one R for all heads, so a KV head
-        and its GQA query group agree). Attention mixes values linearly, so this is exact.
+        and its GQA query group agree). Attention mixes values linearly, so this is exact. R2 alone
+        (--rotate-scope r2) leaves the residual stream, the norms and a tied lm_head as they are.
 
 RotatedSource wraps a weight source and serves the rotated tensors (fp32) under the same names;
 everything downstream (calibration activations, --sensitive, AWQ, GPTQ) sees the rotated model.
@@ -34,7 +35,6 @@ from flotilla.models.weights import EMBED, HEAD
 from .hadamard import rotation
 
 NORM = "model.norm.weight"
-SCOPES = ("r1", "r1+r2")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _READS = {  # layer tensor -> the norm whose output it reads
     "self_attn.q_proj.weight": "input_layernorm", "self_attn.k_proj.weight": "input_layernorm",
@@ -46,39 +46,42 @@ _WRITES = ("self_attn.o_proj", "mlp.down_proj")
 
 @dataclasses.dataclass(frozen=True)
 class Rotation:
-    """The orthogonal matrices of one model (fp32): q (hidden), r (head_dim, or None: R1 only)."""
+    """The orthogonal matrices of one model (fp32): q (hidden, or None: R2 only), r (head_dim, or None:
+    R1 only)."""
 
-    q: torch.Tensor
+    q: torch.Tensor | None
     r: torch.Tensor | None
     description: str  # recorded in quantization_config.flotilla_rotation
 
     @classmethod
     def build(cls, cfg: ModelConfig, kind: str, scope: str, seed: int) -> "Rotation":
-        q, q_name = rotation(cfg.hidden_size, kind, seed)
-        r, r_name = rotation(cfg.head_dim, kind, seed + 1) if scope == "r1+r2" else (None, "")
-        description = f"r1 {q_name}" + (f", r2 {r_name}" if r is not None else "") + f", seed {seed}"
-        return cls(q.float(), None if r is None else r.float(), description)
+        q, q_name = rotation(cfg.hidden_size, kind, seed) if "r1" in scope else (None, "")
+        r, r_name = rotation(cfg.head_dim, kind, seed + 1) if "r2" in scope else (None, "")
+        parts = [f"r1 {q_name}"] * (q is not None) + [f"r2 {r_name}"] * (r is not None) + [f"seed {seed}"]
+        return cls(None if q is None else q.float(), None if r is None else r.float(), ", ".join(parts))
 
 
 class RotatedSource:
     """A weight source whose tensors are those of the rotated model (module docstring), in fp32;
-    `config` is the source's with tie_word_embeddings off, and `lm_head.weight` is always present."""
+    with R1, `config` is the source's with tie_word_embeddings off and `lm_head.weight` always present."""
 
     def __init__(self, source, rot: Rotation):
         self.source, self.rot = source, rot
         self.path, self.opened_files = source.path, getattr(source, "opened_files", [])
-        self.config = dataclasses.replace(source.config, tie_word_embeddings=False)
-        self.untied_head = source.config.tie_word_embeddings  # the checkpoint gains an lm_head
+        self.untied_head = rot.q is not None and source.config.tie_word_embeddings  # the checkpoint gains one
+        self.config = dataclasses.replace(source.config, tie_word_embeddings=False) if rot.q is not None else source.config
 
     def release(self) -> None:
         self.source.release()
 
     def names(self) -> list[str]:
         names = self.source.names()
-        return names + [HEAD] if HEAD not in names else names
+        return names + [HEAD] if self.untied_head and HEAD not in names else names
 
     def get(self, name: str) -> torch.Tensor:
         q = self.rot.q
+        if q is None:
+            return self._r2_only(name)
         if name == EMBED:
             return self._f32(EMBED) @ q
         if name == HEAD:
@@ -105,6 +108,14 @@ class RotatedSource:
             return self._f32(name) @ q
         return self.source.get(name)  # q/k/gate/up biases: their outputs are not rotated
 
+    def _r2_only(self, name: str) -> torch.Tensor:
+        if name.endswith(("self_attn.v_proj.weight", "self_attn.v_proj.bias")):
+            w = self._f32(name)
+            return self._heads_out(w) if w.dim() == 2 else self._heads_out(w[:, None])[:, 0]
+        if name.endswith("self_attn.o_proj.weight"):
+            return self._heads_in(self._f32(name))
+        return self.source.get(name)
+
     def _f32(self, name: str) -> torch.Tensor:
         return self.source.get(name).float()
 
@@ -129,7 +140,7 @@ def rotated(source, kind: str, scope: str, seed: int) -> RotatedSource:
     note = f"rotation: {rot.description}"
     if kind == "hadamard" and "random" in rot.description:
         note += " (no Hadamard matrix of that order is built here: a random orthogonal one instead)"
-    if source.config.tie_word_embeddings:
+    if rot.q is not None and source.config.tie_word_embeddings:
         note += "; the tied lm_head is untied (an fp16 lm_head is written)"
     print(note, file=sys.stderr)
     return RotatedSource(source, rot)

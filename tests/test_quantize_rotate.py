@@ -64,10 +64,30 @@ def test_rotated_model_gives_the_same_logits(tmp_path, family, kind, scope, extr
     torch.testing.assert_close(_logits(rot), _logits(source), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind,kept", [("hadamard", 8), ("random", 2)])
+def test_suppressed_channels_stay_out_of_r1_and_the_logits_still_match(tmp_path, kind, kept):
+    cfg = tiny_config("llama", hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    hf = make_hf_model(cfg, seed=3)
+    with torch.no_grad():  # channels 5 and 9 suppressed by every norm, as massive-activation channels are
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p[[5, 9]] = 1e-3
+    source = open_source(save_hf_model(hf, tmp_path / "m"))
+    rot = rotated(source, kind, "r1+r2", seed=0)
+    assert len(rot.rot.kept) == kept and {5, 9} <= set(rot.rot.kept)  # 96 - 8 = 88 = 43 + 1 (Paley I)
+    assert rot.rot.description.startswith(f"r1 {kind}-{96 - kept} (channels ")
+    norm = rot.get("model.layers.0.input_layernorm.weight")
+    rest = [c for c in range(96) if c not in rot.rot.kept]
+    assert float(norm[5]) == pytest.approx(1e-3, rel=1e-6) and torch.equal(norm[rest], torch.ones(len(rest)))
+    torch.testing.assert_close(_logits(rot), _logits(source), rtol=1e-4, atol=1e-4)
+    assert rotated(source, kind, "r1", seed=0, keep_outliers=False).rot.kept == ()
+
+
 def test_smollm2_rotated_logits_match(smollm2_gguf):
     source = open_source(smollm2_gguf, native_gguf=False)
     rot = rotated(source, "hadamard", "r1+r2", seed=0)
-    assert rot.rot.description == "r1 hadamard-576, r2 hadamard-64, seed 0"
+    assert rot.rot.description == "r1 hadamard-572 (channels 128, 247, 423, 507 kept), r2 hadamard-64, seed 0"
     want = _logits(source)
     torch.testing.assert_close(_logits(rot), want, rtol=0, atol=2e-3 * float(want.abs().max()))
 

@@ -2,6 +2,7 @@
 
     quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
              [--keep BITS:PATTERN]... [--sensitive N] [--rotate [hadamard|random]] [--rotate-scope r1|r2|r1+r2]
+             [--rotate-all-channels]
              [--grid output|mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r2,r1+r2}",
                    help="r1: the residual stream only; r2: each attention head's values only (keeps the norms and a "
                         "tied lm_head); r1+r2: both (default r1+r2)")
+    p.add_argument("--rotate-all-channels", action="store_true",
+                   help="R1 rotates every residual channel; by default the few that the model's norms suppress in "
+                        "many layers (where its massive activations are) are left out, their norm weights kept")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
@@ -98,7 +102,7 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
                            shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
                            keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive,
-                           rotate=args.rotate, rotate_scope=args.rotate_scope)
+                           rotate=args.rotate, rotate_scope=args.rotate_scope, rotate_all=args.rotate_all_channels)
 
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:

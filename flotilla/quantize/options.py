@@ -67,6 +67,7 @@ class QuantizeOptions:
     sensitive: int = 0  # this many linears, those of largest measured INT4 error, kept at 8 bits
     rotate: str = ""  # hadamard or random: rotate the model first (rotate.py); "": not
     rotate_scope: str = "r1+r2"  # r1: the residual stream only; r2: each head's values only; r1+r2: both
+    rotate_all: bool = False  # R1 rotates the channels the norms suppress too (rotate.outlier_channels)
 
     def __post_init__(self):
         if not self.grid:
@@ -86,6 +87,7 @@ class QuantizeOptions:
             (self.rotate in ROTATIONS, f"--rotate {self.rotate!r} is not a rotation; choose hadamard or random"),
             (self.rotate_scope in ROTATE_SCOPES,
              f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
+            (self.rotate or not self.rotate_all, "--rotate-all-channels needs --rotate"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),
             (0 < self.damp_percent < 1, f"--damp-percent {self.damp_percent} must be in (0, 1)"),
             (self.calib_samples >= 1, f"--calib-samples {self.calib_samples} must be at least 1"),
@@ -132,6 +134,6 @@ class QuantizeOptions:
         extra = " act-order" if self.act_order else ""
         grid = "" if self.grid == default_grid(self.method) else f" {self.grid}"
         mixed = "".join(f" keep {b}:{p}" for b, p in self.keep) + (f" sensitive {self.sensitive}" if self.sensitive else "")
-        rotated = "" if not self.rotate else f" rotated {self.rotate} {self.rotate_scope}"
+        rotated = "" if not self.rotate else f" rotated {self.rotate} {self.rotate_scope}" + " all" * self.rotate_all
         return (f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{grid}{extra}{mixed}"
                 f"{rotated}")

@@ -81,7 +81,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             calib_from = "model-generated"
     untied_head = False
     if options.rotate:
-        source = rotated(source, options.rotate, options.rotate_scope, options.seed)
+        source = rotated(source, options.rotate, options.rotate_scope, options.seed, keep_outliers=not options.rotate_all)
         cfg, untied_head = source.config, source.untied_head
 
     if options.sensitive:

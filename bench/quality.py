@@ -161,7 +161,8 @@ def smollm2_configs(args) -> list[tuple[str, list[str]]]:
 
 def rotated_configs(g: int, s: str, sym: list[str], calib: list[str], sensitive: int) -> list[tuple[str, list[str]]]:
     """quantize --rotate rows: randomized Hadamard R1+R2 unless the label says otherwise ("random": a
-    random orthogonal matrix; "r1" / "r2": one of the two rotations alone)."""
+    random orthogonal matrix; "r1" / "r2": one of the two rotations alone; "all-channels": R1 rotates
+    the channels the norms suppress too)."""
     base = ["--group-size", str(g), *sym, "--rotate"]
     return [
         (f"INT4 RTN g{g} {s} rotated", ["--method", "rtn", *base]),
@@ -169,6 +170,7 @@ def rotated_configs(g: int, s: str, sym: list[str], calib: list[str], sensitive:
         (f"INT4 GPTQ g{g} {s} rotated random", ["--method", "gptq", *base, "random", *calib]),
         (f"INT4 GPTQ g{g} {s} rotated r1", ["--method", "gptq", *base, "--rotate-scope", "r1", *calib]),
         (f"INT4 GPTQ g{g} {s} rotated r2", ["--method", "gptq", *base, "--rotate-scope", "r2", *calib]),
+        (f"INT4 GPTQ g{g} {s} rotated all-channels", ["--method", "gptq", *base, "--rotate-all-channels", *calib]),
         (f"INT4 GPTQ g{g} {s} act-order rotated", ["--method", "gptq", *base, "--act-order", *calib]),
         (f"INT4 AWQ+GPTQ g{g} {s} rotated", ["--method", "awq+gptq", *base, *calib]),
         (f"INT4 AWQ+GPTQ g{g} {s} rotated sensitive {sensitive}",

@@ -162,12 +162,15 @@ class RotatedSource:
         return self.source.get(name)
 
     def _folded(self, norm: str) -> torch.Tensor:
-        """The part of a norm's weight folded into its readers: all but the kept channels' (1 there)."""
-        return torch.where(self._kept, 1.0, self._f32(norm))
+        """The part of a norm's weight g folded into its readers: g, and on the kept channels the
+        median |g| (so their weight columns have the scale of the others in their groups)."""
+        g = self._f32(norm)
+        return torch.where(self._kept, g.abs().median(), g)
 
     def _left(self, norm: str) -> torch.Tensor:
-        """What stays in the norm: the kept channels' weights, 1 elsewhere (commutes with Q)."""
-        return torch.where(self._kept, self._f32(norm), 1.0)
+        """What stays in the norm: g / median |g| on the kept channels, 1 elsewhere (commutes with Q)."""
+        g = self._f32(norm)
+        return torch.where(self._kept, g / g.abs().median(), 1.0)
 
     def _f32(self, name: str) -> torch.Tensor:
         return self.source.get(name).float()

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(QuaRot-style, weights only: the checkpoint needs nothing at load time): norm weights are "
                         "folded into the linears, the residual stream is rotated by a hidden x hidden matrix and "
                         "each head's values by a head_dim one. hadamard (the default when the flag is bare): a "
-                        "randomized Hadamard matrix where the order is 2^k times a Paley order (576 = 72 x 8, "
-                        "64, 2048, 4096, ...), else a seeded random orthogonal one (QR of a Gaussian); random: "
+                        "randomized Hadamard matrix where the order is 2^k times a Paley order (572 = 571 + 1, "
+                        "576 = 72 x 8, 64, 2048, 4096, ...), else a seeded random orthogonal one (QR of a Gaussian); random: "
                         "always the latter. A tied lm_head becomes an untied fp16 one")
     p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r2,r1+r2}",
                    help="r1: the residual stream only; r2: each attention head's values only (keeps the norms and a "

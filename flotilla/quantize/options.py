@@ -84,7 +84,8 @@ class QuantizeOptions:
              "inputs; --method rtn has none (choose gptq, awq or awq+gptq, or --grid mse)"),
             (self.method in ("gptq", "awq+gptq") or not self.act_order,
              "--act-order needs --method gptq or awq+gptq (it orders GPTQ's columns)"),
-            (self.rotate in ROTATIONS, f"--rotate {self.rotate!r} is not a rotation; choose hadamard or random"),
+            (self.rotate in ROTATIONS, f"--rotate {self.rotate!r} is not a rotation; choose hadamard or random "
+             "(a bare --rotate takes the next word as its value: put it after SRC)"),
             (self.rotate_scope in ROTATE_SCOPES,
              f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
             (self.rotate or not self.rotate_all, "--rotate-all-channels needs --rotate"),

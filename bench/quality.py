@@ -153,7 +153,7 @@ def smollm2_configs(args) -> list[tuple[str, list[str]]]:
         *rotated_configs(g, s, sym, calib, args.sensitive),
     ]
     if args.short:
-        configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0] and "rotated " not in c[0]]
+        configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0] and "rotated" not in c[0]]
     if args.only:
         configs = [c for c in configs if any(_picks(o, c[0]) for o in args.only.split(","))]
     return configs
@@ -397,7 +397,7 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=128, help="of the main rows (default 128)")
     p.add_argument("--asym", action="store_true", help="asymmetric grids for the main rows (default: sym, "
                                                        "the quantize default)")
-    p.add_argument("--short", action="store_true", help="leave out the minmax, g32 and bitsandbytes rows")
+    p.add_argument("--short", action="store_true", help="leave out the minmax, g32, rotated and bitsandbytes rows")
     p.add_argument("--only", default="", help="comma-separated substrings: only the quantized rows whose label "
                    "holds one, or with a leading '=' the row of exactly that label (e.g. 'AWQ,=INT4 GPTQ g128 sym,bitsandbytes')")
     p.add_argument("--sensitive", type=int, default=6, help="the g128 --sensitive row's N (default 6: on "

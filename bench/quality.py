@@ -13,6 +13,11 @@ Rows, all measured in this run, each printed as soon as it is done:
   INT4 AWQ+GPTQ g64 asym act-order, GPTQ g64 asym act-order --sensitive 4, GPTQ g32 asym act-order
                                                         the most accurate settings (the first two within
                                                         4.6 bits per weight, g32 asym 4.66)
+  INT4 ... rotated                                      quantize --rotate (rotate.py): RTN, GPTQ, AWQ+GPTQ
+                                                        with a randomized Hadamard R1+R2; GPTQ also with a
+                                                        random orthogonal matrix, R1 alone and R2 alone. R1
+                                                        unties SmolLM2's tied lm_head: its fp16 copy is in
+                                                        the row's bits per weight (+4.27 on SmolLM2-135M)
   bitsandbytes NF4 (nested), written by transformers + bitsandbytes from the same fp32 weights and
       read by flotilla (INT8 groups per block; bnb_layout.py); its note: the perplexity of
       bitsandbytes' own dequantization of the same file
@@ -145,12 +150,32 @@ def smollm2_configs(args) -> list[tuple[str, list[str]]]:
         (f"INT4 GPTQ g64 asym act-order sensitive {args.sensitive_g64}",
          ["--group-size", "64", "--asym", "--act-order", "--sensitive", str(args.sensitive_g64), *calib]),
         ("INT4 GPTQ g32 asym act-order", ["--group-size", "32", "--asym", "--act-order", *calib]),
+        *rotated_configs(g, s, sym, calib, args.sensitive),
     ]
     if args.short:
-        configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0]]
+        configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0] and "rotated" not in c[0]]
     if args.only:
         configs = [c for c in configs if any(_picks(o, c[0]) for o in args.only.split(","))]
     return configs
+
+
+def rotated_configs(g: int, s: str, sym: list[str], calib: list[str], sensitive: int) -> list[tuple[str, list[str]]]:
+    """quantize --rotate rows: randomized Hadamard R1+R2 unless the label says otherwise ("random": a
+    random orthogonal matrix; "r1" / "r2": one of the two rotations alone; "all-channels": R1 rotates
+    the channels the norms suppress too)."""
+    base = ["--group-size", str(g), *sym, "--rotate"]
+    return [
+        (f"INT4 RTN g{g} {s} rotated", ["--method", "rtn", *base]),
+        (f"INT4 GPTQ g{g} {s} rotated", ["--method", "gptq", *base, *calib]),
+        (f"INT4 GPTQ g{g} {s} rotated random", ["--method", "gptq", *base, "random", *calib]),
+        (f"INT4 GPTQ g{g} {s} rotated r1", ["--method", "gptq", *base, "--rotate-scope", "r1", *calib]),
+        (f"INT4 GPTQ g{g} {s} rotated r2", ["--method", "gptq", *base, "--rotate-scope", "r2", *calib]),
+        (f"INT4 GPTQ g{g} {s} rotated all-channels", ["--method", "gptq", *base, "--rotate-all-channels", *calib]),
+        (f"INT4 GPTQ g{g} {s} act-order rotated", ["--method", "gptq", *base, "--act-order", *calib]),
+        (f"INT4 AWQ+GPTQ g{g} {s} rotated", ["--method", "awq+gptq", *base, *calib]),
+        (f"INT4 AWQ+GPTQ g{g} {s} rotated sensitive {sensitive}",
+         ["--method", "awq+gptq", *base, "--sensitive", str(sensitive), *calib]),
+    ]
 
 
 def _picks(only: str, label: str) -> bool:
@@ -372,7 +397,7 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=128, help="of the main rows (default 128)")
     p.add_argument("--asym", action="store_true", help="asymmetric grids for the main rows (default: sym, "
                                                        "the quantize default)")
-    p.add_argument("--short", action="store_true", help="leave out the minmax, g32 and bitsandbytes rows")
+    p.add_argument("--short", action="store_true", help="leave out the minmax, g32, rotated and bitsandbytes rows")
     p.add_argument("--only", default="", help="comma-separated substrings: only the quantized rows whose label "
                    "holds one, or with a leading '=' the row of exactly that label (e.g. 'AWQ,=INT4 GPTQ g128 sym,bitsandbytes')")
     p.add_argument("--sensitive", type=int, default=6, help="the g128 --sensitive row's N (default 6: on "

@@ -62,6 +62,8 @@ class QuantConfig:
     method: str = "gptq"  # how it was made: gptq, rtn, awq or awq+gptq (all stored in the GPTQ layout)
     dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     lm_head: bool = False  # the lm_head is stored quantized too (GPTQModel's flag; vLLM reads it)
+    rotation: str = ""  # quantize --rotate's record ("r1 hadamard-576, r2 hadamard-64, seed 0"): folded
+    #                     into the weights already, so a reader needs nothing; other tools ignore the key
 
     def for_module(self, names: Sequence[str]) -> "QuantConfig | None":
         """The config of one linear made of the checkpoint projections `names` (one, or the q/k/v or
@@ -105,6 +107,7 @@ class QuantConfig:
             "lm_head": self.lm_head,
             "flotilla_method": self.method,
             **({"dynamic": {p: dict(o) for p, o in self.dynamic}} if self.dynamic else {}),
+            **({"flotilla_rotation": self.rotation} if self.rotation else {}),
         }
 
     @classmethod
@@ -127,7 +130,8 @@ class QuantConfig:
         return cls(bits=bits, group_size=int(d.get("group_size", -1)), sym=bool(d.get("sym", True)),
                    desc_act=bool(d.get("desc_act", False)), damp_percent=float(d.get("damp_percent", 0.01)),
                    checkpoint_format=fmt, method=d.get("flotilla_method", "gptq"),
-                   dynamic=_parse_dynamic(d.get("dynamic"), where), lm_head=bool(d.get("lm_head", False)))
+                   dynamic=_parse_dynamic(d.get("dynamic"), where), lm_head=bool(d.get("lm_head", False)),
+                   rotation=str(d.get("flotilla_rotation", "")))
 
 
 def _parse_dynamic(d: Any, where: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:

@@ -1,7 +1,8 @@
 """The `quantize` command: a Hugging Face directory or a .gguf file in, a GPTQ-layout checkpoint out.
 
     quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
-             [--keep BITS:PATTERN]... [--sensitive N]
+             [--keep BITS:PATTERN]... [--sensitive N] [--rotate [hadamard|random]] [--rotate-scope r1|r2|r1+r2]
+             [--rotate-all-channels]
              [--grid output|mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -68,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize the lm_head too, round to nearest (default: fp16, as GPTQ tools keep it). 8 is "
                         "within noise of fp16 and makes a GPU decode step faster: the head is the largest matrix "
                         "a step reads (llama-3-8b: 1 GB in fp16). Written as GPTQModel writes it (lm_head: true)")
+    p.add_argument("--rotate", nargs="?", const="hadamard", default="", metavar="{hadamard,random}",
+                   help="rotate the model by orthogonal matrices folded into its weights before quantizing "
+                        "(QuaRot-style, weights only: the checkpoint needs nothing at load time): norm weights are "
+                        "folded into the linears, the residual stream is rotated by a hidden x hidden matrix and "
+                        "each head's values by a head_dim one. hadamard (the default when the flag is bare): a "
+                        "randomized Hadamard matrix where the order is 2^k times a Paley order (572 = 571 + 1, "
+                        "576 = 72 x 8, 64, 2048, 4096, ...), else a seeded random orthogonal one (QR of a Gaussian); random: "
+                        "always the latter. A tied lm_head becomes an untied fp16 one")
+    p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r2,r1+r2}",
+                   help="r1: the residual stream only; r2: each attention head's values only (keeps the norms and a "
+                        "tied lm_head); r1+r2: both (default r1+r2)")
+    p.add_argument("--rotate-all-channels", action="store_true",
+                   help="R1 rotates every residual channel; by default the few that the model's norms suppress in "
+                        "many layers (where its massive activations are) are left out, their norm weights kept")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
@@ -91,7 +106,8 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
                            shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
                            keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive,
-                           lm_head_bits=args.lm_head_bits)
+                           lm_head_bits=args.lm_head_bits, rotate=args.rotate, rotate_scope=args.rotate_scope,
+                           rotate_all=args.rotate_all_channels)
 
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:

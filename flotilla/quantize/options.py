@@ -13,6 +13,8 @@ BITS = (4, 8)
 GROUP_MULTIPLE = 16  # a group size is -1 (per channel) or a positive multiple of this
 DEVICES = ("cpu", "cuda")
 GRIDS = ("mse", "minmax", "output")
+ROTATIONS = ("", "hadamard", "random")  # "": no rotation (rotate.py)
+ROTATE_SCOPES = ("r1", "r2", "r1+r2")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -64,6 +66,9 @@ class QuantizeOptions:
     keep: tuple[tuple[int, str], ...] = field(default=())  # (bits, regex over checkpoint module names)
     sensitive: int = 0  # this many linears, those of largest measured INT4 error, kept at 8 bits
     lm_head_bits: int | None = None  # the lm_head quantized too (quantize/head.py); None: fp16
+    rotate: str = ""  # hadamard or random: rotate the model first (rotate.py); "": not
+    rotate_scope: str = "r1+r2"  # r1: the residual stream only; r2: each head's values only; r1+r2: both
+    rotate_all: bool = False  # R1 rotates the channels the norms suppress too (rotate.outlier_channels)
 
     def __post_init__(self):
         if not self.grid:
@@ -80,6 +85,11 @@ class QuantizeOptions:
              "inputs; --method rtn has none (choose gptq, awq or awq+gptq, or --grid mse)"),
             (self.method in ("gptq", "awq+gptq") or not self.act_order,
              "--act-order needs --method gptq or awq+gptq (it orders GPTQ's columns)"),
+            (self.rotate in ROTATIONS, f"--rotate {self.rotate!r} is not a rotation; choose hadamard or random "
+             "(a bare --rotate takes the next word as its value: put it after SRC)"),
+            (self.rotate_scope in ROTATE_SCOPES,
+             f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
+            (self.rotate or not self.rotate_all, "--rotate-all-channels needs --rotate"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),
             (self.lm_head_bits in (None, *BITS),
              f"--lm-head-bits {self.lm_head_bits} is not supported; choose one of {', '.join(map(str, BITS))}"),
@@ -128,4 +138,6 @@ class QuantizeOptions:
         extra = " act-order" if self.act_order else ""
         grid = "" if self.grid == default_grid(self.method) else f" {self.grid}"
         mixed = "".join(f" keep {b}:{p}" for b, p in self.keep) + (f" sensitive {self.sensitive}" if self.sensitive else "")
-        return f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{grid}{extra}{mixed}"
+        rotated = "" if not self.rotate else f" rotated {self.rotate} {self.rotate_scope}" + " all" * self.rotate_all
+        return (f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{grid}{extra}{mixed}"
+                f"{rotated}")

@@ -1,7 +1,8 @@
 """Quantize a model into a flotilla/GPTQ checkpoint, one decoder layer at a time.
 
     check the source and the options (nothing is written before all checks pass)
-    calibration tokens (all but RTN): from --calib, or sampled from the model itself
+    calibration tokens (all but RTN): from --calib, or sampled from the model itself (unrotated)
+    --rotate: from here on the source serves the rotated model's tensors (rotate.py)
     --sensitive N: one pass through the float model measuring each linear's INT4 error; the N
                    worst stay at 8 bits (with --keep's choice: quantization_config.dynamic)
     embeddings -> fp16 into the checkpoint; hidden states = embed(tokens), fp32
@@ -43,6 +44,7 @@ from .layer import LayerResult, layer_tensors, quantize_layer
 from .head import check_head, head_dynamic, head_tensors
 from .mixed import dynamic_entries, keep_choice, measure_errors, most_sensitive, units
 from .options import QuantizeOptions
+from .rotate import rotated
 from .report import QuantizeReport, linear_storage, peak_gpu_bytes, peak_rss_bytes, source_bytes
 
 NORM = "model.norm.weight"
@@ -78,6 +80,10 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             tokens = generate_tokens(source, options.calib_samples, options.calib_seq_len, options.seed, device,
                                      progress)
             calib_from = "model-generated"
+    untied_head = False
+    if options.rotate:
+        source = rotated(source, options.rotate, options.rotate_scope, options.seed, keep_outliers=not options.rotate_all)
+        cfg, untied_head = source.config, source.untied_head
 
     if options.sensitive:
         acts = _activations(source, tokens, cfg, device)
@@ -88,7 +94,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     quant = QuantConfig(bits=options.bits, group_size=options.group_size, sym=options.sym,
                         desc_act=options.act_order, damp_percent=options.damp_percent, method=options.method,
                         dynamic=(head_dynamic(head_bits, options.bits) if head_bits else ()) + dynamic_entries(chosen),
-                        lm_head=head_bits is not None)
+                        lm_head=head_bits is not None, rotation=source.rot.description if options.rotate else "")
     out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16",  # a quantized head is its own tensor
                                   tie_word_embeddings=cfg.tie_word_embeddings and head_bits is None)
     damp_raised, linear_bytes = 0, 0
@@ -115,6 +121,8 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             head.pop(HEAD, None)
             head.update(head_tensors(source.get(EMBED if cfg.tie_word_embeddings else HEAD), head_bits,
                                      options.group_size, options.sym, device))
+        if untied_head:  # stored only because of the rotation: counted as the linears' cost
+            linear_bytes += sum(t.numel() * t.element_size() for n, t in head.items() if n.startswith("lm_head."))
         writer.add_layer("head", head)
         _write_tokenizer(writer, src, tokenizer, cfg)
         writer.commit()
@@ -123,7 +131,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         out_bytes=writer.total_bytes, shards=len(list(out.glob("model-*.safetensors"))),
         seconds=time.perf_counter() - start, peak_rss=peak_rss_bytes(), peak_gpu=peak_gpu_bytes(device),
         calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised,
-        bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)),
+        bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)), untied_head=untied_head,
         kept=tuple(f"{u.label}:{b}" for u, b in sorted(chosen.items(), key=lambda c: (c[0].layer, c[0].merged))))
 
 

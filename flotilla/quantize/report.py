@@ -62,6 +62,7 @@ class QuantizeReport:
     damp_raised: int  # linears whose GPTQ damping had to be raised
     bits_per_weight: float = 0.0  # stored bits per weight of the decoder's linears (scales etc. included)
     kept: tuple[str, ...] = ()  # "layer.linear:bits" of the linears above the base bit width
+    untied_head: bool = False  # --rotate untied a tied lm_head: its own copy is in bits_per_weight
 
     @property
     def fp16_bytes(self) -> int:
@@ -78,6 +79,8 @@ class QuantizeReport:
             f"  calib     {self.calib_tokens:,} tokens ({self.calib_from})",
             f"  bits      {self.bits_per_weight:.3f} per linear weight on average (scales, zeros, g_idx included)",
         ]
+        if self.untied_head:
+            lines.append("  rotation  untied the tied lm_head: its own copy is counted in the bits per weight above")
         if self.kept:
             lines.append(f"  mixed     {len(self.kept)} linear(s) kept wider: {', '.join(self.kept)}")
         if self.damp_raised:

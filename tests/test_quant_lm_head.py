@@ -121,3 +121,26 @@ def test_quantize_lm_head_bits_writes_a_head_the_runtime_reads(tmp_path):
 
     bad = quantize_cli(src, "-o", tmp_path / "bad", "--method", "rtn", "--lm-head-bits", "6")
     assert bad.returncode == 2 and "--lm-head-bits 6" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_rotated_model_with_a_quantized_head(tmp_path):
+    """--rotate unties the head; --lm-head-bits then stores the rotated head quantized (and counts it)."""
+    from quantize_helpers import tiny_model_dir
+
+    from flotilla.models.sources import open_source
+    from flotilla.models.weights import load_stage
+    from flotilla.quantize import QuantizeOptions, quantize_model
+
+    src = tiny_model_dir(tmp_path / "src", seed=7, tie_word_embeddings=True)
+    opts = dict(bits=8, method="rtn", rotate="hadamard")
+    plain = quantize_model(src, tmp_path / "r", QuantizeOptions(**opts), progress=False)
+    headed = quantize_model(src, tmp_path / "rh", QuantizeOptions(**opts, lm_head_bits=8), progress=False)
+    assert plain.untied_head and headed.untied_head
+    assert headed.bits_per_weight < plain.bits_per_weight  # an int8 head in place of the fp16 one
+    qc = json.loads((headed.out / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] is True and qc["flotilla_rotation"]
+    a, b = (load_stage(open_source(r.out), dtype=torch.float32) for r in (plain, headed))
+    assert isinstance(b.lm_head, QuantLMHead)
+    hidden = torch.randn(4, a.config.hidden_size)
+    ref = a.compute_logits(hidden)
+    assert (b.compute_logits(hidden) - ref).abs().max() < 0.02 * ref.abs().max()

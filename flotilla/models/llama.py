@@ -17,7 +17,7 @@ from torch import nn
 from flotilla.kernels.fused import add_rms_norm, rms_norm, silu_mul
 
 from .config import ModelConfig
-from .linear import make_embedding, make_linear, make_lm_head
+from .linear import QuantLinear, make_embedding, make_linear, make_lm_head
 from .rope import RotaryEmbedding
 
 
@@ -227,7 +227,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if (self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last
-                and isinstance(self.lm_head, nn.Linear)):  # a quantized head is stored on its own
+                and not isinstance(self.lm_head, QuantLinear)):  # a GPTQ-quantized head is stored on its own
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def build_rope(self, max_positions: int | None = None) -> None:

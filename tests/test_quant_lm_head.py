@@ -144,3 +144,17 @@ def test_rotated_model_with_a_quantized_head(tmp_path):
     hidden = torch.randn(4, a.config.hidden_size)
     ref = a.compute_logits(hidden)
     assert (b.compute_logits(hidden) - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_quantized_head_on_the_gpu_matches_the_reference(tmp_path, head_bits, rows):
+    """The registry's GPU kernel for the head (the GEMV at few rows) against the dequantized weight."""
+    ckpt = write_random_checkpoint("tiny", tmp_path / "m", 4, 128, seed=3, device="cpu", num_layers=1,
+                                   head_bits=head_bits)
+    lm = load_model(ckpt, device="cuda:0", dtype="float16", with_tokenizer=False, progress=False)
+    hidden = torch.randn(rows, lm.config.hidden_size, device="cuda:0", dtype=torch.float16)
+    want = hidden.float() @ dequantize(lm.model.lm_head.gptq_weight())
+    got = lm.model.compute_logits(hidden)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max() + 1e-3

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.kernels.gptq import GPTQWeight
 from flotilla.models.checkpoint import gptq_tensors
 from flotilla.models.config import ModelConfig
-from flotilla.kernels.gptq import GPTQWeight
 
 from .grid import GridSpec, rtn_quantize
 

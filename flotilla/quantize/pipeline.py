@@ -116,11 +116,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             writer.add_layer(str(i), tensors)
             del layer, result
             source.release()
-        head = _head_tensors(source, cfg)
-        if head_bits is not None:
-            head.pop(HEAD, None)
-            head.update(head_tensors(source.get(EMBED if cfg.tie_word_embeddings else HEAD), head_bits,
-                                     options.group_size, options.sym, device))
+        head = _head_tensors(source, cfg, options, device)
         if untied_head:  # stored only because of the rotation: counted as the linears' cost
             linear_bytes += sum(t.numel() * t.element_size() for n, t in head.items() if n.startswith("lm_head."))
         writer.add_layer("head", head)
@@ -189,9 +185,13 @@ def _try_tokenizer(src: Path, cfg: ModelConfig):
         return None  # a weights-only directory: quantizing still works, calibration text cannot
 
 
-def _head_tensors(source, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _head_tensors(source, cfg: ModelConfig, options: QuantizeOptions, device: torch.device) -> dict[str, torch.Tensor]:
+    """The final norm, and the lm_head: fp16 when untied, or quantized (--lm-head-bits, tied or not)."""
     tensors = {NORM: _fp16(NORM, source.get(NORM))}
-    if not cfg.tie_word_embeddings:
+    if options.lm_head_bits is not None:
+        tensors.update(head_tensors(source.get(EMBED if cfg.tie_word_embeddings else HEAD), options.lm_head_bits,
+                                    options.group_size, options.sym, device))
+    elif not cfg.tie_word_embeddings:
         tensors[HEAD] = _fp16(HEAD, source.get(HEAD))
     return tensors
 

@@ -18,6 +18,7 @@ penalties, temperature and truncation.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -207,8 +208,7 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
     holding the largest (torch's one-pass reduction runs one block a row: 27.7 µs for 128 256 fp32
     logits on the H200, bench/NOTES-gpu-decode.md run 13). Elsewhere torch's max (faster on CPU
     than argmax)."""
-    B, V = logits.shape
-    chunk = _chunk(V) if logits.is_cuda and logits.is_contiguous() else 0
+    chunk = _chunk(logits.shape[1]) if logits.is_cuda and logits.is_contiguous() else 0
     return chunked_first_max(logits, chunk) if chunk else logits.max(dim=-1).indices
 
 
@@ -220,6 +220,7 @@ def chunked_first_max(logits: torch.Tensor, chunk: int) -> torch.Tensor:
     return (j * chunk + part.indices.gather(1, j)).squeeze(1)
 
 
+@functools.lru_cache(maxsize=8)
 def _chunk(V: int) -> int:
     """A chunk length for first_max: the largest divisor of V in [256, 1024] (0: none, or V small)."""
     if V < 16384:

@@ -162,7 +162,8 @@ def hops(engine, prompt, args) -> dict:
     n_hops = len(stats) + 1  # head -> stage 0 -> ... -> last -> head
     if engine.overlap:
         n_hops = len(stats)  # last stage -> stage 0: the head is off the ring
-    return {"bytes_per_token_hop": max(s.decode_bytes / max(1, s.decode_tokens) for s in stats[:-1]),
+    # a one-stage ring (`--rings cuda:0`: the worker process alone) has no stage-to-stage hop
+    return {"bytes_per_token_hop": max((s.decode_bytes / max(1, s.decode_tokens) for s in stats[:-1]), default=0),
             "us_per_hop": (run["seconds"] / steps - sum(compute)) / n_hops * 1e6,
             "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3,
             **breakdown(stats, steps, "")}
@@ -184,6 +185,8 @@ def multi_steps(engine, prompts, args) -> dict:
     run = run_requests(engine, prompts, args.tokens)
     stats = pipeline.worker_stats()
     steps = stats[0].steps
+    if not steps:  # a one-stage ring forwards no steps to count them by: its breakdown is the single stream's
+        return {}
     return {"multi_ms_per_step": run["seconds"] / steps * 1e3, "multi_steps": steps,
             "multi_stage_ms": [round(s.compute_seconds / steps * 1e3, 3) for s in stats],
             **breakdown(stats, steps, "multi_")}

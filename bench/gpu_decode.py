@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]  # not bench/: its kernels.py would shadow the `kernels` package transformers probes for
 
 from flotilla.kernels import pdl, registry  # noqa: E402
 from flotilla.models.linear import QuantLinear  # noqa: E402

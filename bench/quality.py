@@ -51,7 +51,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+# the repository first, and not bench/ itself: bench/kernels.py would shadow the `kernels` package
+# that transformers probes for when it loads a bitsandbytes model
+sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 
 LICENSES = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 DOCS_CHARS = 60_000

@@ -1,7 +1,7 @@
 """The GEMV for small batches over the Triton layout (csrc/gemv.cuh, gemv_mma.cuh): no second copy.
 
     gemv = gemv_for(layout, torch.float16)     # None where nvcc is missing or the layout unsupported
-    y = gemv(x2, bias)                          # x2 [M <= 8, in] -> y [M, out]
+    y = gemv(x2, bias)                          # x2 [M <= gemv.max_m, in] -> y [M, out]
 
 It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or a zero constant,
 perm, GGUF offsets) and is one of that kernel's plans (triton_linear.choose_config picks it for M
@@ -11,14 +11,15 @@ x) gets a zero-padded copy, both on the torch side.
 
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
-    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products on mma.sync
+    N a multiple of 16): 16 columns a block, any M <= 16 in one launch (M > 8: two n8 tiles of batch
+    rows, each weight fragment decoded once for both MMAs), the products on mma.sync
     of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
     its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
     M = 1 on long columns); on sm_90+ launched as a programmatic dependent of the kernel before it
     (kernels/pdl.py: its first weight loads overlap that kernel);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
-    8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
+    8 words): rows a block computes (1, 2, 4, 8: M rounded up; M <= 8), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
 Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp16 and bf16
 activations, symmetric, uint8 zeros or GGUF float offsets, every group size the layout allows,
@@ -44,9 +45,10 @@ log = logging.getLogger(__name__)
 
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
-MAX_ROWS = 8
-ROW_TILES = (1, 2, 4, 8)
-MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
+MAX_ROWS = 16  # the most rows any plan takes (the tensor-core plan's two n8 tiles)
+ROW_TILES = (1, 2, 4, 8)  # the CUDA-core plans' rows a block: they take up to 8 rows
+MMA_COLS = 16  # the tensor-core plan: GemvPlan(8 or 16, 16, warps, stages)
+MMA_ROW_TILES = (8, 16)  # its rows a launch: one n8 tile of batch rows, or two
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -57,7 +59,8 @@ RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 4 of a column's blocks (8 on
 # 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
-SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
+SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS),
+                    (16, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
 # measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
@@ -169,12 +172,15 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     more columns), else 2; two warps up to M = 2, else one."""
     if mma_r and bits == 4:
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
+        rows = next(t for t in MMA_ROW_TILES if t >= m)
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
-            return GemvPlan(MAX_ROWS, MMA_COLS, MAX_WARPS, RING_STAGES)
+            return GemvPlan(rows, MMA_COLS, MAX_WARPS, RING_STAGES)
         warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
         if m >= 3:
             warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
-        return GemvPlan(MAX_ROWS, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
+        return GemvPlan(rows, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
+    if m > ROW_TILES[-1]:
+        raise ValueError(f"the CUDA-core GEMV takes 1..{ROW_TILES[-1]} rows, not {m}")
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
@@ -220,7 +226,8 @@ def library(device: torch.device) -> _Library | None:
 
 
 class GemvKernel:
-    """y = x @ W for M <= 8 rows of x, over one Triton layout on an NVIDIA GPU."""
+    """y = x @ W for M <= max_m rows of x (16 on the tensor-core plan, else 8), over one Triton
+    layout on an NVIDIA GPU."""
 
     name = "gemv"
 
@@ -232,6 +239,7 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype)
+        self.max_m = MAX_ROWS if self.geo.mma else ROW_TILES[-1]  # the most rows its plans take
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
@@ -256,12 +264,12 @@ class GemvKernel:
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  plan: GemvPlan | None = None) -> torch.Tensor:
-        """x2 [M, in] (M <= 8) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
-        column stride) when given."""
+        """x2 [M, in] (M <= max_m) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with
+        unit column stride) when given."""
         lay = self.layout
         m, k = x2.shape
-        if not 1 <= m <= MAX_ROWS:
-            raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, not {m}")
+        if not 1 <= m <= self.max_m:
+            raise ValueError(f"the GEMV takes 1..{self.max_m} rows of this layout, not {m}")
         if k != lay.in_features or x2.dtype != self.dtype:
             raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
         plan = plan or self.plan_for(m)

@@ -1,11 +1,12 @@
-// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 8;
+// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 16;
 // R = 16 or 32 words a block): the same Triton layout, the products on mma.sync, so that a pair of
 // weights costs one LOP3 and one HADD2 / HFMA2 (+ a shift a word for runs 2, 3) on the CUDA cores.
 //
-// A warp computes 16 output columns (the MMA's rows) for all M <= 8 batch rows (its 8 columns).
+// A warp computes 16 output columns (the MMA's rows) for all M <= 8 NT batch rows (NT n8 tiles of
+// 8: the MMA's columns; NT = 2 from M = 9 on, so that a weight fragment decoded once feeds two MMAs).
 // Per strip of 16 words of each column, lane (g, t) = (lane / 4, lane % 4) loads words 4t..4t+3
 // of columns g and g + 8 (16 bytes each), i.e. the (2r, 2r+1) row pairs of every run of them, and
-// x of batch row g at those rows (one 16-byte load a run). The MMA's k order is chosen so that
+// x of batch rows g (+ 8) at those rows (one 16-byte load a run and tile). The MMA's k order is chosen so that
 // these are its fragments: for run s and half h, k-slot t holds word 2h, slot t + 4 word 2h + 1.
 // The A operand is q - z, exact in fp16: the CUDA-core plan's pair decode (gemv.cuh PairF16: (w &
 // mask) | 0x6400 = 1024 + q, plus -(1024 + z); odd runs at 4 bits 1024 + 16 q, times 1 / 16 plus
@@ -112,15 +113,17 @@ __host__ __device__ constexpr int mma_slot_bytes() {
 
 // grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
-// register double buffer
-template <int BITS, int MODE, int TPG, int LOG2R, bool RING>
+// register double buffer; NT: n8 tiles of batch rows (1: M <= 8, 2: M <= 16)
+template <int BITS, int MODE, int TPG, int LOG2R, bool RING, int NT>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
   constexpr int slot_fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), X_ROW = mma_x_row_bytes<BITS, LOG2R>();
+  constexpr int MR = 8 * NT;  // batch rows a launch computes at most
   static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
-  __shared__ float red[MAX_WARPS][MMA_COLS][8];
+  static_assert(NT == 1 || NT == 2, "one or two n8 tiles of batch rows");
+  __shared__ float red[MAX_WARPS][MMA_COLS][MR];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * MMA_COLS;
@@ -128,9 +131,12 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   // lane (g, t): 16 bytes of strip q of block b of column g at wa + b * R / 4 + 4q (uint4 units)
   const uint4* wa = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g) * p.KW) + t);
   const uint4* wb = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g + 8) * p.KW) + t);
-  // batch row g (rows past M repeat the last: their outputs are never stored); run s of strip q of
-  // block b: rows b * BK + s * 2R + 32q + 8t .. + 8
-  const half* xg = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g, p.M - 1)) * p.lda + 8 * t);
+  // batch row g + 8j of tile j (rows past M repeat the last: their outputs are never stored); run s
+  // of strip q of block b: rows b * BK + s * 2R + 32q + 8t .. + 8
+  const half* xg[NT];
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+    xg[j] = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g + 8 * j, p.M - 1)) * p.lda + 8 * t);
   const uint16_t* sc = pinned(p.scales + n0 + g);
   const uint8_t* zp = MODE == ZP ? pinned(p.zeros + n0 + g) : nullptr;
   const uint64_t policy = evict_first_policy();
@@ -140,7 +146,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     zk[q][0][0] = zk[q][0][1] = zero_const_of<BITS, 0>(p.zero_const);
     if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(p.zero_const);
   }
-  float y[4] = {0.f, 0.f, 0.f, 0.f};
+  float y[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; j++) y[j][0] = y[j][1] = y[j][2] = y[j][3] = 0.f;
 
   auto load = [&](uint4 (*dst)[2], int b) {
 #pragma unroll
@@ -151,9 +159,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   };
   // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
   // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
-  // (byte g % 4); xs (the ring only): x of the block's rows of batch row g in the slot (global
-  // memory without the ring); without the ring they are read here
-  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* xs) {
+  // (byte g % 4); xs (the ring only): x of the block's rows of batch row g + 8j of tile j in the slot
+  // (global memory without the ring); without the ring they are read here
+  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* const* xs) {
     const int u0 = b * P;
     unsigned grp[NG];
 #pragma unroll
@@ -173,14 +181,15 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
           zk[q][PAR - 1][0] = zero_const_of<BITS, 1>(z0), zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(z1);
       }
     }
-    float acc[NG][PAR][4];
+    float acc[NG][PAR][NT][4];
 #pragma unroll
     for (int q = 0; q < NG; q++)
 #pragma unroll
       for (int v = 0; v < PAR; v++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[q][v][e] = 0.f;
-    const half* xb = xg + static_cast<size_t>(b) * BK;
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) acc[q][v][j][e] = 0.f;
 #pragma unroll
     for (int sq = 0; sq < SPB; sq++) {
       const uint32_t a[4] = {cur[sq][0].x, cur[sq][0].y, cur[sq][0].z, cur[sq][0].w};
@@ -191,19 +200,26 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       static_for<P>([&](auto sc_) {
         constexpr int s = decltype(sc_)::value;
         constexpr int q = s / TPG, v = s % PAR;
-        uint4 xv;
-        if constexpr (RING) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
-        else xv = load_x(xb + s * 2 * R + 32 * sq);
-        const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+        uint4 xv[NT];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {  // q - z of column g (a) and g + 8 (bw)
+        for (int j = 0; j < NT; j++) {
+          if constexpr (RING) xv[j] = *reinterpret_cast<const uint4*>(xs[j] + 2 * (s * 2 * R + 32 * sq + 8 * t));
+          else xv[j] = load_x(xg[j] + static_cast<size_t>(b) * BK + s * 2 * R + 32 * sq);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {  // q - z of column g (a) and g + 8 (bw), decoded once for the NT tiles
           using D = PairF16<BITS>;
           const uint32_t* ze = zk[q][0];
           const uint32_t* zo = zk[q][PAR - 1];
-          mma_f16(acc[q][v], h2_bits(D::template get<s>(a[2 * h], a8[2 * h], ze[0], zo[0])),
-                  h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], ze[1], zo[1])),
-                  h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], ze[0], zo[0])),
-                  h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], ze[1], zo[1])), xs[2 * h], xs[2 * h + 1]);
+          const uint32_t a0 = h2_bits(D::template get<s>(a[2 * h], a8[2 * h], ze[0], zo[0]));
+          const uint32_t a1 = h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], ze[1], zo[1]));
+          const uint32_t a2 = h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], ze[0], zo[0]));
+          const uint32_t a3 = h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], ze[1], zo[1]));
+#pragma unroll
+          for (int j = 0; j < NT; j++) {
+            const uint32_t x0 = h ? xv[j].z : xv[j].x, x1 = h ? xv[j].w : xv[j].y;
+            mma_f16(acc[q][v][j], a0, a1, a2, a3, x0, x1);
+          }
         }
       });
     }
@@ -222,8 +238,11 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
 #pragma unroll
       for (int v = 0; v < PAR; v++) {
         if (TPG == 1 && v != q % PAR) continue;  // a group of one run has one parity
-        y[0] = fmaf(s0, acc[q][v][0], y[0]), y[1] = fmaf(s0, acc[q][v][1], y[1]);
-        y[2] = fmaf(s1, acc[q][v][2], y[2]), y[3] = fmaf(s1, acc[q][v][3], y[3]);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+          y[j][0] = fmaf(s0, acc[q][v][j][0], y[j][0]), y[j][1] = fmaf(s0, acc[q][v][j][1], y[j][1]);
+          y[j][2] = fmaf(s1, acc[q][v][j][2], y[j][2]), y[j][3] = fmaf(s1, acc[q][v][j][3], y[j][3]);
+        }
       }
     }
   };
@@ -234,7 +253,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     // the 8 lanes of a quarter warp, two batch rows, hit distinct banks). Lanes copy x pieces for
     // one another: __syncwarp after the wait and before a slot is refilled.
     extern __shared__ uint4 ring_smem[];
-    const int S = p.stages, mx = min(p.M, 8);
+    const int S = p.stages, mx = min(p.M, MR);
     const int slot_bytes = slot_fixed + mx * X_ROW;
     char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
     const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
@@ -278,7 +297,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       if (j < nb) issue_x(j, warp + j * warps);
       cp_async_commit();
     }
-    const int xrow = min(g, mx - 1) * X_ROW;  // batch rows past M repeat the last
+    int xrow[NT];  // batch rows past M repeat the last
+#pragma unroll
+    for (int j = 0; j < NT; j++) xrow[j] = slot_fixed + min(g + 8 * j, mx - 1) * X_ROW;
     for (int i = 0, slot = 0; i < nb; i++) {
       cp_async_wait_upto(S - 1);  // block i has landed
       __syncwarp();               // and the x pieces the other lanes copied
@@ -289,8 +310,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       for (int q = 0; q < SPB; q++)
 #pragma unroll
         for (int h = 0; h < 2; h++) cur[q][h] = w16[(q * 2 + h) * 32];
-      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane,
-            mine + slot_fixed + xrow);
+      const char* xs[NT];
+#pragma unroll
+      for (int j = 0; j < NT; j++) xs[j] = mine + xrow[j];
+      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane, xs);
       __syncwarp();  // every lane is done with the slot
       if (i + S < nb) issue_weights(slot, warp + (i + S) * warps), issue_x(slot, warp + (i + S) * warps);
       cp_async_commit();
@@ -311,12 +334,15 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   }
   launch_dependents();  // the weight stream is done: the next kernel may take the SM slots that free up
 
-  // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
-  red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
-  red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
+  // fragment (g, t) of tile j: columns g and g + 8, batch rows 8j + 2t and 8j + 2t + 1
+#pragma unroll
+  for (int j = 0; j < NT; j++) {
+    red[warp][g][8 * j + 2 * t] = y[j][0], red[warp][g][8 * j + 2 * t + 1] = y[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = y[j][2], red[warp][g + 8][8 * j + 2 * t + 1] = y[j][3];
+  }
   __syncthreads();
-  for (int e = threadIdx.x; e < MMA_COLS * 8; e += blockDim.x) {
-    const int c = e / 8, m = e % 8;
+  for (int e = threadIdx.x; e < MMA_COLS * MR; e += blockDim.x) {
+    const int c = e / MR, m = e % MR;
     if (m >= p.M) continue;
     float v = 0.f;
     for (int w = 0; w < warps; w++) v += red[w][c][m];  // a fixed order: deterministic

@@ -97,7 +97,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                     print(json.dumps({"gemv_sweep": f"{k}x{n}", "bits": bits, "m": m, "built_in_us": t_built,
                                       "built_in": built_in.__dict__, "triton_us": t_triton, "fp16_us": t_fp16,
                                       "plans": [[t, p.__dict__] for t, p in timed]}), flush=True)
-            del w32, w16
+            del w32
     for k, n in args.shapes[:2]:
         for bits in args.gemv_bits:
             kern = TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.bfloat16)

@@ -25,7 +25,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from flotilla.kernels.cuda.gemv import MAX_ROWS, MMA_COLS, MMA_ROW_TILES, ROW_TILES
+from flotilla.kernels.cuda.gemv import MAX_ROWS, MMA_COLS, MMA_ROW_TILES, ROW_TILES, is_mma
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import (
     TritonGPTQKernel,
@@ -46,8 +46,9 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 
 def label(plan) -> str:
-    if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
-        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
+    if is_mma(plan):  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4, "mma8w4c" 4 column tiles a CTA
+        cw = plan.cols // MMA_COLS
+        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "") + (f"{cw}c" if cw > 1 else "")
     return f"{plan.cols}c{plan.warps}w"
 
 
@@ -68,12 +69,13 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 ref = x.float() @ w32
                 timed = []
                 for shape in kern.gemv.plans():
-                    tiles = MMA_ROW_TILES if shape.cols == MMA_COLS else ROW_TILES
+                    tiles = MMA_ROW_TILES if is_mma(shape) else ROW_TILES
                     if m > tiles[-1] or shape.rows != next(r for r in tiles if r >= m):
                         continue  # only the plan's smallest rows tile that takes M
-                    if kern.gemv.geo.mma and not args.gemv_all and (shape.cols != MMA_COLS or shape.stages not in (0, 2)):
+                    if kern.gemv.geo.mma and not args.gemv_all and (not is_mma(shape) or shape.stages not in (0, 2)
+                                                                    or (shape.stages and shape.cols != MMA_COLS)):
                         continue  # plans that lost in every earlier run (NOTES-kernels.md: CUDA cores, rings > 2)
-                    for warps in WARPS:
+                    for warps in [w for w in WARPS if not is_mma(shape) or w % (shape.cols // MMA_COLS) == 0]:
                         plan = dataclasses.replace(shape, warps=warps)
                         torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison
                         err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()
@@ -86,7 +88,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))
                 t_fp16 = time_us(lambda: F.linear(x, w16))
                 best = ", ".join(f"{t:.1f} {label(p)}" for t, p in timed[:4])
-                mma = [f"{t:.1f} {label(p)}" for t, p in timed if p.cols == MMA_COLS]
+                mma = [f"{t:.1f} {label(p)}" for t, p in timed if is_mma(p)]
                 print(f"gemv sweep {k}x{n} w{bits} m={m}: built-in {label(built_in)} {t_built:.1f}us "
                       f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s, {t_fp16 / t_built:.2f}x fp16), triton {t_triton:.1f}us "
                       f"({t_fp16 / t_triton:.2f}x), fp16 {t_fp16:.1f}us; best {best}; mma {mma}",

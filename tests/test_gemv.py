@@ -209,6 +209,20 @@ def test_plans():
                 assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
                 assert 1 <= plan.warps <= gemv.MAX_WARPS
                 assert plan.rows == (16 if m > 8 else 8) or not mma_r  # the second n8 tile only past 8 rows
+    # past 8 rows: the most column tiles a CTA (<= 4) that leave >= 0.9 CTAs a SM, x shared through L1
+    def wide(m, k, n):
+        plan = gemv.choose_plan(m, n, k // 8, 132, 4, mma_r=32)
+        return plan.rows, plan.cols, plan.warps
+
+    assert wide(16, 8192, 28672) == wide(9, 4096, 28672) == (16, 64, 4)  # 448 CTAs of 4 tiles, one warp each
+    assert wide(16, 4096, 4096) == wide(12, 14336, 4096) == (16, 32, 8)  # 128 CTAs of 2 tiles x 4 warps
+    assert wide(16, 4096, 6144) == (16, 32, 8)  # 4 tiles would leave 96 CTAs
+    assert wide(16, 256, 48) == (16, 16, 1)  # 3 tiles: one a CTA; never more warps than blocks
+    assert gemv.choose_plan(16, 64, 64, 132, 8, mma_r=32).cols % gemv.MMA_COLS == 0  # 8 bits past 8 rows: tensor cores
+    for m in range(9, gemv.MAX_ROWS + 1):
+        for n, kw in ((4096, 512), (6144, 512), (28672, 1024), (4096, 1792), (96, 64)):
+            plan = gemv.choose_plan(m, n, kw, 132, 4, 32)
+            assert n % plan.cols == 0 and plan.warps % (plan.cols // gemv.MMA_COLS) == 0
     with pytest.raises(ValueError, match="1..8 rows"):
         gemv.choose_plan(9, 4096, 512, 132, 4)  # the CUDA-core plans stop at 8
     with pytest.raises(ValueError, match="1..8 rows"):
@@ -231,7 +245,8 @@ def poison(m: int, n: int, dtype: torch.dtype) -> None:
 def plans(kern, m: int):
     for shape in kern.plans():
         if shape.rows >= m:
-            for warps in (1, 3, 8):
+            cw = shape.cols // gemv.MMA_COLS if gemv.is_mma(shape) else 1  # warps: a multiple of its column tiles
+            for warps in sorted({1, 3, 8, cw} - ({1, 3} if cw > 1 else set())):
                 yield dataclasses.replace(shape, warps=warps)
 
 

@@ -47,8 +47,9 @@ DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
 MAX_ROWS = 16  # the most rows any plan takes (the tensor-core plan's two n8 tiles)
 ROW_TILES = (1, 2, 4, 8)  # the CUDA-core plans' rows a block: they take up to 8 rows
-MMA_COLS = 16  # the tensor-core plan: GemvPlan(8 or 16, 16, warps, stages)
+MMA_COLS = 16  # the tensor-core plan's column tile (a warp's): GemvPlan(8 or 16, 16 cw, warps, stages)
 MMA_ROW_TILES = (8, 16)  # its rows a launch: one n8 tile of batch rows, or two
+MMA_TILES_A_CTA = (1, 2, 4)  # cw: its column tiles a CTA (the cw warps at one input block share x through L1)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -59,14 +60,18 @@ RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 4 of a column's blocks (8 on
 # 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
-SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS),
-                    (16, MMA_COLS)})  # gemv_instances.cuh
+# Past 8 rows (two n8 tiles) x is read from L2 once per CTA: (N / 16 cw) M K 2 bytes, at cw = 1 and
+# M = 16 four times the weight's bytes, so the CTA takes the most column tiles (cw <= 4) that still
+# leave CW_MIN_CTAS_PER_SM CTAs a SM, with WARPS_PER_SM's warps rule over those CTAs
+CW_MIN_ROWS, CW_MIN_CTAS_PER_SM = 9, 0.9
+SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2)}
+                   | {(rows, MMA_COLS * cw) for rows in MMA_ROW_TILES for cw in MMA_TILES_A_CTA})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
 # measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
 # on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
 # (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes).
-MMA_MAX_ROWS = 4
+MMA_MAX_ROWS = 16
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
@@ -157,6 +162,11 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype) -> int:
     return MMA_MAX_ROWS if bits == 4 and geo.mma else CORES_MAX_ROWS[(bits, dtype)]
 
 
+def is_mma(plan: GemvPlan) -> bool:
+    """Whether a plan is the tensor-core plan (columns a CTA: 16, 32 or 64; the CUDA-core plans 2 or 4)."""
+    return plan.cols % MMA_COLS == 0
+
+
 def group_of(run: int, magic: int) -> int:
     """The kernel's group index of a run (gemv.cuh group_of)."""
     return ((2 * run) * magic) >> 32
@@ -168,13 +178,21 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
     the shared-memory ring of 2 blocks a warp, 8 warps, at M = 1 on columns of >= 32 blocks, else
     the register double buffer with WARPS_PER_SM's warps (the sweeps' fastest back to back, as a
-    decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
+    decode step runs them); from CW_MIN_ROWS rows, 2 or 4 column tiles a CTA (x shared through L1;
+    8 bits take this plan too past 8 rows, where the CUDA-core plans stop). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
     more columns), else 2; two warps up to M = 2, else one."""
-    if mma_r and bits == 4:
+    if mma_r and (bits == 4 or m > ROW_TILES[-1]):
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
         rows = next(t for t in MMA_ROW_TILES if t >= m)
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
             return GemvPlan(rows, MMA_COLS, MAX_WARPS, RING_STAGES)
+        if m >= CW_MIN_ROWS:
+            cw = max(c for c in MMA_TILES_A_CTA if tiles % c == 0 and tiles // c >= CW_MIN_CTAS_PER_SM * num_sms
+                     or c == 1)
+            ctas = tiles // cw
+            warps = _pow2_floor(max(cw, WARPS_PER_SM * num_sms // ctas))
+            kws = max(1, min(warps // cw, _pow2_floor(layout_blocks)))
+            return GemvPlan(rows, MMA_COLS * cw, min(MAX_WARPS, cw * kws))
         warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
         if m >= 3:
             warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
@@ -249,10 +267,13 @@ class GemvKernel:
         weight streams)."""
         n = self.layout.out_features
         for rows, cols in sorted(SHAPES):
-            if n % cols == 0 and cols != MMA_COLS:
+            if n % cols:
+                continue
+            if cols % MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
-            elif cols == MMA_COLS and self.geo.mma:
-                yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
+            elif self.geo.mma:  # warps a multiple of its column tiles
+                cw = cols // MMA_COLS
+                yield from (GemvPlan(rows, cols, -(-warps // cw) * cw, stages) for stages in MMA_STAGES)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -274,8 +295,9 @@ class GemvKernel:
             raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
         plan = plan or self.plan_for(m)
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)):
+                or not 1 <= plan.warps <= MAX_WARPS or (is_mma(plan) and not self.geo.mma) \
+                or (is_mma(plan) and plan.warps % (plan.cols // MMA_COLS)) \
+                or not (plan.stages == 0 or (is_mma(plan) and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -291,7 +313,7 @@ class GemvKernel:
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
-                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)))
+                    pdl=int(is_mma(plan) and pdl.enabled(x2, m)))
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

@@ -14,7 +14,13 @@
 // into the MMA and a second MMA with -(1024 + z) as A removed the offset: one LOP3 a pair, but
 // twice the MMAs; this decode measured 3-9% faster.) Each group of a block and run parity has its
 // own accumulator, times its scale into the output fragment when the warp leaves the block; a warp
-// takes whole blocks (blocks warp, warp + warps, ...).
+// takes whole blocks (blocks kw, kw + KW, ... of the KW warps of its column tile).
+//
+// Column tiles a CTA (CW = N / (16 gridDim.x): 1, 2 or 4): warp w computes tile w % CW of the CTA's
+// 16 CW columns and splits the input axis with the other warps of that tile (kw = w / CW of KW =
+// warps / CW). The CW warps at one kw read the same x at about the same time, so that x comes from
+// L2 once per 16 CW columns (ld.global.nc: L1 serves the others) instead of once per 16: at 16
+// batch rows on 8192x28672, 470 MB of x per call from L2 with CW = 1, four times the weight.
 //
 // How a warp streams its blocks (p.stages): 0, a register double buffer (the next block's 16-byte
 // loads issued before this block is decoded; x, scales and zeros read from global memory in the
@@ -111,11 +117,12 @@ __host__ __device__ constexpr int mma_slot_bytes() {
   return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
 }
 
-// grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
+// grid: N / (16 CW) blocks of 32 * warps threads (warps a multiple of CW); the warps of each of the
+// CW column tiles split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
 // register double buffer; NT: n8 tiles of batch rows (1: M <= 8, 2: M <= 16)
 template <int BITS, int MODE, int TPG, int LOG2R, bool RING, int NT>
-__global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 1) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
@@ -126,7 +133,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   __shared__ float red[MAX_WARPS][MMA_COLS][MR];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * MMA_COLS;
+  const int cw = p.N / (MMA_COLS * static_cast<int>(gridDim.x)), kw = warp / cw, kws = warps / cw;
+  const int n0 = (blockIdx.x * cw + warp % cw) * MMA_COLS;
   const int nblocks = p.KW >> LOG2R;
   // lane (g, t): 16 bytes of strip q of block b of column g at wa + b * R / 4 + 4q (uint4 units)
   const uint4* wa = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g) * p.KW) + t);
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
     const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
     const half* x0 = static_cast<const half*>(p.x);
-    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
+    const int nb = kw < nblocks ? (nblocks - 1 - kw) / kws + 1 : 0;  // this warp's blocks
     auto issue_weights = [&](int slot, int b) {  // the block's words, scales (and zeros): no dependency
       const unsigned base = slot * slot_bytes;
 #pragma unroll
@@ -291,10 +299,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     };
     // S groups, some empty: the wait below then counts alike every step. The first S blocks' weights
     // go before the grid dependency wait, into group 0 with block 0's x (so block 0 waits for them all)
-    for (int j = 0; j < S && j < nb; j++) issue_weights(j, warp + j * warps);
+    for (int j = 0; j < S && j < nb; j++) issue_weights(j, kw + j * kws);
     grid_dependency_wait();
     for (int j = 0; j < S; j++) {
-      if (j < nb) issue_x(j, warp + j * warps);
+      if (j < nb) issue_x(j, kw + j * kws);
       cp_async_commit();
     }
     int xrow[NT];  // batch rows past M repeat the last
@@ -313,23 +321,23 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       const char* xs[NT];
 #pragma unroll
       for (int j = 0; j < NT; j++) xs[j] = mine + xrow[j];
-      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane, xs);
+      block(cur, kw + i * kws, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane, xs);
       __syncwarp();  // every lane is done with the slot
-      if (i + S < nb) issue_weights(slot, warp + (i + S) * warps), issue_x(slot, warp + (i + S) * warps);
+      if (i + S < nb) issue_weights(slot, kw + (i + S) * kws), issue_x(slot, kw + (i + S) * kws);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
     }
   } else {
     uint4 buf[2][SPB][2];
-    int b = warp;
+    int b = kw;
     if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
     grid_dependency_wait();
-    for (; b < nblocks; b += 2 * warps) {
-      if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
+    for (; b < nblocks; b += 2 * kws) {
+      if (b + kws < nblocks) load(buf[1], b + kws);  // in flight while this block is decoded
       block(buf[0], b, nullptr, nullptr);
-      if (b + warps >= nblocks) break;
-      if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
-      block(buf[1], b + warps, nullptr, nullptr);
+      if (b + kws >= nblocks) break;
+      if (b + 2 * kws < nblocks) load(buf[0], b + 2 * kws);
+      block(buf[1], b + kws, nullptr, nullptr);
     }
   }
   launch_dependents();  // the weight stream is done: the next kernel may take the SM slots that free up
@@ -341,13 +349,15 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     red[warp][g + 8][8 * j + 2 * t] = y[j][2], red[warp][g + 8][8 * j + 2 * t + 1] = y[j][3];
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < MMA_COLS * MR; e += blockDim.x) {
-    const int c = e / MR, m = e % MR;
+  // column cc of the CTA's 16 CW: column c of tile cc / 16, summed over the warps of that tile
+  const int c0 = blockIdx.x * cw * MMA_COLS;
+  for (int e = threadIdx.x; e < cw * MMA_COLS * MR; e += blockDim.x) {
+    const int cc = e / MR, m = e % MR;
     if (m >= p.M) continue;
     float v = 0.f;
-    for (int w = 0; w < warps; w++) v += red[w][c][m];  // a fixed order: deterministic
-    if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[n0 + c]);
-    static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(v);
+    for (int w = cc / MMA_COLS; w < warps; w += cw) v += red[w][cc % MMA_COLS][m];  // a fixed order: deterministic
+    if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[c0 + cc]);
+    static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + c0 + cc] = __float2half_rn(v);
   }
 }
 

@@ -136,16 +136,19 @@ def test_emulated_kernel_reads_the_gguf_forms(qtype, dtype):
 
 def test_crossovers_only_where_measured():
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
-    assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS
+    # 4 bits on tensor cores: up to 16 rows on weights of at most 4096x4096 codes, else up to 8
+    assert g128.mma and gemv.crossover(g128, 4, torch.float16, 4096 * 4096) == 16
+    assert gemv.crossover(g128, 4, torch.float16, 4096 * 6144) == gemv.crossover(g128, 4, torch.float16,
+                                                                                 8192 * 28672) == 8
     g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
-    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
+    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16, 1) == 0  # blocks of 16 words: not measured
     w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)
-    assert gemv.crossover(w8, 8, torch.float16) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
+    assert gemv.crossover(w8, 8, torch.float16, 1) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
     bf = gemv.geometry(repack(weight(1024, 96, 4, 128, True, False)), torch.bfloat16)
-    assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # slower than Triton on 4096x14336
+    assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16, 1) == 0  # slower than Triton on 4096x14336
     gguf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
                          torch.float16)
-    assert gguf.mode == gemv.OFF and gemv.crossover(gguf, 4, torch.float16) == 0
+    assert gguf.mode == gemv.OFF and gemv.crossover(gguf, 4, torch.float16, 1) == 0
 
 
 def test_geometry_of_the_layouts():
@@ -193,9 +196,8 @@ def test_plans():
     assert mma(1, 4096, 4096) == (8, 0)  # 256 column tiles x 8 warps: 16 a SM
     assert mma(1, 4096, 6144) == (4, 0)  # 384 tiles: 8 warps would be 23 a SM
     assert mma(1, 4096, 28672) == mma(2, 4096, 28672) == (1, 0)  # 1792 tiles
-    assert mma(4, 4096, 28672) == (4, 0)  # from M = 3: a warp per 4 of the column's 16 blocks
     assert mma(1, 14336, 4096) == mma(1, 8192, 28672) == (8, gemv.RING_STAGES)  # >= 32 blocks: the ring at M = 1
-    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 8192, 28672) == (8, 0)
+    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 14336, 4096) == (8, 0)
     assert mma(1, 256, 64) == (1, 0)  # never more warps than the column's blocks
     from flotilla.kernels.triton_linear import gemv_config
 
@@ -209,15 +211,16 @@ def test_plans():
                 assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
                 assert 1 <= plan.warps <= gemv.MAX_WARPS
                 assert plan.rows == (16 if m > 8 else 8) or not mma_r  # the second n8 tile only past 8 rows
-    # past 8 rows: the most column tiles a CTA (<= 4) that leave >= 0.9 CTAs a SM, x shared through L1
+    # from M = 3, where the warps rule gives one warp a tile: two column tiles a CTA, a warp each
     def wide(m, k, n):
         plan = gemv.choose_plan(m, n, k // 8, 132, 4, mma_r=32)
         return plan.rows, plan.cols, plan.warps
 
-    assert wide(16, 8192, 28672) == wide(9, 4096, 28672) == (16, 64, 4)  # 448 CTAs of 4 tiles, one warp each
-    assert wide(16, 4096, 4096) == wide(12, 14336, 4096) == (16, 32, 8)  # 128 CTAs of 2 tiles x 4 warps
-    assert wide(16, 4096, 6144) == (16, 32, 8)  # 4 tiles would leave 96 CTAs
-    assert wide(16, 256, 48) == (16, 16, 1)  # 3 tiles: one a CTA; never more warps than blocks
+    assert wide(3, 8192, 28672) == wide(8, 4096, 28672) == (8, 32, 2)
+    assert wide(16, 8192, 28672) == (16, 32, 2) and wide(2, 8192, 28672) == (8, 16, 1)
+    assert wide(16, 4096, 4096) == wide(12, 14336, 4096) == (16, 16, 8)  # 256 tiles: one a CTA, 8 warps
+    assert wide(16, 4096, 6144) == (16, 16, 4)
+    assert wide(16, 256, 48) == (16, 16, 1)  # never more warps than blocks
     assert gemv.choose_plan(16, 64, 64, 132, 8, mma_r=32).cols % gemv.MMA_COLS == 0  # 8 bits past 8 rows: tensor cores
     for m in range(9, gemv.MAX_ROWS + 1):
         for n, kw in ((4096, 512), (6144, 512), (28672, 1024), (4096, 1792), (96, 64)):
@@ -301,9 +304,10 @@ def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_sl
 
     w = weight(2048, 384, 4, 128, False, True, seed=6).to("cuda")
     kern = TritonGPTQKernel(w, torch.float16)
-    assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS
+    assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS_SMALL  # 2048x384: a small weight
     assert kern.config_for(1).kind == "gemv" and kern.config_for(1).block_n == gemv.MMA_COLS
-    assert kern.config_for(gemv.MMA_MAX_ROWS + 1).kind == "dot"
+    assert kern.config_for(gemv.MMA_MAX_ROWS_SMALL).kind == "gemv"
+    assert kern.config_for(gemv.MMA_MAX_ROWS_SMALL + 1).kind == "dot"
     for m in (8, gemv.MAX_ROWS):  # the most rows of each n8 tiling, past the crossover or not: correct when asked
         xm = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
         ym = kern(xm, config=gemv_config(kern.gemv.plan_for(m)))

@@ -11,8 +11,9 @@ x) gets a zero-padded copy, both on the torch side.
 
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
-    N a multiple of 16): 16 columns a block, any M <= 16 in one launch (M > 8: two n8 tiles of batch
-    rows, each weight fragment decoded once for both MMAs), the products on mma.sync
+    N a multiple of 16): 16 columns a warp, 1, 2 or 4 such column tiles a CTA (the warps of one input
+    block share x through L1), any M <= 16 in one launch (M > 8: two n8 tiles of batch rows, each
+    weight fragment decoded once for both MMAs), the products on mma.sync
     of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
     its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
@@ -25,8 +26,9 @@ Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp
 activations, symmetric, uint8 zeros or GGUF float offsets, every group size the layout allows,
 act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
 64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
-kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind;
-0 for the layouts not measured yet: GGUF forms, group 32 and 16).
+kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind and
+weight size; 0 for the layouts not measured yet: GGUF forms, group 32 and 16). `max_m`: the most
+rows it takes at all (16 on the tensor-core plan, 8 on the CUDA-core plans).
 """
 from __future__ import annotations
 
@@ -60,18 +62,24 @@ RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 4 of a column's blocks (8 on
 # 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
-# Past 8 rows (two n8 tiles) x is read from L2 once per CTA: (N / 16 cw) M K 2 bytes, at cw = 1 and
-# M = 16 four times the weight's bytes, so the CTA takes the most column tiles (cw <= 4) that still
-# leave CW_MIN_CTAS_PER_SM CTAs a SM, with WARPS_PER_SM's warps rule over those CTAs
-CW_MIN_ROWS, CW_MIN_CTAS_PER_SM = 9, 0.9
+# From M = CW_MIN_ROWS, where that rule gives one warp a column tile (the 28672-wide shapes: 1792
+# tiles), two column tiles a CTA, one warp each (x read once for both through L1): gemv16's device
+# run 3 (bench/NOTES-kernels.md), chain / L2-cleared µs at M = 4 and 8: 8192x28672 37.0 / 37.9 and
+# 45.7 / 46.6 against the one-tile plan with a warp per 4 blocks (the rule before) 42.3 / 44.1 and
+# 51.0 / 52.3, Triton 42.2 / 42.3 and 51.0 / 51.1; 4096x28672 20.3 / 21.1 against 23.2 / 24.3
+CW_MIN_ROWS = 3
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2)}
                    | {(rows, MMA_COLS * cw) for rows in MMA_ROW_TILES for cw in MMA_TILES_A_CTA})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
-# measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
-# on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
-# (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes).
-MMA_MAX_ROWS = 16
+# measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout",
+# and gemv16's run 3), on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits: up
+# to 8 rows (faster than Triton at M = 8 on all five llama shapes with the plans of choose_plan), up
+# to 16 on weights of at most SMALL_CODES codes (4096x4096: 12.4 vs 13.2 µs L2 cleared, 7.0 vs 8.8 back
+# to back at M = 16; from 4096x6144 on, two n8 tiles lose to Triton: 16.0 vs 14.1 up to 77.2 vs 51.3);
+# the CUDA-core plans per (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the
+# large shapes, and at 16 rows on 8192x28672: 84.3 vs 76.4).
+MMA_MAX_ROWS, MMA_MAX_ROWS_SMALL, SMALL_CODES = 8, 16, 4096 * 4096
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
@@ -153,13 +161,15 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
-def crossover(geo: Geometry, bits: int, dtype: torch.dtype) -> int:
-    """Up to how many rows the GEMV beats the Triton kernel, as measured: 0 (never picked, though
-    it runs when asked) for layouts of kinds not measured yet: GGUF float offsets, blocks other
-    than 32 words (group 32 or 16)."""
+def crossover(geo: Geometry, bits: int, dtype: torch.dtype, codes: int) -> int:
+    """Up to how many rows the GEMV beats the Triton kernel on a weight of `codes` (in x out) codes,
+    as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
+    GGUF float offsets, blocks other than 32 words (group 32 or 16)."""
     if geo.mode == OFF or geo.log2r != 5:
         return 0
-    return MMA_MAX_ROWS if bits == 4 and geo.mma else CORES_MAX_ROWS[(bits, dtype)]
+    if bits == 4 and geo.mma:
+        return MMA_MAX_ROWS_SMALL if codes <= SMALL_CODES else MMA_MAX_ROWS
+    return CORES_MAX_ROWS[(bits, dtype)]
 
 
 def is_mma(plan: GemvPlan) -> bool:
@@ -178,24 +188,18 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
     the shared-memory ring of 2 blocks a warp, 8 warps, at M = 1 on columns of >= 32 blocks, else
     the register double buffer with WARPS_PER_SM's warps (the sweeps' fastest back to back, as a
-    decode step runs them); from CW_MIN_ROWS rows, 2 or 4 column tiles a CTA (x shared through L1;
-    8 bits take this plan too past 8 rows, where the CUDA-core plans stop). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
+    decode step runs them); from CW_MIN_ROWS rows two column tiles a CTA of one warp each where
+    that rule gives one warp (8 bits take the tensor-core plan too past 8 rows, where the CUDA-core
+    plans stop). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
     more columns), else 2; two warps up to M = 2, else one."""
     if mma_r and (bits == 4 or m > ROW_TILES[-1]):
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
         rows = next(t for t in MMA_ROW_TILES if t >= m)
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
             return GemvPlan(rows, MMA_COLS, MAX_WARPS, RING_STAGES)
-        if m >= CW_MIN_ROWS:
-            cw = max(c for c in MMA_TILES_A_CTA if tiles % c == 0 and tiles // c >= CW_MIN_CTAS_PER_SM * num_sms
-                     or c == 1)
-            ctas = tiles // cw
-            warps = _pow2_floor(max(cw, WARPS_PER_SM * num_sms // ctas))
-            kws = max(1, min(warps // cw, _pow2_floor(layout_blocks)))
-            return GemvPlan(rows, MMA_COLS * cw, min(MAX_WARPS, cw * kws))
         warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
-        if m >= 3:
-            warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
+        if m >= CW_MIN_ROWS and warps == 1 and tiles % 2 == 0:
+            return GemvPlan(rows, 2 * MMA_COLS, 2)
         return GemvPlan(rows, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
     if m > ROW_TILES[-1]:
         raise ValueError(f"the CUDA-core GEMV takes 1..{ROW_TILES[-1]} rows, not {m}")
@@ -256,7 +260,7 @@ class GemvKernel:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
-        self.max_rows = crossover(self.geo, layout.bits, dtype)
+        self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
         self.max_m = MAX_ROWS if self.geo.mma else ROW_TILES[-1]  # the most rows its plans take
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture

@@ -121,8 +121,11 @@ __host__ __device__ constexpr int mma_slot_bytes() {
 // CW column tiles split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
 // register double buffer; NT: n8 tiles of batch rows (1: M <= 8, 2: M <= 16)
+// NT = 2: at most 128 registers, so that two CTAs of 8 warps fit a SM (136 without the bound); NT = 1:
+// no minimum (0): ptxas's own allocation, 80 / 104 registers for the g128 ring / register plans,
+// which a minimum of 1 CTA raised to 95 / 124 (the ring of 8 warps then fits 2 CTAs a SM, not 3)
 template <int BITS, int MODE, int TPG, int LOG2R, bool RING, int NT>
-__global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 1) gemv_mma_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block

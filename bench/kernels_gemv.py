@@ -1,18 +1,16 @@
 """The CUDA GEMV's plans on the GPU (`python bench/kernels.py --gemv-sweep`): the evidence for
 kernels/cuda/gemv.py's choose_plan and its crossovers (MMA_MAX_ROWS, CORES_MAX_ROWS).
 
-Per weight shape, bit width (--gemv-bits) and batch M (1..16; --gemv-rows): µs per call (CUDA-graph replay when --graph,
+Per weight shape, bit width (--gemv-bits) and batch M (1, 2, 4, 8; --gemv-rows): µs per call (CUDA-graph replay when --graph,
 L2 cleared) of every GEMV plan (the tensor-core plan "mma", "mma8w4s": 8 warps, a
-cp.async ring of 4 blocks a warp, "mma8w": the register double buffer; from M = 9 its two n8 tiles of
-batch rows; CUDA-core plans (M <= 8) with the rows tile = M
+cp.async ring of 4 blocks a warp, "mma8w": the register double buffer; CUDA-core plans with the rows tile = M
 rounded up and 2 or 4 columns a block; warps a block 1, 2, 4, 8) next to the built-in plan and the
 Triton "dot" path, in fp16; then, at the built-in plans, the same against Triton in bf16 (CUDA-core
 plans: the crossover M per bits and dtype). Every plan's result is checked
 against the reference (fp32 matmul of the dequantized weight) before it is timed; a FAIL line
 names a plan that is off. One JSON object per case with --json.
 
-Each case also times fp16 (F.linear of a random fp16 weight of the shape: cuBLAS), the ×fp16 base.
-With --gemv-chain, the best plans of each case (and Triton, fp16, and a plain read of the same bytes: the
+With --gemv-chain, the best plans of each case (and Triton, and a plain read of the same bytes: the
 floor no GEMV beats) are timed again as a decode step runs them: one CUDA graph of CHAIN_CALLS
 calls back to back, rotating over copies of the weight that together exceed the L2 (no L2 clearing,
 so no dirty lines to write back; launch gaps of a graph included).
@@ -23,9 +21,8 @@ import dataclasses
 import json
 
 import torch
-import torch.nn.functional as F
 
-from flotilla.kernels.cuda.gemv import MAX_ROWS, MMA_COLS, MMA_ROW_TILES, ROW_TILES, is_mma
+from flotilla.kernels.cuda.gemv import MMA_COLS
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import (
     TritonGPTQKernel,
@@ -34,6 +31,7 @@ from flotilla.kernels.triton_linear import (
     weight_side,
 )
 
+SWEEP_ROWS = (1, 2, 4, 8)
 WARPS = (1, 2, 4, 8)
 CHAIN_CALLS = 64
 CHAIN_BYTES = 160e6  # the weight copies of a chain together: > 3x the H200's 50 MB L2
@@ -46,14 +44,13 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 
 def label(plan) -> str:
-    if is_mma(plan):  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4, "mma8w4c" 4 column tiles a CTA
-        cw = plan.cols // MMA_COLS
-        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "") + (f"{cw}c" if cw > 1 else "")
+    if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
+        return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
     return f"{plan.cols}c{plan.warps}w"
 
 
 def run_gemv_sweep(args, time_us, random_gptq) -> None:
-    rows = [m for m in args.gemv_rows if 1 <= m <= MAX_ROWS]
+    rows = [m for m in SWEEP_ROWS if m in args.gemv_rows]
     for k, n in args.shapes:
         for bits in args.gemv_bits:
             w = random_gptq(k, n, bits, 128, True, False, "cuda")
@@ -63,19 +60,16 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 continue
             nbytes = kern.layout.nbytes()
             w32 = dequantize(w, torch.float32)
-            w16 = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02  # fp16's [out, in] weight
             for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w32
                 timed = []
                 for shape in kern.gemv.plans():
-                    tiles = MMA_ROW_TILES if is_mma(shape) else ROW_TILES
-                    if m > tiles[-1] or shape.rows != next(r for r in tiles if r >= m):
-                        continue  # only the plan's smallest rows tile that takes M
-                    if kern.gemv.geo.mma and not args.gemv_all and (not is_mma(shape) or shape.stages not in (0, 2)
-                                                                    or (shape.stages and shape.cols != MMA_COLS)):
+                    if shape.cols != MMA_COLS and shape.rows != next(r for r in SWEEP_ROWS if r >= m):
+                        continue
+                    if kern.gemv.geo.mma and not args.gemv_all and (shape.cols != MMA_COLS or shape.stages not in (0, 2)):
                         continue  # plans that lost in every earlier run (NOTES-kernels.md: CUDA cores, rings > 2)
-                    for warps in [w for w in WARPS if not is_mma(shape) or w % (shape.cols // MMA_COLS) == 0]:
+                    for warps in WARPS:
                         plan = dataclasses.replace(shape, warps=warps)
                         torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison
                         err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()
@@ -86,18 +80,16 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 built_in = kern.gemv.plan_for(m)
                 t_built = time_us(lambda: kern.gemv(x))
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))
-                t_fp16 = time_us(lambda: F.linear(x, w16))
                 best = ", ".join(f"{t:.1f} {label(p)}" for t, p in timed[:4])
-                mma = [f"{t:.1f} {label(p)}" for t, p in timed if is_mma(p)]
+                mma = [f"{t:.1f} {label(p)}" for t, p in timed if p.cols == MMA_COLS]
                 print(f"gemv sweep {k}x{n} w{bits} m={m}: built-in {label(built_in)} {t_built:.1f}us "
-                      f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s, {t_fp16 / t_built:.2f}x fp16), triton {t_triton:.1f}us "
-                      f"({t_fp16 / t_triton:.2f}x), fp16 {t_fp16:.1f}us; best {best}; mma {mma}",
+                      f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s), triton {t_triton:.1f}us; best {best}; mma {mma}",
                       flush=True)
                 if args.gemv_chain:
-                    chain_case(kern, x, [p for _, p in timed[:CHAIN_TOP]] + [built_in], m, args.json, w16)
+                    chain_case(kern, x, [p for _, p in timed[:CHAIN_TOP]] + [built_in], m, args.json)
                 if args.json:
                     print(json.dumps({"gemv_sweep": f"{k}x{n}", "bits": bits, "m": m, "built_in_us": t_built,
-                                      "built_in": built_in.__dict__, "triton_us": t_triton, "fp16_us": t_fp16,
+                                      "built_in": built_in.__dict__, "triton_us": t_triton,
                                       "plans": [[t, p.__dict__] for t, p in timed]}), flush=True)
             del w32
     for k, n in args.shapes[:2]:
@@ -105,7 +97,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
             kern = TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.bfloat16)
             if kern.gemv is None:
                 continue
-            for m in [m for m in rows if m <= kern.gemv.max_m]:
+            for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t_gemv = time_us(lambda: kern.gemv(x))
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))
@@ -146,9 +138,8 @@ def chain_time_us(calls) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: bool, w16: torch.Tensor) -> None:
-    """The chain timings of one case: the read floor, Triton, fp16 (copies of w16 that together exceed
-    the L2), each plan (bench docstring)."""
+def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: bool) -> None:
+    """The chain timings of one case: the read floor, Triton, each plan (bench docstring)."""
     import ctypes
 
     kerns = _copies(kern)
@@ -165,9 +156,6 @@ def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: 
 
     row = {"floor": chain_time_us([floor_call(kc) for kc in seq]),
            "triton": chain_time_us([(lambda kc=kc: kc(x, config=triton_config(kc, m))) for kc in seq])}
-    w16s = [w16] + [w16.clone() for _ in range(max(1, min(8, -(-int(CHAIN_BYTES) // (w16.numel() * 2)))) - 1)]
-    row["fp16"] = chain_time_us([(lambda wc=w16s[i % len(w16s)]: F.linear(x, wc)) for i in range(CHAIN_CALLS)])
-    del w16s
     for plan in dict.fromkeys(plans):
         row[label(plan)] = chain_time_us([(lambda kc=kc, plan=plan: kc.gemv(x, plan=plan)) for kc in seq])
     nbytes = kern.layout.nbytes()

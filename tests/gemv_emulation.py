@@ -150,8 +150,7 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     and 2t+8, 2t+9 (a2, a3); B k 2t.. / 2t+8.. of column g; C row g / g + 8, columns 2t, 2t+1),
     A = q - z by the pair decode of the CUDA-core plan (its zero constants from the zero the lane
     holds for the column), the per-group, per-parity accumulators times the scale and zero words
-    its ring copies (ring_scale, ring_zero); in float64. x: [M <= 16, k_padded]; from M = 9 two n8
-    tiles of batch rows (lane (g, t) holds x of rows g and g + 8), the same A fragments for both."""
+    its ring copies (ring_scale, ring_zero); in float64. x: [M, k_padded]."""
     geo = gemv.geometry(layout, torch.float16)
     assert geo.mma
     bits, pairs = layout.bits, 16 // layout.bits
@@ -162,13 +161,12 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     m_rows = x.shape[0]
     lane = np.arange(32)
     g, t = lane >> 2, lane & 3
-    nt = 1 if m_rows <= 8 else 2
-    assert m_rows <= 16
-    y = np.zeros((n, 8 * nt))
+    xrow = np.minimum(g, m_rows - 1)
+    y = np.zeros((n, 8))
     for n0 in range(0, n, 16):
         for b in range(kw // r):
             grp = [gemv.group_of(b * pairs + q * tpg, geo.group_magic) for q in range(pairs // tpg)]
-            acc = np.zeros((len(grp), par, 16, 8 * nt))
+            acc = np.zeros((len(grp), par, 16, 8))
             for sq in range(spb):
                 base = b * r + 16 * sq + 4 * t  # [32] this lane's first word
                 wa = words[n0 + g[:, None], base[:, None] + np.arange(4)]  # [32, 4]
@@ -176,23 +174,19 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                 for s in range(pairs):
                     q, v = s // tpg, s % par
                     rows = b * bk + s * 2 * r + 32 * sq + 8 * t  # [32]
-                    # [NT, 32, 8] x of batch row g + 8j (rows past M repeat the last)
-                    xs = np.stack([x[np.minimum(g + 8 * j, m_rows - 1)[:, None], rows[:, None] + np.arange(8)]
-                                   for j in range(nt)])
+                    xs = x[xrow[:, None], rows[:, None] + np.arange(8)]  # [32, 8]
                     z = (np.concatenate([ring_zero(layout, grp[q], n0, g, c) for c in (0, 1)])
                          if layout.zeros is not None else np.full(64, layout.zero_const, dtype=np.uint64))
                     for h in range(2):
-                        a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8 * nt))
+                        a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
                         for reg, (col, word, kk) in enumerate(((g, wa[:, 2 * h], 2 * t), (g + 8, wb[:, 2 * h], 2 * t),
                                                                (g, wa[:, 2 * h + 1], 2 * t + 8),
                                                                (g + 8, wb[:, 2 * h + 1], 2 * t + 8))):
                             zlane = z[np.where(reg % 2, 32 + lane, lane)]  # the zero of the lane's column
                             lo, hi = _pair_f16(word, s, bits, zlane * 0x00010001)
                             a_mat[col, kk], a_mat[col, kk + 1] = lo, hi
-                        for j in range(nt):  # tile j's B fragment: columns 8j + g
-                            b_mat[2 * t, 8 * j + g], b_mat[2 * t + 1, 8 * j + g] = xs[j, :, 4 * h], xs[j, :, 4 * h + 1]
-                            b_mat[2 * t + 8, 8 * j + g] = xs[j, :, 4 * h + 2]
-                            b_mat[2 * t + 9, 8 * j + g] = xs[j, :, 4 * h + 3]
+                        b_mat[2 * t, g], b_mat[2 * t + 1, g] = xs[:, 4 * h], xs[:, 4 * h + 1]
+                        b_mat[2 * t + 8, g], b_mat[2 * t + 9, g] = xs[:, 4 * h + 2], xs[:, 4 * h + 3]
                         acc[q, v] += a_mat @ b_mat
             for q, gi in enumerate(grp):
                 for v in range(par):

@@ -84,7 +84,7 @@ def test_emulated_tensor_core_plan_is_the_matmul(case):
     if not gemv.geometry(layout, torch.float16).mma:
         pytest.skip("not a tensor-core layout")
     rng = np.random.default_rng(0)
-    for m in (1, 3, 8, 11, 16):  # from 9 on two n8 tiles of batch rows
+    for m in (1, 3, 8):
         x = np.zeros((m, layout.k_padded))
         x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
         ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
@@ -136,19 +136,16 @@ def test_emulated_kernel_reads_the_gguf_forms(qtype, dtype):
 
 def test_crossovers_only_where_measured():
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
-    # 4 bits on tensor cores: up to 16 rows on weights of at most 4096x4096 codes, else up to 8
-    assert g128.mma and gemv.crossover(g128, 4, torch.float16, 4096 * 4096) == 16
-    assert gemv.crossover(g128, 4, torch.float16, 4096 * 6144) == gemv.crossover(g128, 4, torch.float16,
-                                                                                 8192 * 28672) == 8
+    assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS
     g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
-    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16, 1) == 0  # blocks of 16 words: not measured
+    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
     w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)
-    assert gemv.crossover(w8, 8, torch.float16, 1) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
+    assert gemv.crossover(w8, 8, torch.float16) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
     bf = gemv.geometry(repack(weight(1024, 96, 4, 128, True, False)), torch.bfloat16)
-    assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16, 1) == 0  # slower than Triton on 4096x14336
+    assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # slower than Triton on 4096x14336
     gguf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
                          torch.float16)
-    assert gguf.mode == gemv.OFF and gemv.crossover(gguf, 4, torch.float16, 1) == 0
+    assert gguf.mode == gemv.OFF and gemv.crossover(gguf, 4, torch.float16) == 0
 
 
 def test_geometry_of_the_layouts():
@@ -196,40 +193,21 @@ def test_plans():
     assert mma(1, 4096, 4096) == (8, 0)  # 256 column tiles x 8 warps: 16 a SM
     assert mma(1, 4096, 6144) == (4, 0)  # 384 tiles: 8 warps would be 23 a SM
     assert mma(1, 4096, 28672) == mma(2, 4096, 28672) == (1, 0)  # 1792 tiles
+    assert mma(4, 4096, 28672) == (4, 0)  # from M = 3: a warp per 4 of the column's 16 blocks
     assert mma(1, 14336, 4096) == mma(1, 8192, 28672) == (8, gemv.RING_STAGES)  # >= 32 blocks: the ring at M = 1
-    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 14336, 4096) == (8, 0)
+    assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 8192, 28672) == (8, 0)
     assert mma(1, 256, 64) == (1, 0)  # never more warps than the column's blocks
     from flotilla.kernels.triton_linear import gemv_config
 
     ring = gemv.choose_plan(1, 28672, 1024, 132, 4, mma_r=32)
     assert gemv_config(ring).num_stages == ring.stages  # the registry's config keeps the ring depth
     assert gemv.choose_plan(1, 4096, 512, 132, 8, mma_r=32).cols == 2  # 8 bits: the CUDA-core plan
-    for m in range(1, gemv.MAX_ROWS + 1):
+    for m in range(1, 9):
         for n, kw in ((4096, 512), (14336, 512), (4096, 1792), (28672, 1024), (64, 64)):
-            for mma_r in (0, 16, 32) if m <= 8 else (16, 32):
+            for mma_r in (0, 16, 32):
                 plan = gemv.choose_plan(m, n, kw, 132, 4, mma_r)
                 assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
                 assert 1 <= plan.warps <= gemv.MAX_WARPS
-                assert plan.rows == (16 if m > 8 else 8) or not mma_r  # the second n8 tile only past 8 rows
-    # from M = 3, where the warps rule gives one warp a tile: two column tiles a CTA, a warp each
-    def wide(m, k, n):
-        plan = gemv.choose_plan(m, n, k // 8, 132, 4, mma_r=32)
-        return plan.rows, plan.cols, plan.warps
-
-    assert wide(3, 8192, 28672) == wide(8, 4096, 28672) == (8, 32, 2)
-    assert wide(16, 8192, 28672) == (16, 32, 2) and wide(2, 8192, 28672) == (8, 16, 1)
-    assert wide(16, 4096, 4096) == wide(12, 14336, 4096) == (16, 16, 8)  # 256 tiles: one a CTA, 8 warps
-    assert wide(16, 4096, 6144) == (16, 16, 4)
-    assert wide(16, 256, 48) == (16, 16, 1)  # never more warps than blocks
-    assert gemv.choose_plan(16, 64, 64, 132, 8, mma_r=32).cols % gemv.MMA_COLS == 0  # 8 bits past 8 rows: tensor cores
-    for m in range(9, gemv.MAX_ROWS + 1):
-        for n, kw in ((4096, 512), (6144, 512), (28672, 1024), (4096, 1792), (96, 64)):
-            plan = gemv.choose_plan(m, n, kw, 132, 4, 32)
-            assert n % plan.cols == 0 and plan.warps % (plan.cols // gemv.MMA_COLS) == 0
-    with pytest.raises(ValueError, match="1..8 rows"):
-        gemv.choose_plan(9, 4096, 512, 132, 4)  # the CUDA-core plans stop at 8
-    with pytest.raises(ValueError, match="1..8 rows"):
-        gemv.choose_plan(9, 4096, 512, 132, 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,8 +226,7 @@ def poison(m: int, n: int, dtype: torch.dtype) -> None:
 def plans(kern, m: int):
     for shape in kern.plans():
         if shape.rows >= m:
-            cw = shape.cols // gemv.MMA_COLS if gemv.is_mma(shape) else 1  # warps: a multiple of its column tiles
-            for warps in sorted({1, 3, 8, cw} - ({1, 3} if cw > 1 else set())):
+            for warps in (1, 3, 8):
                 yield dataclasses.replace(shape, warps=warps)
 
 
@@ -265,19 +242,16 @@ def test_kernel_matches_reference_on_every_plan(case, dtype):
     assert kern.gemv is not None
     w32 = dequantize(w, torch.float32)
     tol = 2e-3 if dtype == torch.float16 else 1.2e-2
-    assert kern.gemv.max_m == (gemv.MAX_ROWS if kern.gemv.geo.mma else 8)
-    for m in range(1, kern.gemv.max_m + 1):
+    for m in range(1, gemv.MAX_ROWS + 1):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype)
         ref = x.float() @ w32 + bias.float()
-        for plan in [None, *plans(kern.gemv, m)] if m in (1, 3, 8, 9, 13, 16) else [None]:
+        for plan in [None, *plans(kern.gemv, m)] if m in (1, 3, 8) else [None]:
             poison(m, n, dtype)
             y = kern.gemv(x, bias, plan=plan)
             assert y.shape == (m, n) and bool(torch.isfinite(y).all()), (m, plan)
             assert rel_err(y, ref) < tol, (m, plan or kern.gemv.plan_for(m), rel_err(y, ref))
     assert rel_err(kern.gemv(x), x.float() @ w32) < tol  # no bias
-    with pytest.raises(ValueError, match="rows of this layout"):
-        kern.gemv(torch.randn(kern.gemv.max_m + 1, k, device="cuda", dtype=dtype))
 
 
 @needs_cuda
@@ -304,21 +278,18 @@ def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_sl
 
     w = weight(2048, 384, 4, 128, False, True, seed=6).to("cuda")
     kern = TritonGPTQKernel(w, torch.float16)
-    assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS_SMALL  # 2048x384: a small weight
+    assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS
     assert kern.config_for(1).kind == "gemv" and kern.config_for(1).block_n == gemv.MMA_COLS
-    assert kern.config_for(gemv.MMA_MAX_ROWS_SMALL).kind == "gemv"
-    assert kern.config_for(gemv.MMA_MAX_ROWS_SMALL + 1).kind == "dot"
-    for m in (8, gemv.MAX_ROWS):  # the most rows of each n8 tiling, past the crossover or not: correct when asked
-        xm = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
-        ym = kern(xm, config=gemv_config(kern.gemv.plan_for(m)))
-        assert rel_err(ym, xm.float() @ dequantize(w, torch.float32)) < 2e-3, m
-    for m in (2, 12):  # a column slice of a wider output as `out` (one n8 tile, two)
-        x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
-        big = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.float16)
-        kern(x, out=big[:, 100:484], config=gemv_config(kern.gemv.plan_for(m)))
-        ref = x.float() @ dequantize(w, torch.float32)
-        assert rel_err(big[:, 100:484], ref) < 2e-3, m
-        assert torch.isnan(big[:, :100]).all() and torch.isnan(big[:, 484:]).all()
+    assert kern.config_for(gemv.MMA_MAX_ROWS + 1).kind == "dot"
+    x8 = torch.randn(8, 2048, device="cuda", dtype=torch.float16)  # past the crossover, still correct when asked
+    y8 = kern(x8, config=gemv_config(kern.gemv.plan_for(8)))
+    assert rel_err(y8, x8.float() @ dequantize(w, torch.float32)) < 2e-3
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.float16)
+    big = torch.full((2, 1000), float("nan"), device="cuda", dtype=torch.float16)
+    kern(x, out=big[:, 100:484])
+    ref = x.float() @ dequantize(w, torch.float32)
+    assert rel_err(big[:, 100:484], ref) < 2e-3
+    assert torch.isnan(big[:, :100]).all() and torch.isnan(big[:, 484:]).all()
     assert torch.equal(kern(x), kern(x))  # a fixed summation order
 
 
@@ -340,18 +311,18 @@ def test_strided_and_transposed_inputs_when_k_needs_no_padding():
 
 @needs_cuda
 def test_graph_replays():
-    from flotilla.kernels.triton_linear import TritonGPTQKernel, gemv_config
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
 
     w = weight(4096, 512, 4, 128, True, False, seed=7).to("cuda")
     kern = TritonGPTQKernel(w, torch.float16)
     w32 = dequantize(w, torch.float32)
-    for m in (1, 4, 16):
+    for m in (1, 4):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        kern(x, config=gemv_config(kern.gemv.plan_for(m)))
+        kern(x)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = kern(x, config=gemv_config(kern.gemv.plan_for(m)))
+            y = kern(x)
         for _ in range(3):
             x.copy_(torch.randn_like(x))
             graph.replay()

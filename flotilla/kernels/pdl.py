@@ -28,7 +28,7 @@ import torch
 ENV = "FLOTILLA_PDL"
 ENABLED = os.environ.get(ENV, "1") != "0"
 MIN_CAPABILITY = (9, 0)
-MAX_ROWS = 8  # the rows up to which the CUDA GEMV follows on every shape (cuda/gemv.py MMA_MAX_ROWS)
+MAX_ROWS = 8  # the CUDA GEMV's rows (cuda/gemv.py MAX_ROWS)
 
 _capable: dict[int, bool] = {}
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda.gemv import MAX_ROWS as GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
 from .gptq import GPTQWeight
 from .triton_layout import TritonLayout, UnsupportedLayout, repack
@@ -172,7 +173,7 @@ class TritonLayoutKernel:
             x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
             timed = []
             configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
-            if self.gemv is not None and m <= self.gemv.max_m and not candidates:  # timed here: any M it takes
+            if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             for cfg in configs:
                 fn = lambda: self(x, config=cfg)  # noqa: E731

@@ -1,7 +1,7 @@
 """The GEMV for small batches over the Triton layout (csrc/gemv.cuh, gemv_mma.cuh): no second copy.
 
     gemv = gemv_for(layout, torch.float16)     # None where nvcc is missing or the layout unsupported
-    y = gemv(x2, bias)                          # x2 [M <= gemv.max_m, in] -> y [M, out]
+    y = gemv(x2, bias)                          # x2 [M <= 8, in] -> y [M, out]
 
 It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or a zero constant,
 perm, GGUF offsets) and is one of that kernel's plans (triton_linear.choose_config picks it for M
@@ -11,24 +11,21 @@ x) gets a zero-padded copy, both on the torch side.
 
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
-    N a multiple of 16): 16 columns a warp, 1, 2 or 4 such column tiles a CTA (the warps of one input
-    block share x through L1), any M <= 16 in one launch (M > 8: two n8 tiles of batch rows, each
-    weight fragment decoded once for both MMAs), the products on mma.sync
+    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products on mma.sync
     of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
     its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
     M = 1 on long columns); on sm_90+ launched as a programmatic dependent of the kernel before it
     (kernels/pdl.py: its first weight loads overlap that kernel);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
-    8 words): rows a block computes (1, 2, 4, 8: M rounded up; M <= 8), columns a block (2 or 4,
+    8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
 Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp16 and bf16
 activations, symmetric, uint8 zeros or GGUF float offsets, every group size the layout allows,
 act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
 64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
-kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind and
-weight size; 0 for the layouts not measured yet: GGUF forms, group 32 and 16). `max_m`: the most
-rows it takes at all (16 on the tensor-core plan, 8 on the CUDA-core plans).
+kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind;
+0 for the layouts not measured yet: GGUF forms, group 32 and 16).
 """
 from __future__ import annotations
 
@@ -47,11 +44,9 @@ log = logging.getLogger(__name__)
 
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
-MAX_ROWS = 16  # the most rows any plan takes (the tensor-core plan's two n8 tiles)
-ROW_TILES = (1, 2, 4, 8)  # the CUDA-core plans' rows a block: they take up to 8 rows
-MMA_COLS = 16  # the tensor-core plan's column tile (a warp's): GemvPlan(8 or 16, 16 cw, warps, stages)
-MMA_ROW_TILES = (8, 16)  # its rows a launch: one n8 tile of batch rows, or two
-MMA_TILES_A_CTA = (1, 2, 4)  # cw: its column tiles a CTA (the cw warps at one input block share x through L1)
+MAX_ROWS = 8
+ROW_TILES = (1, 2, 4, 8)
+MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -62,24 +57,13 @@ RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 4 of a column's blocks (8 on
 # 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
-# From M = CW_MIN_ROWS, where that rule gives one warp a column tile (the 28672-wide shapes: 1792
-# tiles), two column tiles a CTA, one warp each (x read once for both through L1): gemv16's device
-# run 3 (bench/NOTES-kernels.md), chain / L2-cleared µs at M = 4 and 8: 8192x28672 37.0 / 37.9 and
-# 45.7 / 46.6 against the one-tile plan with a warp per 4 blocks (the rule before) 42.3 / 44.1 and
-# 51.0 / 52.3, Triton 42.2 / 42.3 and 51.0 / 51.1; 4096x28672 20.3 / 21.1 against 23.2 / 24.3
-CW_MIN_ROWS = 3
-SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2)}
-                   | {(rows, MMA_COLS * cw) for rows in MMA_ROW_TILES for cw in MMA_TILES_A_CTA})  # gemv_instances.cuh
+SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
-# measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout",
-# and gemv16's run 3), on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits: up
-# to 8 rows (faster than Triton at M = 8 on all five llama shapes with the plans of choose_plan), up
-# to 16 on weights of at most SMALL_CODES codes (4096x4096: 12.4 vs 13.2 µs L2 cleared, 7.0 vs 8.8 back
-# to back at M = 16; from 4096x6144 on, two n8 tiles lose to Triton: 16.0 vs 14.1 up to 77.2 vs 51.3);
-# the CUDA-core plans per (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the
-# large shapes, and at 16 rows on 8192x28672: 84.3 vs 76.4).
-MMA_MAX_ROWS, MMA_MAX_ROWS_SMALL, SMALL_CODES = 8, 16, 4096 * 4096
+# measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
+# on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
+# (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes).
+MMA_MAX_ROWS = 4
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
@@ -161,20 +145,13 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
-def crossover(geo: Geometry, bits: int, dtype: torch.dtype, codes: int) -> int:
-    """Up to how many rows the GEMV beats the Triton kernel on a weight of `codes` (in x out) codes,
-    as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
-    GGUF float offsets, blocks other than 32 words (group 32 or 16)."""
+def crossover(geo: Geometry, bits: int, dtype: torch.dtype) -> int:
+    """Up to how many rows the GEMV beats the Triton kernel, as measured: 0 (never picked, though
+    it runs when asked) for layouts of kinds not measured yet: GGUF float offsets, blocks other
+    than 32 words (group 32 or 16)."""
     if geo.mode == OFF or geo.log2r != 5:
         return 0
-    if bits == 4 and geo.mma:
-        return MMA_MAX_ROWS_SMALL if codes <= SMALL_CODES else MMA_MAX_ROWS
-    return CORES_MAX_ROWS[(bits, dtype)]
-
-
-def is_mma(plan: GemvPlan) -> bool:
-    """Whether a plan is the tensor-core plan (columns a CTA: 16, 32 or 64; the CUDA-core plans 2 or 4)."""
-    return plan.cols % MMA_COLS == 0
+    return MMA_MAX_ROWS if bits == 4 and geo.mma else CORES_MAX_ROWS[(bits, dtype)]
 
 
 def group_of(run: int, magic: int) -> int:
@@ -188,21 +165,16 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
     the shared-memory ring of 2 blocks a warp, 8 warps, at M = 1 on columns of >= 32 blocks, else
     the register double buffer with WARPS_PER_SM's warps (the sweeps' fastest back to back, as a
-    decode step runs them); from CW_MIN_ROWS rows two column tiles a CTA of one warp each where
-    that rule gives one warp (8 bits take the tensor-core plan too past 8 rows, where the CUDA-core
-    plans stop). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
+    decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
     more columns), else 2; two warps up to M = 2, else one."""
-    if mma_r and (bits == 4 or m > ROW_TILES[-1]):
+    if mma_r and bits == 4:
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
-        rows = next(t for t in MMA_ROW_TILES if t >= m)
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
-            return GemvPlan(rows, MMA_COLS, MAX_WARPS, RING_STAGES)
+            return GemvPlan(MAX_ROWS, MMA_COLS, MAX_WARPS, RING_STAGES)
         warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
-        if m >= CW_MIN_ROWS and warps == 1 and tiles % 2 == 0:
-            return GemvPlan(rows, 2 * MMA_COLS, 2)
-        return GemvPlan(rows, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
-    if m > ROW_TILES[-1]:
-        raise ValueError(f"the CUDA-core GEMV takes 1..{ROW_TILES[-1]} rows, not {m}")
+        if m >= 3:
+            warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
+        return GemvPlan(MAX_ROWS, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
@@ -248,8 +220,7 @@ def library(device: torch.device) -> _Library | None:
 
 
 class GemvKernel:
-    """y = x @ W for M <= max_m rows of x (16 on the tensor-core plan, else 8), over one Triton
-    layout on an NVIDIA GPU."""
+    """y = x @ W for M <= 8 rows of x, over one Triton layout on an NVIDIA GPU."""
 
     name = "gemv"
 
@@ -260,8 +231,7 @@ class GemvKernel:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
-        self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
-        self.max_m = MAX_ROWS if self.geo.mma else ROW_TILES[-1]  # the most rows its plans take
+        self.max_rows = crossover(self.geo, layout.bits, dtype)
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
@@ -271,13 +241,10 @@ class GemvKernel:
         weight streams)."""
         n = self.layout.out_features
         for rows, cols in sorted(SHAPES):
-            if n % cols:
-                continue
-            if cols % MMA_COLS:
+            if n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
-            elif self.geo.mma:  # warps a multiple of its column tiles
-                cw = cols // MMA_COLS
-                yield from (GemvPlan(rows, cols, -(-warps // cw) * cw, stages) for stages in MMA_STAGES)
+            elif cols == MMA_COLS and self.geo.mma:
+                yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -289,19 +256,18 @@ class GemvKernel:
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  plan: GemvPlan | None = None) -> torch.Tensor:
-        """x2 [M, in] (M <= max_m) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with
-        unit column stride) when given."""
+        """x2 [M, in] (M <= 8) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
+        column stride) when given."""
         lay = self.layout
         m, k = x2.shape
-        if not 1 <= m <= self.max_m:
-            raise ValueError(f"the GEMV takes 1..{self.max_m} rows of this layout, not {m}")
+        if not 1 <= m <= MAX_ROWS:
+            raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, not {m}")
         if k != lay.in_features or x2.dtype != self.dtype:
             raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
         plan = plan or self.plan_for(m)
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS or (is_mma(plan) and not self.geo.mma) \
-                or (is_mma(plan) and plan.warps % (plan.cols // MMA_COLS)) \
-                or not (plan.stages == 0 or (is_mma(plan) and 2 <= plan.stages <= MAX_STAGES)):
+                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -317,7 +283,7 @@ class GemvKernel:
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
-                    pdl=int(is_mma(plan) and pdl.enabled(x2, m)))
+                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)))
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

@@ -40,7 +40,7 @@ using flotilla::gemv::gemv_dispatch;
 
 extern "C" {
 
-// op 0: launch; 1: prepare. dtype 0: float16, 1: bfloat16. mt: rows a block computes (1, 2, 4, 8; the tensor-core plan 8 or 16),
+// op 0: launch; 1: prepare. dtype 0: float16, 1: bfloat16. mt: rows a block computes (1, 2, 4, 8),
 // cols: columns a block computes (divides N), mode: 0 one zero for all, 1 uint8 zeros, 2 float offsets
 // (gemv.cuh Mode), tpg: runs of a block that share a group (1, 2, or 16 / bits), warps: 1..8 a block.
 FLOTILLA_API int flotilla_gemv(int op, const GemvParams* p, int dtype, int bits, int mt, int cols, int mode,

@@ -23,9 +23,9 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
 // launch the tensor-core plan, as a programmatic dependent of the stream's previous kernel when p.pdl
 // (sm_90+: its weight loads overlap that kernel's tail; gemv_mma.cuh), else as a plain launch
 template <typename K>
-cudaError_t launch_mma(K kernel, const GemvParams& p, int cw, int warps, int smem, cudaStream_t stream) {
+cudaError_t launch_mma(K kernel, const GemvParams& p, int warps, int smem, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.N / (MMA_COLS * cw));  // the kernel reads CW back from the grid
+  cfg.gridDim = dim3(p.N / MMA_COLS);
   cfg.blockDim = dim3(32 * warps);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -37,13 +37,13 @@ cudaError_t launch_mma(K kernel, const GemvParams& p, int cw, int warps, int sme
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// the tensor-core plan (cols 16 cw: cw column tiles a CTA): one launch for any M <= 8 NT (NT n8 tiles of batch rows); p->stages
-// picks the register double buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp).
-// Prepare loads both and lets the ring take the dynamic shared memory of its deepest launch.
-template <int BITS, int MODE, int TPG, int LOG2R, int NT>
-int gemv_mma_op(int op, const GemvParams* p, int cw, int warps, cudaStream_t stream) {
-  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, NT>;
-  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, NT>;
+// the tensor-core plan (cols 16): one launch for any M <= 8; p->stages picks the register double
+// buffer (0) or the shared-memory ring (2..MAX_STAGES slots a warp). Prepare loads both and lets the
+// ring take the dynamic shared memory of its deepest launch.
+template <int BITS, int MODE, int TPG, int LOG2R>
+int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
+  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
+  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
   constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
   static int most = 0;  // dynamic shared memory the ring may take (set by prepare)
   if (op == 1) {  // what the GPU allows a block beyond its static arrays
@@ -54,27 +54,26 @@ int gemv_mma_op(int op, const GemvParams* p, int cw, int warps, cudaStream_t str
     if (e == cudaSuccess) e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e != cudaSuccess) return e;
-    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * NT * x_row), optin - static_cast<int>(attr.sharedSizeBytes));
+    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - static_cast<int>(attr.sharedSizeBytes));
     return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   }
-  if (warps < 1 || warps > MAX_WARPS || p->M > 8 * NT || warps % cw || p->N % (MMA_COLS * cw))
-    return cudaErrorInvalidValue;
-  if (p->stages == 0) return launch_mma(regs, *p, cw, warps, 0, stream);
+  if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
+  if (p->stages == 0) return launch_mma(regs, *p, warps, 0, stream);
   if (p->stages < 2 || p->stages > MAX_STAGES) return cudaErrorInvalidValue;
   // the ring's depth: p->stages, or as many as fit the shared memory (at least 2)
-  const int slot = fixed + p->M * x_row;
+  const int slot = fixed + min(p->M, 8) * x_row;
   GemvParams q = *p;
   q.stages = min(p->stages, most / (warps * slot));
   if (q.stages < 2) return cudaErrorInvalidValue;
-  return launch_mma(ring, q, cw, warps, warps * q.stages * slot, stream);
+  return launch_mma(ring, q, warps, warps * q.stages * slot, stream);
 }
 
 // fp16, a zero constant or uint8 zeros, blocks of 16 or 32 words (op 1 reads log2r too)
-template <typename T, int BITS, int MODE, int TPG, int NT>
-int gemv_mma_dispatch(int op, const GemvParams* p, int cw, int warps, cudaStream_t stream) {
+template <typename T, int BITS, int MODE, int TPG>
+int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, half> && MODE != OFF) {
-    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4, NT>(op, p, cw, warps, stream);
-    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5, NT>(op, p, cw, warps, stream);
+    if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4>(op, p, warps, stream);
+    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5>(op, p, warps, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -84,12 +83,8 @@ int gemv_mma_dispatch(int op, const GemvParams* p, int cw, int warps, cudaStream
 
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_shape(int op, const GemvParams* p, int mt, int cols, int warps, cudaStream_t stream) {
-  if (cols == MMA_COLS || cols == 2 * MMA_COLS || cols == 4 * MMA_COLS) {  // mt: 8 or 16 batch rows (n8 tiles)
-    const int cw = cols / MMA_COLS;
-    if (mt == 8) return gemv_mma_dispatch<T, BITS, MODE, TPG, 1>(op, p, cw, warps, stream);
-    if (mt == 16) return gemv_mma_dispatch<T, BITS, MODE, TPG, 2>(op, p, cw, warps, stream);
-    return cudaErrorInvalidValue;
-  }
+  if (cols == MMA_COLS) return mt == 8 ? gemv_mma_dispatch<T, BITS, MODE, TPG>(op, p, warps, stream)
+                                       : cudaErrorInvalidValue;
 #define FLOTILLA_GEMV_CASE(MT, C) \
   if (mt == MT && cols == C) return gemv_op<T, BITS, MT, C, MODE, TPG>(op, p, warps, stream);
   FLOTILLA_GEMV_SHAPES(FLOTILLA_GEMV_CASE)

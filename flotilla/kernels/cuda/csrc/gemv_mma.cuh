@@ -1,12 +1,11 @@
-// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 16;
+// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 8;
 // R = 16 or 32 words a block): the same Triton layout, the products on mma.sync, so that a pair of
 // weights costs one LOP3 and one HADD2 / HFMA2 (+ a shift a word for runs 2, 3) on the CUDA cores.
 //
-// A warp computes 16 output columns (the MMA's rows) for all M <= 8 NT batch rows (NT n8 tiles of
-// 8: the MMA's columns; NT = 2 from M = 9 on, so that a weight fragment decoded once feeds two MMAs).
+// A warp computes 16 output columns (the MMA's rows) for all M <= 8 batch rows (its 8 columns).
 // Per strip of 16 words of each column, lane (g, t) = (lane / 4, lane % 4) loads words 4t..4t+3
 // of columns g and g + 8 (16 bytes each), i.e. the (2r, 2r+1) row pairs of every run of them, and
-// x of batch rows g (+ 8) at those rows (one 16-byte load a run and tile). The MMA's k order is chosen so that
+// x of batch row g at those rows (one 16-byte load a run). The MMA's k order is chosen so that
 // these are its fragments: for run s and half h, k-slot t holds word 2h, slot t + 4 word 2h + 1.
 // The A operand is q - z, exact in fp16: the CUDA-core plan's pair decode (gemv.cuh PairF16: (w &
 // mask) | 0x6400 = 1024 + q, plus -(1024 + z); odd runs at 4 bits 1024 + 16 q, times 1 / 16 plus
@@ -14,13 +13,7 @@
 // into the MMA and a second MMA with -(1024 + z) as A removed the offset: one LOP3 a pair, but
 // twice the MMAs; this decode measured 3-9% faster.) Each group of a block and run parity has its
 // own accumulator, times its scale into the output fragment when the warp leaves the block; a warp
-// takes whole blocks (blocks kw, kw + KW, ... of the KW warps of its column tile).
-//
-// Column tiles a CTA (CW = N / (16 gridDim.x): 1, 2 or 4): warp w computes tile w % CW of the CTA's
-// 16 CW columns and splits the input axis with the other warps of that tile (kw = w / CW of KW =
-// warps / CW). The CW warps at one kw read the same x at about the same time, so that x comes from
-// L2 once per 16 CW columns (ld.global.nc: L1 serves the others) instead of once per 16: at 16
-// batch rows on 8192x28672, 470 MB of x per call from L2 with CW = 1, four times the weight.
+// takes whole blocks (blocks warp, warp + warps, ...).
 //
 // How a warp streams its blocks (p.stages): 0, a register double buffer (the next block's 16-byte
 // loads issued before this block is decoded; x, scales and zeros read from global memory in the
@@ -117,37 +110,27 @@ __host__ __device__ constexpr int mma_slot_bytes() {
   return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
 }
 
-// grid: N / (16 CW) blocks of 32 * warps threads (warps a multiple of CW); the warps of each of the
-// CW column tiles split the layout's blocks of the input axis
+// grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
-// register double buffer; NT: n8 tiles of batch rows (1: M <= 8, 2: M <= 16)
-// NT = 2: at most 128 registers, so that two CTAs of 8 warps fit a SM (136 without the bound); NT = 1:
-// no minimum (0): ptxas's own allocation, 80 / 104 registers for the g128 ring / register plans,
-// which a minimum of 1 CTA raised to 95 / 124 (the ring of 8 warps then fits 2 CTAs a SM, not 3)
-template <int BITS, int MODE, int TPG, int LOG2R, bool RING, int NT>
-__global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kernel(const GemvParams p) {
+// register double buffer
+template <int BITS, int MODE, int TPG, int LOG2R, bool RING>
+__global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
   constexpr int BK = 2 * R * P;           // input rows a block
   constexpr int slot_fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), X_ROW = mma_x_row_bytes<BITS, LOG2R>();
-  constexpr int MR = 8 * NT;  // batch rows a launch computes at most
   static_assert(SPB >= 1 && NG >= 1, "a block of at least 16 words, whole groups of runs");
-  static_assert(NT == 1 || NT == 2, "one or two n8 tiles of batch rows");
-  __shared__ float red[MAX_WARPS][MMA_COLS][MR];
+  __shared__ float red[MAX_WARPS][MMA_COLS][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int cw = p.N / (MMA_COLS * static_cast<int>(gridDim.x)), kw = warp / cw, kws = warps / cw;
-  const int n0 = (blockIdx.x * cw + warp % cw) * MMA_COLS;
+  const int n0 = blockIdx.x * MMA_COLS;
   const int nblocks = p.KW >> LOG2R;
   // lane (g, t): 16 bytes of strip q of block b of column g at wa + b * R / 4 + 4q (uint4 units)
   const uint4* wa = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g) * p.KW) + t);
   const uint4* wb = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g + 8) * p.KW) + t);
-  // batch row g + 8j of tile j (rows past M repeat the last: their outputs are never stored); run s
-  // of strip q of block b: rows b * BK + s * 2R + 32q + 8t .. + 8
-  const half* xg[NT];
-#pragma unroll
-  for (int j = 0; j < NT; j++)
-    xg[j] = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g + 8 * j, p.M - 1)) * p.lda + 8 * t);
+  // batch row g (rows past M repeat the last: their outputs are never stored); run s of strip q of
+  // block b: rows b * BK + s * 2R + 32q + 8t .. + 8
+  const half* xg = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g, p.M - 1)) * p.lda + 8 * t);
   const uint16_t* sc = pinned(p.scales + n0 + g);
   const uint8_t* zp = MODE == ZP ? pinned(p.zeros + n0 + g) : nullptr;
   const uint64_t policy = evict_first_policy();
@@ -157,9 +140,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
     zk[q][0][0] = zk[q][0][1] = zero_const_of<BITS, 0>(p.zero_const);
     if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(p.zero_const);
   }
-  float y[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; j++) y[j][0] = y[j][1] = y[j][2] = y[j][3] = 0.f;
+  float y[4] = {0.f, 0.f, 0.f, 0.f};
 
   auto load = [&](uint4 (*dst)[2], int b) {
 #pragma unroll
@@ -170,9 +151,9 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
   };
   // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
   // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
-  // (byte g % 4); xs (the ring only): x of the block's rows of batch row g + 8j of tile j in the slot
-  // (global memory without the ring); without the ring they are read here
-  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* const* xs) {
+  // (byte g % 4); xs (the ring only): x of the block's rows of batch row g in the slot (global
+  // memory without the ring); without the ring they are read here
+  auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* xs) {
     const int u0 = b * P;
     unsigned grp[NG];
 #pragma unroll
@@ -192,15 +173,14 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
           zk[q][PAR - 1][0] = zero_const_of<BITS, 1>(z0), zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(z1);
       }
     }
-    float acc[NG][PAR][NT][4];
+    float acc[NG][PAR][4];
 #pragma unroll
     for (int q = 0; q < NG; q++)
 #pragma unroll
       for (int v = 0; v < PAR; v++)
 #pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) acc[q][v][j][e] = 0.f;
+        for (int e = 0; e < 4; e++) acc[q][v][e] = 0.f;
+    const half* xb = xg + static_cast<size_t>(b) * BK;
 #pragma unroll
     for (int sq = 0; sq < SPB; sq++) {
       const uint32_t a[4] = {cur[sq][0].x, cur[sq][0].y, cur[sq][0].z, cur[sq][0].w};
@@ -211,26 +191,19 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
       static_for<P>([&](auto sc_) {
         constexpr int s = decltype(sc_)::value;
         constexpr int q = s / TPG, v = s % PAR;
-        uint4 xv[NT];
+        uint4 xv;
+        if constexpr (RING) xv = *reinterpret_cast<const uint4*>(xs + 2 * (s * 2 * R + 32 * sq + 8 * t));
+        else xv = load_x(xb + s * 2 * R + 32 * sq);
+        const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-          if constexpr (RING) xv[j] = *reinterpret_cast<const uint4*>(xs[j] + 2 * (s * 2 * R + 32 * sq + 8 * t));
-          else xv[j] = load_x(xg[j] + static_cast<size_t>(b) * BK + s * 2 * R + 32 * sq);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {  // q - z of column g (a) and g + 8 (bw), decoded once for the NT tiles
+        for (int h = 0; h < 2; h++) {  // q - z of column g (a) and g + 8 (bw)
           using D = PairF16<BITS>;
           const uint32_t* ze = zk[q][0];
           const uint32_t* zo = zk[q][PAR - 1];
-          const uint32_t a0 = h2_bits(D::template get<s>(a[2 * h], a8[2 * h], ze[0], zo[0]));
-          const uint32_t a1 = h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], ze[1], zo[1]));
-          const uint32_t a2 = h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], ze[0], zo[0]));
-          const uint32_t a3 = h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], ze[1], zo[1]));
-#pragma unroll
-          for (int j = 0; j < NT; j++) {
-            const uint32_t x0 = h ? xv[j].z : xv[j].x, x1 = h ? xv[j].w : xv[j].y;
-            mma_f16(acc[q][v][j], a0, a1, a2, a3, x0, x1);
-          }
+          mma_f16(acc[q][v], h2_bits(D::template get<s>(a[2 * h], a8[2 * h], ze[0], zo[0])),
+                  h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], ze[1], zo[1])),
+                  h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], ze[0], zo[0])),
+                  h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], ze[1], zo[1])), xs[2 * h], xs[2 * h + 1]);
         }
       });
     }
@@ -249,11 +222,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
 #pragma unroll
       for (int v = 0; v < PAR; v++) {
         if (TPG == 1 && v != q % PAR) continue;  // a group of one run has one parity
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-          y[j][0] = fmaf(s0, acc[q][v][j][0], y[j][0]), y[j][1] = fmaf(s0, acc[q][v][j][1], y[j][1]);
-          y[j][2] = fmaf(s1, acc[q][v][j][2], y[j][2]), y[j][3] = fmaf(s1, acc[q][v][j][3], y[j][3]);
-        }
+        y[0] = fmaf(s0, acc[q][v][0], y[0]), y[1] = fmaf(s0, acc[q][v][1], y[1]);
+        y[2] = fmaf(s1, acc[q][v][2], y[2]), y[3] = fmaf(s1, acc[q][v][3], y[3]);
       }
     }
   };
@@ -264,7 +234,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
     // the 8 lanes of a quarter warp, two batch rows, hit distinct banks). Lanes copy x pieces for
     // one another: __syncwarp after the wait and before a slot is refilled.
     extern __shared__ uint4 ring_smem[];
-    const int S = p.stages, mx = min(p.M, MR);
+    const int S = p.stages, mx = min(p.M, 8);
     const int slot_bytes = slot_fixed + mx * X_ROW;
     char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
     const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
@@ -273,7 +243,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
     const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
     const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
     const half* x0 = static_cast<const half*>(p.x);
-    const int nb = kw < nblocks ? (nblocks - 1 - kw) / kws + 1 : 0;  // this warp's blocks
+    const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
     auto issue_weights = [&](int slot, int b) {  // the block's words, scales (and zeros): no dependency
       const unsigned base = slot * slot_bytes;
 #pragma unroll
@@ -302,15 +272,13 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
     };
     // S groups, some empty: the wait below then counts alike every step. The first S blocks' weights
     // go before the grid dependency wait, into group 0 with block 0's x (so block 0 waits for them all)
-    for (int j = 0; j < S && j < nb; j++) issue_weights(j, kw + j * kws);
+    for (int j = 0; j < S && j < nb; j++) issue_weights(j, warp + j * warps);
     grid_dependency_wait();
     for (int j = 0; j < S; j++) {
-      if (j < nb) issue_x(j, kw + j * kws);
+      if (j < nb) issue_x(j, warp + j * warps);
       cp_async_commit();
     }
-    int xrow[NT];  // batch rows past M repeat the last
-#pragma unroll
-    for (int j = 0; j < NT; j++) xrow[j] = slot_fixed + min(g + 8 * j, mx - 1) * X_ROW;
+    const int xrow = min(g, mx - 1) * X_ROW;  // batch rows past M repeat the last
     for (int i = 0, slot = 0; i < nb; i++) {
       cp_async_wait_upto(S - 1);  // block i has landed
       __syncwarp();               // and the x pieces the other lanes copied
@@ -321,46 +289,39 @@ __global__ void __launch_bounds__(32 * MAX_WARPS, NT == 2 ? 2 : 0) gemv_mma_kern
       for (int q = 0; q < SPB; q++)
 #pragma unroll
         for (int h = 0; h < 2; h++) cur[q][h] = w16[(q * 2 + h) * 32];
-      const char* xs[NT];
-#pragma unroll
-      for (int j = 0; j < NT; j++) xs[j] = mine + xrow[j];
-      block(cur, kw + i * kws, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane, xs);
+      block(cur, warp + i * warps, reinterpret_cast<const uint32_t*>(mine + SPB * 2 * 32 * 16) + lane,
+            mine + slot_fixed + xrow);
       __syncwarp();  // every lane is done with the slot
-      if (i + S < nb) issue_weights(slot, kw + (i + S) * kws), issue_x(slot, kw + (i + S) * kws);
+      if (i + S < nb) issue_weights(slot, warp + (i + S) * warps), issue_x(slot, warp + (i + S) * warps);
       cp_async_commit();
       slot = slot + 1 == S ? 0 : slot + 1;
     }
   } else {
     uint4 buf[2][SPB][2];
-    int b = kw;
+    int b = warp;
     if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
     grid_dependency_wait();
-    for (; b < nblocks; b += 2 * kws) {
-      if (b + kws < nblocks) load(buf[1], b + kws);  // in flight while this block is decoded
+    for (; b < nblocks; b += 2 * warps) {
+      if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
       block(buf[0], b, nullptr, nullptr);
-      if (b + kws >= nblocks) break;
-      if (b + 2 * kws < nblocks) load(buf[0], b + 2 * kws);
-      block(buf[1], b + kws, nullptr, nullptr);
+      if (b + warps >= nblocks) break;
+      if (b + 2 * warps < nblocks) load(buf[0], b + 2 * warps);
+      block(buf[1], b + warps, nullptr, nullptr);
     }
   }
   launch_dependents();  // the weight stream is done: the next kernel may take the SM slots that free up
 
-  // fragment (g, t) of tile j: columns g and g + 8, batch rows 8j + 2t and 8j + 2t + 1
-#pragma unroll
-  for (int j = 0; j < NT; j++) {
-    red[warp][g][8 * j + 2 * t] = y[j][0], red[warp][g][8 * j + 2 * t + 1] = y[j][1];
-    red[warp][g + 8][8 * j + 2 * t] = y[j][2], red[warp][g + 8][8 * j + 2 * t + 1] = y[j][3];
-  }
+  // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
+  red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
+  red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
   __syncthreads();
-  // column cc of the CTA's 16 CW: column c of tile cc / 16, summed over the warps of that tile
-  const int c0 = blockIdx.x * cw * MMA_COLS;
-  for (int e = threadIdx.x; e < cw * MMA_COLS * MR; e += blockDim.x) {
-    const int cc = e / MR, m = e % MR;
+  for (int e = threadIdx.x; e < MMA_COLS * 8; e += blockDim.x) {
+    const int c = e / 8, m = e % 8;
     if (m >= p.M) continue;
     float v = 0.f;
-    for (int w = cc / MMA_COLS; w < warps; w += cw) v += red[w][cc % MMA_COLS][m];  // a fixed order: deterministic
-    if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[c0 + cc]);
-    static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + c0 + cc] = __float2half_rn(v);
+    for (int w = 0; w < warps; w++) v += red[w][c][m];  // a fixed order: deterministic
+    if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[n0 + c]);
+    static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(v);
   }
 }
 

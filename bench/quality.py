@@ -18,6 +18,8 @@ Rows, all measured in this run, each printed as soon as it is done:
                                                         random orthogonal matrix, R1 alone and R2 alone. R1
                                                         unties SmolLM2's tied lm_head: its fp16 copy is in
                                                         the row's bits per weight (+4.27 on SmolLM2-135M)
+  INT4 GPTQ ... rotated random calib / keep / seed 1    the same with 512x128 or 128x512 calibration
+                                                        tokens, --keep 8:PATTERN, and a --seed 1 twin
   bitsandbytes NF4 (nested), written by transformers + bitsandbytes from the same fp32 weights and
       read by flotilla (INT8 groups per block; bnb_layout.py); its note: the perplexity of
       bitsandbytes' own dequantization of the same file

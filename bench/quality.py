@@ -18,6 +18,8 @@ Rows, all measured in this run, each printed as soon as it is done:
                                                         random orthogonal matrix, R1 alone and R2 alone. R1
                                                         unties SmolLM2's tied lm_head: its fp16 copy is in
                                                         the row's bits per weight (+4.27 on SmolLM2-135M)
+  INT4 GPTQ ... rotated random calib / keep / seed 1    the same with 512x128 or 128x512 calibration
+                                                        tokens, --keep 8:PATTERN, and a --seed 1 twin
   bitsandbytes NF4 (nested), written by transformers + bitsandbytes from the same fp32 weights and
       read by flotilla (INT8 groups per block; bnb_layout.py); its note: the perplexity of
       bitsandbytes' own dequantization of the same file
@@ -153,6 +155,7 @@ def smollm2_configs(args) -> list[tuple[str, list[str]]]:
          ["--group-size", "64", "--asym", "--act-order", "--sensitive", str(args.sensitive_g64), *calib]),
         ("INT4 GPTQ g32 asym act-order", ["--group-size", "32", "--asym", "--act-order", *calib]),
         *rotated_configs(g, s, sym, calib, args.sensitive),
+        *rotated_calib_configs(g, s, sym, args.keep),
     ]
     if args.short:
         configs = [c for c in configs if "minmax" not in c[0] and "g32" not in c[0] and "rotated" not in c[0]]
@@ -177,6 +180,24 @@ def rotated_configs(g: int, s: str, sym: list[str], calib: list[str], sensitive:
         (f"INT4 AWQ+GPTQ g{g} {s} rotated", ["--method", "awq+gptq", *base, *calib]),
         (f"INT4 AWQ+GPTQ g{g} {s} rotated sensitive {sensitive}",
          ["--method", "awq+gptq", *base, "--sensitive", str(sensitive), *calib]),
+    ]
+
+
+def rotated_calib_configs(g: int, s: str, sym: list[str], keep: str) -> list[tuple[str, list[str]]]:
+    """GPTQ rotated random with its own calibration size (512 x 128 model-sampled tokens, four times the
+    default; 128 x 512 as well), the --keep 8:PATTERN layers, and a second --seed (which changes the
+    calibration text and the rotation matrices): the rows that tell a setting from the seed's noise."""
+    base = ["--method", "gptq", "--group-size", str(g), *sym, "--rotate", "random"]
+    more = ["--calib-samples", "512", "--calib-seq-len", "128"]
+    keeps = ["--keep", f"8:{keep}"]
+    return [
+        (f"INT4 GPTQ g{g} {s} rotated random seed 1", [*base, "--seed", "1"]),
+        (f"INT4 GPTQ g{g} {s} rotated random calib 128x512", [*base, "--calib-samples", "128", "--calib-seq-len", "512"]),
+        (f"INT4 GPTQ g{g} {s} rotated random calib 512x128", [*base, *more]),
+        (f"INT4 GPTQ g{g} {s} rotated random calib 512x128 seed 1", [*base, *more, "--seed", "1"]),
+        (f"INT4 GPTQ g{g} {s} rotated random keep 8:{keep}", [*base, *keeps]),
+        (f"INT4 GPTQ g{g} {s} rotated random calib 512x128 keep 8:{keep}", [*base, *more, *keeps]),
+        (f"INT4 GPTQ g{g} {s} rotated random calib 512x128 keep 8:{keep} seed 1", [*base, *more, *keeps, "--seed", "1"]),
     ]
 
 

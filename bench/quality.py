@@ -19,7 +19,8 @@ Rows, all measured in this run, each printed as soon as it is done:
                                                         unties SmolLM2's tied lm_head: its fp16 copy is in
                                                         the row's bits per weight (+4.27 on SmolLM2-135M)
   INT4 GPTQ ... rotated random calib / keep / seed 1    the same with 512x128 or 128x512 calibration
-                                                        tokens, --keep 8:PATTERN, and a --seed 1 twin
+                                                        tokens, --keep 8:PATTERN, and a --seed 1 twin;
+                                                        with --act-order too (and 1024x128 tokens)
   bitsandbytes NF4 (nested), written by transformers + bitsandbytes from the same fp32 weights and
       read by flotilla (INT8 groups per block; bnb_layout.py); its note: the perplexity of
       bitsandbytes' own dequantization of the same file
@@ -198,6 +199,12 @@ def rotated_calib_configs(g: int, s: str, sym: list[str], keep: str) -> list[tup
         (f"INT4 GPTQ g{g} {s} rotated random keep 8:{keep}", [*base, *keeps]),
         (f"INT4 GPTQ g{g} {s} rotated random calib 512x128 keep 8:{keep}", [*base, *more, *keeps]),
         (f"INT4 GPTQ g{g} {s} rotated random calib 512x128 keep 8:{keep} seed 1", [*base, *more, *keeps, "--seed", "1"]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order", [*base, "--act-order"]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order calib 512x128 keep 8:{keep}", [*base, "--act-order", *more, *keeps]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order calib 512x128 keep 8:{keep} seed 1",
+         [*base, "--act-order", *more, *keeps, "--seed", "1"]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order calib 1024x128 keep 8:{keep}",
+         [*base, "--act-order", "--calib-samples", "1024", "--calib-seq-len", "128", *keeps]),
     ]
 
 

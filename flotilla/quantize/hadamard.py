@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("hadamard", "random")
-
-
 def _is_prime(q: int) -> bool:
     return q >= 2 and all(q % d for d in range(2, int(q ** 0.5) + 1))
 

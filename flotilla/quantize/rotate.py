@@ -44,6 +44,7 @@ _READS = {  # layer tensor -> the norm whose output it reads
     "mlp.gate_proj.weight": "post_attention_layernorm", "mlp.up_proj.weight": "post_attention_layernorm",
 }
 _WRITES = ("self_attn.o_proj", "mlp.down_proj")
+_WRITE_WEIGHTS, _WRITE_BIASES = tuple(f"{p}.weight" for p in _WRITES), tuple(f"{p}.bias" for p in _WRITES)
 
 
 SUPPRESSED = 0.1  # a norm weight below this fraction of its norm's median suppresses its channel
@@ -144,19 +145,18 @@ class RotatedSource:
             w = (self._f32(name) * self._folded(prefix + _READS[rest] + ".weight")) @ q
             return self._heads_out(w) if rest.startswith("self_attn.v_proj") else w
         if rest == "self_attn.v_proj.bias":
-            return self._heads_out(self._f32(name)[:, None])[:, 0]
+            return self._heads_out(self._f32(name))
         if rest == "self_attn.o_proj.weight":
             return q.T @ self._heads_in(self._f32(name))
-        if rest in tuple(f"{p}.weight" for p in _WRITES):
+        if rest in _WRITE_WEIGHTS:
             return q.T @ self._f32(name)
-        if rest in tuple(f"{p}.bias" for p in _WRITES):
+        if rest in _WRITE_BIASES:
             return self._f32(name) @ q
         return self.source.get(name)  # q/k/gate/up biases: their outputs are not rotated
 
     def _r2_only(self, name: str) -> torch.Tensor:
         if name.endswith(("self_attn.v_proj.weight", "self_attn.v_proj.bias")):
-            w = self._f32(name)
-            return self._heads_out(w) if w.dim() == 2 else self._heads_out(w[:, None])[:, 0]
+            return self._heads_out(self._f32(name))
         if name.endswith("self_attn.o_proj.weight"):
             return self._heads_in(self._f32(name))
         return self.source.get(name)
@@ -176,11 +176,12 @@ class RotatedSource:
         return self.source.get(name).float()
 
     def _heads_out(self, w: torch.Tensor) -> torch.Tensor:
-        """R2 on v_proj's output rows: each KV head's [head_dim, in] block -> Rᵀ block."""
+        """R2 on v_proj's output rows: each KV head's [head_dim, in] block -> Rᵀ block (a bias [out]
+        as one column)."""
         if self.rot.r is None:
             return w
-        d = self.rot.r.shape[0]
-        return (self.rot.r.T @ w.reshape(-1, d, w.shape[1])).reshape(w.shape)  # [heads, d, in]
+        d, cols = self.rot.r.shape[0], w.reshape(w.shape[0], -1)
+        return (self.rot.r.T @ cols.reshape(-1, d, cols.shape[1])).reshape(w.shape)  # [heads, d, in]
 
     def _heads_in(self, w: torch.Tensor) -> torch.Tensor:
         """R2 on o_proj's input columns: each query head's [out, head_dim] block -> block R."""

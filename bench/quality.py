@@ -205,6 +205,8 @@ def rotated_calib_configs(g: int, s: str, sym: list[str], keep: str) -> list[tup
          [*base, "--act-order", *more, *keeps, "--seed", "1"]),
         (f"INT4 GPTQ g{g} {s} rotated random act-order calib 1024x128 keep 8:{keep}",
          [*base, "--act-order", "--calib-samples", "1024", "--calib-seq-len", "128", *keeps]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order calib 1024x128 keep 8:{keep} seed 1",
+         [*base, "--act-order", "--calib-samples", "1024", "--calib-seq-len", "128", *keeps, "--seed", "1"]),
     ]
 
 

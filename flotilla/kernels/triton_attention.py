@@ -35,7 +35,6 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)  # programmatic dependent launch on sm_90+ (kernels/pdl.py)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,12 +46,18 @@ def _decode_kernel(
     d_ok = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
 
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    # The lengths and the block table, and the first run of pages, before the PDL wait: they are the
+    # step's inputs, written before its first kernel (a kernel here starts only once the one before
+    # the kernel before it has completed), so their two dependent loads leave the critical path
     ctx = tl.load(len_ptr + b)
     per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
+    tok = start + offs_n
+    page = tl.load(bt_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tok < end, other=0).to(tl.int64)
+    pdl_enter(PDL)  # programmatic dependent launch on sm_90+ (kernels/pdl.py): q, k and v after it
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -60,13 +65,14 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         t_ok = tok < end
-        page = tl.load(bt_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
         slot = tok % BLOCK_SIZE
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        after = tok + BLOCK_N  # the next run's pages, in flight while this run is computed
+        page = tl.load(bt_ptr + b * stride_bt + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

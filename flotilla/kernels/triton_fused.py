@@ -15,7 +15,8 @@ Each rounds where the torch expression it replaces rounds (half-precision interm
 torch keeps them, fp32 arithmetic inside one op), so results agree with torch's to the last
 place or one unit of it. No host synchronisation: all can be captured in a CUDA graph. On sm_90+
 each is launched as a programmatic dependent (kernels/pdl.py): it waits for the kernel before it
-first thing, then lets the next kernel (the CUDA GEMV, whose weight loads do not wait) launch.
+first thing, then lets the next kernel (the CUDA GEMV, whose weight loads do not wait) launch. The norms load their
+weight before that wait (nothing in the step writes it).
 """
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ from .triton_pdl import launch_args, pdl_enter
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stride_y, stride_s, n, eps,
                      BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
+    # the weight first: no kernel writes it, so under PDL its load overlaps the kernel before
+    # instead of following the reduction on the step's critical path
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_ADD:  # the residual stream stays in the activation dtype, rounded as torch's add
         x = (x.to(tl.float32) + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32))
@@ -40,7 +44,6 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stri
         tl.store(s_ptr + row * stride_s + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 

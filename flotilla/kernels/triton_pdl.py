@@ -2,7 +2,9 @@
 
     @triton.jit
     def _kernel(..., PDL: tl.constexpr):
-        pdl_enter(PDL)                      # first thing: no load or store before it
+        pdl_enter(PDL)                      # before any store, and any load of what the kernels
+                                            # of this step wrote (a weight, or the step's inputs
+                                            # written before its first kernel, may come first)
         ...
     _kernel[grid](..., **launch_args(x, rows))    # PDL and Triton's launch_pdl together
 

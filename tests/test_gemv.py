@@ -418,3 +418,104 @@ def test_pdl_chain_in_a_graph_is_the_chain_without_pdl(monkeypatch):
         assert rel_err(y_regs, h.float() @ w_regs) < 2e-3
         assert rel_err(y_ring, act @ w_ring) < 2e-3
         assert all(torch.equal(a, b) for a, b in zip((h, y_regs, y_ring), outs0))
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,n,sym", [(4096, 2048, True), (1024, 768, False), (16384, 512, False)])
+def test_silu_epilogue_is_silu_mul_of_the_product(k, n, sym):
+    """silu_mul of a [gate | up] weight through the tensor-core plan's epilogue (gate column j and up
+    column n/2 + j in one block: the register plan, and the ring at M = 1 on 16384 rows; symmetric and
+    uint8 zeros) against kernels/fused.silu_mul of the GEMV's product, and the fp32 reference. Past
+    the GEMV's rows, and with a bias, the composed ops."""
+    from flotilla.kernels import fused
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    w = weight(k, n, 4, 128, sym, False, seed=22).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    w32 = dequantize(w, torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    for m in range(1, gemv.MMA_MAX_ROWS + 1):
+        assert kern.fuses_silu(m), m
+        x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float16)
+        want = fused.silu_mul(kern(x))
+        prod = x.float() @ w32
+        ref = F.silu(prod[:, : n // 2]) * prod[:, n // 2:]
+        poison(m, n // 2, torch.float16)
+        got = kern.silu_mul(x)
+        assert got.shape == (m, n // 2)
+        assert rel_err(got, want.float()) < 1e-3 and rel_err(got, ref) < 3e-3, m
+        assert (got == want).float().mean().item() > 0.98, m  # the same roundings: ties of the exp aside
+    x = torch.randn(8, k, generator=gen, device="cuda", dtype=torch.float16)
+    assert not kern.fuses_silu(8) and torch.equal(kern.silu_mul(x), fused.silu_mul(kern(x)))
+    bias = torch.randn(n, generator=gen, device="cuda", dtype=torch.float16)
+    x1 = x[:1]
+    assert torch.equal(kern.silu_mul(x1, bias), fused.silu_mul(kern(x1, bias)))  # a bias: composed
+
+
+@needs_cuda
+def test_silu_epilogue_in_a_graph_replays_with_fresh_inputs():
+    """norm -> gate_up with the silu epilogue -> down, captured once with PDL on sm_90+ and replayed
+    with fresh inputs: each replay equals the unfused chain within rounding (a down GEMV reading its
+    input before the fused kernel wrote it would show the previous replay's)."""
+    from flotilla.kernels import fused
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    up = TritonGPTQKernel(weight(1024, 4096, 4, 128, True, False, seed=24).to("cuda"), torch.float16)
+    down = TritonGPTQKernel(weight(2048, 1024, 4, 128, False, False, seed=25).to("cuda"), torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(26)
+    norm_w = torch.rand(1024, generator=gen, device="cuda", dtype=torch.float16) + 0.5
+    x = torch.empty(1, 1024, device="cuda", dtype=torch.float16)
+
+    def chain(fuse: bool):
+        h = fused.rms_norm(x, norm_w, 1e-5)
+        return down(up.silu_mul(h) if fuse else fused.silu_mul(up(h)))
+
+    assert up.fuses_silu(1)
+    chain(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(4):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
+        graph.replay()
+        want = chain(False)
+        torch.cuda.synchronize()
+        assert rel_err(out, want.float()) < 2e-3
+
+
+@needs_cuda
+@torch.inference_mode()
+def test_decoder_with_the_silu_epilogue_matches_the_composed_ops(monkeypatch):
+    """A random INT4 model through its frozen ops (gate_up's silu in the GEMV's epilogue) and through
+    the same ops with silu_mul of the product: logits within rounding, the same greedy tokens, for 1
+    to 4 rows (the GEMV's) and 8 (the Triton tiles: composed either way)."""
+    from flotilla.kernels import fused
+    from flotilla.models.config import ModelConfig
+    from flotilla.runtime import random_model
+
+    monkeypatch.setitem(random_model.SHAPES, "gemv-test", ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
+    model = random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=20)
+    model.freeze()
+    fused_ops = list(model._frozen)
+    assert all(ops.gate_up_act.func.__self__.fuses_silu(1) for ops in fused_ops)
+    composed = [dataclasses.replace(ops, gate_up_act=lambda h, g=ops.gate_up: fused.silu_mul(g(h)))
+                for ops in fused_ops]
+
+    class OwnValue:  # each token attends to itself alone: what differs between the runs is the epilogue
+        def attend(self, layer, q, k, v):
+            return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    for rows in (1, 2, 3, 4, 8):
+        ids = torch.randint(0, 1024, (rows,), generator=gen, device="cuda")
+        pos = torch.arange(rows, device="cuda")
+        model._frozen = fused_ops
+        got = model.compute_logits(model(ids, pos, OwnValue()))
+        model._frozen = composed
+        want = model.compute_logits(model(ids, pos, OwnValue()))
+        assert rel_err(got, want) < 3e-3, rows
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), rows

@@ -167,6 +167,19 @@ def test_split_k_counters_return_to_zero_and_repeat_exactly():
     assert rel_err(first, gptq_matmul(x.float(), w)) < 2e-3
 
 
+def test_silu_mul_without_the_gemv_is_silu_mul_of_the_product():
+    """Where the CUDA GEMV's silu epilogue does not serve (here: no GPU), silu_mul of a [gate | up]
+    weight is kernels/fused.silu_mul of the kernel's product: the same values."""
+    from flotilla.kernels.fused import silu_mul
+
+    w = random_weight(256, 128, 4, 128, False, False, seed=6)
+    kernel = TritonGPTQKernel(w, torch.float16)
+    assert kernel.gemv is None and not kernel.fuses_silu(1)
+    x = torch.randn(2, 256).half()
+    assert torch.equal(kernel.silu_mul(x), silu_mul(kernel(x)))
+    assert kernel.silu_mul(x).shape == (2, 64)
+
+
 def test_scale_in_weights_gives_the_reference_dequantization_exactly():
     """fp16 weight-side scaling rounds (q - z) * s once, like reference.dequantize: an identity
     activation reads the dequantized weight back bit for bit."""

@@ -2,6 +2,8 @@
 
     kernel = TritonGPTQKernel(gptq_weight, torch.float16)   # repacks once (triton_layout)
     y = kernel(x, bias)                                      # x [..., in] -> y [..., out]
+    a = kernel.silu_mul(x, bias)                             # silu(gate) * up of a [gate | up] weight
+                                                             # (fused into the GEMV's epilogue where it serves)
 
 `TritonLayoutKernel(layout, dtype)` is the same object over a layout built elsewhere (the GGUF
 forms: kernels.triton_ggml).
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from .cuda.gemv import MAX_ROWS as GEMV_ROWS
+from .cuda.gemv import MMA_COLS as GEMV_MMA_COLS
 from .cuda.gemv import GemvPlan, gemv_for
+from .fused import silu_mul
 from .gptq import GPTQWeight
 from .triton_layout import TritonLayout, UnsupportedLayout, repack
 
@@ -215,6 +219,26 @@ class TritonLayoutKernel:
             if out is not None:
                 return y
         return y.reshape(*lead, self.layout.out_features)
+
+    def fuses_silu(self, m: int) -> bool:
+        """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue)."""
+        cfg = self.config_for(m)
+        return (self.gemv is not None and cfg.kind == "gemv" and cfg.block_n == GEMV_MMA_COLS
+                and self.layout.out_features % 16 == 0)
+
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] weight's product [..., 2 I] -> [..., I]: one launch where
+        the CUDA GEMV serves these rows and there is no bias (its epilogue pairs gate column j with
+        up column I + j), else the product, then kernels/fused.silu_mul."""
+        x2 = x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        if bias is None and self.fuses_silu(m):
+            cfg = self.config_for(m)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            y = self.gemv(x2, None, None, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), silu=True)
+            return y.reshape(*x.shape[:-1], self.layout.out_features // 2)
+        return silu_mul(self(x, bias))
 
     def _counter_buffer(self, m: int, cfg: GemmConfig) -> torch.Tensor:
         tiles = -(-m // cfg.block_m) * -(-self.layout.out_features // cfg.block_n)

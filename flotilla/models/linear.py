@@ -142,6 +142,15 @@ class QuantLinear(nn.Module, _Shards):
             raise RuntimeError("QuantLinear.fn() before prepare(): its kernel is not chosen yet")
         return functools.partial(self.kernel, bias=self.bias)
 
+    def silu_mul_fn(self):
+        """x -> silu(gate) * up of this [gate | up] linear as one callable where the kernel has its own
+        (the Triton layout kernel: fused into the CUDA GEMV's epilogue at the batch sizes it serves);
+        None: the caller applies kernels/fused.silu_mul to the product."""
+        if self.kernel is None:
+            raise RuntimeError("QuantLinear.silu_mul_fn() before prepare(): its kernel is not chosen yet")
+        fn = getattr(self.kernel, "silu_mul", None)
+        return None if fn is None else functools.partial(fn, bias=self.bias)
+
     def extra_repr(self) -> str:
         name = getattr(self.kernel, "name", None)
         return (f"in={self.in_features}, out={self.out_sizes}, bits={self.bits}, "

@@ -114,9 +114,12 @@ class DecoderLayer(nn.Module):
         uses them) or, `frozen`, plain callables looked up once for the runtime's hot loop."""
         a, m = self.self_attn, self.mlp
         linear = (lambda mod: mod.fn()) if frozen else (lambda mod: mod)
+        gate_up = linear(m.gate_up_proj)
+        fused = m.gate_up_proj.silu_mul_fn() if frozen and hasattr(m.gate_up_proj, "silu_mul_fn") else None
         return LayerOps(a.layer, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                        self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), linear(m.gate_up_proj),
-                        linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size)
+                        self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), gate_up,
+                        linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
+                        fused or (lambda h: silu_mul(gate_up(h))))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -142,6 +145,9 @@ class LayerOps:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    # h -> silu(gate) * up of gate_up(h) [T, intermediate]: the linear's kernel's own where it has one
+    # (frozen ops on the CUDA GEMV: one launch), else kernels/fused.silu_mul of the product
+    gate_up_act: Callable[[torch.Tensor], torch.Tensor]
 
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -163,8 +169,7 @@ def layer_residual(ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, c
         x, h = add_rms_norm(x, delta, ops.input_norm, ops.eps)
     out = attend_normed(ops, h, cos, sin, attn)
     x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
-    gate_up = ops.gate_up(h)  # [T, 2 * intermediate]
-    return x, ops.down(silu_mul(gate_up))  # silu(gate) * up
+    return x, ops.down(ops.gate_up_act(h))  # silu(gate) * up of gate_up(h) [T, 2 * intermediate]
 
 
 def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

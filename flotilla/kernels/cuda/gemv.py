@@ -76,7 +76,7 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
                 ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int),
-                ("pdl", ctypes.c_int)]
+                ("pdl", ctypes.c_int), ("silu_half", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -254,10 +254,16 @@ class GemvKernel:
                                                 lay.rows_per_field if self.geo.mma else 0)
         return plan
 
+    def fuses_silu(self, m: int, plan: GemvPlan | None = None) -> bool:
+        """Whether a call of M rows can end in silu(gate) * up (the tensor-core plan's epilogue)."""
+        return self.geo.mma and 1 <= m <= MAX_ROWS and (plan or self.plan_for(m)).cols == MMA_COLS
+
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 plan: GemvPlan | None = None) -> torch.Tensor:
+                 plan: GemvPlan | None = None, silu: bool = False) -> torch.Tensor:
         """x2 [M, in] (M <= 8) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
-        column stride) when given."""
+        column stride) when given. `silu`: the weight is [gate | up] (out = 2 I) and the result is
+        silu(x @ gate) * (x @ up) [M, I], rounded as kernels/fused.silu_mul rounds it (the
+        tensor-core plan only, no bias: `fuses_silu`)."""
         lay = self.layout
         m, k = x2.shape
         if not 1 <= m <= MAX_ROWS:
@@ -271,10 +277,13 @@ class GemvKernel:
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
+        if silu and (plan.cols != MMA_COLS or bias is not None or n % (2 * 8)):
+            raise ValueError(f"silu(gate) * up needs the tensor-core plan, no bias and 16 | out ({plan}, out {n})")
+        width = n // 2 if silu else n
         if out is None:
-            out = torch.empty((m, n), dtype=self.dtype, device=x2.device)
-        elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != self.dtype:
-            raise ValueError(f"out must be a [{m}, {n}] {self.dtype} view with unit column stride, "
+            out = torch.empty((m, width), dtype=self.dtype, device=x2.device)
+        elif out.shape != (m, width) or out.stride(1) != 1 or out.dtype != self.dtype:
+            raise ValueError(f"out must be a [{m}, {width}] {self.dtype} view with unit column stride, "
                              f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
         if bias is not None and bias.dtype != self.dtype:
             bias = bias.to(self.dtype)
@@ -283,7 +292,7 @@ class GemvKernel:
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
-                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)))
+                    pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)), silu_half=n // 2 if silu else 0)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

@@ -62,6 +62,9 @@ struct GemvParams {
                             // that many blocks a warp (gemv_mma.cuh); the CUDA-core plans ignore it
   int pdl;                  // the tensor-core plan on sm_90+: launched as a programmatic dependent of the
                             // kernel before it (gemv_mma.cuh); the CUDA-core plans ignore it
+  int silu_half;            // the tensor-core plan only, 0: off; else N / 2 (a multiple of 8): the weight is
+                            // [gate | up] and y [M, N / 2] = silu(x @ gate) * (x @ up), each rounded as
+                            // kernels/fused.silu_mul rounds it (a block: gate columns n0..n0+7, up n0 + N/2..)
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the

@@ -123,11 +123,14 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   __shared__ float red[MAX_WARPS][MMA_COLS][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * MMA_COLS;
+  // the block's columns: n0..n0+7 (lane rows g) and n0 + hi..n0 + hi + 7 (g + 8): 16 consecutive, or
+  // under silu_half 8 of gate and the same 8 of up
+  const int hi = p.silu_half ? p.silu_half : 8;
+  const int n0 = blockIdx.x * (p.silu_half ? 8 : MMA_COLS);
   const int nblocks = p.KW >> LOG2R;
   // lane (g, t): 16 bytes of strip q of block b of column g at wa + b * R / 4 + 4q (uint4 units)
   const uint4* wa = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g) * p.KW) + t);
-  const uint4* wb = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g + 8) * p.KW) + t);
+  const uint4* wb = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(n0 + g + hi) * p.KW) + t);
   // batch row g (rows past M repeat the last: their outputs are never stored); run s of strip q of
   // block b: rows b * BK + s * 2R + 32q + 8t .. + 8
   const half* xg = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g, p.M - 1)) * p.lda + 8 * t);
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
           z0 = (tab[(2 * NG + 2 * q) * 32] >> 8 * (g & 3)) & 0xFF, z1 = (tab[(2 * NG + 2 * q + 1) * 32] >> 8 * (g & 3)) & 0xFF;
         } else {
           const uint8_t* zr = zp + grp[q] * static_cast<unsigned>(p.N);
-          z0 = __ldg(zr), z1 = __ldg(zr + 8);
+          z0 = __ldg(zr), z1 = __ldg(zr + hi);
         }
         zk[q][0][0] = zero_const_of<BITS, 0>(z0), zk[q][0][1] = zero_const_of<BITS, 0>(z1);
         if constexpr (PAR == 2)
@@ -217,7 +220,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[(2 * q + 1) * 32] >> sh)));
       } else {
         const uint16_t* sr = sc + grp[q] * static_cast<unsigned>(p.N);
-        s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + 8)));
+        s0 = __half2float(__ushort_as_half(__ldg(sr))), s1 = __half2float(__ushort_as_half(__ldg(sr + hi)));
       }
 #pragma unroll
       for (int v = 0; v < PAR; v++) {
@@ -256,8 +259,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         const unsigned row = group_of(b * P + q * TPG, p.group_magic) * static_cast<unsigned>(p.N);
 #pragma unroll
         for (int c = 0; c < 2; c++) {
-          cp_async4(tab_s + base + (2 * q + c) * 32 * 4, sc_w + row + 8 * c);
-          if constexpr (MODE == ZP) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, zp_w + row + 8 * c);
+          cp_async4(tab_s + base + (2 * q + c) * 32 * 4, sc_w + row + hi * c);
+          if constexpr (MODE == ZP) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, zp_w + row + hi * c);
         }
       }
     };
@@ -315,6 +318,18 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
   red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
   __syncthreads();
+  if (p.silu_half) {  // y [M, N / 2]: silu(gate) * up, rounded where kernels/fused.silu_mul rounds
+    for (int e = threadIdx.x; e < 8 * 8; e += blockDim.x) {
+      const int c = e / 8, m = e % 8;
+      if (m >= p.M) continue;
+      float vg = 0.f, vu = 0.f;
+      for (int w = 0; w < warps; w++) vg += red[w][c][m], vu += red[w][c + 8][m];  // a fixed order
+      const float a = __half2float(__float2half_rn(vg)), u = __half2float(__float2half_rn(vu));
+      const float silu = __half2float(__float2half_rn(a / (1.f + __expf(-a))));
+      static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(silu * u);
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < MMA_COLS * 8; e += blockDim.x) {
     const int c = e / 8, m = e % 8;
     if (m >= p.M) continue;

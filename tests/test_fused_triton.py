@@ -98,6 +98,10 @@ def test_rope_store_kv_is_rope_then_the_store(dtype):
     qkv = torch.randn(T, (hq + 2 * hkv) * d + 8, generator=gen).to(dtype)[:, :(hq + 2 * hkv) * d]  # row stride > width
     rope = RotaryEmbedding(d, 64, 10000.0, None)
     cos, sin = rope.tables(torch.tensor([1, 7, 30]), dtype)
+    if dtype != torch.float32:  # half tables: views of one gather from the joint [P, 2, D] table
+        assert cos.stride(0) == sin.stride(0) == 2 * d
+        assert torch.equal(cos, rope.cos[[1, 7, 30]].unsqueeze(1).to(dtype))
+        assert torch.equal(sin, rope.sin[[1, 7, 30]].unsqueeze(1).to(dtype))
     slots = torch.tensor([5, 17, 2])
     x = qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d)
     qk = triton_fused.rope(x, cos, sin)
@@ -112,6 +116,9 @@ def test_rope_store_kv_is_rope_then_the_store(dtype):
         close(kc.view(-1, hkv, d)[slots], want_k.view(-1, hkv, d)[slots], dtype, scale=terms[:, hq:])
         assert torch.equal(vc, want_v)
         assert not kc.view(-1, hkv, d)[[i for i in range(blocks * bs) if i not in (5, 17, 2)]].any()
+        kc2, vc2 = torch.zeros_like(want_k), torch.zeros_like(want_v)  # the tables' strides read right
+        assert torch.equal(fn(qkv, cos.contiguous(), sin.contiguous(), hq, kc2, vc2, slots), q)
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
 
 @pytest.fixture

@@ -53,10 +53,22 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [P, D]
         self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)  # [P, D], signed
+        self._joint: dict[torch.dtype, torch.Tensor] = {}  # [P, 2, D] cos and sin rounded to a dtype
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [T, 1, D] for the positions [T]: gathered once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """(cos, sin) [T, 1, D] for the positions [T]: gathered once per step, used by every layer.
+        In another dtype than the tables' (fp16 / bf16 on a GPU), one gather from a joint table
+        rounded once beforehand (the same values as rounding what was gathered): one kernel, where
+        two gathers and two casts were four, each its own launch in the decode step's graph."""
+        if dtype == self.cos.dtype:
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        joint = self._joint.get(dtype)
+        if joint is None or joint.device != self.cos.device:
+            if self.cos.is_cuda and torch.cuda.is_current_stream_capturing():  # not built inside a graph
+                return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+            joint = self._joint[dtype] = torch.stack((self.cos, self.sin), dim=1).to(dtype)
+        both = joint[positions]  # [T, 2, D]
+        return both[:, 0:1], both[:, 1:2]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from .cuda.gemv import MAX_ROWS as GEMV_ROWS
-from .cuda.gemv import MMA_COLS as GEMV_MMA_COLS
 from .cuda.gemv import GemvPlan, gemv_for
 from .fused import silu_mul
 from .gptq import GPTQWeight
@@ -93,6 +92,11 @@ def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     tiles = -(-m // block_m) * -(-n // 128)
     return GemmConfig("dot", block_m, 128, split_for(tiles, blocks, num_sms), num_warps=8, num_stages=3,
                       scale_w=True)
+
+
+def _gemv_plan(cfg: GemmConfig) -> GemvPlan:
+    """A "gemv" config as the GEMV's plan (gemv_config's inverse)."""
+    return GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
 
 
 def gemv_config(plan) -> GemmConfig:
@@ -203,7 +207,7 @@ class TritonLayoutKernel:
         if cfg.kind == "gemv":
             if self.gemv is None:
                 raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
-            y = self.gemv(x2, bias, out, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))
+            y = self.gemv(x2, bias, out, _gemv_plan(cfg))
             if out is not None:
                 return y
         elif cfg.kind == "dense":
@@ -223,20 +227,17 @@ class TritonLayoutKernel:
     def fuses_silu(self, m: int) -> bool:
         """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue)."""
         cfg = self.config_for(m)
-        return (self.gemv is not None and cfg.kind == "gemv" and cfg.block_n == GEMV_MMA_COLS
-                and self.layout.out_features % 16 == 0)
+        return self.gemv is not None and cfg.kind == "gemv" and self.gemv.fuses_silu(m, _gemv_plan(cfg))
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] weight's product [..., 2 I] -> [..., I]: one launch where
         the CUDA GEMV serves these rows and there is no bias (its epilogue pairs gate column j with
         up column I + j), else the product, then kernels/fused.silu_mul."""
         x2 = x.reshape(-1, x.shape[-1])
-        m = x2.shape[0]
-        if bias is None and self.fuses_silu(m):
-            cfg = self.config_for(m)
+        if bias is None and self.fuses_silu(x2.shape[0]):
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            y = self.gemv(x2, None, None, GemvPlan(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), silu=True)
+            y = self.gemv(x2, None, None, _gemv_plan(self.config_for(x2.shape[0])), silu=True)
             return y.reshape(*x.shape[:-1], self.layout.out_features // 2)
         return silu_mul(self(x, bias))
 

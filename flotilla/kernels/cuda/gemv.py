@@ -255,7 +255,8 @@ class GemvKernel:
         return plan
 
     def fuses_silu(self, m: int, plan: GemvPlan | None = None) -> bool:
-        """Whether a call of M rows can end in silu(gate) * up (the tensor-core plan's epilogue)."""
+        """Whether a call of M rows (by `plan`, or this layout's own) can end in silu(gate) * up (the
+        tensor-core plan's epilogue; it pairs column j with out / 2 + j, so out is a multiple of 16)."""
         return self.geo.mma and 1 <= m <= MAX_ROWS and (plan or self.plan_for(m)).cols == MMA_COLS
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,

@@ -20,7 +20,7 @@ Rows, all measured in this run, each printed as soon as it is done:
                                                         the row's bits per weight (+4.27 on SmolLM2-135M)
   INT4 GPTQ ... rotated random calib / keep / seed 1    the same with 512x128 or 128x512 calibration
                                                         tokens, --keep 8:PATTERN, and a --seed 1 twin;
-                                                        with --act-order too (and 1024x128 tokens)
+                                                        with --act-order too (and 1024x128, 2048x128 tokens)
   bitsandbytes NF4 (nested), written by transformers + bitsandbytes from the same fp32 weights and
       read by flotilla (INT8 groups per block; bnb_layout.py); its note: the perplexity of
       bitsandbytes' own dequantization of the same file
@@ -207,6 +207,10 @@ def rotated_calib_configs(g: int, s: str, sym: list[str], keep: str) -> list[tup
          [*base, "--act-order", "--calib-samples", "1024", "--calib-seq-len", "128", *keeps]),
         (f"INT4 GPTQ g{g} {s} rotated random act-order calib 1024x128 keep 8:{keep} seed 1",
          [*base, "--act-order", "--calib-samples", "1024", "--calib-seq-len", "128", *keeps, "--seed", "1"]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order calib 2048x128 keep 8:{keep}",
+         [*base, "--act-order", "--calib-samples", "2048", "--calib-seq-len", "128", *keeps]),
+        (f"INT4 GPTQ g{g} {s} rotated random act-order calib 2048x128 keep 8:{keep} seed 1",
+         [*base, "--act-order", "--calib-samples", "2048", "--calib-seq-len", "128", *keeps, "--seed", "1"]),
     ]
 
 

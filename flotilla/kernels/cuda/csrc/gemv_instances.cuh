@@ -83,6 +83,7 @@ int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t strea
 
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_shape(int op, const GemvParams* p, int mt, int cols, int warps, cudaStream_t stream) {
+  if (op == 0 && cols != MMA_COLS && p->silu_half) return cudaErrorInvalidValue;  // the tensor-core plan's epilogue
   if (cols == MMA_COLS) return mt == 8 ? gemv_mma_dispatch<T, BITS, MODE, TPG>(op, p, warps, stream)
                                        : cudaErrorInvalidValue;
 #define FLOTILLA_GEMV_CASE(MT, C) \

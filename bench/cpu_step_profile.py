@@ -51,9 +51,15 @@ def instrument(model) -> None:
                 return fn(x)
         return call
 
-    model._frozen = [replace(ops, qkv=timed("linear:qkv", ops.qkv), o=timed("linear:o", ops.o),
-                             gate_up=timed("linear:gate_up", ops.gate_up), down=timed("linear:down", ops.down))
-                     for ops in model._frozen]
+    from flotilla.kernels.fused import silu_mul
+
+    def labelled(ops):
+        gate_up = timed("linear:gate_up", ops.gate_up)
+        # the layer calls gate_up through gate_up_act (on the CPU: silu_mul of the product)
+        return replace(ops, qkv=timed("linear:qkv", ops.qkv), o=timed("linear:o", ops.o), gate_up=gate_up,
+                       gate_up_act=lambda h: silu_mul(gate_up(h)), down=timed("linear:down", ops.down))
+
+    model._frozen = [labelled(ops) for ops in model._frozen]
     logits = model.compute_logits
     model.compute_logits = timed("lm_head", logits)
 

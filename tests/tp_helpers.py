@@ -119,10 +119,16 @@ def rank_logits(rank: int, world: int, init: str, model_dirs: list[str], out_dir
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, "logits.safetensors"))
     else:
         assert all(v.shape[1] == 0 for v in out.values())  # only rank 0 receives the logits
-    # leave together: a rank that tears gloo down while its peer still works on the pairs' sockets
-    # can abort in gloo's threads ("terminate called without an active exception") on a loaded machine
+    # Leave together, and without tearing gloo down: a rank that destroys its process group (or
+    # runs the interpreter's teardown, which destroys it) while its peer still works on the pairs'
+    # sockets can abort in gloo's threads ("terminate called without an active exception"). The
+    # barrier alone did not stop that: a fresh-clone CI run on 2026-12-04 lost rank 1 so, after
+    # the work was done. Past the barrier neither rank has anything left to do, so each leaves at
+    # once with status 0 (rank 0's file is written and closed).
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def greedy_tokens(model_dir: str, tp: int, max_tokens: int = 12) -> list[list[int]]:

@@ -223,6 +223,16 @@ def poison(m: int, n: int, dtype: torch.dtype) -> None:
     torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
 
 
+def captured(fn):
+    """fn run once (kernels compiled, tiles chosen), then captured in a CUDA graph: (graph, fn's outputs)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def plans(kern, m: int):
     for shape in kern.plans():
         if shape.rows >= m:
@@ -318,11 +328,7 @@ def test_graph_replays():
     w32 = dequantize(w, torch.float32)
     for m in (1, 4):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        kern(x)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = kern(x)
+        graph, y = captured(lambda: kern(x))
         for _ in range(3):
             x.copy_(torch.randn_like(x))
             graph.replay()
@@ -395,17 +401,9 @@ def test_pdl_chain_in_a_graph_is_the_chain_without_pdl(monkeypatch):
         h = fused.rms_norm(x, norm_w, 1e-5)
         return h, regs(h), ring(fused.silu_mul(gate_up))
 
-    def capture():
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
-        return graph, outs
-
-    with_pdl = capture()
+    with_pdl = captured(step)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    without = capture()
+    without = captured(step)
     gen = torch.Generator(device="cuda").manual_seed(13)
     for _ in range(4):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
@@ -471,11 +469,7 @@ def test_silu_epilogue_in_a_graph_replays_with_fresh_inputs():
         return down(up.silu_mul(h) if fuse else fused.silu_mul(up(h)))
 
     assert up.fuses_silu(1)
-    chain(True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(True)
+    graph, out = captured(lambda: chain(True))
     for _ in range(4):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
         graph.replay()

@@ -224,22 +224,29 @@ class TritonLayoutKernel:
                 return y
         return y.reshape(*lead, self.layout.out_features)
 
+    def _silu_plan(self, m: int) -> GemvPlan | None:
+        """The GEMV plan whose epilogue computes silu(gate) * up at M rows, or None."""
+        cfg = self.config_for(m)
+        if self.gemv is None or cfg.kind != "gemv":
+            return None
+        plan = _gemv_plan(cfg)
+        return plan if self.gemv.fuses_silu(m, plan) else None
+
     def fuses_silu(self, m: int) -> bool:
         """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue)."""
-        cfg = self.config_for(m)
-        return self.gemv is not None and cfg.kind == "gemv" and self.gemv.fuses_silu(m, _gemv_plan(cfg))
+        return self._silu_plan(m) is not None
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] weight's product [..., 2 I] -> [..., I]: one launch where
         the CUDA GEMV serves these rows and there is no bias (its epilogue pairs gate column j with
         up column I + j), else the product, then kernels/fused.silu_mul."""
         x2 = x.reshape(-1, x.shape[-1])
-        if bias is None and self.fuses_silu(x2.shape[0]):
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            y = self.gemv(x2, None, None, _gemv_plan(self.config_for(x2.shape[0])), silu=True)
-            return y.reshape(*x.shape[:-1], self.layout.out_features // 2)
-        return silu_mul(self(x, bias))
+        plan = self._silu_plan(x2.shape[0]) if bias is None else None
+        if plan is None:
+            return silu_mul(self(x, bias))
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        return self.gemv(x2, None, None, plan, silu=True).reshape(*x.shape[:-1], self.layout.out_features // 2)
 
     def _counter_buffer(self, m: int, cfg: GemmConfig) -> torch.Tensor:
         tiles = -(-m // cfg.block_m) * -(-self.layout.out_features // cfg.block_n)

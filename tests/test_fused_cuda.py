@@ -80,3 +80,33 @@ def test_small_ops_on_the_gpu_eager_and_in_a_graph(dtype):
         s_ref, h_ref, act_ref, q_ref, k_ref, v_ref = reference()
         check(outs)
     assert pdl.enabled(x) == (tuple(torch.cuda.get_device_capability()) >= pdl.MIN_CAPABILITY)
+
+
+def test_step_start_and_greedy_ids_on_the_gpu():
+    """The first stage's step start (embedding + the first input norm, one kernel) and the
+    one-launch greedy ids, compiled on the GPU: against torch, and the greedy ids over a llama-3
+    vocabulary at batch 1 and 16, twice (the scratch goes back to rest)."""
+    if "TRITON_INTERPRET" in os.environ:
+        pytest.skip("Triton interprets in this process")
+    from flotilla.kernels.triton_sample import first_max_into
+    from flotilla.runtime.sampler import chunked_first_max
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(2)
+    table = torch.randn(1000, 4096, device=dev, generator=gen).half()
+    w = (1 + 0.1 * torch.randn(4096, device=dev, generator=gen)).half()
+    tok = torch.tensor([5, 0, 999], device=dev)
+    sampled = torch.tensor([17, 0, 0, 0], device=dev)
+    rows = torch.tensor([3, 0, 3], device=dev)
+    x, y = fused.embed_rms_norm(table, tok, w, 1e-5, sampled, rows)
+    ids = torch.tensor([5, 17, 999], device=dev)
+    assert torch.equal(x, table[ids])
+    assert torch.equal(y, fused.rms_norm(table[ids], w, 1e-5))  # the same math as the norm kernel
+    V = 128256
+    for B in (1, 16):
+        logits = torch.randn(B, V, device=dev, generator=gen)
+        logits[0, [9, 128255]] = 99.0  # a tie: the first
+        out = torch.empty(B, dtype=torch.int64, device=dev)
+        for _ in range(2):
+            assert first_max_into(logits, out).tolist() == chunked_first_max(logits, 1002).tolist()
+        assert out[0] == 9

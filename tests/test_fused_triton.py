@@ -142,3 +142,47 @@ def test_off_cuda_the_functions_are_torchs(torch_only_cpu_ops):
     assert torch.equal(fused.silu_mul(x), F.silu(x[:, :32]) * x[:, 32:])
     q, cos, sin = torch.randn(4, 3, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
     assert torch.equal(fused.rope(q, cos, sin), torch.addcmul(q * cos, q.roll(4, dims=-1), sin))
+
+
+@pytest.mark.parametrize("prev", [False, True])
+def test_embed_rms_norm_gathers_the_tokens_and_norms_them(prev):
+    """A first stage's step start in one kernel: the rows of the table at token_ids (plus the ids
+    a step before sampled, through prev_rows), and their RMSNorm, as the torch ops it replaces."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 96, generator=gen).half()
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).half()
+    tok = torch.tensor([3, 0, 49, 0])
+    sampled = torch.tensor([7, 11, 0, 0, 0])  # the last entry stays 0 (rows whose token is known)
+    rows = torch.tensor([4, 0, 4, 1]) if prev else None
+    ids = tok + sampled.index_select(0, rows) if prev else tok
+    x, y = triton_fused.embed_rms_norm(table, tok, w, 1e-5, sampled if prev else None, rows)
+    assert torch.equal(x, table[ids])
+    torch.testing.assert_close(y.float(), F.rms_norm(table[ids].float(), (96,), w.float(), 1e-5), rtol=2e-3, atol=2e-3)
+
+
+def test_first_max_into_is_argmax_with_ties_at_the_first():
+    """The one-launch greedy ids: ties inside a chunk and across chunks, -inf rows, negative and
+    half logits, a row view with a stride, written into the given buffer."""
+    from flotilla.kernels.triton_sample import FirstMax
+
+    V = 3000  # three chunks, the last partial
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, V, generator=gen)
+    x[0, [7, 1500, 2999]] = 50.0  # across chunks
+    x[1, [1024, 1025]] = 50.0  # a chunk's first entries
+    x[2] = float("-inf")
+    x[2, [2990, 100]] = -3.0
+    x[3] = -x[3].abs() - 1  # all negative
+    x[4, [5, 6]] = 9.0  # inside a chunk
+    x[5] = 0.0
+    x[5, 2000] = -0.0  # -0.0 == 0.0: the first zero wins
+    want = [7, 1024, 100, int(x[3].argmax()), 5, 0]
+    fm = FirstMax(torch.device("cpu"))
+    out = torch.full((7,), -5, dtype=torch.int64)
+    assert fm(x, out[:6]).tolist() == want and out[6] == -5
+    half = x.half()  # rounding makes new ties in row 3: the first of them
+    assert fm(half, out[:6]).tolist() == want[:3] + [int(half[3].float().argmax())] + want[4:]  # the scratch is at rest again
+    wide = torch.zeros(6, V + 10)
+    wide[:, :V] = x
+    assert fm(wide[:, :V], out[:6]).tolist() == want  # rows through their stride
+    assert fm.counts.tolist() == [0] * 6 and fm.keys.tolist() == [-1] * 6

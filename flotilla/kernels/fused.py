@@ -2,6 +2,9 @@
 
     rms_norm(x, weight, eps)                  x [T, H] -> [T, H]
     add_rms_norm(x, delta, weight, eps)       -> (x + delta, rms_norm(x + delta))
+    embed_rms_norm(table, ids, weight, eps, sampled, prev_rows)
+                                              -> (table[ids'], rms_norm(table[ids'])), ids' = ids
+                                              (+ sampled[prev_rows]): a first stage's step start
     silu_mul(gate_up)                         [T, 2I] -> silu(first half) * second half
     rope(x, cos, sin)                         x [T, H, D] -> x * cos + roll(x, D/2) * sin
     store_kv_slots(key_cache, value_cache, key, value, slot_mapping)
@@ -60,6 +63,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if cpu is not None:
         return cpu.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def embed_rms_norm(table: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor, eps: float,
+                   sampled: torch.Tensor | None = None,
+                   prev_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A first stage's step start: ids = token_ids [T] (+ sampled[prev_rows], the ids a step before
+    sampled on the device), x = table[ids] [T, H], and (x, rms_norm(x)). One launch on CUDA."""
+    if (table.dim() == 2 and token_ids.is_cuda and token_ids.dtype == torch.int64 and _on_gpu(table, weight)
+            and (prev_rows is None or (prev_rows.dtype == sampled.dtype == torch.int64))):
+        from .triton_fused import embed_rms_norm as triton_embed_rms_norm
+
+        return triton_embed_rms_norm(table, token_ids, weight, eps, sampled, prev_rows)
+    ids = token_ids if prev_rows is None else token_ids + sampled.index_select(0, prev_rows)
+    x = F.embedding(ids, table)
+    return x, rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

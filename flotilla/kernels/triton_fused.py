@@ -2,6 +2,9 @@
 one to three (flotilla.kernels.fused dispatches to them on CUDA):
 
     rms_norm(x, weight, eps)               x [T, H] -> [T, H]
+    embed_rms_norm(table, token_ids, weight, eps, sampled, prev_rows)
+                                           -> (table[ids], rms_norm(table[ids])), ids = token_ids
+                                           (+ sampled[prev_rows]): a first stage's step start
     add_rms_norm(x, delta, weight, eps)    -> (x + delta, rms_norm(x + delta))
     silu_mul(gate_up)                      [T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:]
     rope(x, cos, sin)                      x [T, H, D], cos/sin [T, 1, D] (sin signed, full width)
@@ -42,9 +45,31 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, stride_x, stride_d, stri
         x = (x.to(tl.float32) + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32))
         x = x.to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + row * stride_s + offs, x, mask=mask)
+    tl.store(y_ptr + row * stride_y + offs, _normed(x, w, n, eps).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(x, w, n, eps):
+    """RMSNorm of one row x (masked entries 0) times the fp32 weight w, in fp32."""
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
-    tl.store(y_ptr + row * stride_y + offs, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    return xf * rstd * w
+
+
+@triton.jit
+def _embed_rms_norm_kernel(table_ptr, tok_ptr, samp_ptr, prev_ptr, w_ptr, x_ptr, y_ptr, stride_t, stride_x,
+                           stride_y, n, eps, BLOCK: tl.constexpr, HAS_PREV: tl.constexpr, PDL: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    tok = tl.load(tok_ptr + row)
+    if HAS_PREV:  # a token the step before sampled on the device: tok holds 0, prev the row of its id
+        tok += tl.load(samp_ptr + tl.load(prev_ptr + row))
+    x = tl.load(table_ptr + tok * stride_t + offs, mask=mask, other=0.0)
+    tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    tl.store(y_ptr + row * stride_y + offs, _normed(x, w, n, eps).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -141,6 +166,23 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm(x, None, weight, eps)[1]
+
+
+def embed_rms_norm(table: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor, eps: float,
+                   sampled: torch.Tensor | None = None, prev_rows: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = token_ids.shape[0], table.shape[1]
+    if weight.shape != (n,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} does not match rows of {n} features")
+    x = torch.empty((rows, n), dtype=table.dtype, device=table.device)
+    y = torch.empty_like(x)
+    has_prev = prev_rows is not None
+    block = triton.next_power_of_2(n)
+    _embed_rms_norm_kernel[(rows,)](
+        table, token_ids, sampled if has_prev else token_ids, prev_rows if has_prev else token_ids, weight, x, y,
+        table.stride(0), x.stride(0), y.stride(0), n, eps, BLOCK=block, HAS_PREV=has_prev,
+        num_warps=max(1, min(16, block // 512)), **launch_args(x, rows))
+    return x, y
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

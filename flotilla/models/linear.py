@@ -171,9 +171,13 @@ class LMHead(nn.Linear):
         """What a step computes the logits with in place of this module (every lm head has one):
         on the CPU, the compiled kernels (`plain_linear`): the weight's smallest exact form (int8 x
         block scale, e.g. a GGUF Q8_0 embedding tied to the head, or fp16), else fp32 in the
-        kernels' layout; fewer bytes a step, and batch-invariant, unlike MKL. None (this module)
-        off the CPU, for a weight that is not fp32, where the kernels are unavailable, or when
-        FLOTILLA_KERNEL forces the dense or reference kernel (debugging: torch all the way)."""
+        kernels' layout; fewer bytes a step, and batch-invariant, unlike MKL. On a GPU, a half
+        weight's product written as fp32 by the GEMM itself (`mm_fp32_out`: no conversion
+        launch after it; the logits keep their fp32 accumulation). None (this module) for an fp32
+        weight off the CPU, where the kernels are unavailable, or when FLOTILLA_KERNEL forces the
+        dense or reference kernel (debugging: torch all the way)."""
+        if device.type == "cuda" and self.weight.dtype in (torch.float16, torch.bfloat16):
+            return mm_fp32_out(self.weight)
         if device.type != "cpu" or self.weight.dtype != torch.float32:
             return None
         if os.environ.get(registry.ENV_KERNEL, "").strip() in ("dense", "reference"):
@@ -184,6 +188,17 @@ class LMHead(nn.Linear):
             return None
         kernel = plain_linear(self.weight) if available() else None
         return self.with_kernel(kernel) if kernel is not None else None
+
+
+def mm_fp32_out(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x [N, in] -> x @ weight.T in fp32, the GEMM writing fp32 (torch.mm's out_dtype), or None
+    where this torch cannot (then the module's half product is converted)."""
+    w = weight.t()  # [in, out]: a view
+    try:
+        torch.mm(weight[:1], w[:, :1], out_dtype=torch.float32)  # [1, 1]: is the overload there
+    except (RuntimeError, TypeError):  # NotImplementedError (no kernel for the device) is a RuntimeError
+        return None
+    return lambda x: torch.mm(x, w, out_dtype=torch.float32)
 
 
 def make_linear(in_features: int, out_sizes: list[int], bias: bool, quant: QuantConfig | GGUFQuant | None,

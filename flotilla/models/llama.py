@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from flotilla.kernels.fused import add_rms_norm, rms_norm, silu_mul
+from flotilla.kernels.fused import add_rms_norm, embed_rms_norm, rms_norm, silu_mul
 
 from .config import ModelConfig
 from .linear import QuantLinear, make_embedding, make_linear, make_lm_head
@@ -167,6 +167,12 @@ def layer_residual(ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, c
         h = rms_norm(x, ops.input_norm, ops.eps)
     else:
         x, h = add_rms_norm(x, delta, ops.input_norm, ops.eps)
+    return layer_normed(ops, x, h, cos, sin, attn)
+
+
+def layer_normed(ops: LayerOps, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer_residual on the input x whose input norm h is computed already."""
     out = attend_normed(ops, h, cos, sin, attn)
     x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
     return x, ops.down(ops.gate_up_act(h))  # silu(gate) * up of gate_up(h) [T, 2 * intermediate]
@@ -246,19 +252,40 @@ class CausalLM(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """x: token ids [T] on the first stage, else hidden states [T, hidden].
-        Returns hidden states [T, hidden], final-normed on the last stage."""
-        h = self.embed(x) if self.stage.is_first else x
-        cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                sampled: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: token ids [T] on the first stage, else hidden states [T, hidden]. `sampled` = (ids,
+        rows), first stage: row t's token is x[t] + ids[rows[t]] (ids a step before sampled, still
+        on the device). Returns hidden states [T, hidden], final-normed on the last stage."""
         layers = self._frozen or [layer.ops() for layer in self.model.layers.values()]
         delta = None  # each layer's last residual add, done by the next norm's kernel
+        if self.stage.is_first and layers:  # the embedding and the first layer's input norm
+            h, normed = self._embed_normed(x, layers[0], sampled)
+            cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
+            h, delta = layer_normed(layers[0], h, normed, cos, sin, attn)
+            layers = layers[1:]
+        else:
+            if self.stage.is_first:
+                x = self.embed(x if sampled is None else x + sampled[0].index_select(0, sampled[1]))
+            h = x
+            cos, sin = self.rope.tables(positions, h.dtype)
         for ops in layers:
             h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
             norm = self.model.norm
             return norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1]
         return h if delta is None else h + delta
+
+    def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps,
+                      sampled: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedded tokens [T, hidden] and their input norm for the first layer: one kernel for
+        a plain embedding table (kernels/fused.embed_rms_norm), else the embedding module's own."""
+        table = self.model.embed_tokens
+        ids, rows = sampled if sampled is not None else (None, None)
+        if type(table) is nn.Embedding:
+            return embed_rms_norm(table.weight, token_ids, first.input_norm, first.eps, ids, rows)
+        x = self.embed(token_ids if rows is None else token_ids + ids.index_select(0, rows))
+        return x, rms_norm(x, first.input_norm, first.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

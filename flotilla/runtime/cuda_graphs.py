@@ -284,11 +284,10 @@ class DecodeGraphRunner:
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
         backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)
-        if self.model.stage.is_first:
-            x = inputs.token_ids + self.sampled.index_select(0, inputs.prev_rows)  # [n]: known tokens, or the last step's ids
+        if self.model.stage.is_first:  # row r's token: token_ids[r] + sampled[prev_rows[r]] (known, or the last step's id)
+            h = self.model(inputs.token_ids, inputs.positions, backend, sampled=(self.sampled, inputs.prev_rows))
         else:
-            x = inputs.hidden
-        h = self.model(x, inputs.positions, backend)  # [n, hidden]
+            h = self.model(inputs.hidden, inputs.positions, backend)  # [n, hidden]
         return self.model.compute_logits(h) if self.model.stage.is_last else h  # [n, vocab] fp32, or [n, hidden]
 
     def _inputs(self, n: int) -> DecodeInputs:

@@ -102,8 +102,7 @@ class ModelRunner:
             raise ValueError(f"launch runs whole-model steps of at most {self.max_launch_rows} sequences that each "
                              f"sample one token; got {step.num_seqs} sequences")
         logits = self._replay(step) if self._replays(step) else self.compute_logits(step, self._forward(step, None))
-        ids = self.sampler.sample_ids(logits, step.sampling)  # [B] on the device
-        self.sampled[:ids.shape[0]].copy_(ids)
+        ids = self.sampler.sample_ids(logits, step.sampling, out=self.sampled[:step.num_seqs])  # [B] on the device
         return self._ids_to_host.start(ids)
 
     @torch.inference_mode()
@@ -149,13 +148,15 @@ class ModelRunner:
 
     def _forward(self, step: StepInput, hidden: torch.Tensor | None) -> torch.Tensor:
         positions, meta = prepare_step(step, self.block_size, self.device)
-        x = hidden
-        if self.model.stage.is_first:
-            x = _to(np.asarray(step.token_ids, dtype=np.int64), self.device)  # [T]
-            if step.prev_rows is not None:  # decodes whose tokens the last launched step sampled
-                rows = np.asarray(step.prev_rows, dtype=np.int64)
-                x = x + self.sampled.index_select(0, _to(np.where(rows < 0, self.sampled.numel() - 1, rows), self.device))
-        return self.model(x, positions, PagedAttentionBackend(self.cache, meta, self.scale))
+        attn = PagedAttentionBackend(self.cache, meta, self.scale)
+        if not self.model.stage.is_first:
+            return self.model(hidden, positions, attn)
+        x = _to(np.asarray(step.token_ids, dtype=np.int64), self.device)  # [T]
+        sampled = None
+        if step.prev_rows is not None:  # decodes whose tokens the last launched step sampled
+            rows = np.asarray(step.prev_rows, dtype=np.int64)
+            sampled = (self.sampled, _to(np.where(rows < 0, self.sampled.numel() - 1, rows), self.device))
+        return self.model(x, positions, attn, sampled=sampled)
 
     def _replays(self, step: StepInput) -> bool:
         """Whether a captured CUDA graph serves this step: every sequence brings at most
@@ -210,8 +211,8 @@ class _IdsToHost:
         self._turn = 0
 
     def start(self, ids: torch.Tensor) -> LaunchedStep:
-        if not self._bufs:  # on the CPU the ids are computed already
-            return LaunchedStep(ids, ids.shape[0], None)
+        if not self._bufs:  # on the CPU the ids are computed already (a copy: `ids` may be the sampled buffer)
+            return LaunchedStep(ids.clone(), ids.shape[0], None)
         host, copied = self._bufs[self._turn], self._events[self._turn]
         self._turn ^= 1
         host[:ids.shape[0]].copy_(ids, non_blocking=True)

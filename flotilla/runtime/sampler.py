@@ -116,16 +116,17 @@ class Sampler:
         return self.logprobs(raw, ids, token_ids, batch)
 
     @torch.inference_mode()
-    def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sampled token ids [B] (int64), left on the logits' device: nothing here waits for
-        the device (per-row parameters go over in non-blocking copies)."""
+        the device (per-row parameters go over in non-blocking copies). `out`: an int64 [B]
+        tensor on that device to write them into (returned); a greedy batch's kernel writes there."""
         logits = logits.float()
         if batch.any_penalty:
             logits = self.apply_penalties(logits, batch)
-        ids = first_max(logits)  # the first maximum, as argmax
-        if not batch.all_greedy:
-            ids = self._sample(logits, ids, batch)
-        return ids
+        if batch.all_greedy:
+            return first_max(logits, out)
+        ids = self._sample(logits, first_max(logits), batch)
+        return ids if out is None else out.copy_(ids)
 
     # ------------------------------------------------------------------ penalties
     def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -202,14 +203,29 @@ class Sampler:
         return SamplerOutput(token_ids, lps, tops)
 
 
-def first_max(logits: torch.Tensor) -> torch.Tensor:
-    """The index of each row's first maximum, [B, V] -> [B] int64 (argmax's answer). On a GPU over a
-    large vocabulary in two passes: the first maximum of each of ~128 chunks, then the first chunk
-    holding the largest (torch's one-pass reduction runs one block a row: 27.7 µs for 128 256 fp32
-    logits on the H200, bench/NOTES-gpu-decode.md run 13). Elsewhere torch's max (faster on CPU
-    than argmax)."""
-    chunk = _chunk(logits.shape[1]) if logits.is_cuda and logits.is_contiguous() else 0
-    return chunked_first_max(logits, chunk) if chunk else logits.max(dim=-1).indices
+def first_max(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The index of each row's first maximum, [B, V] -> [B] int64 (argmax's answer), written into
+    `out` if given. On a GPU over a large vocabulary: into `out`, one launch (kernels/triton_sample:
+    a program per chunk, an atomic max per row); else two passes, the first maximum of each of ~128
+    chunks, then the first chunk holding the largest (torch's one-pass reduction runs one block a
+    row: 27.7 µs for 128 256 fp32 logits on the H200, bench/NOTES-gpu-decode.md run 13).
+    Elsewhere torch's max (faster on CPU than argmax)."""
+    chunk = _chunk(logits.shape[1]) if logits.is_cuda else 0
+    if chunk and out is not None and logits.stride(-1) == 1 and _triton_first_max() is not None:
+        return _triton_first_max()(logits, out)
+    chunked = chunk and logits.is_contiguous()
+    ids = chunked_first_max(logits, chunk) if chunked else logits.max(dim=-1).indices
+    return ids if out is None else out.copy_(ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_first_max():
+    """kernels/triton_sample's first_max_into, or None without Triton."""
+    try:
+        from flotilla.kernels.triton_sample import first_max_into
+    except ImportError:
+        return None
+    return first_max_into
 
 
 def chunked_first_max(logits: torch.Tensor, chunk: int) -> torch.Tensor:

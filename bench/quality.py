@@ -211,6 +211,19 @@ def rotated_calib_configs(g: int, s: str, sym: list[str], keep: str) -> list[tup
          [*base, "--act-order", "--calib-samples", "2048", "--calib-seq-len", "128", *keeps]),
         (f"INT4 GPTQ g{g} {s} rotated random act-order calib 2048x128 keep 8:{keep} seed 1",
          [*base, "--act-order", "--calib-samples", "2048", "--calib-seq-len", "128", *keeps, "--seed", "1"]),
+        *fp_target_configs(g, s, sym),
+    ]
+
+
+def fp_target_configs(g: int, s: str, sym: list[str]) -> list[tuple[str, list[str]]]:
+    """--fp-targets (GPTQ fits each linear to the float model's output on the float model's inputs)
+    beside the rows it changes: GPTQ unrotated, rotated random, and rotated random at seed 1."""
+    base = ["--method", "gptq", "--group-size", str(g), *sym, "--fp-targets"]
+    rot = [*base, "--rotate", "random"]
+    return [
+        (f"INT4 GPTQ g{g} {s} fp-targets", base),
+        (f"INT4 GPTQ g{g} {s} rotated random fp-targets", rot),
+        (f"INT4 GPTQ g{g} {s} rotated random fp-targets seed 1", [*rot, "--seed", "1"]),
     ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flotilla.errors import FlotillaError
 from flotilla.kernels.gptq import GPTQWeight
 from flotilla.kernels.reference import dequantize
 from flotilla.models.attention import DenseCausalAttention
@@ -254,3 +255,41 @@ def test_fake_quantize_is_rtn_on_the_minmax_grid(sym, group):
     w = torch.randn(12, 200) * 0.1
     spec = GridSpec(4, sym=sym)
     assert torch.equal(fake_quantize(w, spec, group), rtn_quantize(w, spec, group).dequantize())
+
+
+# ------------------------------------------------------------------------------ --fp-targets
+
+def test_fp_target_is_the_least_squares_fit_to_the_float_output():
+    """Ŵ = W + W E (H + λI)⁻¹ fits Ŵ x to W x_fp: with no damping it is lstsq's answer; with equal
+    inputs it is W itself (ridge toward W, not toward 0)."""
+    x = correlated_inputs(400, 24, seed=3)
+    x_fp = x + 0.1 * torch.randn(400, 24, generator=torch.Generator().manual_seed(4))
+    W = torch.randn(10, 24, generator=torch.Generator().manual_seed(5))
+    acc = HessianAccumulator(24, "cpu", cross=True)
+    for a, b in zip(x.split(128), x_fp.split(128)):  # in chunks, as the calibration stream feeds it
+        acc.add(a, b)
+    fit = torch.linalg.lstsq(x.double(), (x_fp @ W.t()).double()).solution.t().float()
+    torch.testing.assert_close(acc.fp_target(W, 1e-9), fit, rtol=1e-3, atol=1e-3)
+    assert output_error(x, W, acc.fp_target(W, 0.01)) > 0  # (a fit to x_fp, not to W on x)
+    same = HessianAccumulator(24, "cpu", cross=True)
+    same.add(x, x)
+    assert torch.equal(same.fp_target(W, 0.01), W)
+
+
+def test_fp_targets_on_a_tiny_model(tmp_path):
+    """--fp-targets end to end: the first linear sees the float inputs exactly (its codes are
+    plain GPTQ's), later ones are refitted; the checkpoint loads and says so in its label."""
+    src = tiny_model_dir(tmp_path / "src", seed=13, tokenizer=False)
+    reports, tensors = {}, {}
+    for fp_targets in (False, True):
+        out = tmp_path / f"fp{int(fp_targets)}"
+        options = QuantizeOptions(method="gptq", group_size=32, calib_samples=8, calib_seq_len=32, fp_targets=fp_targets)
+        reports[fp_targets] = quantize_model(src, out, options, progress=False)
+        model = load_stage(open_source(out))
+        tensors[fp_targets] = {n: t.clone() for n, t in model.state_dict().items() if n.endswith("qweight")}
+    assert "fp-targets" in reports[True].label and "fp-targets" not in reports[False].label
+    first = next(n for n in tensors[True] if ".layers.0." in n and "qkv" in n)
+    assert torch.equal(tensors[True][first], tensors[False][first])
+    assert any(not torch.equal(tensors[True][n], tensors[False][n]) for n in tensors[True] if ".layers.1." in n)
+    with pytest.raises(FlotillaError, match="--fp-targets"):
+        QuantizeOptions(method="rtn", fp_targets=True)

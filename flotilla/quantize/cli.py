@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "spans the group's min to max (default output; mse for rtn, which has no calibration text)")
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
+    p.add_argument("--fp-targets", action="store_true",
+                   help="GPTQ fits each linear to the float model's output on the float model's own inputs, so it "
+                        "also corrects the error the linears quantized before it left in its inputs (GPTAQ-style "
+                        "asymmetric calibration); the calibration forward runs twice")
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",
                    help="GPTQ damping as a fraction of the Hessian's mean diagonal (default 0.01; raised "
                         "automatically when needed)")
@@ -107,7 +111,7 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
                            keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive,
                            lm_head_bits=args.lm_head_bits, rotate=args.rotate, rotate_scope=args.rotate_scope,
-                           rotate_all=args.rotate_all_channels)
+                           rotate_all=args.rotate_all_channels, fp_targets=args.fp_targets)
 
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:

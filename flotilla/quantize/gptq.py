@@ -32,16 +32,33 @@ MAX_DAMP_TRIES = 6
 
 
 class HessianAccumulator:
-    """Accumulates H = 2/n Σ x xᵀ over the rows x of every batch fed to a linear."""
+    """Accumulates H = 2/n Σ x xᵀ over the rows x of every batch fed to a linear; with `cross`,
+    also E = 2/n Σ (x_fp - x) xᵀ against the float model's inputs x_fp of the same rows (fp_target)."""
 
-    def __init__(self, in_features: int, device: torch.device | str):
+    def __init__(self, in_features: int, device: torch.device | str, cross: bool = False):
         self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.E = torch.zeros_like(self.H) if cross else None
         self.count = 0
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_fp: torch.Tensor | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=torch.float32)  # [N, in]
         self.H.addmm_(x.t(), x)
+        if self.E is not None:
+            d = x_fp.reshape(x.shape).to(device=self.H.device, dtype=torch.float32) - x  # the inputs' error [N, in]
+            self.E.addmm_(d.t(), x)
         self.count += x.shape[0]
+
+    def fp_target(self, W: torch.Tensor, damp_percent: float) -> torch.Tensor:
+        """The weights whose output on these inputs x is nearest the float model's output W x_fp
+        (least squares, ridge-damped toward W as GPTQ damps H): Ŵ = W + W E (H + λI)⁻¹. Since
+        the residual W x_fp - Ŵ x is orthogonal to the inputs, GPTQ's error against Ŵ plus a
+        constant is the error against the float model's output (GPTAQ's asymmetric calibration)."""
+        H, E = self.hessian(), self.E * (2.0 / self.count)
+        W = W.detach().to(torch.float32)
+        lam = damp_percent * H.diagonal().mean()
+        eye = torch.eye(H.shape[0], device=H.device, dtype=H.dtype)
+        # W E (H + λI)⁻¹ = ((H + λI)⁻¹ Eᵀ Wᵀ)ᵀ: one symmetric solve
+        return W + torch.linalg.solve(H + lam * eye, E.t() @ W.t()).t()
 
     def hessian(self) -> torch.Tensor:
         if self.count == 0:

@@ -12,6 +12,7 @@ layer exactly as a reader of the checkpoint would compute them.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -48,9 +49,11 @@ def projection_names(layer: DecoderLayer, index: int) -> dict[nn.Module, list[st
 
 
 def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, quant: QuantConfig,
-                   acts: CalibrationActivations | None, advance: bool = False) -> LayerResult:
+                   acts: CalibrationActivations | None, advance: bool = False,
+                   fp_acts: CalibrationActivations | None = None) -> LayerResult:
     """Quantize every linear of `layer` (GPTQ and AWQ need `acts`; RTN ignores it). With
-    `advance`, `acts` ends holding the quantized layer's outputs (the next layer's inputs)."""
+    `advance`, `acts` ends holding the quantized layer's outputs (the next layer's inputs), and
+    `fp_acts` (--fp-targets: the float model's hidden states) the float layer's."""
     configs = {mod: quant.for_module(names) for mod, names in projection_names(layer, index).items()}
     result = LayerResult({})
     if options.uses_activations and acts is None:
@@ -62,7 +65,10 @@ def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, qu
         stages = ((m, iter(())) for m in configs)  # rounding alone: no inputs to run
     else:
         stages = acts.linear_inputs(layer, advance)  # true-sequential: each linear's inputs through the ones before
+    # the float layer (after AWQ's scales: the same bases) over the float model's hidden states, in step
+    fp_stages = fp_acts.linear_inputs(copy.deepcopy(layer), advance) if fp_acts is not None else None
     for mod, inputs in stages:
+        fp_inputs = next(fp_stages)[1] if fp_stages is not None else None
         cfg = configs[mod]
         if cfg is None:
             continue  # kept in float (a "-:" dynamic pattern)
@@ -71,18 +77,21 @@ def quantize_layer(layer: DecoderLayer, index: int, options: QuantizeOptions, qu
             q = rtn_quantize(mod.weight, spec, cfg.group_size)
             result.weights[mod] = _write_back(mod, q)
             continue
-        acc = HessianAccumulator(mod.in_features, mod.weight.device)
-        for x in inputs:
-            acc.add(x)
+        acc = HessianAccumulator(mod.in_features, mod.weight.device, cross=fp_inputs is not None)
+        for x, x_fp in zip(inputs, fp_inputs) if fp_inputs is not None else ((x, None) for x in inputs):
+            acc.add(x, x_fp)
         if rounding:
             params = output_clip_params(mod.weight, acc.hessian(), spec, cfg.group_size)
             q = rtn_quantize(mod.weight, spec, cfg.group_size, params)
         else:
-            g = gptq_quantize(mod.weight, acc.hessian(), spec, cfg.group_size, options.damp_percent,
+            target = acc.fp_target(mod.weight, options.damp_percent) if fp_inputs is not None else mod.weight
+            g = gptq_quantize(target, acc.hessian(), spec, cfg.group_size, options.damp_percent,
                               options.block_size, options.act_order)
             q = g.weight
             result.damp_raised += g.damp_percent > options.damp_percent
         result.weights[mod] = _write_back(mod, q)
+    for _ in fp_stages or ():  # the float stream's last stage (its layer output, with `advance`)
+        pass
     return result
 
 

@@ -69,6 +69,7 @@ class QuantizeOptions:
     rotate: str = ""  # hadamard or random: rotate the model first (rotate.py); "": not
     rotate_scope: str = "r1+r2"  # r1: the residual stream only; r2: each head's values only; r1+r2: both
     rotate_all: bool = False  # R1 rotates the channels the norms suppress too (rotate.outlier_channels)
+    fp_targets: bool = False  # GPTQ fits each linear to the float model's output on the float model's inputs
 
     def __post_init__(self):
         if not self.grid:
@@ -90,6 +91,8 @@ class QuantizeOptions:
             (self.rotate_scope in ROTATE_SCOPES,
              f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
             (self.rotate or not self.rotate_all, "--rotate-all-channels needs --rotate"),
+            (self.method in ("gptq", "awq+gptq") or not self.fp_targets,
+             "--fp-targets changes the weights GPTQ rounds; it needs --method gptq or awq+gptq"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),
             (self.lm_head_bits in (None, *BITS),
              f"--lm-head-bits {self.lm_head_bits} is not supported; choose one of {', '.join(map(str, BITS))}"),
@@ -135,7 +138,7 @@ class QuantizeOptions:
     @property
     def label(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
-        extra = " act-order" if self.act_order else ""
+        extra = (" act-order" if self.act_order else "") + (" fp-targets" if self.fp_targets else "")
         grid = "" if self.grid == default_grid(self.method) else f" {self.grid}"
         mixed = "".join(f" keep {b}:{p}" for b, p in self.keep) + (f" sensitive {self.sensitive}" if self.sensitive else "")
         rotated = "" if not self.rotate else f" rotated {self.rotate} {self.rotate_scope}" + " all" * self.rotate_all

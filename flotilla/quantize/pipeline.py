@@ -101,11 +101,13 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
         writer.add_layer("embed", {EMBED: _fp16(EMBED, source.get(EMBED))})
         acts = _activations(source, tokens, cfg, device) if options.uses_activations else None
+        fp_acts = _activations(source, tokens, cfg, device) if options.fp_targets else None  # the float model's stream
         bar = tqdm(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)
             try:
-                result = quantize_layer(layer, i, options, quant, acts, advance=i + 1 < cfg.num_hidden_layers)
+                result = quantize_layer(layer, i, options, quant, acts, advance=i + 1 < cfg.num_hidden_layers,
+                                        fp_acts=fp_acts)
             except ValueError as e:  # degenerate weights or calibration data
                 raise FlotillaError(f"{src}: layer {i}: {e}") from None
             damp_raised += result.damp_raised

@@ -217,11 +217,14 @@ def rotated_calib_configs(g: int, s: str, sym: list[str], keep: str) -> list[tup
 
 def fp_target_configs(g: int, s: str, sym: list[str]) -> list[tuple[str, list[str]]]:
     """--fp-targets (GPTQ fits each linear to the float model's output on the float model's inputs)
-    beside the rows it changes: GPTQ unrotated, rotated random, and rotated random at seed 1."""
+    beside the rows it changes: GPTQ unrotated (and both at seed 1), rotated random, and rotated random
+    at seed 1."""
     base = ["--method", "gptq", "--group-size", str(g), *sym, "--fp-targets"]
     rot = [*base, "--rotate", "random"]
     return [
+        (f"INT4 GPTQ g{g} {s} seed 1", [*base[:-1], "--seed", "1"]),
         (f"INT4 GPTQ g{g} {s} fp-targets", base),
+        (f"INT4 GPTQ g{g} {s} fp-targets seed 1", [*base, "--seed", "1"]),
         (f"INT4 GPTQ g{g} {s} rotated random fp-targets", rot),
         (f"INT4 GPTQ g{g} {s} rotated random fp-targets seed 1", [*rot, "--seed", "1"]),
     ]

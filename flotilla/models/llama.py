@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.fused import add_rms_norm, rms_norm, silu_mul
@@ -68,6 +69,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)  # computed in fp32 for half inputs
+
+
+class NormMatrix(nn.Module):
+    """The final norm's weight as a [hidden, hidden] matrix M, applied to the normed states (the
+    norm's own weight then ones): x -> x Mᵀ. `quantize --rotate-tied-head` writes M = Qᵀ diag(w) Q,
+    so that a model rotated by Q keeps its lm_head tied to the rotated embedding (quantize/rotate.py);
+    the config says so (ModelConfig.final_norm_matrix). Identity until loaded."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(dim), requires_grad=False)  # CausalLM.final_matrix applies it
 
 
 class Attention(nn.Module):
@@ -201,6 +213,7 @@ class DecoderStack(nn.Module):
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, cfg.quant) if stage.is_first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in stage.layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
+        self.norm_matrix = NormMatrix(cfg.hidden_size) if stage.is_last and cfg.final_norm_matrix else None
 
 
 class CausalLM(nn.Module):
@@ -248,7 +261,7 @@ class CausalLM(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """x: token ids [T] on the first stage, else hidden states [T, hidden].
-        Returns hidden states [T, hidden], final-normed on the last stage."""
+        Returns hidden states [T, hidden], final-normed on the last stage (final_matrix too)."""
         h = self.embed(x) if self.stage.is_first else x
         cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
         layers = self._frozen or [layer.ops() for layer in self.model.layers.values()]
@@ -257,8 +270,15 @@ class CausalLM(nn.Module):
             h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
             norm = self.model.norm
-            return norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1]
+            return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1])
         return h if delta is None else h + delta
+
+    def final_matrix(self, normed: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [T, hidden] times its matrix where the checkpoint has one
+        (NormMatrix); applied here, in forward, so every path to the logits (eager, captured,
+        pipeline's last stage, tensor-parallel, eval-ppl) sees it."""
+        m = self.model.norm_matrix
+        return normed if m is None else F.linear(normed, m.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

@@ -36,8 +36,8 @@ import sys
 
 import torch
 
-from flotilla.models.config import ModelConfig
 from flotilla.errors import FlotillaError
+from flotilla.models.config import ModelConfig
 from flotilla.models.weights import EMBED, HEAD, NORM_MATRIX
 
 from .hadamard import hadamard, rotation

@@ -11,6 +11,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 from flotilla.models.attention import DenseCausalAttention
+from flotilla.models.linear import QuantLinear
 from flotilla.models.llama import Stage
 from flotilla.models.sources import open_source
 from flotilla.models.weights import NORM_MATRIX, load_stage
@@ -70,13 +71,15 @@ def test_tied_head_rotation_gives_the_same_logits(tmp_path, kind, scope, suppres
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny tied Llama quantized INT4 RTN g64, rotated, with and without the flag; and with every
-    linear kept in fp16 (--keep 16:.*) so that the logits can be compared with the float model's."""
+    """A tiny tied Llama quantized INT4 RTN g64, rotated, with and without the flag; with every linear
+    kept in fp16 (--keep 16:.*) so that the logits can be compared with the float model's; and with
+    the head quantized (--lm-head-bits 8: the rotated embedding, after M)."""
     root = tmp_path_factory.mktemp("tied-head")
     src = tiny_model_dir(root / "src", seed=4, tie_word_embeddings=True)
     out = {"src": src}
     for name, extra in (("tied", dict(rotate_tied_head=True)), ("untied", {}),
-                        ("fp16", dict(rotate_tied_head=True, keep=((16, ".*"),)))):
+                        ("fp16", dict(rotate_tied_head=True, keep=((16, ".*"),))),
+                        ("head8", dict(rotate_tied_head=True, lm_head_bits=8))):
         options = QuantizeOptions(method="rtn", group_size=64, rotate="hadamard", **extra)
         out[name] = root / name
         out[f"{name}-report"] = quantize_model(src, out[name], options, progress=False)
@@ -111,6 +114,9 @@ def test_tied_head_checkpoint_through_the_runtime_loader(checkpoints):
     untied = load_model(checkpoints["untied"], device="cpu", dtype="float32", with_tokenizer=False).model
     got, other = _logits(tied), _logits(untied)
     assert (got - other).abs().max() < 2e-3 * other.abs().max()  # the same INT4 linears, the same head's function
+    head8 = load_model(checkpoints["head8"], device="cpu", dtype="float32", with_tokenizer=False).model
+    assert head8.model.norm_matrix is not None and isinstance(head8.lm_head, QuantLinear)
+    assert (_logits(head8) - other).abs().max() < 2e-2 * other.abs().max()  # the rotated embedding as an INT8 head
     assert (got - want).norm() < 0.5 * want.norm()  # INT4 RTN of random weights
 
 

@@ -20,7 +20,7 @@ Rows, all measured in this run, each printed as soon as it is done:
                                                         the row's bits per weight (+4.27 on SmolLM2-135M);
                                                         "tied-head" rows keep it tied (--rotate-tied-head:
                                                         the final norm's 576 x 576 matrix, +0.05)
-  INT4 GPTQ g64/g128 asym act-order rotated random tied-head [keep 8:...] [calib 1024x128]
+  INT4 GPTQ g64/g128 asym act-order rotated random tied-head [calib 1024x128] [keep 8:...] [seed 1]
                                                         rotated rows within 4.6 bits per weight
   INT4 GPTQ ... rotated random calib / keep / seed 1    the same with 512x128 or 128x512 calibration
                                                         tokens, --keep 8:PATTERN, and a --seed 1 twin;
@@ -224,8 +224,8 @@ def tied_head_configs(calib: list[str]) -> list[tuple[str, list[str]]]:
     """Rotated rows within issue 21's 4.6 bits per weight, which --rotate-tied-head makes possible on
     SmolLM2 (its tied head untied costs 4.27 bits a weight; kept tied, the final norm's 576 x 576
     matrix costs 0.05): GPTQ asym act-order rotated random at g64 (4.41 bits), g64 with layer 0 at
-    8 bits (4.54), g128 with layers 0 and 29 at 8 bits (4.53); the last two with 1024 x 128
-    calibration tokens as well."""
+    8 bits (4.54), g128 with layers 0 and 29 at 8 bits (4.53), the last also with --seed 1 (other
+    calibration text and matrices) and with 1024 x 128 calibration tokens."""
     base = ["--method", "gptq", "--asym", "--act-order", "--rotate", "random", "--rotate-tied-head"]
     more = ["--calib-samples", "1024", "--calib-seq-len", "128"]
     first, ends = r"model\.layers\.0\.", r"model\.layers\.(0|29)\."
@@ -235,8 +235,8 @@ def tied_head_configs(calib: list[str]) -> list[tuple[str, list[str]]]:
          ["--group-size", "64", *base, "--keep", f"8:{first}", *calib]),
         (f"INT4 GPTQ g128 asym act-order rotated random tied-head keep 8:{ends}",
          ["--group-size", "128", *base, "--keep", f"8:{ends}", *calib]),
-        (f"INT4 GPTQ g64 asym act-order rotated random tied-head calib 1024x128 keep 8:{first}",
-         ["--group-size", "64", *base, "--keep", f"8:{first}", *more]),
+        (f"INT4 GPTQ g128 asym act-order rotated random tied-head keep 8:{ends} seed 1",
+         ["--group-size", "128", *base, "--keep", f"8:{ends}", *calib, "--seed", "1"]),
         (f"INT4 GPTQ g128 asym act-order rotated random tied-head calib 1024x128 keep 8:{ends}",
          ["--group-size", "128", *base, "--keep", f"8:{ends}", *more]),
     ]

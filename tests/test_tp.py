@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from flotilla.models.sources import open_source
 from flotilla.models.weights import load_stage
+from flotilla.quantize.options import QuantizeOptions
+from flotilla.quantize.pipeline import quantize_model
 from flotilla.runtime.model_runner import logits_kernel
 
 from conftest import REPO, make_hf_model, save_hf_model, tiny_config
@@ -42,7 +44,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "int4-g32": write_int4(fp32, root / "int4-g32", group_size=32),
         "int4-g128": write_int4(fp32, root / "int4-g128", group_size=128),  # o_proj: 64 rows a rank, groups of 128
         "int4-act-order": write_int4(fp32, root / "int4-act", group_size=32, act_order=True, seed=3),
+        "rotated-tied-head": rotated_tied_head(root),  # the final norm's matrix before a vocab-parallel tied head
     }
+
+
+def rotated_tied_head(root: Path) -> Path:
+    """quantize --rotate --rotate-tied-head of a tied tiny Llama (INT4 RTN g32)."""
+    options = QuantizeOptions(method="rtn", group_size=32, rotate="hadamard", rotate_tied_head=True)
+    src = tiny_model_dir(root / "tied", seed=5, tie_word_embeddings=True, tokenizer=False)
+    quantize_model(src, root / "rotated-tied-head", options, progress=False)
+    return root / "rotated-tied-head"
 
 
 def tp1_logits(path: Path, frozen: bool) -> torch.Tensor:

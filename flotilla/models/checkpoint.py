@@ -52,7 +52,7 @@ def layer_key(name: str) -> str:
         return name.split(".")[2]
     if name.startswith("model.embed_tokens."):
         return EMBED_KEY
-    if name.startswith(("model.norm.", "lm_head.")):
+    if name.startswith(("model.norm.", "model.norm_matrix.", "lm_head.")):
         return HEAD_KEY
     raise FlotillaError(f"tensor {name!r} belongs to no known layer")
 

@@ -198,6 +198,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     quant: QuantConfig | GGUFQuant | None = None
+    # the final norm's weight is a [hidden, hidden] matrix (`model.norm_matrix.weight`, llama.NormMatrix)
+    # after a norm of ones: quantize --rotate-tied-head; config.json's `flotilla_final_norm_matrix`
+    final_norm_matrix: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -292,6 +295,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             quant=quant,
+            final_norm_matrix=bool(d.get("flotilla_final_norm_matrix", False)),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -325,6 +329,8 @@ class ModelConfig:
         if self.rope_scaling is not None:
             d["rope_scaling"] = asdict(self.rope_scaling)
             d["rope_scaling"]["type"] = self.rope_scaling.rope_type
+        if self.final_norm_matrix:  # flotilla's own: other readers ignore it (and compute other logits)
+            d["flotilla_final_norm_matrix"] = True
         if self.quant is not None and self.quant.to_hf() is not None:
             d["quantization_config"] = self.quant.to_hf()
         return d

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.fused import add_rms_norm, embed_rms_norm, rms_norm, silu_mul
@@ -68,6 +69,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)  # computed in fp32 for half inputs
+
+
+class NormMatrix(nn.Module):
+    """The final norm's weight as a [hidden, hidden] matrix M, applied to the normed states (the
+    norm's own weight then ones): x -> x Mᵀ. `quantize --rotate-tied-head` writes M = Qᵀ diag(w) Q,
+    so that a model rotated by Q keeps its lm_head tied to the rotated embedding (quantize/rotate.py);
+    the config says so (ModelConfig.final_norm_matrix). Identity until loaded."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(dim), requires_grad=False)  # CausalLM.final_matrix applies it
 
 
 class Attention(nn.Module):
@@ -207,6 +219,7 @@ class DecoderStack(nn.Module):
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, cfg.quant) if stage.is_first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in stage.layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
+        self.norm_matrix = NormMatrix(cfg.hidden_size) if stage.is_last and cfg.final_norm_matrix else None
 
 
 class CausalLM(nn.Module):
@@ -256,7 +269,8 @@ class CausalLM(nn.Module):
                 sampled: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: token ids [T] on the first stage, else hidden states [T, hidden]. `sampled` = (ids,
         rows), first stage: row t's token is x[t] + ids[rows[t]] (ids a step before sampled, still
-        on the device). Returns hidden states [T, hidden], final-normed on the last stage."""
+        on the device). Returns hidden states [T, hidden], final-normed on the last stage
+        (final_matrix too)."""
         layers = self._frozen or [layer.ops() for layer in self.model.layers.values()]
         delta = None  # each layer's last residual add, done by the next norm's kernel
         if self.stage.is_first and layers:  # the embedding and the first layer's input norm
@@ -273,7 +287,7 @@ class CausalLM(nn.Module):
             h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
             norm = self.model.norm
-            return norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1]
+            return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1])
         return h if delta is None else h + delta
 
     def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps,
@@ -286,6 +300,13 @@ class CausalLM(nn.Module):
             return embed_rms_norm(table.weight, token_ids, first.input_norm, first.eps, ids, rows)
         x = self.embed(token_ids if rows is None else token_ids + ids.index_select(0, rows))
         return x, rms_norm(x, first.input_norm, first.eps)
+
+    def final_matrix(self, normed: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [T, hidden] times its matrix where the checkpoint has one
+        (NormMatrix); applied here, in forward, so every path to the logits (eager, captured,
+        pipeline's last stage, tensor-parallel, eval-ppl) sees it."""
+        m = self.model.norm_matrix
+        return normed if m is None else F.linear(normed, m.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

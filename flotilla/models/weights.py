@@ -12,11 +12,12 @@ from flotilla.errors import FlotillaError
 from .config import ModelConfig
 from .gguf_linear import GGUFEmbedding, GGUFLinear, GGUFLMHead
 from .linear import Linear, QuantLinear
-from .llama import CausalLM, DecoderLayer, RMSNorm, Stage
+from .llama import CausalLM, DecoderLayer, NormMatrix, RMSNorm, Stage
 from .parallel import VocabParallel
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
+NORM_MATRIX = "model.norm_matrix.weight"  # quantize --rotate-tied-head (llama.NormMatrix)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def load_plan(model: CausalLM) -> list[LoadItem]:
             if cfg.tie_word_embeddings and model.stage.is_first:
                 continue  # the same Parameter as the embedding
             plan.append(LoadItem(EMBED if cfg.tie_word_embeddings else HEAD, mod, "weight", _whole(mod)))
-        elif isinstance(mod, (nn.Embedding, GGUFEmbedding, RMSNorm)):
+        elif isinstance(mod, (nn.Embedding, GGUFEmbedding, RMSNorm, NormMatrix)):
             plan.append(LoadItem(f"{name}.weight", mod, "weight", _whole(mod)))
     return plan
 

@@ -2,7 +2,7 @@
 
     quantize SRC [-o OUT] [--bits 4|8] [--group-size G|-1] [--method gptq|rtn|awq|awq+gptq] [--sym|--asym]
              [--keep BITS:PATTERN]... [--sensitive N] [--rotate [hadamard|random]] [--rotate-scope r1|r2|r1+r2]
-             [--rotate-all-channels]
+             [--rotate-all-channels] [--rotate-tied-head]
              [--grid output|mse|minmax] [--act-order] [--calib FILE] [--calib-samples N] [--calib-seq-len L] [--shard-size 2GB]
              [--device cpu|cuda] [--force]
 
@@ -80,13 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "each head's values by a head_dim one. hadamard (the default when the flag is bare): a "
                         "randomized Hadamard matrix where the order is 2^k times a Paley order (572 = 571 + 1, "
                         "576 = 72 x 8, 64, 2048, 4096, ...), else a seeded random orthogonal one (QR of a Gaussian); random: "
-                        "always the latter. A tied lm_head becomes an untied fp16 one")
+                        "always the latter. A tied lm_head becomes an untied fp16 one (see --rotate-tied-head)")
     p.add_argument("--rotate-scope", default=_DEFAULTS.rotate_scope, metavar="{r1,r2,r1+r2}",
                    help="r1: the residual stream only; r2: each attention head's values only (keeps the norms and a "
                         "tied lm_head); r1+r2: both (default r1+r2)")
     p.add_argument("--rotate-all-channels", action="store_true",
                    help="R1 rotates every residual channel; by default the few that the model's norms suppress in "
                         "many layers (where its massive activations are) are left out, their norm weights kept")
+    p.add_argument("--rotate-tied-head", action="store_true",
+                   help="keep a tied lm_head tied under R1: the checkpoint stores the rotated embedding once and "
+                        "the final norm's weight as a hidden x hidden matrix (model.norm_matrix.weight), instead of "
+                        "an untied fp16 lm_head (SmolLM2-135M: 4.2 instead of 8.5 bits per weight). Such a "
+                        "checkpoint runs in flotilla only: other tools (transformers, vLLM) ignore the matrix and "
+                        "compute wrong logits; without the flag it is a plain Llama GPTQ checkpoint")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration text: a text file, or JSONL with a \"text\" field "
                         "(default: text sampled from the model itself)")
@@ -111,7 +117,8 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            shard_size=parse_size(args.shard_size), device=args.device, force=args.force,
                            keep=tuple(QuantizeOptions.parse_keep(k) for k in args.keep), sensitive=args.sensitive,
                            lm_head_bits=args.lm_head_bits, rotate=args.rotate, rotate_scope=args.rotate_scope,
-                           rotate_all=args.rotate_all_channels, fp_targets=args.fp_targets)
+                           rotate_all=args.rotate_all_channels, rotate_tied_head=args.rotate_tied_head,
+                           fp_targets=args.fp_targets)
 
 
 def default_out(src: Path, options: QuantizeOptions) -> Path:

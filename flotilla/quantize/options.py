@@ -69,6 +69,7 @@ class QuantizeOptions:
     rotate: str = ""  # hadamard or random: rotate the model first (rotate.py); "": not
     rotate_scope: str = "r1+r2"  # r1: the residual stream only; r2: each head's values only; r1+r2: both
     rotate_all: bool = False  # R1 rotates the channels the norms suppress too (rotate.outlier_channels)
+    rotate_tied_head: bool = False  # R1 keeps a tied lm_head tied: the final norm becomes a matrix (rotate.py)
     fp_targets: bool = False  # GPTQ fits each linear to the float model's output on the float model's inputs
 
     def __post_init__(self):
@@ -91,6 +92,10 @@ class QuantizeOptions:
             (self.rotate_scope in ROTATE_SCOPES,
              f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
             (self.rotate or not self.rotate_all, "--rotate-all-channels needs --rotate"),
+            (self.rotate or not self.rotate_tied_head, "--rotate-tied-head needs --rotate"),
+            ("r1" in self.rotate_scope or not self.rotate_tied_head,
+             f"--rotate-tied-head keeps the lm_head that R1 unties tied; --rotate-scope {self.rotate_scope} has no R1 "
+             "and keeps a tied head tied already (drop --rotate-tied-head)"),
             (self.method in ("gptq", "awq+gptq") or not self.fp_targets,
              "--fp-targets changes the weights GPTQ rounds; it needs --method gptq or awq+gptq"),
             (self.sensitive >= 0, f"--sensitive {self.sensitive} must be 0 or more"),
@@ -141,6 +146,7 @@ class QuantizeOptions:
         extra = (" act-order" if self.act_order else "") + (" fp-targets" if self.fp_targets else "")
         grid = "" if self.grid == default_grid(self.method) else f" {self.grid}"
         mixed = "".join(f" keep {b}:{p}" for b, p in self.keep) + (f" sensitive {self.sensitive}" if self.sensitive else "")
-        rotated = "" if not self.rotate else f" rotated {self.rotate} {self.rotate_scope}" + " all" * self.rotate_all
+        rotated = "" if not self.rotate else (f" rotated {self.rotate} {self.rotate_scope}" + " all" * self.rotate_all
+                                              + " tied-head" * self.rotate_tied_head)
         return (f"INT{self.bits} {self.method.upper()} {group} {'sym' if self.sym else 'asym'}{grid}{extra}{mixed}"
                 f"{rotated}")

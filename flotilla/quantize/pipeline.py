@@ -10,7 +10,8 @@
                     (true-sequential: the calibration hidden states go through the layer once, each
                     linear quantized before the stage after it runs, ending as the next layer's
                     inputs), write it, free it
-    final norm (+ lm_head when untied) -> fp16; tokenizer and generation config; commit
+    final norm (+ lm_head when untied, + its matrix with --rotate-tied-head) -> fp16; tokenizer and
+                    generation config; commit
 
 Peak memory is one layer's fp32 weights, the calibration hidden states and the shard being
 filled (at most --shard-size of quantized tensors), never the whole model in fp32; sampling
@@ -36,7 +37,7 @@ from flotilla.models.gguf_source import GGUFSource
 from flotilla.models.llama import CausalLM, DecoderLayer
 from flotilla.models.sources import open_source
 from flotilla.models.tokenizer import load_tokenizer
-from flotilla.models.weights import EMBED, HEAD, load_layer, required_tensor_names
+from flotilla.models.weights import EMBED, HEAD, NORM_MATRIX, load_layer, required_tensor_names
 
 from .activations import CalibrationActivations
 from .calibration import generate_tokens, tokens_from_file
@@ -44,7 +45,7 @@ from .layer import LayerResult, layer_tensors, quantize_layer
 from .head import check_head, head_dynamic, head_tensors
 from .mixed import dynamic_entries, keep_choice, measure_errors, most_sensitive, units
 from .options import QuantizeOptions
-from .rotate import rotated
+from .rotate import check_tied_head, rotated
 from .report import QuantizeReport, linear_storage, peak_gpu_bytes, peak_rss_bytes, source_bytes
 
 NORM = "model.norm.weight"
@@ -80,10 +81,11 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             tokens = generate_tokens(source, options.calib_samples, options.calib_seq_len, options.seed, device,
                                      progress)
             calib_from = "model-generated"
-    untied_head = False
+    untied_head = norm_matrix = False
     if options.rotate:
-        source = rotated(source, options.rotate, options.rotate_scope, options.seed, keep_outliers=not options.rotate_all)
-        cfg, untied_head = source.config, source.untied_head
+        source = rotated(source, options.rotate, options.rotate_scope, options.seed,
+                         keep_outliers=not options.rotate_all, tied_head=options.rotate_tied_head)
+        cfg, untied_head, norm_matrix = source.config, source.untied_head, source.norm_matrix
 
     if options.sensitive:
         acts = _activations(source, tokens, cfg, device)
@@ -119,8 +121,9 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
             del layer, result
             source.release()
         head = _head_tensors(source, cfg, options, device)
-        if untied_head:  # stored only because of the rotation: counted as the linears' cost
-            linear_bytes += sum(t.numel() * t.element_size() for n, t in head.items() if n.startswith("lm_head."))
+        if untied_head or norm_matrix:  # stored only because of the rotation: counted as the linears' cost
+            linear_bytes += sum(t.numel() * t.element_size() for n, t in head.items()
+                                if n.startswith("lm_head.") and untied_head or n == NORM_MATRIX)
         writer.add_layer("head", head)
         _write_tokenizer(writer, src, tokenizer, cfg)
         writer.commit()
@@ -130,6 +133,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         seconds=time.perf_counter() - start, peak_rss=peak_rss_bytes(), peak_gpu=peak_gpu_bytes(device),
         calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised,
         bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)), untied_head=untied_head,
+        norm_matrix=norm_matrix,
         kept=tuple(f"{u.label}:{b}" for u, b in sorted(chosen.items(), key=lambda c: (c[0].layer, c[0].merged))))
 
 
@@ -146,6 +150,8 @@ def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:
                             "quantize needs an unquantized model")
     if options.lm_head_bits is not None:
         check_head(cfg, options.lm_head_bits, where)
+    if options.rotate_tied_head:
+        check_tied_head(cfg, where)
     per_word = 32 // options.bits
     linears = [  # (projections, in_features, out sizes)
         ("q/k/v_proj and gate/up_proj", cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.intermediate_size]),
@@ -188,8 +194,11 @@ def _try_tokenizer(src: Path, cfg: ModelConfig):
 
 
 def _head_tensors(source, cfg: ModelConfig, options: QuantizeOptions, device: torch.device) -> dict[str, torch.Tensor]:
-    """The final norm, and the lm_head: fp16 when untied, or quantized (--lm-head-bits, tied or not)."""
+    """The final norm (and its matrix: --rotate-tied-head), and the lm_head: fp16 when untied, or
+    quantized (--lm-head-bits, tied or not)."""
     tensors = {NORM: _fp16(NORM, source.get(NORM))}
+    if cfg.final_norm_matrix:
+        tensors[NORM_MATRIX] = _fp16(NORM_MATRIX, source.get(NORM_MATRIX))
     if options.lm_head_bits is not None:
         tensors.update(head_tensors(source.get(EMBED if cfg.tie_word_embeddings else HEAD), options.lm_head_bits,
                                     options.group_size, options.sym, device))

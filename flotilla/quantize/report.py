@@ -63,6 +63,7 @@ class QuantizeReport:
     bits_per_weight: float = 0.0  # stored bits per weight of the decoder's linears (scales etc. included)
     kept: tuple[str, ...] = ()  # "layer.linear:bits" of the linears above the base bit width
     untied_head: bool = False  # --rotate untied a tied lm_head: its own copy is in bits_per_weight
+    norm_matrix: bool = False  # --rotate-tied-head: the final norm's hidden x hidden matrix is in bits_per_weight
 
     @property
     def fp16_bytes(self) -> int:
@@ -81,6 +82,9 @@ class QuantizeReport:
         ]
         if self.untied_head:
             lines.append("  rotation  untied the tied lm_head: its own copy is counted in the bits per weight above")
+        if self.norm_matrix:
+            lines.append("  rotation  kept the lm_head tied: the final norm's hidden x hidden matrix is counted in the "
+                         "bits per weight above (a flotilla-only checkpoint)")
         if self.kept:
             lines.append(f"  mixed     {len(self.kept)} linear(s) kept wider: {', '.join(self.kept)}")
         if self.damp_raised:

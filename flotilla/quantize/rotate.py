@@ -14,7 +14,12 @@ R (head_dim x head_dim) orthogonal, the model computes the same function with:
         Residual channels that the norms suppress in many layers (massive activations) are left out
         of Q (Q is the identity on them) and their norm weights stay in the norms (outlier_channels).
         A tied lm_head becomes untied (embed Q ≠ diag(g) embed Q): the checkpoint gains an fp16
-        lm_head, counted in the bits per weight of the report.
+        lm_head, counted in the bits per weight of the report. With --rotate-tied-head it stays
+        tied instead: an RMSNorm without a weight commutes with Q, so the logits n(x) diag(g) embedᵀ
+        are n(x Q) M (embed Q)ᵀ with M = Qᵀ diag(g) Q (hidden x hidden, symmetric): the final norm's
+        weight becomes ones and M is stored as `model.norm_matrix.weight` (fp16, as every other float
+        tensor of the checkpoint: the runtime computes in fp16/bf16 on a GPU anyway), applied after
+        the norm (models/llama.NormMatrix). A flotilla-only checkpoint: other readers ignore M.
     R2  each attention head's values v_h -> v_h R: v_proj's rows of each KV head W -> Rᵀ W (bias
         b -> b R), o_proj's columns of every query head W -> W R (one R for all heads, so a KV head
         and its GQA query group agree). Attention mixes values linearly, so this is exact. R2 alone
@@ -31,8 +36,9 @@ import sys
 
 import torch
 
+from flotilla.errors import FlotillaError
 from flotilla.models.config import ModelConfig
-from flotilla.models.weights import EMBED, HEAD
+from flotilla.models.weights import EMBED, HEAD, NORM_MATRIX
 
 from .hadamard import hadamard, rotation
 
@@ -107,13 +113,18 @@ class Rotation:
 
 class RotatedSource:
     """A weight source whose tensors are those of the rotated model (module docstring), in fp32;
-    with R1, `config` is the source's with tie_word_embeddings off and `lm_head.weight` always present."""
+    with R1, `config` is the source's with tie_word_embeddings off and `lm_head.weight` always present,
+    or, `tied_head` (and a tied source), with final_norm_matrix on and `model.norm_matrix.weight` present."""
 
-    def __init__(self, source, rot: Rotation):
+    def __init__(self, source, rot: Rotation, tied_head: bool = False):
         self.source, self.rot = source, rot
         self.path, self.opened_files = source.path, getattr(source, "opened_files", [])
-        self.untied_head = rot.q is not None and source.config.tie_word_embeddings  # the checkpoint gains one
-        self.config = dataclasses.replace(source.config, tie_word_embeddings=False) if rot.q is not None else source.config
+        r1_ties = rot.q is not None and source.config.tie_word_embeddings  # R1 on a tied head
+        self.untied_head = r1_ties and not tied_head  # the checkpoint gains an lm_head
+        self.norm_matrix = r1_ties and tied_head  # the checkpoint gains model.norm_matrix.weight
+        self.config = (dataclasses.replace(source.config, final_norm_matrix=True) if self.norm_matrix
+                       else dataclasses.replace(source.config, tie_word_embeddings=False) if rot.q is not None
+                       else source.config)
         self._kept = torch.zeros(source.config.hidden_size, dtype=torch.bool)
         self._kept[list(rot.kept)] = True
 
@@ -122,7 +133,8 @@ class RotatedSource:
 
     def names(self) -> list[str]:
         names = self.source.names()
-        return names + [HEAD] if self.untied_head and HEAD not in names else names
+        extra = [HEAD] * (self.untied_head and HEAD not in names) + [NORM_MATRIX] * self.norm_matrix
+        return names + extra
 
     def get(self, name: str) -> torch.Tensor:
         q = self.rot.q
@@ -134,7 +146,9 @@ class RotatedSource:
             head = EMBED if self.untied_head else HEAD
             return (self._f32(head) * self._folded(NORM)) @ q
         if name == NORM:
-            return self._left(NORM)
+            return torch.ones(self.config.hidden_size) if self.norm_matrix else self._left(NORM)
+        if name == NORM_MATRIX and self.norm_matrix:
+            return (q.T * self._f32(NORM)) @ q  # Qᵀ diag(g) Q [hidden, hidden]
         m = _LAYER.match(name)
         if m is None:
             return self.source.get(name)
@@ -191,13 +205,24 @@ class RotatedSource:
         return (w.reshape(w.shape[0], -1, d) @ self.rot.r).reshape(w.shape)  # [out, heads, d]
 
 
-def rotated(source, kind: str, scope: str, seed: int, keep_outliers: bool = True) -> RotatedSource:
-    """`source` rotated (--rotate KIND --rotate-scope SCOPE); says on stderr what was used."""
+def check_tied_head(cfg: ModelConfig, where: str) -> None:
+    """--rotate-tied-head is for a model whose lm_head is its embedding."""
+    if not cfg.tie_word_embeddings:
+        raise FlotillaError(f"{where}: --rotate-tied-head keeps a tied lm_head tied, but this model's lm_head is "
+                            "its own tensor (tie_word_embeddings is false) and R1 rotates it as it is; drop the flag")
+
+
+def rotated(source, kind: str, scope: str, seed: int, keep_outliers: bool = True,
+            tied_head: bool = False) -> RotatedSource:
+    """`source` rotated (--rotate KIND --rotate-scope SCOPE [--rotate-tied-head]); says on stderr what was used."""
     rot = Rotation.build(source, kind, scope, seed, keep_outliers)
+    out = RotatedSource(source, rot, tied_head)
     note = f"rotation: {rot.description}"
     if kind == "hadamard" and "random" in rot.description:
         note += " (no Hadamard matrix of that order is built here: a random orthogonal one instead)"
-    if rot.q is not None and source.config.tie_word_embeddings:
-        note += "; the tied lm_head is untied (an fp16 lm_head is written)"
+    if out.untied_head:
+        note += "; the tied lm_head is untied (an fp16 lm_head is written; --rotate-tied-head keeps it tied)"
+    elif out.norm_matrix:
+        note += "; the lm_head stays tied (the final norm's weight becomes a hidden x hidden matrix)"
     print(note, file=sys.stderr)
-    return RotatedSource(source, rot)
+    return out

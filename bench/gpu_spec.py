@@ -132,6 +132,7 @@ def shared_draft(target: CausalLM, layers: int) -> CausalLM:
     draft.model.embed_tokens = target.model.embed_tokens
     draft.model.layers = torch.nn.ModuleDict({str(i): target.model.layers[str(i)] for i in range(layers)})
     draft.model.norm = target.model.norm
+    draft.model.norm_matrix = target.model.norm_matrix
     draft.lm_head = target.lm_head
     draft.rope = target.rope
     return draft

@@ -68,7 +68,7 @@ def rows_for(batch: int, vocab: int, hidden: int) -> list[dict]:
             "before_max_err": (before() - exact).abs().max().item(), "after_max_err": (after() - exact).abs().max().item()}
 
     logits = torch.randn(batch, vocab, device=dev, generator=gen)
-    sampled = torch.zeros(257, dtype=torch.int64, device=dev)
+    sampled = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
     two_pass = lambda: sampled[:batch].copy_(first_max(logits))  # noqa: E731
     one = lambda: first_max_into(logits, sampled[:batch])  # noqa: E731
     want = first_max(logits).tolist()

@@ -178,3 +178,25 @@ def test_the_parallel_layers_refuse_sizes_that_do_not_divide():
             make_linear(64, [64], False, None, split="row")
         with pytest.raises(FlotillaError, match="an axis of 10 does not divide among 3"):
             make_embedding(10, 4)
+
+
+def test_a_vocab_parallel_heads_gpu_logits_kernel_gathers_its_columns(monkeypatch):
+    """On a GPU a half head's logits come from a GEMM writing fp32 (linear.mm_fp32_out); a
+    vocabulary-parallel head's must still go through its with_kernel (the gather of the shards).
+    Checked on the CPU with the GEMM stubbed: the branch is the device type and the dtype."""
+    from flotilla.models import linear
+
+    monkeypatch.setattr(linear, "mm_fp32_out", lambda w: lambda x: (x.float() @ w.float().t()))
+    group = TPGroup(0, 2)
+    with tensor_parallel(group):
+        head = make_lm_head(16, 12)
+    head.weight.data = torch.randn(6, 16).half()
+    gathered = []
+    monkeypatch.setattr(TPGroup, "gather_columns", lambda self, t: gathered.append(t) or t)
+    fn = head.logits_fn(torch.device("cuda"))
+    out = fn(torch.randn(3, 16).half())
+    assert out.dtype == torch.float32 and len(gathered) == 1 and gathered[0] is out
+    plain = LMHead(16, 12).half()
+    assert plain.logits_fn(torch.device("cuda")) is not None  # the stub, no gather
+    monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
+    assert plain.logits_fn(torch.device("cuda")) is None  # debugging: torch all the way

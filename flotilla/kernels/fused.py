@@ -70,8 +70,9 @@ def embed_rms_norm(table: torch.Tensor, token_ids: torch.Tensor, weight: torch.T
                    prev_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A first stage's step start: ids = token_ids [T] (+ sampled[prev_rows], the ids a step before
     sampled on the device), x = table[ids] [T, H], and (x, rms_norm(x)). One launch on CUDA."""
-    if (table.dim() == 2 and token_ids.is_cuda and token_ids.dtype == torch.int64 and _on_gpu(table, weight)
-            and (prev_rows is None or (prev_rows.dtype == sampled.dtype == torch.int64))):
+    if (table.dim() == 2 and token_ids.is_cuda and token_ids.dtype == torch.int64 and token_ids.stride(0) == 1
+            and _on_gpu(table, weight) and (prev_rows is None or (prev_rows.dtype == sampled.dtype == torch.int64
+                                                                   and prev_rows.stride(0) == sampled.stride(0) == 1))):
         from .triton_fused import embed_rms_norm as triton_embed_rms_norm
 
         return triton_embed_rms_norm(table, token_ids, weight, eps, sampled, prev_rows)

@@ -10,6 +10,8 @@ all bits flipped), times 2^24, plus 2^24 - 1 - index (V < 2^24). The last progra
 finish (a counter) takes the key, writes the id into `out` and puts key and counter back to
 their resting values, so the scratch needs no clearing launch before the next call.
 
+A NaN logit is passed over (Triton's max ignores it), where torch's argmax would return its index.
+
 This replaces two reduction passes and three small kernels (bench/NOTES-gpu-decode.md) and writes
 the ids where the caller wants them (the runner's sampled-ids buffer), so no copy follows.
 """
@@ -56,10 +58,13 @@ class FirstMax:
         B, V = logits.shape
         if V >= MAX_VOCAB:
             raise ValueError(f"first_max_into takes vocabularies below {MAX_VOCAB}, got {V}")
-        if out.shape != (B,) or out.dtype != torch.int64 or logits.stride(1) != 1:
-            raise ValueError(f"first_max_into writes int64 [{B}] from row-contiguous logits; got out "
-                             f"{out.dtype} {tuple(out.shape)}, logits strides {logits.stride()}")
-        if self.keys.numel() < B:  # grown outside any graph (the scratch is in stream order)
+        if out.shape != (B,) or out.dtype != torch.int64 or out.stride(0) != 1 or logits.stride(1) != 1:
+            raise ValueError(f"first_max_into writes a contiguous int64 [{B}] from row-contiguous logits; got out "
+                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}, logits strides {logits.stride()}")
+        if self.keys.numel() < B:  # grown in stream order (the old scratch is freed after the calls using it)
+            if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"first_max_into's scratch must grow to {B} rows, which a CUDA graph capture "
+                                   "cannot do: call it once at that size before capturing")
             self.keys = torch.full((B,), _EMPTY, dtype=torch.int64, device=self.device)
             self.counts = torch.zeros(B, dtype=torch.int32, device=self.device)
         chunks = triton.cdiv(V, _CHUNK)

@@ -176,11 +176,12 @@ class LMHead(nn.Linear):
         launch after it; the logits keep their fp32 accumulation). None (this module) for an fp32
         weight off the CPU, where the kernels are unavailable, or when FLOTILLA_KERNEL forces the
         dense or reference kernel (debugging: torch all the way)."""
-        if device.type == "cuda" and self.weight.dtype in (torch.float16, torch.bfloat16):
-            return mm_fp32_out(self.weight)
-        if device.type != "cpu" or self.weight.dtype != torch.float32:
-            return None
         if os.environ.get(registry.ENV_KERNEL, "").strip() in ("dense", "reference"):
+            return None
+        if device.type == "cuda" and self.weight.dtype in (torch.float16, torch.bfloat16):
+            kernel = mm_fp32_out(self.weight)  # through with_kernel: a vocab-parallel head gathers its columns
+            return self.with_kernel(kernel) if kernel is not None else None
+        if device.type != "cpu" or self.weight.dtype != torch.float32:
             return None
         try:
             from flotilla.kernels.cpu import available, plain_linear

@@ -273,16 +273,11 @@ class CausalLM(nn.Module):
         (final_matrix too)."""
         layers = self._frozen or [layer.ops() for layer in self.model.layers.values()]
         delta = None  # each layer's last residual add, done by the next norm's kernel
-        if self.stage.is_first and layers:  # the embedding and the first layer's input norm
-            h, normed = self._embed_normed(x, layers[0], sampled)
-            cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
+        h, normed = self._embed_normed(x, layers[0] if layers else None, sampled) if self.stage.is_first else (x, None)
+        cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
+        if normed is not None:  # the first layer's input norm came with the embedding
             h, delta = layer_normed(layers[0], h, normed, cos, sin, attn)
             layers = layers[1:]
-        else:
-            if self.stage.is_first:
-                x = self.embed(x if sampled is None else x + sampled[0].index_select(0, sampled[1]))
-            h = x
-            cos, sin = self.rope.tables(positions, h.dtype)
         for ops in layers:
             h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
@@ -290,16 +285,17 @@ class CausalLM(nn.Module):
             return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1])
         return h if delta is None else h + delta
 
-    def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps,
-                      sampled: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embedded tokens [T, hidden] and their input norm for the first layer: one kernel for
-        a plain embedding table (kernels/fused.embed_rms_norm), else the embedding module's own."""
+    def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps | None,
+                      sampled: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The embedded tokens [T, hidden] and their input norm for the `first` layer (None: a stage
+        of no layers): one kernel for a plain embedding table (kernels/fused.embed_rms_norm), else
+        the embedding module's own."""
         table = self.model.embed_tokens
         ids, rows = sampled if sampled is not None else (None, None)
-        if type(table) is nn.Embedding:
+        if type(table) is nn.Embedding and first is not None:
             return embed_rms_norm(table.weight, token_ids, first.input_norm, first.eps, ids, rows)
         x = self.embed(token_ids if rows is None else token_ids + ids.index_select(0, rows))
-        return x, rms_norm(x, first.input_norm, first.eps)
+        return x, rms_norm(x, first.input_norm, first.eps) if first is not None else None
 
     def final_matrix(self, normed: torch.Tensor) -> torch.Tensor:
         """The final norm's output [T, hidden] times its matrix where the checkpoint has one

@@ -56,9 +56,14 @@ class HessianAccumulator:
         H, E = self.hessian(), self.E * (2.0 / self.count)
         W = W.detach().to(torch.float32)
         lam = damp_percent * H.diagonal().mean()
+        if not lam > 0:
+            raise ValueError("every calibration input of this linear is zero: nothing to fit its output to")
         eye = torch.eye(H.shape[0], device=H.device, dtype=H.dtype)
-        # W E (H + λI)⁻¹ = ((H + λI)⁻¹ Eᵀ Wᵀ)ᵀ: one symmetric solve
-        return W + torch.linalg.solve(H + lam * eye, E.t() @ W.t()).t()
+        L, info = torch.linalg.cholesky_ex(H + lam * eye)  # positive definite: H is a Gram matrix, λ > 0
+        if int(info):
+            raise ValueError(f"the damped Hessian is not positive definite (damp {damp_percent:.3g})")
+        # W E (H + λI)⁻¹ = ((H + λI)⁻¹ Eᵀ Wᵀ)ᵀ
+        return W + torch.cholesky_solve(E.t() @ W.t(), L).t()
 
     def hessian(self) -> torch.Tensor:
         if self.count == 0:

@@ -123,7 +123,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         head = _head_tensors(source, cfg, options, device)
         if untied_head or norm_matrix:  # stored only because of the rotation: counted as the linears' cost
             linear_bytes += sum(t.numel() * t.element_size() for n, t in head.items()
-                                if n.startswith("lm_head.") and untied_head or n == NORM_MATRIX)
+                                if (n.startswith("lm_head.") and untied_head) or n == NORM_MATRIX)
         writer.add_layer("head", head)
         _write_tokenizer(writer, src, tokenizer, cfg)
         writer.commit()

@@ -210,9 +210,11 @@ def first_max(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     chunks, then the first chunk holding the largest (torch's one-pass reduction runs one block a
     row: 27.7 µs for 128 256 fp32 logits on the H200, bench/NOTES-gpu-decode.md run 13).
     Elsewhere torch's max (faster on CPU than argmax)."""
-    chunk = _chunk(logits.shape[1]) if logits.is_cuda else 0
-    if chunk and out is not None and logits.stride(-1) == 1 and _triton_first_max() is not None:
+    V = logits.shape[1]
+    if (out is not None and logits.is_cuda and 16384 <= V < (1 << 24) and logits.stride(-1) == 1
+            and out.stride(0) == 1 and _triton_first_max() is not None):  # masked chunks: any V
         return _triton_first_max()(logits, out)
+    chunk = _chunk(V) if logits.is_cuda else 0
     chunked = chunk and logits.is_contiguous()
     ids = chunked_first_max(logits, chunk) if chunked else logits.max(dim=-1).indices
     return ids if out is None else out.copy_(ids)

@@ -64,9 +64,9 @@ def local(ckpt, round_after: int | None):
     model = lm.model
     engine = build_engine(lm, ARGS)  # freezes the model: forward runs model._frozen
     if round_after is not None:
-        def forward(x, positions, attn):  # CausalLM.forward with the wire's rounding at the cut
+        def forward(x, positions, attn, sampled=None):  # CausalLM.forward with the wire's rounding at the cut
             from flotilla.models.llama import layer_step
-            h = model.embed(x)
+            h = model.embed(x if sampled is None else x + sampled[0].index_select(0, sampled[1]))
             cos, sin = model.rope.tables(positions, h.dtype)
             for i, ops in enumerate(model._frozen):
                 if i == round_after:

@@ -233,6 +233,9 @@ def fp_target_configs(g: int, s: str, sym: list[str]) -> list[tuple[str, list[st
         (f"INT4 GPTQ g{g} {s} fp-targets seed 1", [*base, "--seed", "1"]),
         (f"INT4 GPTQ g{g} {s} rotated random fp-targets", rot),
         (f"INT4 GPTQ g{g} {s} rotated random fp-targets seed 1", [*rot, "--seed", "1"]),
+        ("INT4 GPTQ g64 asym act-order", ["--method", "gptq", "--group-size", "64", "--asym", "--act-order"]),
+        ("INT4 GPTQ g64 asym act-order fp-targets",
+         ["--method", "gptq", "--group-size", "64", "--asym", "--act-order", "--fp-targets"]),
     ]
 
 

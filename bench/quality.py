@@ -233,6 +233,8 @@ def fp_target_configs(g: int, s: str, sym: list[str]) -> list[tuple[str, list[st
         (f"INT4 GPTQ g{g} {s} fp-targets seed 1", [*base, "--seed", "1"]),
         (f"INT4 GPTQ g{g} {s} rotated random fp-targets", rot),
         (f"INT4 GPTQ g{g} {s} rotated random fp-targets seed 1", [*rot, "--seed", "1"]),
+        (f"INT4 GPTQ g{g} {s} act-order fp-targets", [*base, "--act-order"]),
+        (f"INT4 AWQ+GPTQ g{g} {s} fp-targets", ["--method", "awq+gptq", *base[2:]]),
         ("INT4 GPTQ g64 asym act-order", ["--method", "gptq", "--group-size", "64", "--asym", "--act-order"]),
         ("INT4 GPTQ g64 asym act-order fp-targets",
          ["--method", "gptq", "--group-size", "64", "--asym", "--act-order", "--fp-targets"]),

@@ -103,7 +103,8 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
         writer.add_layer("embed", {EMBED: _fp16(EMBED, source.get(EMBED))})
         acts = _activations(source, tokens, cfg, device) if options.uses_activations else None
-        fp_acts = _activations(source, tokens, cfg, device) if options.fp_targets else None  # the float model's stream
+        # the float model's stream: its own copy of the same starting states (no second embedding read)
+        fp_acts = CalibrationActivations(acts.hidden.clone(), cfg) if options.fp_targets else None
         bar = tqdm(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)

@@ -26,6 +26,7 @@ import torch
 from .sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_LARGE_VOCAB = 16384  # from here up, first_max on a GPU works in chunks (below, torch's one pass)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def first_max(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     row: 27.7 µs for 128 256 fp32 logits on the H200, bench/NOTES-gpu-decode.md run 13).
     Elsewhere torch's max (faster on CPU than argmax)."""
     V = logits.shape[1]
-    if (out is not None and logits.is_cuda and 16384 <= V < (1 << 24) and logits.stride(-1) == 1
+    if (out is not None and logits.is_cuda and _LARGE_VOCAB <= V < (1 << 24) and logits.stride(-1) == 1
             and out.stride(0) == 1 and _triton_first_max() is not None):  # masked chunks: any V
         return _triton_first_max()(logits, out)
     chunk = _chunk(V) if logits.is_cuda else 0
@@ -241,7 +242,7 @@ def chunked_first_max(logits: torch.Tensor, chunk: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=8)
 def _chunk(V: int) -> int:
     """A chunk length for first_max: the largest divisor of V in [256, 1024] (0: none, or V small)."""
-    if V < 16384:
+    if V < _LARGE_VOCAB:
         return 0
     return next((c for c in range(1024, 255, -1) if V % c == 0), 0)
 

@@ -166,6 +166,7 @@ def hops(engine, prompt, args) -> dict:
     return {"bytes_per_token_hop": max((s.decode_bytes / max(1, s.decode_tokens) for s in stats[:-1]), default=0),
             "us_per_hop": (run["seconds"] / steps - sum(compute)) / n_hops * 1e6,
             "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3,
+            "lane_sent": [s.lane_sent for s in stats], "lane_refused": [s.lane_refused for s in stats],
             **breakdown(stats, steps, "")}
 
 
@@ -345,6 +346,8 @@ def main(argv=None) -> int:
                     "sleeping, or auto; each ring runs once per value")
     ap.add_argument("--overlap", default="on", help="comma-separated on/off: decodes sent before the step before "
                     "is read (with one micro-batch in flight; `runtime serve --no-overlap`); each ring runs once per value")
+    ap.add_argument("--lanes", default="on", help="comma-separated on/off: device lanes between the stages of one "
+                    "host (runtime/pipeline/lane.py; FLOTILLA_LANES=0 is off); each ring runs once per value")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="the workers' and the head's log lines")
     args = ap.parse_args(argv)
@@ -377,15 +380,18 @@ def main(argv=None) -> int:
     spins = [None if v == "auto" else int(v) for v in args.spin_us.split(",")]
     batches = [int(v) for v in args.micro_batches.split(",")]
     overlaps = [{"on": True, "off": False}[v] for v in args.overlap.split(",")]
+    lanes = args.lanes.split(",")
     for ring in [r.split(",") for r in args.rings.split(";") if r]:
         killed = False
         for spin in spins:
             for mb in batches:
                 for overlap in overlaps:
-                    kill = ",".join(ring) == args.kill_ring and not killed  # the fault test once, on the first variant
-                    killed |= kill
-                    for row in ring_rows(checkpoint, ring, spin, mb, overlap, kill, prompts, base, args, log):
-                        emit(row)
+                    for lane in lanes:
+                        os.environ["FLOTILLA_LANES"] = "1" if lane == "on" else "0"  # the workers' environment
+                        kill = ",".join(ring) == args.kill_ring and not killed  # the fault test once, on the first variant
+                        killed |= kill
+                        for row in ring_rows(checkpoint, ring, spin, mb, overlap, kill, prompts, base, args, log):
+                            emit({**row, "lanes": lane})
     if not args.json:
         print_tables(rows, args)
     return 0
@@ -398,7 +404,7 @@ def print_tables(rows: list[dict], args) -> None:
           f"{args.max_num_batched_tokens} tokens")
     print(f"{'config':>6s} {'devices':>18s} {'split':>9s} {'single tok/s':>12s} {'x pp1':>6s} "
           f"{f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'B/tok/hop':>9s} {'us/hop':>7s} {'identical':>9s} "
-          f"{'mb':>2s} {'spin µs':>7s} {'overlap':>7s}")
+          f"{'mb':>2s} {'spin µs':>7s} {'overlap':>7s} {'lanes':>5s}")
     for r in rows:
         if not r["row"].startswith("pp"):
             continue
@@ -408,7 +414,8 @@ def print_tables(rows: list[dict], args) -> None:
         us = f"{r['us_per_hop']:.0f}" if "us_per_hop" in r else "-"
         print(f"{r['row']:>6s} {r['devices']:>18s} {r['split']:>9s} {r['single_tok_s']:12.1f} {x1:>6s} "
               f"{r['multi_tok_s']:15.1f} {xn:>6s} {b:>9s} {us:>7s} {r['identical']:>4d}/{args.streams:<4d} "
-              f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7} {str(r.get('overlap', '-')):>7}")
+              f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7} {str(r.get('overlap', '-')):>7} "
+              f"{r.get('lanes', '-'):>5}")
     for r in rows:
         if r["row"] == "kill":
             print(f"kill -9 of the last stage ({r['devices']}) after {r['killed_after_tokens']} tokens a stream, "

@@ -13,6 +13,9 @@
                          which imports nothing of flotilla's)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
+    FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their
+                         outputs over through the socket only, never through shared memory
+                         (runtime/pipeline/lane.py; default 1)
     GLOO_SOCKET_IFNAME   torch's own variable: the interface gloo uses between tensor-parallel
                          CPU ranks; flotilla.runtime.tp sets it to the loopback (lo) on Linux
                          when unset, since all ranks share one host
@@ -36,3 +39,7 @@ def token() -> str | None:
 
 def api_key() -> str | None:
     return os.environ.get("FLOTILLA_API_KEY") or None
+
+
+def lanes() -> bool:
+    return os.environ.get("FLOTILLA_LANES", "1").strip().lower() not in ("0", "false", "no", "off")

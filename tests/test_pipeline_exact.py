@@ -1,4 +1,5 @@
-"""The pipeline's logits against an exact oracle: pp=1 with the wire's rounding put in by hand.
+"""The pipeline's logits against an exact oracle: pp=1 with the wire's rounding put in by hand
+(and, through a device lane, plain pp=1).
 
 CPU stages compute in fp32 and hidden states cross the wire in fp16, so a fp32 ring is not
 bit-equal to fp32 pp=1; on a random tiny model (nearly flat logits) greedy tokens then flip at
@@ -81,9 +82,8 @@ def largest_gap(a, b) -> float:
     return max(abs(x[1] - y[1]) for ra, rb in zip(a, b) for sa, sb in zip(ra, rb) for x, y in zip(sa, sb))
 
 
-@pytest.mark.parametrize("spin", [0.0, 0.002], ids=["sleeping", "polling"])
-def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path, spin):
-    """Also with the workers and the head polling between messages (spin.py, results.py)."""
+def two_stages(ckpt, prompts, tmp_path, spin: float) -> tuple[list, list]:
+    """The ring's top-2 per token, and its workers' stats."""
     workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt, spin=spin) for i in range(2)]
     try:
         settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32",
@@ -91,15 +91,35 @@ def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path, sp
         engine = build_pipeline_engine(ckpt, ARGS, settings, lambda line: None, with_tokenizer=False)
         try:
             assert engine.executor.depth == 2  # two CPU stages: two micro-batches of 3 sequences in flight
-            ring = top2(engine, prompts)
+            return top2(engine, prompts), engine.executor.pipeline.worker_stats()
         finally:
             engine.close()
     finally:
         for w in workers:
             w.stop()
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.002], ids=["sleeping", "polling"])
+def test_two_stages_equal_pp1_with_the_wire_rounding(ckpt, prompts, tmp_path, spin, monkeypatch):
+    """Also with the workers and the head polling between messages (spin.py, results.py). The
+    hidden states on the wire: no device lane between the two workers of this process."""
+    monkeypatch.setenv("FLOTILLA_LANES", "0")
+    ring, stats = two_stages(ckpt, prompts, tmp_path, spin)
+    assert stats[0].lane_sent == 0
+    assert stats[0].decode_bytes >= 128 * 2 * stats[0].decode_tokens > 0  # hidden 128 in fp16 a decode token
     oracle = top2(local(ckpt, CUT), prompts)
     assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in oracle]
     assert largest_gap(ring, oracle) <= EXACT
     plain = top2(local(ckpt, None), prompts)  # without the rounding: further off than the tolerance
     assert largest_gap(oracle, plain) > EXACT or any(
         [t for t, _ in s] != [t for t, _ in p] for o, q in zip(oracle, plain) for s, p in zip(o, q))
+
+
+def test_two_stages_through_a_lane_equal_pp1_without_rounding(ckpt, prompts, tmp_path):
+    """Through the device lane (one host: lane.py) the hidden states keep the stage's fp32, so
+    the ring equals plain fp32 pp=1 (every step of these prompts fits a lane slot)."""
+    ring, stats = two_stages(ckpt, prompts, tmp_path, 0.0)
+    assert stats[0].lane_sent == stats[0].steps > 0 and stats[0].lane_refused == 0
+    plain = top2(local(ckpt, None), prompts)
+    assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in plain]
+    assert largest_gap(ring, plain) <= EXACT

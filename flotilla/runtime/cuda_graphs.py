@@ -156,14 +156,20 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def set_tokens(self, token_ids: list[int]) -> None:
+    def set_tokens(self, token_ids: list[int], prev_rows: list[int] | None = None) -> None:
         """Replace the token ids of the step `fill` wrote (same rows): only they go to the device
-        (a prepared step whose tokens came later)."""
+        (a prepared step whose tokens came later), and `prev_rows` with them if given (see `fill`)."""
         if self._copied is not None:
             self._copied.synchronize()  # fill's copy from the host twin
         T = len(token_ids)
         self._fields[0][:T] = token_ids
-        self.device_buf[:T].copy_(self.host_buf[:T], non_blocking=True)  # token_ids: the buffer's first row
+        end = T  # token_ids: the buffer's first row
+        if prev_rows is not None:
+            prev = self._fields[4]
+            prev[:T] = prev_rows
+            prev[:T][prev[:T] < 0] = self.no_prev
+            end = _FIELDS * self.size  # the fields' rows, prev_rows the last of them
+        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
@@ -273,13 +279,14 @@ class DecodeGraphRunner:
         self._staged = (self.buckets[bucket_for(T, self.sizes)], T)
         self._staged[0].inputs.fill(token_ids, starts, block_tables, query_lens)
 
-    def run_staged(self, token_ids: list[int]) -> torch.Tensor:
-        """The staged step with its token ids: the output `run` gives (read it before the next step)."""
+    def run_staged(self, token_ids: list[int], prev_rows: list[int] | None = None) -> torch.Tensor:
+        """The staged step with its token ids (and `prev_rows`, see `DecodeInputs.fill`): the
+        output `run` gives (read it before the next step)."""
         staged, self._staged = self._staged, None
         if staged is None or staged[1] != len(token_ids):
             raise ValueError(f"no step of {len(token_ids)} tokens is staged")
         bucket, T = staged
-        bucket.inputs.set_tokens(token_ids)
+        bucket.inputs.set_tokens(token_ids, prev_rows)
         return bucket.replay()[:T]
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:

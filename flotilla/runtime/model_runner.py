@@ -70,7 +70,7 @@ class ModelRunner:
         # last entry stays 0 (rows whose token the host knows)
         rows = max((BUCKETS[-1], *graph_sizes))
         self.sampled = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
-        self.max_launch_rows = rows if self.sampler is not None and model.stage.is_first else 0
+        self.max_launch_rows = rows if self.sampler is not None else 0
         self._ids_to_host = _IdsToHost(self.max_launch_rows, self.device)
         self.graphs = None
         if graph_sizes and self.device.type == "cuda":
@@ -92,16 +92,26 @@ class ModelRunner:
         g = self.graphs
         return g is not None and fewer > 0 and bucket_for(num_rows, g.sizes) == bucket_for(fewer, g.sizes) is not None
 
+    def can_launch(self, step: StepInput) -> bool:
+        """Whether `launch` takes this step (its sampling must read no host data: the caller's part)."""
+        return 0 < step.num_seqs <= self.max_launch_rows and all(step.sample) and step.spec_token_ids is None
+
     @torch.inference_mode()
-    def launch(self, step: StepInput) -> "LaunchedStep":
-        """Run a whole-model step and sample it without waiting for the device (every sequence
-        samples one token, sampling needs no host data: no penalties, no logprobs). The ids stay
-        in `self.sampled`, where the next launched step's `prev_rows` read them, and travel to
-        the host behind an event: the returned step's `result()` waits for them."""
-        if step.num_seqs > self.max_launch_rows or not all(step.sample) or step.spec_token_ids is not None:
-            raise ValueError(f"launch runs whole-model steps of at most {self.max_launch_rows} sequences that each "
+    def launch(self, step: StepInput, hidden: torch.Tensor | None = None) -> "LaunchedStep":
+        """Run a step of the last stage (the whole model, or a pipeline's last stage given the
+        hidden states) and sample it without waiting for the device (every sequence samples one
+        token, sampling needs no host data: no penalties, no logprobs). The ids stay in
+        `self.sampled`, where the next launched step's `prev_rows` read them, and travel to the
+        host behind an event: the returned step's `result()` waits for them."""
+        if not self.can_launch(step):
+            raise ValueError(f"launch runs steps of at most {self.max_launch_rows} sequences that each "
                              f"sample one token; got {step.num_seqs} sequences")
-        logits = self._replay(step) if self._replays(step) else self.compute_logits(step, self._forward(step, None))
+        if self._replays(step):
+            logits = self._replay(step, hidden)
+        else:
+            if hidden is not None and hidden.device != self.device:
+                hidden = hidden.to(self.device, non_blocking=True)
+            logits = self.compute_logits(step, self._forward(step, hidden))
         ids = self.sampler.sample_ids(logits, step.sampling, out=self.sampled[:step.num_seqs])  # [B] on the device
         return self._ids_to_host.start(ids)
 
@@ -167,7 +177,7 @@ class ModelRunner:
     def _replay(self, step: StepInput, hidden: torch.Tensor | None = None, staged: bool = False) -> torch.Tensor:
         """The last stage's logits of the sampling rows; an earlier stage's hidden states [T, H]."""
         if staged:
-            out = self.graphs.run_staged(step.token_ids)
+            out = self.graphs.run_staged(step.token_ids, step.prev_rows)
         else:
             out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden,
                                   step.prev_rows)

@@ -13,15 +13,20 @@ from __future__ import annotations
 import collections
 
 from .messages import Sampled, Step
-from .step_codec import fill_tokens
+from .step_codec import fill_tokens, lane_tokens
 
 
 class FeedGate:
     """One epoch's steps at stage 0 (`reset` at each Configure). Not thread-safe: the worker's
-    event-loop thread owns it."""
+    event-loop thread owns it.
 
-    def __init__(self):
-        self._fed: dict[int, list[int]] = {}  # sampled ids by step
+    Ids that came in the ids lane (lane.py: `Sampled.lane_seq`, the ids still on the device) are
+    not filled in: the step goes on with its `prev_rows` and the lane slot (`Step.lane_seq`), and
+    stage 0 reads them on the device. A lane slot no step will read is handed to `forget`."""
+
+    def __init__(self, forget=lambda seq: None):
+        self._fed: dict[int, list[int] | int] = {}  # sampled ids by step, or their lane slot
+        self._forget = forget
         self._parked: collections.deque[Step] = collections.deque()
         self.parked_steps = 0  # overlapped decodes that came before their ids (the head ahead of the ring)
 
@@ -46,7 +51,7 @@ class FeedGate:
 
     def sampled(self, msg: Sampled) -> list[Step]:
         """The last stage's ids of a step came: the parked steps that may run now, in order."""
-        self._fed[msg.mb] = msg.token_ids
+        self._fed[msg.mb] = msg.lane_seq or msg.token_ids
         out = []
         while self._parked:
             head = self._parked[0]
@@ -58,7 +63,10 @@ class FeedGate:
     def _through(self, msg: Step) -> Step:
         """The step as it runs (ValueError: its rows do not fit the ids)."""
         if msg.prev_rows is not None:
-            msg = fill_tokens(msg, self._fed.pop(msg.prev_mb))
+            fed = self._fed.pop(msg.prev_mb)
+            msg = fill_tokens(msg, fed) if isinstance(fed, list) else lane_tokens(msg, fed)
         for mb in [mb for mb in self._fed if mb < msg.mb]:  # named by no step after this one
-            del self._fed[mb]
+            fed = self._fed.pop(mb)
+            if isinstance(fed, int):
+                self._forget(fed)
         return msg

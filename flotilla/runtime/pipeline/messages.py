@@ -15,6 +15,8 @@ Data, around the ring head -> stage 0 -> … -> last stage -> head:
 
     Upstream         first frame of a stage-to-stage connection: "my steps come to you" (from
                      the last stage to stage 0: its feedback link, "my Sampled ids come to you")
+    DeviceLane       right after it, from a stage whose outputs can skip the socket on this
+                     host (lane.py): where to map them; steps then name a slot (`lane_seq`)
     ResultsLink      first frame of the head's result connection to the last stage (one per epoch),
                      answered there by Configured: "send this epoch's StepResults here"
     Step             one micro-batch: block-table diffs, token ids (stage 0) or hidden states,
@@ -148,6 +150,8 @@ class WorkerStats:
     output_seconds: float  # a middle stage's hidden states to host memory (it waits for the device) and packed
     send_seconds: float  # encoding, sealing and writing the step's output frames
     parked_steps: int  # stage 0: overlapped decodes that came before their input ids (the head ahead of the ring)
+    lane_sent: int = 0  # outputs (hidden states, ids) handed to the next hop through a device lane (lane.py)
+    lane_refused: int = 0  # outputs an accepted lane could not take (sent in the frame instead)
 
 
 @message("failure")
@@ -219,6 +223,37 @@ class Step:
     prev_mb: int = 0
     prev_rows: list[int] | None = None
     feed: bool = False  # the last stage sends this step's sampled ids to stage 0 as well
+    # > 0: this step's input is in slot `lane_seq` of the previous hop's device lane (lane.py):
+    # the hidden states (then `hidden` is None); at stage 0, set by its gate, step `prev_mb`'s ids
+    lane_seq: int = 0
+
+
+@message("device_lane")
+class DeviceLane:
+    """A sender's lane on this link (lane.py): a ring of `slots` buffers [rows, width] of `dtype`
+    in a file of this host's shared memory (`device` cpu) or CUDA memory shared between processes."""
+
+    epoch: int
+    kind: str  # "hidden" (to the next stage) or "ids" (the last stage's sampled ids, to stage 0)
+    name: str  # the shared file: flotilla-lane-<32 hex digits>
+    device: str  # "cpu" or "cuda"
+    dtype: str
+    slots: int
+    rows: int
+    width: int
+    pid: int
+    # CUDA only: the GPU's UUID, the slots' IPC memory handle (torch's storage share fields)
+    uuid: str
+    cuda_device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_handle: bytes
+    ref_offset: int
+    alloc_event: bytes
+    alloc_event_sync: bool
+    written_events: list[bytes]  # per slot: the sender's copy in is done
+    read_events: list[bytes]  # per slot: the receiver's read is done
 
 
 @message("sampled")
@@ -228,7 +263,8 @@ class Sampled:
 
     epoch: int
     mb: int
-    token_ids: list[int]
+    token_ids: list[int]  # empty when they are in the ids lane
+    lane_seq: int = 0  # > 0: the ids are in this slot of the ids lane (sent before they reach the host)
 
 
 @message("step_result")

@@ -177,6 +177,8 @@ class Pipeline:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()  # here, not in its finalizer at exit (its self-pipe may be gone by then)
         while self._retired:
             self._retired.pop().close()
         for fn in self.on_close:

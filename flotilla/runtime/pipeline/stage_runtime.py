@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,7 +31,8 @@ from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.model_runner import ModelRunner, StepInput
 
 from .activations import HostStaging, pack, unpack
-from .messages import Configure, LoadStage, Step, StepResult
+from .lane import LaneIn, LaneOut
+from .messages import Configure, LoadStage, Sampled, Step, StepResult
 from .step_codec import StageSequences, step_result
 
 
@@ -41,6 +43,17 @@ def on_device(device: torch.device, fn, *args):
         return fn(*args)
     with torch.cuda.device(device):
         return fn(*args)
+
+
+@dataclass
+class Lanes:
+    """A stage's device lanes of the current epoch (lane.py; StepPath holds them)."""
+
+    hidden_in: LaneIn | None = None  # from the previous stage
+    hidden_out: LaneOut | None = None  # to the next stage
+    ids_in: LaneIn | None = None  # stage 0: the last stage's sampled ids
+    ids_out: LaneOut | None = None  # the last stage: its sampled ids, to stage 0
+
 
 
 @dataclass(frozen=True)
@@ -161,7 +174,13 @@ class StageRuntime:
             self._prepared = _Prepared(msg.mb, step, True)
 
     @torch.inference_mode()
-    def run(self, msg: Step) -> Step | StepResult:
+    def run(self, msg: Step, lanes: "Lanes | None" = None,
+            early: Callable[[Sampled], None] | None = None) -> Step | StepResult:
+        """The step's output for the next hop. `lanes`: this stage's device lanes (lane.py), for
+        the step's input (`msg.lane_seq`) and its output. `early`: on the last stage, for a `feed`
+        step whose ids can go down the ids lane, sends stage 0 its `Sampled` as soon as the
+        sampling is queued (before this host waits for the ids)."""
+        lanes = lanes or Lanes()
         t0 = time.perf_counter()
         prepared, self._prepared = self._prepared, None
         staged = False
@@ -171,12 +190,38 @@ class StageRuntime:
             step, staged = dataclasses.replace(prepared.step, token_ids=msg.token_ids or []), prepared.staged
         else:
             step = self.seqs.apply(msg, self.stage.is_last)
-        hidden = None
-        if not self.stage.is_first:
+        hidden, lane_in = None, None
+        if msg.lane_seq:
+            lane_in = self._lane(lanes.ids_in if self.stage.is_first else lanes.hidden_in, msg)
+        if self.stage.is_first and lane_in is not None:  # step prev_mb's ids, still on the device
+            n = max(msg.prev_rows or [-1]) + 1
+            self.runner.sampled[:n].copy_(lane_in.take(msg.lane_seq, n)[:, 0], non_blocking=True)
+            step = dataclasses.replace(step, prev_rows=msg.prev_rows)
+        elif lane_in is not None:
+            hidden = lane_in.take(msg.lane_seq, step.num_tokens)
+            if hidden.shape[1] != self.lm.config.hidden_size:
+                raise ValueError(f"step {msg.mb}: a hidden lane {hidden.shape[1]} wide for a hidden size of "
+                                 f"{self.lm.config.hidden_size}")
+            hidden = hidden.to(self.lm.dtype)  # (a copy only if the stages' dtypes differ)
+        elif not self.stage.is_first:
             hidden = self._hidden(msg, step.num_tokens)
         t1 = time.perf_counter()
-        out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
+        launched = None
+        ids_out = lanes.ids_out
+        if self.stage.is_last and msg.feed and early is not None and ids_out is not None \
+                and self.executor is self.runner and self.runner.can_launch(step):
+            launched = self.runner.launch(step, hidden)
+            B = step.num_seqs
+            seq = ids_out.put(self.runner.sampled[:B].view(B, 1))
+            if seq:
+                early(Sampled(msg.epoch, msg.mb, [], seq))
+        else:
+            out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
+        if lane_in is not None:
+            lane_in.done(msg.lane_seq)  # its reads are queued
         self.staging.release()  # the received hidden states are on their way in (or in)
+        if launched is not None:
+            out = launched.result()
         t2 = time.perf_counter()
         times = self.times
         times.prepare += t1 - t0
@@ -184,9 +229,22 @@ class StageRuntime:
         if self.stage.is_last:
             self.seqs.record(msg, out.token_ids, out.accepted)
             return step_result(msg.epoch, msg.mb, out)
+        hidden_out = lanes.hidden_out  # (a link dropped meanwhile sets it to None)
+        if hidden_out is not None:
+            seq = hidden_out.put(out)
+            if seq:
+                times.output += time.perf_counter() - t2
+                return dataclasses.replace(msg, hidden=None, scales=None, lane_seq=seq, prev_mb=0, prev_rows=None)
         data, scales = self.staging.to_host(*pack(out, self.wire_dtype))
         times.output += time.perf_counter() - t2
-        return dataclasses.replace(msg, hidden=data, scales=scales)
+        # (stage 0's input ids from the lane are this stage's own: the next one sees a plain step)
+        return dataclasses.replace(msg, hidden=data, scales=scales, lane_seq=0, prev_mb=0, prev_rows=None)
+
+    def _lane(self, lane, msg: Step):
+        """The lane a step's input is in (ValueError: none of this epoch)."""
+        if lane is None or lane.epoch != msg.epoch:
+            raise ValueError(f"step {msg.mb} names slot {msg.lane_seq} of a device lane this stage does not hold")
+        return lane
 
     def _hidden(self, msg: Step, num_tokens: int) -> torch.Tensor:
         """The received hidden states as the runner takes them: in pinned host memory when they

@@ -27,11 +27,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from .connection import Connection
 from .feed import FeedGate
-from .messages import Fault, Sampled, Step, StepResult
+from .lane import LaneIn, LaneOut, lanes_enabled
+from .messages import DeviceLane, Fault, Sampled, Step, StepResult
 from .outbox import Outbox
-from .stage_runtime import StageRuntime
+from .stage_runtime import Lanes, StageRuntime
+from .wire import ProtocolError
 
 log = logging.getLogger("flotilla.pipeline.worker")
 
@@ -71,7 +75,8 @@ class StepPath:
         self.downstream: Link | None = None
         self.results: Link | None = None  # the head's result connection of this epoch (last stage)
         self.feedback: Link | None = None  # the last stage's link to stage 0 (Sampled), in a ring of several
-        self.gate = FeedGate()  # stage 0: overlapped decodes wait there for their input ids
+        self.gate = FeedGate(self._forget_ids)  # stage 0: overlapped decodes wait there for their input ids
+        self.lanes = Lanes()  # this epoch's device lanes (lane.py): in from the offers, out with the links
         self.counters = Counters()
         self.inline_query_len = 1  # a step whose sequences bring at most this many tokens runs on the loop
         self.lock = threading.Lock()
@@ -80,9 +85,11 @@ class StepPath:
         self._steps: queue.SimpleQueue = queue.SimpleQueue()  # steps for the compute thread
         self._behind = 0  # steps handed to the compute thread and not yet emitted
         self._compute: threading.Thread | None = None
+        self._loop_thread = 0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._loop_thread = threading.get_ident()
         self._compute = threading.Thread(target=self._compute_loop, name="flotilla-stage", daemon=True)
         self._compute.start()
 
@@ -149,9 +156,9 @@ class StepPath:
         """Run a decode step here and now, unless steps wait for the compute thread (then it
         queues behind them); hand anything longer to the compute thread."""
         if self._behind == 0 and self._inline(msg):
-            out = self._run_step(msg)
+            out, feed = self._run_step(msg)
             start = time.perf_counter()
-            self._emit(out, msg.feed)
+            self._emit(out, feed)
             self.counters.send_seconds += time.perf_counter() - start
             return
         self._behind += 1
@@ -165,28 +172,43 @@ class StepPath:
             msg = self._steps.get()
             if msg is None:
                 return
-            self._loop.call_soon_threadsafe(self._caught_up, self._run_step(msg), msg.feed)
+            self._loop.call_soon_threadsafe(self._caught_up, *self._run_step(msg))
 
     def _caught_up(self, out: Step | StepResult | Fault | None, feed: bool) -> None:
         self._behind -= 1
         self._emit(out, feed)
 
-    def _run_step(self, msg: Step) -> Step | StepResult | Fault | None:
-        """Run one step (on either thread): what goes to the next hop, a Fault for the head if the
-        step failed, or None for a step of a broken ring."""
+    def _run_step(self, msg: Step) -> tuple[Step | StepResult | Fault | None, bool]:
+        """Run one step (on either thread): what goes to the next hop (a Fault for the head if the
+        step failed, or None for a step of a broken ring), and whether its ids are still to be fed
+        to stage 0 (not when the last stage sent them down the ids lane already)."""
         if msg.epoch != self.epoch:
-            return None
+            return None, False
+        early: list[Sampled] = []
+
+        def send_early(sampled: Sampled) -> None:  # the ids lane's Sampled, before this host waits for the ids
+            early.append(sampled)
+            if threading.get_ident() == self._loop_thread:
+                self._feed(sampled)
+            else:
+                self._loop.call_soon_threadsafe(self._feed, sampled)
+
         with self.lock:
             if self.runtime is None or msg.epoch != self.epoch:
-                return None
+                return None, False
             try:
                 start = time.perf_counter()
-                out = self.runtime.run(msg)
+                out = self.runtime.run(msg, self.lanes, send_early if self.feedback is not None else None)
                 self.counters.compute_seconds += time.perf_counter() - start
             except Exception as e:  # noqa: BLE001 - the head hears of it and rebuilds the ring
                 log.exception("step %d failed", msg.mb)
-                return Fault(msg.epoch, f"stage {self.stage_index} failed a step: {type(e).__name__}: {e}")
-        return out
+                return Fault(msg.epoch, f"stage {self.stage_index} failed a step: {type(e).__name__}: {e}"), False
+        return out, msg.feed and not early
+
+    def _feed(self, sampled: Sampled) -> None:
+        """The last stage: a step's ids (or their lane slot) to stage 0, on the feedback link."""
+        if self.feedback is not None and self.feedback.epoch == sampled.epoch:
+            self.feedback.outbox.put(sampled)
 
     def _emit(self, out: Step | StepResult | Fault | None, feed: bool = False) -> None:
         """Send a step's output on: hidden states to the next stage; sampled ids to the head, and
@@ -198,8 +220,8 @@ class StepPath:
         elif out.epoch != self.epoch:
             return
         elif isinstance(out, StepResult):
-            if feed and self.feedback is not None and self.feedback.epoch == out.epoch:
-                self.feedback.outbox.put(Sampled(out.epoch, out.mb, out.token_ids))
+            if feed:
+                self._feed(Sampled(out.epoch, out.mb, out.token_ids))
             if self.results is not None and self.results.epoch == out.epoch:
                 self.results.outbox.put(out)
             if feed and self.stage_index == 0:  # a ring of one stage feeds itself
@@ -227,8 +249,69 @@ class StepPath:
         if link is not None:
             link.outbox.close()
 
+    # ------------------------------------------------------------------ device lanes
+    def lane_offered(self, msg: DeviceLane) -> None:
+        """An upstream stage offers a lane: map it where this process can (else its steps keep
+        coming through the socket). Not into a tensor-parallel stage (its ranks take the inputs
+        from rank 0's host)."""
+        if msg.kind not in ("hidden", "ids"):
+            raise ProtocolError(f"a device lane of kind {msg.kind!r}")
+        runtime = self.runtime
+        if runtime is None or runtime.lm.parallel is not None:
+            return
+        lane = LaneIn.open(msg, self.device)
+        if lane is None:
+            return
+        if msg.kind == "hidden":
+            self.lanes.hidden_in = lane
+        else:
+            self.lanes.ids_in = lane
+        log.info("epoch %d: the %s lane from the previous hop is mapped (%s)", msg.epoch, msg.kind, msg.device)
+
+    def open_lane(self, kind: str, epoch: int) -> DeviceLane | None:
+        """This stage's outgoing lane of `kind` for a new link, and its offer (None: no lane)."""
+        runtime = self.runtime
+        if not lanes_enabled() or runtime is None or runtime.runner is None or self.device.type not in ("cpu", "cuda"):
+            return None
+        if kind == "hidden":
+            rows = min(max(runtime.shape.graph_tokens, 64), 1024)
+            lane = LaneOut(kind, self.device, runtime.lm.dtype, rows, runtime.lm.config.hidden_size)
+            self.lanes.hidden_out = lane
+        else:
+            if runtime.executor is not runtime.runner or runtime.runner.max_launch_rows == 0:
+                return None
+            lane = LaneOut(kind, self.device, torch.int64, runtime.runner.max_launch_rows, 1)
+            self.lanes.ids_out = lane
+        return lane.offer(epoch)
+
+    def drop_lanes_before(self, epoch: int) -> None:
+        """A new epoch: the incoming lanes of older ones go (its own may have come already)."""
+        for kind in ("hidden_in", "ids_in"):
+            lane = getattr(self.lanes, kind)
+            if lane is not None and lane.epoch < epoch:
+                setattr(self.lanes, kind, None)
+
+    def lane_counts(self) -> tuple[int, int]:
+        """(outputs sent through this epoch's outgoing lanes, outputs they refused)."""
+        lanes = [lane for lane in (self.lanes.hidden_out, self.lanes.ids_out) if lane is not None]
+        return sum(lane.sent for lane in lanes), sum(lane.refused for lane in lanes)
+
+    def reset_lane_counts(self) -> None:
+        for lane in (self.lanes.hidden_out, self.lanes.ids_out):
+            if lane is not None:
+                lane.sent = lane.refused = 0
+
+    def _forget_ids(self, seq: int) -> None:
+        """Stage 0's gate: an ids-lane slot no step will read."""
+        if self.lanes.ids_in is not None:
+            self.lanes.ids_in.done(seq)
+
     def drop_downstream(self) -> None:
-        """Close this epoch's outgoing links (to the next stage, and the feedback link)."""
+        """Close this epoch's outgoing links (to the next stage, and the feedback link) and their lanes."""
+        lanes, self.lanes.hidden_out, self.lanes.ids_out = (self.lanes.hidden_out, self.lanes.ids_out), None, None
+        for lane in lanes:
+            if lane is not None:
+                lane.close()
         links, self.downstream, self.feedback = (self.downstream, self.feedback), None, None
         for link in links:
             if link is not None:

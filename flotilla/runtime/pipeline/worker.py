@@ -4,9 +4,11 @@ Connections, all authenticated by the token handshake (connection.py); the first
 says what the peer is:
 
     the head            Probe/LoadStage/Configure/Ping/… (control), and on stage 0 the Steps
-    the previous stage  Upstream, then Steps
+    the previous stage  Upstream, then Steps (a DeviceLane first where its outputs can skip the
+                        socket: stages of one host, lane.py)
     the last stage      (to stage 0, in a ring of several) Upstream, then Sampled: the ids of steps
                         sent with `feed`, the input tokens of the overlapped decodes that follow
+                        (or their slot in its ids lane)
     the head's results  ResultsLink (to the last stage, once per epoch): answered by Configured, then
                         this epoch's StepResults go there (results.py reads them on the engine's thread)
 
@@ -35,7 +37,7 @@ from flotilla.runtime.tp import load_model_parallel
 
 from .connection import (STREAM_LIMIT, AuthError, Connection, connect, format_address, parse_address,
                          server_handshake)
-from .messages import (Configure, Configured, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
+from .messages import (Configure, Configured, DeviceLane, Failure, Fault, FileChunk, FileEnd, LoadStage, NeedFiles, Ping,
                        Pong, Probe, ResultsLink, Sampled, StageLoaded, StatsRequest, Step, Upstream,
                        WorkerStats)
 from .probe import worker_info
@@ -189,6 +191,8 @@ class Worker:
                 self.path.step_arrived(msg)
             elif isinstance(msg, Sampled):
                 self.path.sampled_arrived(msg)
+            elif isinstance(msg, DeviceLane):
+                self.path.lane_offered(msg)
             else:
                 raise ProtocolError(f"unexpected {msg.WIRE_NAME} on a stage-to-stage connection")
 
@@ -242,8 +246,9 @@ class Worker:
             t = self.runtime.times if self.runtime is not None else StageTimes()
             stats = WorkerStats(c.steps, c.tokens, c.decode_steps, c.decode_tokens, c.decode_bytes, c.bytes_sent,
                                 self.shard_bytes_received, c.compute_seconds, t.prepare, t.execute, t.output,
-                                c.send_seconds, path.gate.parked_steps)
+                                c.send_seconds, path.gate.parked_steps, *path.lane_counts())
             if msg.reset:
+                path.reset_lane_counts()
                 path.counters = Counters()
                 path.gate.parked_steps = 0
                 if self.runtime is not None:
@@ -307,17 +312,19 @@ class Worker:
         await asyncio.to_thread(on_device, self.config.device, path.locked, self.runtime.configure, msg)
         path.drop_downstream()
         path.drop_results()
+        path.drop_lanes_before(msg.epoch)
         path.gate.reset()
         if msg.downstream is not None:
-            path.downstream = await self._open_link(msg, msg.downstream, "the next stage")
+            path.downstream = await self._open_link(msg, msg.downstream, "the next stage", "hidden")
         if msg.feedback is not None:
-            path.feedback = await self._open_link(msg, msg.feedback, "stage 0")
+            path.feedback = await self._open_link(msg, msg.feedback, "stage 0", "ids")
         log.info("epoch %d: stage %d, %d KV blocks, next hop %s", msg.epoch, msg.stage_index, msg.num_blocks,
                  msg.downstream or "the head")
         return Configured(msg.epoch)
 
-    async def _open_link(self, msg: Configure, address: str, whom: str) -> Link:
-        """This epoch's link to the next stage (Steps), or the last stage's to stage 0 (Sampled)."""
+    async def _open_link(self, msg: Configure, address: str, whom: str, lane: str) -> Link:
+        """This epoch's link to the next stage (Steps), or the last stage's to stage 0 (Sampled),
+        with the offer of its device lane of kind `lane` where this stage can make one."""
         host, port = parse_address(address)
         try:
             conn = await connect(host, port, self.config.token, f"stage-{msg.stage_index}", self.config.ssl_client,
@@ -327,6 +334,9 @@ class Worker:
                                 f"{type(e).__name__}: {e}") from None
         link = Link(conn, Outbox(conn, self.path.count), msg.epoch)
         link.outbox.put(Upstream(msg.epoch, msg.stage_index))
+        offer = self.path.open_lane(lane, msg.epoch)
+        if offer is not None:
+            link.outbox.put(offer)
         link.watch = asyncio.create_task(self._watch_link(link, whom))
         return link
 

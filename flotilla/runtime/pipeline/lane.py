@@ -99,10 +99,16 @@ class LaneOut:
         size = HEADER + (0 if cuda else nbytes)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not with SIGBUS at a write
+            else:
+                os.ftruncate(fd, size)
             self.header = _Header(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
         if cuda:
             self.buf = torch.zeros(slots, rows, width, dtype=dtype, device=device)
             self.written = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
@@ -197,8 +203,8 @@ class LaneIn:
         self.consumed = self.header.get(_CONSUMED)  # every slot up to it is read (or never will be)
         self._done: set[int] = set()  # slots past `consumed` done out of order
         self._lock = threading.Lock()  # done() comes from the loop's thread and the compute thread
-        self.header.set(_ACCEPTED, 1)
         os.unlink(path)  # both sides hold it mapped: nothing is left behind if either dies
+        self.header.set(_ACCEPTED, 1)  # last: the sender uses the lane only once this side holds it
 
     @classmethod
     def open(cls, msg: DeviceLane, device: torch.device) -> "LaneIn | None":

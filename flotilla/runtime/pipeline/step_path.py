@@ -77,6 +77,7 @@ class StepPath:
         self.feedback: Link | None = None  # the last stage's link to stage 0 (Sampled), in a ring of several
         self.gate = FeedGate(self._forget_ids)  # stage 0: overlapped decodes wait there for their input ids
         self.lanes = Lanes()  # this epoch's device lanes (lane.py): in from the offers, out with the links
+        self._pending_lanes: list[DeviceLane] = []  # offers of an epoch this stage is not in yet
         self.counters = Counters()
         self.inline_query_len = 1  # a step whose sequences bring at most this many tokens runs on the loop
         self.lock = threading.Lock()
@@ -257,7 +258,10 @@ class StepPath:
         if msg.kind not in ("hidden", "ids"):
             raise ProtocolError(f"a device lane of kind {msg.kind!r}")
         runtime = self.runtime
-        if runtime is None or runtime.lm.parallel is not None:
+        if runtime is None or runtime.lm.parallel is not None or msg.epoch < self.epoch:
+            return
+        if msg.epoch > self.epoch:  # before this stage's own Configure: installed by it
+            self._pending_lanes.append(msg)
             return
         lane = LaneIn.open(msg, self.device)
         if lane is None:
@@ -273,23 +277,37 @@ class StepPath:
         runtime = self.runtime
         if not lanes_enabled() or runtime is None or runtime.runner is None or self.device.type not in ("cpu", "cuda"):
             return None
+        if kind == "ids" and (runtime.executor is not runtime.runner or runtime.runner.max_launch_rows == 0):
+            return None
+        lane = None
+        try:
+            if kind == "hidden":
+                rows = min(max(runtime.shape.graph_tokens, 64), 1024)
+                lane = LaneOut(kind, self.device, runtime.lm.dtype, rows, runtime.lm.config.hidden_size)
+            else:
+                lane = LaneOut(kind, self.device, torch.int64, runtime.runner.max_launch_rows, 1)
+            offer = lane.offer(epoch)
+        except (OSError, RuntimeError, ValueError) as e:  # lanes are optional: the frames carry it all
+            log.info("no %s lane this epoch: %s: %s", kind, type(e).__name__, e)
+            if lane is not None:
+                lane.close()
+            return None
         if kind == "hidden":
-            rows = min(max(runtime.shape.graph_tokens, 64), 1024)
-            lane = LaneOut(kind, self.device, runtime.lm.dtype, rows, runtime.lm.config.hidden_size)
             self.lanes.hidden_out = lane
         else:
-            if runtime.executor is not runtime.runner or runtime.runner.max_launch_rows == 0:
-                return None
-            lane = LaneOut(kind, self.device, torch.int64, runtime.runner.max_launch_rows, 1)
             self.lanes.ids_out = lane
-        return lane.offer(epoch)
+        return offer
 
     def drop_lanes_before(self, epoch: int) -> None:
-        """A new epoch: the incoming lanes of older ones go (its own may have come already)."""
+        """A new epoch (`self.epoch` set to it): the incoming lanes of older ones go, and those
+        offered for it before its Configure came are mapped now."""
         for kind in ("hidden_in", "ids_in"):
             lane = getattr(self.lanes, kind)
             if lane is not None and lane.epoch < epoch:
                 setattr(self.lanes, kind, None)
+        pending, self._pending_lanes = self._pending_lanes, []
+        for msg in pending:
+            self.lane_offered(msg)
 
     def lane_counts(self) -> tuple[int, int]:
         """(outputs sent through this epoch's outgoing lanes, outputs they refused)."""

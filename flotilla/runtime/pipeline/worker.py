@@ -120,6 +120,7 @@ class Worker:
                 box.close()
         if self.upstream is not None:
             self.upstream.close()
+        path.drop_downstream()  # and its lanes' shared files
         path.stop()
         await asyncio.to_thread(path.swap, None)
 

@@ -59,8 +59,10 @@ def lane_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def lanes_enabled() -> bool:
-    return envs.lanes()
+def _sizes(slots: int, rows: int, width: int, dtype: torch.dtype, device_type: str) -> tuple[int, int]:
+    """(bytes of the slots, bytes of the shared file: the header, and on a CPU the slots after it)."""
+    nbytes = slots * rows * width * dtype.itemsize
+    return nbytes, HEADER + (0 if device_type == "cuda" else nbytes)
 
 
 def _uuid(device: torch.device) -> str:
@@ -92,11 +94,9 @@ class LaneOut:
         self.rows, self.width, self.slots = rows, width, slots
         self.name = f"flotilla-lane-{secrets.token_hex(16)}"
         self.path = os.path.join(lane_dir(), self.name)
-        nbytes = slots * rows * width * torch.empty((), dtype=dtype).element_size()
+        nbytes, size = _sizes(slots, rows, width, dtype, device.type)
         if nbytes > MAX_LANE_BYTES:
             raise ValueError(f"a {kind} lane of {nbytes} bytes is over {MAX_LANE_BYTES}")
-        cuda = device.type == "cuda"
-        size = HEADER + (0 if cuda else nbytes)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if hasattr(os, "posix_fallocate"):
@@ -109,7 +109,7 @@ class LaneOut:
             os.unlink(self.path)
             raise
         os.close(fd)
-        if cuda:
+        if device.type == "cuda":
             self.buf = torch.zeros(slots, rows, width, dtype=dtype, device=device)
             self.written = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
             self.read = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
@@ -172,9 +172,7 @@ class LaneIn:
         self.slots, self.rows, self.width = msg.slots, msg.rows, msg.width
         dtype = TENSOR_DTYPES[msg.dtype]
         path = os.path.join(lane_dir(), msg.name)
-        nbytes = msg.slots * msg.rows * msg.width * torch.empty((), dtype=dtype).element_size()
-        cuda = msg.device == "cuda"
-        size = HEADER + (0 if cuda else nbytes)
+        nbytes, size = _sizes(msg.slots, msg.rows, msg.width, dtype, msg.device)
         fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         try:
             if os.fstat(fd).st_size != size:
@@ -183,7 +181,7 @@ class LaneIn:
         finally:
             os.close(fd)
         try:
-            if cuda:
+            if msg.device == "cuda":
                 storage = torch.UntypedStorage._new_shared_cuda(
                     msg.cuda_device, msg.handle, msg.size_bytes, msg.offset_bytes, msg.ref_handle, msg.ref_offset,
                     msg.alloc_event, msg.alloc_event_sync)
@@ -243,14 +241,15 @@ class LaneIn:
                 self.consumed += 1
             self.header.set(_CONSUMED, self.consumed)
 
+
 def _refusal(msg: DeviceLane, device: torch.device) -> str:
-    if not lanes_enabled():
+    if not envs.lanes():
         return "FLOTILLA_LANES=0"
     if not _NAME.fullmatch(msg.name):
         return f"bad lane name {msg.name!r}"
     if msg.dtype not in TENSOR_DTYPES or not (0 < msg.slots <= 64 and 0 < msg.rows and 0 < msg.width):
         return f"bad lane shape {msg.slots}x{msg.rows}x{msg.width} {msg.dtype}"
-    nbytes = msg.slots * msg.rows * msg.width * torch.empty((), dtype=TENSOR_DTYPES[msg.dtype]).element_size()
+    nbytes, _ = _sizes(msg.slots, msg.rows, msg.width, TENSOR_DTYPES[msg.dtype], msg.device)
     if nbytes > MAX_LANE_BYTES:
         return f"a lane of {nbytes} bytes"
     if msg.device != device.type:

@@ -54,6 +54,10 @@ class Lanes:
     ids_in: LaneIn | None = None  # stage 0: the last stage's sampled ids
     ids_out: LaneOut | None = None  # the last stage: its sampled ids, to stage 0
 
+    @property
+    def outgoing(self) -> list[LaneOut]:
+        return [lane for lane in (self.hidden_out, self.ids_out) if lane is not None]
+
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,11 @@ from typing import Callable
 
 import torch
 
+from flotilla import envs
+
 from .connection import Connection
 from .feed import FeedGate
-from .lane import LaneIn, LaneOut, lanes_enabled
+from .lane import LaneIn, LaneOut
 from .messages import DeviceLane, Fault, Sampled, Step, StepResult
 from .outbox import Outbox
 from .stage_runtime import Lanes, StageRuntime
@@ -275,7 +277,7 @@ class StepPath:
     def open_lane(self, kind: str, epoch: int) -> DeviceLane | None:
         """This stage's outgoing lane of `kind` for a new link, and its offer (None: no lane)."""
         runtime = self.runtime
-        if not lanes_enabled() or runtime is None or runtime.runner is None or self.device.type not in ("cpu", "cuda"):
+        if not envs.lanes() or runtime is None or runtime.runner is None or self.device.type not in ("cpu", "cuda"):
             return None
         if kind == "ids" and (runtime.executor is not runtime.runner or runtime.runner.max_launch_rows == 0):
             return None
@@ -311,13 +313,12 @@ class StepPath:
 
     def lane_counts(self) -> tuple[int, int]:
         """(outputs sent through this epoch's outgoing lanes, outputs they refused)."""
-        lanes = [lane for lane in (self.lanes.hidden_out, self.lanes.ids_out) if lane is not None]
+        lanes = self.lanes.outgoing
         return sum(lane.sent for lane in lanes), sum(lane.refused for lane in lanes)
 
     def reset_lane_counts(self) -> None:
-        for lane in (self.lanes.hidden_out, self.lanes.ids_out):
-            if lane is not None:
-                lane.sent = lane.refused = 0
+        for lane in self.lanes.outgoing:
+            lane.sent = lane.refused = 0
 
     def _forget_ids(self, seq: int) -> None:
         """Stage 0's gate: an ids-lane slot no step will read."""
@@ -326,10 +327,9 @@ class StepPath:
 
     def drop_downstream(self) -> None:
         """Close this epoch's outgoing links (to the next stage, and the feedback link) and their lanes."""
-        lanes, self.lanes.hidden_out, self.lanes.ids_out = (self.lanes.hidden_out, self.lanes.ids_out), None, None
+        lanes, self.lanes.hidden_out, self.lanes.ids_out = self.lanes.outgoing, None, None
         for lane in lanes:
-            if lane is not None:
-                lane.close()
+            lane.close()
         links, self.downstream, self.feedback = (self.downstream, self.feedback), None, None
         for link in links:
             if link is not None:

@@ -59,7 +59,6 @@ class Lanes:
         return [lane for lane in (self.hidden_out, self.ids_out) if lane is not None]
 
 
-
 @dataclass(frozen=True)
 class RunnerShape:
     """What the runner is built for; a Configure that changes it rebuilds the pool and the graphs."""

@@ -96,13 +96,21 @@ def test_stage_0_gate_passes_ids_in_the_lane_on_and_forgets_the_slots_no_step_re
     gate = FeedGate(forgotten.append)
     assert [s.mb for s in gate.step(step(1, [7, 8]))] == [1]
     assert gate.step(step(2, [0, 0, 9], 1, [1, 0, -1])) == []
-    out = gate.sampled(Sampled(1, 1, [], lane_seq=5))
+    out = gate.sampled(Sampled(1, 1, [], lane_seq=5, lane_rows=2))
     # the ids stay on the device: zeros where they go, the rows kept for the runner, the slot named
     assert [(s.mb, s.token_ids, s.prev_rows, s.lane_seq) for s in out] == [(2, [0, 0, 9], [1, 0, -1], 5)]
-    gate.sampled(Sampled(1, 2, [], lane_seq=6))  # step 2 fed, but the head sent nothing ahead of it
+    gate.sampled(Sampled(1, 2, [], lane_seq=6, lane_rows=3))  # step 2 fed, but the head sent nothing ahead of it
     gate.sampled(Sampled(1, 3, [12]))  # a step whose ids came in the frame
     assert [s.token_ids for s in gate.step(step(4, [3]))] == [[3]]
     assert forgotten == [6]  # its slot is free again; ids in frames need nothing
+
+
+def test_stage_0_gate_refuses_rows_past_the_ids_in_the_lane_slot():
+    gate = FeedGate()
+    gate.step(step(1, [7, 8]))
+    assert gate.step(step(2, [0, 0], 1, [0, 2])) == []  # row 2 of a step that sampled 2 ids
+    with pytest.raises(ValueError, match="2 sampled ids"):
+        gate.sampled(Sampled(1, 1, [], lane_seq=5, lane_rows=2))
 
 
 def test_a_staged_decode_takes_its_prev_rows_with_its_tokens():
@@ -117,3 +125,20 @@ def test_a_staged_decode_takes_its_prev_rows_with_its_tokens():
     assert np.array_equal(tok[:3], [0, 0, 5])
     inputs.fill([1], [3], [[1]])  # the next step: no rows from the sampled ids
     assert inputs.prev_rows.tolist() == [9, 9, 9, 9]
+
+
+def test_the_process_id_is_random_per_process_and_new_after_a_fork():
+    from flotilla.runtime.pipeline.lane import process_id
+
+    mine = process_id()
+    assert mine == process_id() and 0 <= mine < 1 << 63
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a pid of its own, and an id of its own
+        os.write(w, str(process_id()).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    child = int(os.read(r, 64))
+    os.close(r)
+    assert child != mine and process_id() == mine

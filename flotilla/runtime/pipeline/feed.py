@@ -25,7 +25,7 @@ class FeedGate:
     stage 0 reads them on the device. A lane slot no step will read is handed to `forget`."""
 
     def __init__(self, forget=lambda seq: None):
-        self._fed: dict[int, list[int] | int] = {}  # sampled ids by step, or their lane slot
+        self._fed: dict[int, list[int] | tuple[int, int]] = {}  # sampled ids by step, or (lane slot, ids in it)
         self._forget = forget
         self._parked: collections.deque[Step] = collections.deque()
         self.parked_steps = 0  # overlapped decodes that came before their ids (the head ahead of the ring)
@@ -51,7 +51,7 @@ class FeedGate:
 
     def sampled(self, msg: Sampled) -> list[Step]:
         """The last stage's ids of a step came: the parked steps that may run now, in order."""
-        self._fed[msg.mb] = msg.lane_seq or msg.token_ids
+        self._fed[msg.mb] = (msg.lane_seq, msg.lane_rows) if msg.lane_seq else msg.token_ids
         out = []
         while self._parked:
             head = self._parked[0]
@@ -64,9 +64,9 @@ class FeedGate:
         """The step as it runs (ValueError: its rows do not fit the ids)."""
         if msg.prev_rows is not None:
             fed = self._fed.pop(msg.prev_mb)
-            msg = fill_tokens(msg, fed) if isinstance(fed, list) else lane_tokens(msg, fed)
+            msg = fill_tokens(msg, fed) if isinstance(fed, list) else lane_tokens(msg, *fed)
         for mb in [mb for mb in self._fed if mb < msg.mb]:  # named by no step after this one
             fed = self._fed.pop(mb)
-            if isinstance(fed, int):
-                self._forget(fed)
+            if isinstance(fed, tuple):
+                self._forget(fed[0])
         return msg

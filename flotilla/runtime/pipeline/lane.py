@@ -55,6 +55,18 @@ _NAME = re.compile(r"flotilla-lane-[0-9a-f]{32}")
 _DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
 
 
+_process = (0, 0)  # (pid, this process's random id)
+
+
+def process_id() -> int:
+    """A random 63-bit id of this process, new after a fork: unlike a pid, the same in no two
+    processes of one host, whatever PID namespaces they run in."""
+    global _process
+    if _process[0] != os.getpid():
+        _process = (os.getpid(), secrets.randbits(63))
+    return _process[1]
+
+
 def lane_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -124,13 +136,13 @@ class LaneOut:
 
     def offer(self, epoch: int) -> DeviceLane:
         """The message that lets the receiver map this lane."""
-        share = ("", 0, b"", 0, 0, b"", 0, b"", False)
+        share = ("", b"", 0, 0, b"", 0, b"", False)
         if self.device.type == "cuda":
-            dev, handle, size, offset, ref_handle, ref_offset, ev, ev_sync = self.buf.untyped_storage()._share_cuda_()
-            share = (_uuid(self.device), dev, handle, size, offset, ref_handle or b"", ref_offset, ev or b"",
+            _, handle, size, offset, ref_handle, ref_offset, ev, ev_sync = self.buf.untyped_storage()._share_cuda_()
+            share = (_uuid(self.device), handle, size, offset, ref_handle or b"", ref_offset, ev or b"",
                      bool(ev_sync))
         return DeviceLane(epoch, self.kind, self.name, self.device.type, _DTYPE_NAMES[self.dtype], self.slots,
-                          self.rows, self.width, os.getpid(), *share,
+                          self.rows, self.width, process_id(), *share,
                           [e.ipc_handle() for e in self.written], [e.ipc_handle() for e in self.read])
 
     def put(self, t: torch.Tensor) -> int:
@@ -182,8 +194,9 @@ class LaneIn:
             os.close(fd)
         try:
             if msg.device == "cuda":
-                storage = torch.UntypedStorage._new_shared_cuda(
-                    msg.cuda_device, msg.handle, msg.size_bytes, msg.offset_bytes, msg.ref_handle, msg.ref_offset,
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                storage = torch.UntypedStorage._new_shared_cuda(  # this process's index of the same GPU (UUID)
+                    index, msg.handle, msg.size_bytes, msg.offset_bytes, msg.ref_handle, msg.ref_offset,
                     msg.alloc_event, msg.alloc_event_sync)
                 if storage.nbytes() < nbytes:
                     raise ValueError(f"the lane's memory holds {storage.nbytes()} bytes, not {nbytes}")
@@ -257,7 +270,7 @@ def _refusal(msg: DeviceLane, device: torch.device) -> str:
     if not os.path.exists(os.path.join(lane_dir(), msg.name)):
         return "another host"
     if device.type == "cuda":
-        if msg.pid == os.getpid():
+        if msg.process == process_id():
             return "the sender is this process (CUDA IPC maps another process's memory)"
         if msg.uuid != _uuid(device):
             return "another GPU (lanes between GPUs are not built)"

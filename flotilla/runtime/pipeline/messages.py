@@ -241,10 +241,9 @@ class DeviceLane:
     slots: int
     rows: int
     width: int
-    pid: int
+    process: int  # a random id of the sender's process (a pid can repeat across PID namespaces)
     # CUDA only: the GPU's UUID, the slots' IPC memory handle (torch's storage share fields)
     uuid: str
-    cuda_device: int
     handle: bytes
     size_bytes: int
     offset_bytes: int
@@ -265,6 +264,7 @@ class Sampled:
     mb: int
     token_ids: list[int]  # empty when they are in the ids lane
     lane_seq: int = 0  # > 0: the ids are in this slot of the ids lane (sent before they reach the host)
+    lane_rows: int = 0  # and how many ids that slot holds
 
 
 @message("step_result")

@@ -217,7 +217,7 @@ class StageRuntime:
             B = step.num_seqs
             seq = ids_out.put(self.runner.sampled[:B].view(B, 1))
             if seq:
-                early(Sampled(msg.epoch, msg.mb, [], seq))
+                early(Sampled(msg.epoch, msg.mb, [], seq, B))
         else:
             out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
         if lane_in is not None:

@@ -149,13 +149,14 @@ def fill_tokens(msg: Step, sampled: list[int]) -> Step:
     return dataclasses.replace(msg, token_ids=filled, prev_mb=0, prev_rows=None)
 
 
-def lane_tokens(msg: Step, seq: int) -> Step:
-    """Stage 0: an overlapped decode whose input ids are in slot `seq` of the ids lane: its
-    tokens stay on the device (0 in the rows they fill, `prev_rows` kept for the runner)."""
+def lane_tokens(msg: Step, seq: int, sampled: int) -> Step:
+    """Stage 0: an overlapped decode whose input ids are in slot `seq` of the ids lane (`sampled`
+    ids): its tokens stay on the device (0 in the rows they fill, `prev_rows` kept for the runner)."""
     rows = msg.prev_rows
     tokens = msg.token_ids or []
-    if rows is None or len(rows) != len(tokens):
-        raise ValueError(f"step {msg.mb}: rows {rows} of step {msg.prev_mb}'s sampled ids for {len(tokens)} tokens")
+    if rows is None or len(rows) != len(tokens) or any(r >= sampled for r in rows):
+        raise ValueError(f"step {msg.mb}: rows {rows} of step {msg.prev_mb}'s {sampled} sampled ids "
+                         f"for {len(tokens)} tokens")
     return dataclasses.replace(msg, token_ids=[0 if r >= 0 else t for r, t in zip(rows, tokens)], lane_seq=seq)
 
 

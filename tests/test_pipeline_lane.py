@@ -105,12 +105,14 @@ def test_stage_0_gate_passes_ids_in_the_lane_on_and_forgets_the_slots_no_step_re
     assert forgotten == [6]  # its slot is free again; ids in frames need nothing
 
 
-def test_stage_0_gate_refuses_rows_past_the_ids_in_the_lane_slot():
-    gate = FeedGate()
+def test_stage_0_gate_refuses_rows_past_the_ids_in_the_lane_slot_and_frees_the_slot():
+    forgotten = []
+    gate = FeedGate(forgotten.append)
     gate.step(step(1, [7, 8]))
     assert gate.step(step(2, [0, 0], 1, [0, 2])) == []  # row 2 of a step that sampled 2 ids
     with pytest.raises(ValueError, match="2 sampled ids"):
         gate.sampled(Sampled(1, 1, [], lane_seq=5, lane_rows=2))
+    assert forgotten == [5]  # the sender may fill the slot again: later steps keep the lane
 
 
 def test_a_staged_decode_takes_its_prev_rows_with_its_tokens():

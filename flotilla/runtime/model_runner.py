@@ -7,6 +7,7 @@ rows and samples them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,12 +98,15 @@ class ModelRunner:
         return 0 < step.num_seqs <= self.max_launch_rows and all(step.sample) and step.spec_token_ids is None
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, hidden: torch.Tensor | None = None) -> "LaunchedStep":
+    def launch(self, step: StepInput, hidden: torch.Tensor | None = None,
+               sampled: Callable[[torch.Tensor], None] | None = None) -> "LaunchedStep":
         """Run a step of the last stage (the whole model, or a pipeline's last stage given the
         hidden states) and sample it without waiting for the device (every sequence samples one
         token, sampling needs no host data: no penalties, no logprobs). The ids stay in
         `self.sampled`, where the next launched step's `prev_rows` read them, and travel to the
-        host behind an event: the returned step's `result()` waits for them."""
+        host behind an event: the returned step's `result()` waits for them. `sampled(ids)` is
+        called with the ids [B] on the device once their sampling is queued, before their copy
+        to the host (a pipeline's ids lane: stage 0 then waits for the sampling only)."""
         if not self.can_launch(step):
             raise ValueError(f"launch runs steps of at most {self.max_launch_rows} sequences that each "
                              f"sample one token; got {step.num_seqs} sequences")
@@ -113,6 +117,8 @@ class ModelRunner:
                 hidden = hidden.to(self.device, non_blocking=True)
             logits = self.compute_logits(step, self._forward(step, hidden))
         ids = self.sampler.sample_ids(logits, step.sampling, out=self.sampled[:step.num_seqs])  # [B] on the device
+        if sampled is not None:
+            sampled(ids)
         return self._ids_to_host.start(ids)
 
     @torch.inference_mode()

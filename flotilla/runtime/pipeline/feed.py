@@ -64,7 +64,12 @@ class FeedGate:
         """The step as it runs (ValueError: its rows do not fit the ids)."""
         if msg.prev_rows is not None:
             fed = self._fed.pop(msg.prev_mb)
-            msg = fill_tokens(msg, fed) if isinstance(fed, list) else lane_tokens(msg, *fed)
+            try:
+                msg = fill_tokens(msg, fed) if isinstance(fed, list) else lane_tokens(msg, *fed)
+            except ValueError:
+                if isinstance(fed, tuple):
+                    self._forget(fed[0])  # refused: no step reads its slot now
+                raise
         for mb in [mb for mb in self._fed if mb < msg.mb]:  # named by no step after this one
             fed = self._fed.pop(mb)
             if isinstance(fed, tuple):

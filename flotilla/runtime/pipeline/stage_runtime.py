@@ -196,32 +196,33 @@ class StageRuntime:
         hidden, lane_in = None, None
         if msg.lane_seq:
             lane_in = self._lane(lanes.ids_in if self.stage.is_first else lanes.hidden_in, msg)
-        if self.stage.is_first and lane_in is not None:  # step prev_mb's ids, still on the device
-            n = max(msg.prev_rows or [-1]) + 1
-            self.runner.sampled[:n].copy_(lane_in.take(msg.lane_seq, n)[:, 0], non_blocking=True)
-            step = dataclasses.replace(step, prev_rows=msg.prev_rows)
-        elif lane_in is not None:
-            hidden = lane_in.take(msg.lane_seq, step.num_tokens)
-            if hidden.shape[1] != self.lm.config.hidden_size:
-                raise ValueError(f"step {msg.mb}: a hidden lane {hidden.shape[1]} wide for a hidden size of "
-                                 f"{self.lm.config.hidden_size}")
-            hidden = hidden.to(self.lm.dtype)  # (a copy only if the stages' dtypes differ)
-        elif not self.stage.is_first:
-            hidden = self._hidden(msg, step.num_tokens)
-        t1 = time.perf_counter()
-        launched = None
-        ids_out = lanes.ids_out
-        if self.stage.is_last and msg.feed and early is not None and ids_out is not None \
-                and self.executor is self.runner and self.runner.can_launch(step):
-            launched = self.runner.launch(step, hidden)
-            B = step.num_seqs
-            seq = ids_out.put(self.runner.sampled[:B].view(B, 1))
-            if seq:
-                early(Sampled(msg.epoch, msg.mb, [], seq, B))
-        else:
-            out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
-        if lane_in is not None:
-            lane_in.done(msg.lane_seq)  # its reads are queued
+        try:
+            if self.stage.is_first and lane_in is not None:  # step prev_mb's ids, still on the device
+                n = max(msg.prev_rows or [-1]) + 1
+                self.runner.sampled[:n].copy_(lane_in.take(msg.lane_seq, n)[:, 0], non_blocking=True)
+                step = dataclasses.replace(step, prev_rows=msg.prev_rows)
+            elif lane_in is not None:
+                hidden = lane_in.take(msg.lane_seq, step.num_tokens)
+                if hidden.shape[1] != self.lm.config.hidden_size:
+                    raise ValueError(f"step {msg.mb}: a hidden lane {hidden.shape[1]} wide for a hidden size of "
+                                     f"{self.lm.config.hidden_size}")
+                hidden = hidden.to(self.lm.dtype)  # (a copy only if the stages' dtypes differ)
+            elif not self.stage.is_first:
+                hidden = self._hidden(msg, step.num_tokens)
+            t1 = time.perf_counter()
+            launched = None
+            ids_out = lanes.ids_out
+            if self.stage.is_last and msg.feed and early is not None and ids_out is not None \
+                    and self.executor is self.runner and self.runner.can_launch(step):
+                put: list[int] = []  # the ids into the lane before their copy to this host
+                launched = self.runner.launch(step, hidden, lambda ids: put.append(ids_out.put(ids.view(-1, 1))))
+                if put[0]:
+                    early(Sampled(msg.epoch, msg.mb, [], put[0], step.num_seqs))
+            else:
+                out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
+        finally:
+            if lane_in is not None:
+                lane_in.done(msg.lane_seq)  # its reads are queued (or, after an error, never will be)
         self.staging.release()  # the received hidden states are on their way in (or in)
         if launched is not None:
             out = launched.result()

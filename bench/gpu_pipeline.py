@@ -36,7 +36,9 @@ Each ring runs once per value of `--micro-batches` (kept in flight; 0: one per s
 compute at once, stages on one GPU counting once), of `--spin-us` (the workers and the head poll
 that long before sleeping; auto: as `runtime serve` decides, by the cores the ring leaves spare)
 and of `--overlap` (on: with one micro-batch in flight, each decode goes out before the step
-before it is read, its tokens fed to stage 0 by the last stage; off: `--no-overlap`).
+before it is read, its tokens fed to stage 0 by the last stage; off: `--no-overlap`), of `--lanes`
+and of `--mps` (stages sharing a GPU under a private NVIDIA MPS daemon, as `runtime serve --mps`
+starts: auto, on, off; the row's `mps_daemon` says whether one ran).
 
 The fault test runs on the ring named by `--kill-ring` (one of --rings): its workers start
 without the model, so the head pushes their shards (counted); after that ring's measurements,
@@ -48,6 +50,7 @@ pushed). `--json` prints one JSON object per row.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -74,6 +77,7 @@ from flotilla.runtime.loader import load_model  # noqa: E402
 from flotilla.runtime.model_runner import ModelRunner  # noqa: E402
 from flotilla.runtime.pipeline.head import build_pipeline_engine  # noqa: E402
 from flotilla.runtime.pipeline.local import LocalWorkers  # noqa: E402
+from flotilla.runtime.pipeline.mps import mps_for  # noqa: E402
 from flotilla.runtime.pipeline.peer import LinkSettings  # noqa: E402
 from flotilla.runtime.pipeline.pipeline import PipelineSettings  # noqa: E402
 from flotilla.runtime.random_model import write_random_checkpoint  # noqa: E402
@@ -203,12 +207,14 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 class Worker:
     """`runtime worker` without the model (the head pushes its shards), on a fixed port once known."""
 
-    def __init__(self, device: str, cache: Path, token: bytes, port: int = 0, log=print, spin_us: int = 0):
-        env = dict(os.environ, FLOTILLA_TOKEN=token.decode(), PYTHONPATH=str(ROOT))
+    def __init__(self, device: str, cache: Path, token: bytes, port: int = 0, log=print, spin_us: int = 0,
+                 extra_env: dict | None = None):
+        env = dict(os.environ, FLOTILLA_TOKEN=token.decode(), PYTHONPATH=str(ROOT), **(extra_env or {}))
         cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", f"127.0.0.1:{port}",
                "--device", device, "--cache-dir", str(cache), "--exit-with-parent", "--log-level", "warning",
                "--spin-us", str(spin_us)]
         self.device, self.cache, self.token, self.log, self.spin_us = device, cache, token, log, spin_us
+        self.extra_env = extra_env
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1)
         self.port, self._ready = port, threading.Event()
@@ -229,7 +235,7 @@ class Worker:
         return self
 
     def restart(self) -> "Worker":
-        return Worker(self.device, self.cache, self.token, self.port, self.log, self.spin_us).wait()
+        return Worker(self.device, self.cache, self.token, self.port, self.log, self.spin_us, self.extra_env).wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -240,10 +246,11 @@ class Worker:
 class PushedWorkers:
     """The fault test's workers: `Worker`s without the model, in a private temporary directory."""
 
-    def __init__(self, devices: list[str], token: bytes, log, spin_us: int):
+    def __init__(self, devices: list[str], token: bytes, log, spin_us: int, mps: str):
         self.tmp = Path(tempfile.mkdtemp(prefix="flotilla-kill-"))
         self.spin_us = spin_us
-        self.workers = [Worker(d, self.tmp / f"cache-{i}", token, log=log, spin_us=spin_us)
+        self.mps, mps_env = mps_for(devices, mps, log)  # as LocalWorkers: stages sharing a GPU under MPS
+        self.workers = [Worker(d, self.tmp / f"cache-{i}", token, log=log, spin_us=spin_us, extra_env=mps_env)
                         for i, d in enumerate(devices)]
 
     def start(self) -> list[tuple[str, int]]:
@@ -252,6 +259,8 @@ class PushedWorkers:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
+        if self.mps is not None:
+            self.mps.stop()
 
 
 def kill_and_restart(engine, workers: PushedWorkers, prompts, reference, args) -> dict:
@@ -290,8 +299,8 @@ def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batc
     """Measure one local pipeline; with `kill` (the --kill-ring), its workers get their weights
     pushed and the fault test follows on the same engine."""
     token = secrets.token_hex(16).encode()
-    local = LocalWorkers(len(ring), checkpoint, token, ring, log=log, spin_us=spin_us)
-    workers = PushedWorkers(ring, token, log, local.spin_us) if kill else local
+    local = LocalWorkers(len(ring), checkpoint, token, ring, log=log, spin_us=spin_us, mps=args.mps)
+    workers = PushedWorkers(ring, token, log, local.spin_us, args.mps) if kill else local
     engine = None
     try:
         hosts = workers.start()
@@ -302,6 +311,7 @@ def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batc
         pipeline = engine.executor.pipeline
         row = {"row": f"pp{len(ring)}", "devices": ",".join(ring), "setup_s": time.perf_counter() - t,
                "spin_us": local.spin_us, "micro_batches": pipeline.depth, "overlap": engine.overlap,
+               "mps_daemon": workers.mps is not None,
                "split": ",".join(str(s.end - s.start) for s in pipeline.stages),
                **measure(engine, prompts, args)}
         row.update(hops(engine, prompts[0], args), **multi_steps(engine, prompts, args),
@@ -348,6 +358,9 @@ def main(argv=None) -> int:
                     "is read (with one micro-batch in flight; `runtime serve --no-overlap`); each ring runs once per value")
     ap.add_argument("--lanes", default="on", help="comma-separated on/off: device lanes between the stages of one "
                     "host (runtime/pipeline/lane.py; FLOTILLA_LANES=0 is off); each ring runs once per value")
+    ap.add_argument("--mps", default="auto", help="comma-separated auto/on/off: stages that share a GPU under a "
+                    "private NVIDIA MPS daemon (runtime serve --mps; runtime/pipeline/mps.py); each ring runs once "
+                    "per value")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="the workers' and the head's log lines")
     args = ap.parse_args(argv)
@@ -381,17 +394,19 @@ def main(argv=None) -> int:
     batches = [int(v) for v in args.micro_batches.split(",")]
     overlaps = [{"on": True, "off": False}[v] for v in args.overlap.split(",")]
     lanes = args.lanes.split(",")
+    mpss = args.mps.split(",")
     for ring in [r.split(",") for r in args.rings.split(";") if r]:
         killed = False
         for spin in spins:
             for mb in batches:
                 for overlap in overlaps:
-                    for lane in lanes:
+                    for lane, mps in itertools.product(lanes, mpss):
                         os.environ["FLOTILLA_LANES"] = "1" if lane == "on" else "0"  # the workers' environment
                         kill = ",".join(ring) == args.kill_ring and not killed  # the fault test once, on the first variant
                         killed |= kill
-                        for row in ring_rows(checkpoint, ring, spin, mb, overlap, kill, prompts, base, args, log):
-                            emit({**row, "lanes": lane})
+                        for row in ring_rows(checkpoint, ring, spin, mb, overlap, kill, prompts, base,
+                                             argparse.Namespace(**{**vars(args), "mps": mps}), log):
+                            emit({**row, "lanes": lane, "mps": mps})
     if not args.json:
         print_tables(rows, args)
     return 0
@@ -404,7 +419,7 @@ def print_tables(rows: list[dict], args) -> None:
           f"{args.max_num_batched_tokens} tokens")
     print(f"{'config':>6s} {'devices':>18s} {'split':>9s} {'single tok/s':>12s} {'x pp1':>6s} "
           f"{f'{args.streams}-stream tok/s':>15s} {'x pp1':>6s} {'B/tok/hop':>9s} {'us/hop':>7s} {'identical':>9s} "
-          f"{'mb':>2s} {'spin µs':>7s} {'overlap':>7s} {'lanes':>5s}")
+          f"{'mb':>2s} {'spin µs':>7s} {'overlap':>7s} {'lanes':>5s} {'mps':>4s}")
     for r in rows:
         if not r["row"].startswith("pp"):
             continue
@@ -415,7 +430,7 @@ def print_tables(rows: list[dict], args) -> None:
         print(f"{r['row']:>6s} {r['devices']:>18s} {r['split']:>9s} {r['single_tok_s']:12.1f} {x1:>6s} "
               f"{r['multi_tok_s']:15.1f} {xn:>6s} {b:>9s} {us:>7s} {r['identical']:>4d}/{args.streams:<4d} "
               f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7} {str(r.get('overlap', '-')):>7} "
-              f"{r.get('lanes', '-'):>5}")
+              f"{r.get('lanes', '-'):>5} {r.get('mps', '-'):>4}")
     for r in rows:
         if r["row"] == "kill":
             print(f"kill -9 of the last stage ({r['devices']}) after {r['killed_after_tokens']} tokens a stream, "

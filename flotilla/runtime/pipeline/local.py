@@ -4,7 +4,8 @@ One `runtime worker` per stage, listening on a free loopback port, with the mode
 weights are pushed) and the token in its environment (never on a command line). On a machine
 with at least N GPUs each worker gets its own (`cuda:i`; with --tp M, GPUs i*M .. i*M+M-1);
 otherwise they are CPU processes. `--devices` places them by hand, repeats allowed: several
-stages on one GPU (each worker its own CUDA context), CPU stages beside GPU ones. CPU workers
+stages on one GPU (each worker its own CUDA context, under a private MPS daemon where one can be
+started: mps.py), CPU stages beside GPU ones. CPU workers
 split the cores between them (less one core per GPU worker, which drives its GPU). The workers
 exit when the head does.
 
@@ -26,6 +27,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 
+from .mps import mps_for
 from .spin import DEFAULT_SPIN_US, spare_cores
 
 _LISTENING = re.compile(r"flotilla worker: listening on (\S+):(\d+)")
@@ -51,8 +53,9 @@ def worker_threads(devices: list[str], cores: int) -> list[int | None]:
 
 class LocalWorkers:
     def __init__(self, n: int, model: Path, token: bytes, devices: list[str] | None = None,
-                 threads: int | None = None, log=None, tp: int = 1, spin_us: int | None = None):
-        self.n, self.model, self.token, self.tp = n, Path(model), token, tp
+                 threads: int | None = None, log=None, tp: int = 1, spin_us: int | None = None,
+                 mps: str = "auto"):
+        self.n, self.model, self.token, self.tp, self.mps_mode = n, Path(model), token, tp, mps
         self.devices = devices or local_devices(n, tp)
         if len(self.devices) != n:
             raise ValueError(f"{n} local workers need {n} devices, got {self.devices}")
@@ -63,6 +66,7 @@ class LocalWorkers:
         self.spin_us = spin_us
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []
+        self.mps = None  # the private MPS daemon started for stages that share a GPU (mps.py)
 
     def describe(self) -> str:
         """e.g. 'cuda:0, cuda:0, cpu', and ', each a group of tp 2' under tensor parallelism."""
@@ -72,6 +76,8 @@ class LocalWorkers:
         env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
         root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+        self.mps, mps_env = mps_for(self.devices, self.mps_mode, self.log, self.tp)
+        env.update(mps_env)
         for device, threads in zip(self.devices, self.threads):
             cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", "127.0.0.1:0",
                    "--device", device, "--model", str(self.model), "--exit-with-parent"]
@@ -118,3 +124,6 @@ class LocalWorkers:
                 p.kill()
                 p.wait()
         self.procs = []
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None

@@ -166,9 +166,13 @@ def hops(engine, prompt, args) -> dict:
     n_hops = len(stats) + 1  # head -> stage 0 -> ... -> last -> head
     if engine.overlap:
         n_hops = len(stats)  # last stage -> stage 0: the head is off the ring
-    # a one-stage ring (`--rings cuda:0`: the worker process alone) has no stage-to-stage hop
+    # a one-stage ring (`--rings cuda:0`: the worker process alone) has no stage-to-stage hop.
+    # Through device lanes a stage's host no longer waits for its own GPU work only (the last stage
+    # waits for the whole ring's), so the compute times overlap and the difference means nothing:
+    # GPU timestamps measure those hops (bench/NOTES-gpu-pipeline.md)
+    laned = any(s.lane_sent for s in stats)
     return {"bytes_per_token_hop": max((s.decode_bytes / max(1, s.decode_tokens) for s in stats[:-1]), default=0),
-            "us_per_hop": (run["seconds"] / steps - sum(compute)) / n_hops * 1e6,
+            "us_per_hop": None if laned else (run["seconds"] / steps - sum(compute)) / n_hops * 1e6,
             "stage_ms": [round(c * 1e3, 3) for c in compute], "ms_per_token": run["seconds"] / steps * 1e3,
             "lane_sent": [s.lane_sent for s in stats], "lane_refused": [s.lane_refused for s in stats],
             **breakdown(stats, steps, "")}
@@ -426,7 +430,7 @@ def print_tables(rows: list[dict], args) -> None:
         x1 = f"{r['single_vs_pp1']:.2f}" if "single_vs_pp1" in r else ""
         xn = f"{r['multi_vs_pp1']:.2f}" if "multi_vs_pp1" in r else ""
         b = f"{r['bytes_per_token_hop']:.0f}" if "bytes_per_token_hop" in r else "-"
-        us = f"{r['us_per_hop']:.0f}" if "us_per_hop" in r else "-"
+        us = f"{r['us_per_hop']:.0f}" if r.get("us_per_hop") is not None else "-"
         print(f"{r['row']:>6s} {r['devices']:>18s} {r['split']:>9s} {r['single_tok_s']:12.1f} {x1:>6s} "
               f"{r['multi_tok_s']:15.1f} {xn:>6s} {b:>9s} {us:>7s} {r['identical']:>4d}/{args.streams:<4d} "
               f"{r.get('micro_batches', '-'):>2} {r.get('spin_us', '-'):>7} {str(r.get('overlap', '-')):>7} "

@@ -56,9 +56,11 @@ def running_pipe_dir(env: dict[str, str] | None = None) -> str | None:
     return d if os.path.exists(os.path.join(d, "control")) else None
 
 
-def _die_with_parent() -> None:  # the daemon goes with the head, however the head ends (Linux)
+def _die_with_parent() -> None:
+    """The daemon goes with the head however the head ends (Linux; strictly, with the thread that
+    started it: `serve` starts its workers from the main thread)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 

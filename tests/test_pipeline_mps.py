@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import pytest
 
 from flotilla.errors import FlotillaError
@@ -15,6 +16,7 @@ from flotilla.runtime.pipeline.local import LocalWorkers
 FAKE = """#!/bin/sh
 if [ "$1" = "-f" ]; then
   echo "started $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"
+  echo $$ > "$FAKE_MPS_LOG.pid"
   touch "$CUDA_MPS_PIPE_DIRECTORY/control"
   while [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/quit" ]; do sleep 0.02; done
   echo "stopped" >> "$FAKE_MPS_LOG"
@@ -67,6 +69,20 @@ def test_a_private_daemon_serves_stages_on_one_gpu_and_goes_with_them(fake):
     daemon.stop()
     assert fake.read_text().splitlines()[2:] == ["command quit", "stopped"]
     assert daemon.proc.poll() == 0 and not os.path.exists(daemon.root)
+
+
+def test_the_daemon_goes_with_a_head_that_dies_without_stopping_it(fake):
+    import subprocess
+    import time
+
+    head = ("import os, sys; from flotilla.runtime.pipeline import mps; mps._PROBE = sys.argv[1]; "
+            "mps.MpsDaemon.start(['cuda:0']); os._exit(0)")  # no stop(): as if killed
+    subprocess.run([sys.executable, "-c", head, CLIENT], check=True, timeout=60)
+    pid = int(open(f"{fake}.pid").read())
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the daemon outlived its head"
+        time.sleep(0.05)
 
 
 def test_no_daemon_where_no_gpu_is_shared_or_mps_is_off(fake):

@@ -154,3 +154,34 @@ def test_local_workers_start_their_daemon_and_stop_it_with_them(fake, monkeypatc
     assert [env["CUDA_MPS_PIPE_DIRECTORY"] for env in started] == [pipe, pipe]
     workers.stop()
     assert workers.mps is None and fake.read_text().splitlines()[-1] == "stopped"
+
+
+def test_the_head_names_stages_that_share_a_gpu_without_mps():
+    from flotilla.runtime.pipeline.partition import shared_without_mps
+
+    devices = ["cuda:0", "cuda:0", "cpu", "cuda:1", "cuda:0"]
+    ids = ["gpu-a", "gpu-a", "h/cpu", "gpu-b", "gpu-c"]  # the fifth: another host's cuda:0
+    assert shared_without_mps(devices, ids, [False] * 5) == [[0, 1]]
+    assert shared_without_mps(devices, ids, [True, False, False, False, False]) == [[0, 1]]
+    assert shared_without_mps(devices, ids, [True, True, False, False, False]) == []
+    assert shared_without_mps(["cpu", "cpu"], ["h/cpu", "h/cpu"], [False, False]) == []  # CPU stages: no contexts
+
+
+def test_a_worker_says_whether_it_is_an_mps_client(fake, tmp_path, monkeypatch):
+    import json
+
+    import torch
+
+    from flotilla.runtime.pipeline.messages import Probe
+    from flotilla.runtime.pipeline.probe import worker_info
+    from flotilla.runtime.pipeline.wire import decode, encode
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-5}
+    probe = Probe(json.dumps(config), False, "auto")
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "control").touch()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
+    info = decode(encode(worker_info(probe, torch.device("cpu"), "v")))
+    assert info.mps is False  # a CPU worker is no GPU client whatever its environment says

@@ -54,6 +54,7 @@ class WorkerInfo:
     head_bytes: int  # the embedding / lm_head matrix on this device
     memory_id: str  # whose memory free_memory counts (host and GPU): stages that share it split it
     tp: int  # tensor-parallel ranks serving this worker's stage (their memory and speed are counted)
+    mps: bool  # a client of an NVIDIA MPS daemon (its control pipe is in this worker's environment)
 
 
 @message("load_stage")

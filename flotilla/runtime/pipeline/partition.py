@@ -49,6 +49,16 @@ def sharing(memory_ids: list[str]) -> list[int]:
     return [counts[m] for m in memory_ids]
 
 
+def shared_without_mps(devices: list[str], memory_ids: list[str], mps: list[bool]) -> list[list[int]]:
+    """Groups of stages on one GPU of which some worker is no MPS client: the GPU switches between
+    their processes' contexts at every hop between them (mps.py)."""
+    groups: dict[str, list[int]] = {}
+    for i, (d, m) in enumerate(zip(devices, memory_ids)):
+        if d.startswith("cuda"):
+            groups.setdefault(m, []).append(i)
+    return [g for g in groups.values() if len(g) > 1 and not all(mps[i] for i in g)]
+
+
 def compute_units(devices: list[str], memory_ids: list[str]) -> int:
     """How many stages can compute at the same time: the micro-batches worth keeping in flight.
     Stages on one GPU take turns (its processes' CUDA contexts are time-sliced), so they count

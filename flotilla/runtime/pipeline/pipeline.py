@@ -39,7 +39,8 @@ from .activations import check_wire_dtype
 from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
     WorkerStats
 from .connection import AuthError
-from .partition import StageBudget, compute_units, describe, sharing, split_layers, stages_from_counts
+from .partition import (StageBudget, compute_units, describe, shared_without_mps, sharing, split_layers,
+                        stages_from_counts)
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
 from .results import ResultChannel, open_result_channel
 from .weight_push import fingerprint, load_request
@@ -196,6 +197,12 @@ class Pipeline:
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
         self.infos = infos
         self.shares = sharing([i.memory_id for i in infos])
+        for group in shared_without_mps([i.device for i in infos], [i.memory_id for i in infos],
+                                        [i.mps for i in infos]):
+            names = ", ".join(f"{i} ({self.peers[i].address})" for i in group)
+            self.report(f"stages {names} share one GPU without MPS: it switches between their processes at every "
+                        f"hop (~0.15 ms each); start `nvidia-cuda-mps-control -d` on that host before the workers "
+                        f"(local workers: --mps auto does it)")
         if s.layers is not None:
             counts, how = list(s.layers), "--layers"
         else:

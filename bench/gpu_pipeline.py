@@ -253,9 +253,15 @@ class PushedWorkers:
     def __init__(self, devices: list[str], token: bytes, log, spin_us: int, mps: str):
         self.tmp = Path(tempfile.mkdtemp(prefix="flotilla-kill-"))
         self.spin_us = spin_us
-        self.mps, mps_env = mps_for(devices, mps, log)  # as LocalWorkers: stages sharing a GPU under MPS
-        self.workers = [Worker(d, self.tmp / f"cache-{i}", token, log=log, spin_us=spin_us, extra_env=mps_env)
-                        for i, d in enumerate(devices)]
+        self.mps = mps_for(devices, mps, log)  # as LocalWorkers: stages sharing a GPU under MPS
+        self.workers = []
+        try:
+            for i, d in enumerate(devices):
+                self.workers.append(Worker(d, self.tmp / f"cache-{i}", token, log=log, spin_us=spin_us,
+                                           extra_env=self.mps.env_for(d)))
+        except BaseException:
+            self.stop()
+            raise
 
     def start(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", w.wait().port) for w in self.workers]
@@ -263,8 +269,7 @@ class PushedWorkers:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
-        if self.mps is not None:
-            self.mps.stop()
+        self.mps.stop()
 
 
 def kill_and_restart(engine, workers: PushedWorkers, prompts, reference, args) -> dict:
@@ -304,9 +309,10 @@ def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batc
     pushed and the fault test follows on the same engine."""
     token = secrets.token_hex(16).encode()
     local = LocalWorkers(len(ring), checkpoint, token, ring, log=log, spin_us=spin_us, mps=args.mps)
-    workers = PushedWorkers(ring, token, log, local.spin_us, args.mps) if kill else local
-    engine = None
+    workers, engine = local, None
     try:
+        if kill:
+            workers = PushedWorkers(ring, token, log, local.spin_us, args.mps)
         hosts = workers.start()
         t = time.perf_counter()
         stage_timeout = 600 if kill else 60
@@ -315,7 +321,7 @@ def ring_rows(checkpoint: Path, ring: list[str], spin_us: int | None, micro_batc
         pipeline = engine.executor.pipeline
         row = {"row": f"pp{len(ring)}", "devices": ",".join(ring), "setup_s": time.perf_counter() - t,
                "spin_us": local.spin_us, "micro_batches": pipeline.depth, "overlap": engine.overlap,
-               "mps_daemon": workers.mps is not None,
+               "mps_used": workers.mps.used, "mps_daemon": workers.mps.daemon is not None,
                "split": ",".join(str(s.end - s.start) for s in pipeline.stages),
                **measure(engine, prompts, args)}
         row.update(hops(engine, prompts[0], args), **multi_steps(engine, prompts, args),

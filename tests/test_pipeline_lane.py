@@ -112,7 +112,7 @@ def test_stage_0_gate_refuses_rows_past_the_ids_in_the_lane_slot_and_frees_the_s
     assert gate.step(step(2, [0, 0], 1, [0, 2])) == []  # row 2 of a step that sampled 2 ids
     with pytest.raises(ValueError, match="2 sampled ids"):
         gate.sampled(Sampled(1, 1, [], lane_seq=5, lane_rows=2))
-    assert forgotten == [5]  # the sender may fill the slot again: later steps keep the lane
+    assert forgotten == [5]  # the slot is free again (the ring's epoch then faults and starts anew)
 
 
 def test_a_staged_decode_takes_its_prev_rows_with_its_tokens():

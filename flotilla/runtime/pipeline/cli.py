@@ -284,7 +284,8 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         hosts = local.start()
     layers = None
     settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), layers, args.wire_dtype,
-                                args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0)
+                                args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0,
+                                mps_advice=local is None)
     try:
         if args.layers:
             from flotilla.models.sources import open_source

@@ -27,7 +27,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 
-from .mps import mps_for
+from .mps import MpsChoice, mps_for
 from .spin import DEFAULT_SPIN_US, spare_cores
 
 _LISTENING = re.compile(r"flotilla worker: listening on (\S+):(\d+)")
@@ -66,7 +66,7 @@ class LocalWorkers:
         self.spin_us = spin_us
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []
-        self.mps = None  # the private MPS daemon started for stages that share a GPU (mps.py)
+        self.mps = MpsChoice()  # MPS for the stages that share a GPU (mps.py): set by start
 
     def describe(self) -> str:
         """e.g. 'cuda:0, cuda:0, cpu', and ', each a group of tp 2' under tensor parallelism."""
@@ -76,19 +76,19 @@ class LocalWorkers:
         env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
         root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-        self.mps, mps_env = mps_for(self.devices, self.mps_mode, self.log, self.tp)
-        env.update(mps_env)
-        for device, threads in zip(self.devices, self.threads):
-            cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", "127.0.0.1:0",
-                   "--device", device, "--model", str(self.model), "--exit-with-parent"]
-            if threads:
-                cmd += ["--threads", str(threads)]
-            if self.tp > 1:
-                cmd += ["--tp", str(self.tp)]
-            if self.spin_us:
-                cmd += ["--spin-us", str(self.spin_us)]
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1))
+        self.mps = mps_for(self.devices, self.mps_mode, self.log, self.tp)
         try:
+            for device, threads in zip(self.devices, self.threads):
+                cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", "127.0.0.1:0",
+                       "--device", device, "--model", str(self.model), "--exit-with-parent"]
+                if threads:
+                    cmd += ["--threads", str(threads)]
+                if self.tp > 1:
+                    cmd += ["--tp", str(self.tp)]
+                if self.spin_us:
+                    cmd += ["--spin-us", str(self.spin_us)]
+                self.procs.append(subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)},
+                                                   stdout=subprocess.PIPE, text=True, bufsize=1))
             return [self._address(i, p, time.monotonic() + timeout) for i, p in enumerate(self.procs)]
         except BaseException:
             self.stop()
@@ -124,6 +124,4 @@ class LocalWorkers:
                 p.kill()
                 p.wait()
         self.procs = []
-        if self.mps is not None:
-            self.mps.stop()
-            self.mps = None
+        self.mps.stop()

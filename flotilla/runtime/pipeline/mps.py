@@ -10,14 +10,17 @@ between the stages there, pp=2 on one GPU 0.98x of pp=1 against 0.855x without i
 `mps="auto"` (the default): where two local stages share a GPU, start a private MPS control daemon
 (`nvidia-cuda-mps-control -f`, its pipe and log directories in a temporary directory), check that a
 CUDA process gets through it, and start the workers as its clients; the daemon goes when the
-workers do (and with the head: it dies with its parent). Where an MPS daemon runs already (its
-control pipe in $CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps) the workers use that one. Where
+workers do (and with the head: it dies with its parent). Where an MPS daemon runs already (it
+answers on $CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps, and a CUDA client gets through it)
+the workers use that one. Where
 `nvidia-cuda-mps-control` is not installed or the check fails, the workers run without MPS and
-the head says why, once. `"on"` makes those an error; `"off"` never starts a daemon.
+the head says why, once. `"on"` makes those an error; `"off"` never starts a daemon and keeps
+the workers off one that runs.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -50,19 +53,81 @@ def shared_gpus(devices: list[str], tp: int = 1) -> list[str]:
     return [f"cuda:{i}" for i, n in sorted(seen.items()) if n > 1]
 
 
-def running_pipe_dir(env: dict[str, str] | None = None) -> str | None:
-    """The pipe directory of an MPS control daemon that runs already, if any."""
-    d = (env if env is not None else os.environ).get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
-    return d if os.path.exists(os.path.join(d, "control")) else None
+def _pipe_dir(env: dict[str, str] | None = None) -> str:
+    return (env if env is not None else os.environ).get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
 
 
-def _die_with_parent() -> None:
-    """The daemon goes with the head however the head ends (Linux; strictly, with the thread that
-    started it: `serve` starts its workers from the main thread)."""
+def _answers(pipe_dir: str, env: dict[str, str] | None = None) -> bool:
+    """Whether a control daemon answers on `pipe_dir` (a killed one leaves its pipe behind)."""
+    control = shutil.which(CONTROL)
+    if control is None or not os.path.exists(os.path.join(pipe_dir, "control")):
+        return False
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        r = subprocess.run([control], input="get_server_list\n", text=True, timeout=10,
+                           env=dict(env if env is not None else os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def running_pipe_dir(env: dict[str, str] | None = None) -> str | None:
+    """The pipe directory of an MPS control daemon that runs (and answers) already, if any."""
+    d = _pipe_dir(env)
+    return d if _answers(d, env) else None
+
+
+def is_mps_client(device) -> bool:
+    """Whether a process on `device` with this environment runs as an MPS client."""
+    return device.type == "cuda" and running_pipe_dir() is not None
+
+
+try:  # looked up once here: nothing but the call itself runs between fork and exec
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _die_with(parent: int):
+    """preexec_fn: the daemon goes with the head however the head ends (Linux; strictly, with the
+    thread that started it: `serve` starts its workers from the main thread)."""
+    def child() -> None:
+        if _prctl is not None:
+            _prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the head died before that
+            os._exit(1)
+    return child
+
+
+def check_client(gpus: list[str], env: dict[str, str], timeout: float = 120.0) -> None:
+    """Run a CUDA client on each of `gpus` with `env` (RuntimeError: it failed)."""
+    try:
+        check = subprocess.run([sys.executable, "-c", _PROBE, *gpus], env=dict(env), timeout=timeout,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"a CUDA client of the MPS daemon did not finish in {timeout:.0f} s") from None
+    if check.returncode:
+        last = (check.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"a CUDA client of the MPS daemon failed: {last}")
+
+
+@dataclasses.dataclass
+class MpsChoice:
+    """What local workers on shared GPUs get: the private daemon started (or None), the
+    environment for the workers on those GPUs, and whether they run under MPS at all."""
+    daemon: "MpsDaemon | None" = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    used: bool = False
+    gpus: list[str] = dataclasses.field(default_factory=list)
+
+    def env_for(self, device: str, tp: int = 1) -> dict[str, str]:
+        """The MPS environment of a worker on `device` (only workers on the shared GPUs get it)."""
+        return self.env if set(shared_gpus([device] * 2, tp)) & set(self.gpus) else {}
+
+    def stop(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
 
 
 class MpsDaemon:
@@ -89,27 +154,20 @@ class MpsDaemon:
                    CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"))
         try:
             proc = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                    stderr=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
         except OSError as e:
             shutil.rmtree(root, ignore_errors=True)
             raise RuntimeError(f"{CONTROL} did not start: {e}") from None
         daemon = cls(root, proc, control)
         try:
             deadline = time.monotonic() + 10
-            while running_pipe_dir(env) is None:
+            while not os.path.exists(os.path.join(root, "pipe", "control")):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{CONTROL} -f exited with status {proc.returncode}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{CONTROL} -f opened no control pipe in 10 s")
                 time.sleep(0.05)
-            try:
-                check = subprocess.run([sys.executable, "-c", _PROBE, *gpus], env=dict(env), timeout=timeout,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"a CUDA client of the MPS daemon did not finish in {timeout:.0f} s") from None
-            if check.returncode:
-                last = (check.stderr.strip().splitlines() or ["no output"])[-1]
-                raise RuntimeError(f"a CUDA client of the MPS daemon failed: {last}")
+            check_client(gpus, env, timeout)
         except BaseException:
             daemon.stop()
             raise
@@ -133,18 +191,30 @@ class MpsDaemon:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def mps_for(devices: list[str], mode: str, log, tp: int = 1) -> tuple[MpsDaemon | None, dict[str, str]]:
-    """(the private daemon started, or None; the environment the workers get) for local workers on
-    `devices` under `mode` (MODES). FlotillaError where mode is "on" and MPS cannot be had."""
+def mps_for(devices: list[str], mode: str, log, tp: int = 1) -> MpsChoice:
+    """The MPS setup of local workers on `devices` under `mode` (MODES). FlotillaError where mode
+    is "on" and MPS cannot be had."""
     if mode not in MODES:
         raise FlotillaError(f"--mps {mode!r}: expected one of {', '.join(MODES)}")
     gpus = shared_gpus(devices, tp)
-    if not gpus or mode == "off":
-        return None, {}
+    if not gpus:
+        return MpsChoice()
     running = running_pipe_dir()
+    if mode == "off":  # not even a daemon that runs already: its clients would find it by default
+        off = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tempfile.gettempdir(), "flotilla-mps-off")}
+        return MpsChoice(env=off if running is not None else {}, gpus=gpus)
     if running is not None:
+        try:
+            check_client(gpus, dict(os.environ))
+        except RuntimeError as e:
+            if mode == "on":
+                raise FlotillaError(f"--mps on: the MPS daemon at {running}: {e}") from None
+            log(f"stages share {', '.join(gpus)}; the MPS daemon at {running} is not usable ({e}): the workers "
+                f"run without MPS")
+            return MpsChoice(env={"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tempfile.gettempdir(), "flotilla-mps-off")},
+                             gpus=gpus)
         log(f"stages share {', '.join(gpus)}: their workers use the MPS daemon that runs already ({running})")
-        return None, {}
+        return MpsChoice(used=True, gpus=gpus)
     try:
         daemon = MpsDaemon.start(gpus)
     except RuntimeError as e:
@@ -152,7 +222,7 @@ def mps_for(devices: list[str], mode: str, log, tp: int = 1) -> tuple[MpsDaemon 
             raise FlotillaError(f"--mps on: {e}") from None
         log(f"stages share {', '.join(gpus)} without MPS ({e}): the GPU switches between their processes "
             f"at every hop (~0.15 ms each); start `{CONTROL} -d` first, or give each stage its own GPU")
-        return None, {}
+        return MpsChoice(gpus=gpus)
     log(f"stages share {', '.join(gpus)}: started a private MPS daemon so that the GPU runs their work in one "
         f"context (no switch at each hop; --mps off to run without it)")
-    return daemon, daemon.client_env()
+    return MpsChoice(daemon, daemon.client_env(), True, gpus)

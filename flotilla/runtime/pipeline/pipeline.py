@@ -69,6 +69,7 @@ class PipelineSettings:
     max_model_len: int = 0  # the longest context (the graphs' block-table width); 0: the model's
     spin_us: int = 0  # the engine's thread polls for results this long before it sleeps (results.py)
     micro_batches: int = 0  # kept in flight; 0: one per stage that can compute at the same time (partition.compute_units)
+    mps_advice: bool = True  # name stages that share a GPU without MPS (local workers: their --mps said it already)
 
     def __post_init__(self):
         check_wire_dtype(self.wire_dtype)
@@ -197,8 +198,8 @@ class Pipeline:
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
         self.infos = infos
         self.shares = sharing([i.memory_id for i in infos])
-        for group in shared_without_mps([i.device for i in infos], [i.memory_id for i in infos],
-                                        [i.mps for i in infos]):
+        unshared = shared_without_mps([i.device for i in infos], [i.memory_id for i in infos], [i.mps for i in infos])
+        for group in unshared if s.mps_advice else []:
             names = ", ".join(f"{i} ({self.peers[i].address})" for i in group)
             self.report(f"stages {names} share one GPU without MPS: it switches between their processes at every "
                         f"hop (~0.15 ms each); start `nvidia-cuda-mps-control -d` on that host before the workers "

@@ -30,7 +30,7 @@ from flotilla.runtime.kv_cache import free_memory
 from flotilla.runtime.loader import parse_dtype
 
 from .messages import Probe, WorkerInfo
-from .mps import running_pipe_dir
+from .mps import is_mps_client
 
 PROBE_SECONDS = 0.1
 GRAPH_CALLS = 8  # calls per replayed CUDA graph
@@ -62,7 +62,7 @@ def worker_info(probe: Probe, device: torch.device, version: str, tp: int = 1) -
         layer_bytes = _bytes(build_layer(config, 0, "meta", dtype))
     devices = [device] if device.type == "cpu" else [torch.device("cuda", (device.index or 0) + r) for r in range(tp)]
     return WorkerInfo(version, str(device), sum(free_memory(d) for d in devices), layer_bytes, layer_ms, head_ms,
-                      head_bytes, memory_id(device), tp, device.type == "cuda" and running_pipe_dir() is not None)
+                      head_bytes, memory_id(device), tp, is_mps_client(device))
 
 
 def memory_id(device: torch.device) -> str:

@@ -214,16 +214,21 @@ class StageRuntime:
             ids_out = lanes.ids_out
             if self.stage.is_last and msg.feed and early is not None and ids_out is not None \
                     and self.executor is self.runner and self.runner.can_launch(step):
-                put: list[int] = []  # the ids into the lane before their copy to this host
-                launched = self.runner.launch(step, hidden, lambda ids: put.append(ids_out.put(ids.view(-1, 1))))
-                if put[0]:
-                    early(Sampled(msg.epoch, msg.mb, [], put[0], step.num_seqs))
+                lane_seq = 0
+
+                def to_lane(ids: torch.Tensor) -> None:  # the ids into the lane before their copy to this host
+                    nonlocal lane_seq
+                    lane_seq = ids_out.put(ids.view(-1, 1))
+
+                launched = self.runner.launch(step, hidden, to_lane)
+                if lane_seq:
+                    early(Sampled(msg.epoch, msg.mb, [], lane_seq, step.num_seqs))
             else:
                 out = self.executor.execute(step, hidden, True) if staged else self.executor.execute(step, hidden)
         finally:
             if lane_in is not None:
                 lane_in.done(msg.lane_seq)  # its reads are queued (or, after an error, never will be)
-        self.staging.release()  # the received hidden states are on their way in (or in)
+            self.staging.release()  # the received hidden states are on their way in (or in)
         if launched is not None:
             out = launched.result()
         t2 = time.perf_counter()

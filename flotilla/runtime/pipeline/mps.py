@@ -19,6 +19,7 @@ the workers off one that runs.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import os
@@ -44,13 +45,21 @@ _PROBE = ("import sys, torch\n"
 def shared_gpus(devices: list[str], tp: int = 1) -> list[str]:
     """The CUDA devices that more than one local process would use ('cuda' is cuda:0; with --tp M
     a stage on cuda:i uses cuda:i .. cuda:i+M-1)."""
-    seen: dict[int, int] = {}
-    for d in devices:
-        if d.startswith("cuda"):
-            first = int(d.partition(":")[2] or 0)
-            for i in range(first, first + tp):
-                seen[i] = seen.get(i, 0) + 1
+    seen = collections.Counter(g for d in devices for g in _gpus_of(d, tp))
     return [f"cuda:{i}" for i, n in sorted(seen.items()) if n > 1]
+
+
+def _gpus_of(device: str, tp: int = 1) -> range:
+    """The CUDA indices a local worker on `device` uses (none on a CPU)."""
+    if not device.startswith("cuda"):
+        return range(0)
+    first = int(device.partition(":")[2] or 0)
+    return range(first, first + tp)
+
+
+def _off_env() -> dict[str, str]:
+    """Keeps a CUDA process off any MPS daemon: a pipe directory no daemon serves."""
+    return {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tempfile.gettempdir(), "flotilla-mps-off")}
 
 
 def _pipe_dir(env: dict[str, str] | None = None) -> str:
@@ -122,7 +131,7 @@ class MpsChoice:
 
     def env_for(self, device: str, tp: int = 1) -> dict[str, str]:
         """The MPS environment of a worker on `device` (only workers on the shared GPUs get it)."""
-        return self.env if set(shared_gpus([device] * 2, tp)) & set(self.gpus) else {}
+        return self.env if any(f"cuda:{i}" in self.gpus for i in _gpus_of(device, tp)) else {}
 
     def stop(self) -> None:
         if self.daemon is not None:
@@ -133,7 +142,7 @@ class MpsChoice:
 class MpsDaemon:
     """A private MPS control daemon for this machine's workers."""
 
-    def __init__(self, root: str, proc: subprocess.Popen, control: str):
+    def __init__(self, root: str, proc: subprocess.Popen | None, control: str):
         self.root, self.proc, self.control = root, proc, control
         self.pipe_dir, self.log_dir = os.path.join(root, "pipe"), os.path.join(root, "log")
 
@@ -147,21 +156,20 @@ class MpsDaemon:
         control = shutil.which(CONTROL)
         if control is None:
             raise RuntimeError(f"{CONTROL} is not installed (it comes with NVIDIA's driver utilities)")
-        root = tempfile.mkdtemp(prefix="flotilla-mps-")
-        os.makedirs(os.path.join(root, "pipe"))
-        os.makedirs(os.path.join(root, "log"))
-        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(root, "pipe"),
-                   CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"))
+        daemon = cls(tempfile.mkdtemp(prefix="flotilla-mps-"), None, control)
+        os.makedirs(daemon.pipe_dir)
+        os.makedirs(daemon.log_dir)
+        env = dict(os.environ, **daemon.client_env())
         try:
-            proc = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
+            daemon.proc = proc = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL,
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                  preexec_fn=_die_with(os.getpid()))
         except OSError as e:
-            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(daemon.root, ignore_errors=True)
             raise RuntimeError(f"{CONTROL} did not start: {e}") from None
-        daemon = cls(root, proc, control)
         try:
             deadline = time.monotonic() + 10
-            while not os.path.exists(os.path.join(root, "pipe", "control")):
+            while not os.path.exists(os.path.join(daemon.pipe_dir, "control")):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{CONTROL} -f exited with status {proc.returncode}")
                 if time.monotonic() > deadline:
@@ -201,8 +209,7 @@ def mps_for(devices: list[str], mode: str, log, tp: int = 1) -> MpsChoice:
         return MpsChoice()
     running = running_pipe_dir()
     if mode == "off":  # not even a daemon that runs already: its clients would find it by default
-        off = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tempfile.gettempdir(), "flotilla-mps-off")}
-        return MpsChoice(env=off if running is not None else {}, gpus=gpus)
+        return MpsChoice(env=_off_env() if running is not None else {}, gpus=gpus)
     if running is not None:
         try:
             check_client(gpus, dict(os.environ))
@@ -211,8 +218,7 @@ def mps_for(devices: list[str], mode: str, log, tp: int = 1) -> MpsChoice:
                 raise FlotillaError(f"--mps on: the MPS daemon at {running}: {e}") from None
             log(f"stages share {', '.join(gpus)}; the MPS daemon at {running} is not usable ({e}): the workers "
                 f"run without MPS")
-            return MpsChoice(env={"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tempfile.gettempdir(), "flotilla-mps-off")},
-                             gpus=gpus)
+            return MpsChoice(env=_off_env(), gpus=gpus)
         log(f"stages share {', '.join(gpus)}: their workers use the MPS daemon that runs already ({running})")
         return MpsChoice(used=True, gpus=gpus)
     try:

@@ -198,12 +198,13 @@ class Pipeline:
         infos: list[WorkerInfo] = await self._gather([p.call(probe, 120) for p in self.peers])
         self.infos = infos
         self.shares = sharing([i.memory_id for i in infos])
-        unshared = shared_without_mps([i.device for i in infos], [i.memory_id for i in infos], [i.mps for i in infos])
-        for group in unshared if s.mps_advice else []:
-            names = ", ".join(f"{i} ({self.peers[i].address})" for i in group)
-            self.report(f"stages {names} share one GPU without MPS: it switches between their processes at every "
-                        f"hop (~0.15 ms each); start `nvidia-cuda-mps-control -d` on that host before the workers "
-                        f"(local workers: --mps auto does it)")
+        if s.mps_advice:
+            for group in shared_without_mps([i.device for i in infos], [i.memory_id for i in infos],
+                                            [i.mps for i in infos]):
+                names = ", ".join(f"{i} ({self.peers[i].address})" for i in group)
+                self.report(f"stages {names} share one GPU without MPS: it switches between their processes at "
+                            f"every hop (~0.15 ms each); start `nvidia-cuda-mps-control -d` on that host before the "
+                            f"workers (local workers: --mps auto does it)")
         if s.layers is not None:
             counts, how = list(s.layers), "--layers"
         else:

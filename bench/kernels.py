@@ -304,8 +304,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-chain", action="store_true", help="the GEMV sweep's best plans timed back to back too")
     ap.add_argument("--gemv-all", action="store_true", help="the GEMV sweep times the plans that always lost too")
     ap.add_argument("--dense-sweep", action="store_true", help="Triton tiles vs dequantize + cuBLAS (kernels_dense.py)")
-    ap.add_argument("--wt-sweep", action="store_true",
-                    help="with --dense-sweep: the weight-as-B tile kernel's tiles, warps, stages and splits")
     ap.add_argument("--dense-rows", default="128,256,512,1024,2048", help="the dense sweep's batches")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)

@@ -18,7 +18,6 @@ from flotilla.kernels.triton_linear import (
     TritonGPTQKernel,
     dequantize_layout,
     dot_config,
-    split_for,
     weight_side,
 )
 
@@ -52,43 +51,3 @@ def _dense_shape(args, k: int, n: int, time_us, random_gptq) -> None:
               f"({row['fp16_us'] / row['dense_us']:.2f}x; dequant {row['dequant_us']:.1f})", flush=True)
         if args.json:
             print(json.dumps({"dense_sweep": row}), flush=True)
-        if getattr(args, "wt_sweep", False):
-            _wt_sweep(args, kern, x, ref, row, time_us)
-
-
-WT_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3),
-            (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3), (256, 128, 8, 4)]
-
-
-def _wt_sweep(args, kern, x, ref, row, time_us) -> None:
-    """The weight-as-B tile kernel (triton_gemm.wt_dot_kernel) over tile shapes, warps, stages and the
-    split that fills the SMs once or twice, each checked first; the best against fp16 and the dense path."""
-    import triton.runtime.errors
-
-    m, n = x.shape[0], kern.layout.out_features
-    blocks = kern.layout.k_padded // kern.layout.block_k
-    timed = []
-    for bm, bn, warps, stages in WT_TILES:
-        tiles = -(-m // bm) * -(-n // bn)
-        for split in sorted({split_for(tiles, blocks, f * kern.num_sms) for f in (1, 2)}):
-            cfg = GemmConfig("wt", bm, bn, split, warps, stages)
-            try:
-                err = ((kern(x, config=cfg).float() - ref).norm() / ref.norm()).item()
-                if not err < 2e-3:
-                    print(f"FAIL wt sweep {row['shape']} m={m} {cfg}: rel err {err:.2e}", flush=True)
-                    continue
-                us = time_us(lambda: kern(x, config=cfg))  # noqa: B023 - called at once
-            except triton.runtime.errors.OutOfResources:
-                continue
-            timed.append((us, cfg))
-            if args.json:
-                print(json.dumps({"wt_sweep": {"shape": row["shape"], "m": m, "block_m": bm, "block_n": bn,
-                                               "warps": warps, "stages": stages, "split": split, "us": us,
-                                               "x_fp16": row["fp16_us"] / us}}), flush=True)
-    timed.sort(key=lambda p: p[0])
-    best = ", ".join(f"{us:.1f} ({c.block_m}x{c.block_n} {c.num_warps}w {c.num_stages}s split {c.split_k})"
-                     for us, c in timed[:3])
-    if timed:
-        print(f"wt sweep {row['shape']} m={m}: fp16 {row['fp16_us']:.1f}us, dot {row['dot_us']:.1f}, "
-              f"dense {row['dense_us']:.1f}; wt best {timed[0][0]:.1f} ({row['fp16_us'] / timed[0][0]:.2f}x): {best}",
-              flush=True)

@@ -212,68 +212,6 @@ def w_dot_kernel(
 
 
 @triton.jit
-def wt_dot_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, kw, stride_xm, stride_om, blocks_per_split,
-    BITS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    ZERO_CONST: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr, ASM_ODD: tl.constexpr,
-    EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr = False,
-):
-    """Large batches: y = x W with the activations as the A operand and the dequantized weight as B.
-
-    The same decode as `w_dot_kernel` (group scale on the weight side), but the [BLOCK_M rows,
-    BLOCK_N out-features] tile puts the batch rows on the instruction's M side, so on Hopper the
-    weight goes through shared memory and both operands of wgmma come from there: the MMAs can run
-    asynchronously behind the next pair's decode, where the A-from-registers form must wait for
-    each before its registers are reused."""
-    PAIRS: tl.constexpr = 16 // BITS
-    R: tl.constexpr = BLOCK_K * BITS // 32
-    pid_mn = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    offs_m = (pid_mn % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid_mn // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, R)
-    offs_2r = tl.arange(0, 2 * R)
-    n_ok = offs_n < N
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(blocks_per_split):
-        b = pid_k * blocks_per_split + i
-        w_ptrs = w_ptr + offs_n[:, None] * kw + (b * R + offs_r)[None, :]
-        if EVEN_N:
-            words = tl.load(w_ptrs)
-        else:
-            words = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-        k0 = b * BLOCK_K
-        for t in tl.static_range(PAIRS):
-            g = (k0 + t * 2 * R) // GROUP_SIZE
-            s, s_act, z, zz_e, zz_o, s2 = load_group(s_ptr, z_ptr, g, offs_n, N, n_ok, ZERO_CONST, HAS_ZEROS,
-                                                     BITS, IS_BF16)
-            m_act, m2 = _group_offset(z_ptr, g, offs_n, N, n_ok, s_act, s2, IS_BF16, HAS_OFFSET)
-            lo, hi = decode_pair(words, t, z, s_act, zz_e, zz_o, s2, m_act, m2, BITS, IS_BF16, True, ASM,
-                                 ASM_ODD, HAS_OFFSET)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))
-            xs = _load_x(x_ptr, perm_ptr, offs_m, k0 + t * 2 * R + offs_2r, M, K, stride_xm, HAS_PERM)
-            acc = tl.dot(xs, tl.trans(w), acc)
-    finish_tile(tl.trans(acc), out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS,
-                SPLIT)
-
-
-@triton.jit
-def _load_x(x_ptr, perm_ptr, offs_m, kk, M, K, stride_xm, HAS_PERM: tl.constexpr):
-    """x slice [BLOCK_M, len(kk)]; columns past K read as zero."""
-    k_ok = kk < K
-    if HAS_PERM:
-        cols = tl.load(perm_ptr + kk, mask=k_ok, other=0)
-    else:
-        cols = kk
-    mask = (offs_m < M)[:, None] & k_ok[None, :]
-    return tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _group_offset(m_ptr, g, offs_n, N, n_ok, s_act, s2, IS_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr):
     """load_offset under HAS_OFFSET; otherwise placeholders that nothing reads."""
     if HAS_OFFSET:

@@ -39,8 +39,7 @@ from .triton_layout import TritonLayout, UnsupportedLayout, repack
 
 @dataclass(frozen=True)
 class GemmConfig:
-    kind: str  # "dot" | "wt" | "dense" | "gemv" ("wt": the large-batch tile with the weight as the
-    # MMA's B operand, triton_gemm.wt_dot_kernel, its scale always on the weight side; block_m: rows a block computes, block_n: columns, num_warps,
+    kind: str  # "dot" | "dense" | "gemv" (block_m: rows a block computes, block_n: columns, num_warps,
     # num_stages: the tensor-core plan's ring depth, 0 its register double buffer)
     block_m: int = 16
     block_n: int = 128
@@ -270,16 +269,16 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
                   counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the tensor-core kernel for x2 [M, in]; returns [M, out] in x2's dtype (written into
     `out`, a [M, out] view with unit column stride, when given)."""
-    from .triton_gemm import w_dot_kernel, wt_dot_kernel
+    from .triton_gemm import w_dot_kernel
 
     m, k = x2.shape
     if k != layout.in_features:
         raise ValueError(f"activation has {k} input features, the weight expects {layout.in_features}")
-    if cfg.kind not in ("dot", "wt"):
-        raise ValueError(f"matmul_layout runs the 'dot' and 'wt' paths, not {cfg.kind!r}")
+    if cfg.kind != "dot":
+        raise ValueError(f"matmul_layout runs the 'dot' path, not {cfg.kind!r}")
     n = layout.out_features
     has_offset = layout.offsets is not None
-    if has_offset and not cfg.scale_w and cfg.kind == "dot":
+    if has_offset and not cfg.scale_w:
         raise ValueError("a layout with float offsets runs with the scale on the weight side (scale_w)")
     blocks = layout.k_padded // layout.block_k
     split = cfg.split_k if blocks % cfg.split_k == 0 else 1
@@ -291,19 +290,6 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     is_bf16 = x2.dtype == torch.bfloat16
-    if cfg.kind == "wt":
-        wt_dot_kernel[grid](
-            x2, layout.words, layout.scales, _group_table(layout), _or(layout.perm, layout.words),
-            _or(bias, out), out, ws, counters, m, n, k, layout.words.shape[1], x2.stride(0), out.stride(0),
-            blocks // split,
-            BITS=layout.bits, BLOCK_K=layout.block_k, GROUP_SIZE=layout.group_size,
-            ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None,
-            HAS_PERM=layout.perm is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
-            IS_BF16=is_bf16, ASM=_asm(layout.bits, is_bf16, True, offset=has_offset),
-            ASM_ODD=_asm(layout.bits, is_bf16, True, odd=True, offset=has_offset), EVEN_N=n % cfg.block_n == 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_OFFSET=has_offset, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        return out
     scale_w = cfg.scale_w
     w_dot_kernel[grid](
         x2, layout.words, layout.scales, _group_table(layout), _or(layout.perm, layout.words),

@@ -3,8 +3,10 @@ the evidence for triton_linear.dense_min_rows.
 
 Per weight shape (--shapes) and batch (--dense-rows), W4 g128 symmetric, fp16: µs per call (CUDA-graph
 replay when --graph, L2 cleared) of fp16 cuBLAS on the dense weight, the Triton kernel's tile config
-(`dot_config`), the dense path (the dequantize kernel into a scratch W^T, then cuBLAS) and the dequantize
-alone, each checked against the reference first; ×fp16 of both. One JSON object per case with --json.
+(`dot_config`), the dense path (the dequantize kernel into a scratch W^T, then cuBLAS), the dequantize
+alone, and the overlapped dense path (`dense_chunked`) at the rule's chunk (`dense_chunk`) and at 1024 -
+8192 out-features a chunk, each checked against the reference first; ×fp16 of each. One JSON object per
+case with --json.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import (
     GemmConfig,
     TritonGPTQKernel,
+    dense_chunk,
     dequantize_layout,
     dot_config,
     weight_side,
@@ -49,5 +52,16 @@ def _dense_shape(args, k: int, n: int, time_us, random_gptq) -> None:
         print(f"dense sweep {k}x{n} m={m}: fp16 {row['fp16_us']:.1f}us, dot {row['dot_us']:.1f} "
               f"({row['fp16_us'] / row['dot_us']:.2f}x), dense {row['dense_us']:.1f} "
               f"({row['fp16_us'] / row['dense_us']:.2f}x; dequant {row['dequant_us']:.1f})", flush=True)
+        rule = dense_chunk(m, n)
+        for chunk in sorted({rule, *(c for c in (1024, 2048, 4096, 8192) if 2 * c <= n)} - {0}):
+            cfg = GemmConfig("dense", chunk=chunk)
+            err = ((kern(x, config=cfg).float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-3:
+                print(f"FAIL dense sweep {k}x{n} m={m} chunk {chunk}: rel err {err:.2e}", flush=True)
+                continue
+            us = time_us(lambda: kern(x, config=cfg))  # noqa: B023
+            row[f"chunk{chunk}_us"] = us
+            print(f"  chunks of {chunk}{' (rule)' if chunk == rule else ''}: {us:.1f}us "
+                  f"({row['fp16_us'] / us:.2f}x fp16)", flush=True)
         if args.json:
             print(json.dumps({"dense_sweep": row}), flush=True)

@@ -28,7 +28,7 @@ from flotilla.kernels.reference import DenseKernel, dequantize, gptq_matmul  # n
 from flotilla.kernels.triton_attention import paged_attention_decode  # noqa: E402
 from flotilla.kernels.triton_gemm import pair_asm  # noqa: E402
 from flotilla.kernels.triton_layout import repack, unpack_layout  # noqa: E402
-from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, make_kernel  # noqa: E402
+from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, dense_chunk, make_kernel  # noqa: E402
 
 
 def _patch_interpreter() -> None:
@@ -93,6 +93,7 @@ CONFIGS = {
     "split-k decode tile": GemmConfig("dot", block_m=16, block_n=32, split_k=2),
     "64-row tile, scale in weights": GemmConfig("dot", block_m=64, block_n=64, split_k=1, scale_w=True),
     "dense": GemmConfig("dense"),
+    "dense in chunks": GemmConfig("dense", chunk=32),
 }
 
 
@@ -300,3 +301,24 @@ def test_paged_attention_rejects_mismatched_heads():
     with pytest.raises(ValueError, match="not a multiple"):
         paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32))
+
+
+def test_dense_chunks_where_they_measured_faster():
+    assert dense_chunk(2048, 28672) == 4096  # gate_up of llama-3-8b: 7 chunks
+    assert dense_chunk(512, 14336) == 4096
+    assert dense_chunk(256, 28672) == 0  # below 512 rows one dequantization and one GEMM
+    assert dense_chunk(2048, 8192) == 0  # two chunks: the first one's dequantization is not hidden
+
+
+def test_dense_in_chunks_writes_a_column_slice_and_its_bias():
+    w = random_weight(256, 200, 4, 128, False, True, seed=8)  # 200 = 64 + 64 + 64 + 8: a short last chunk
+    kernel = TritonGPTQKernel(w, torch.float16)
+    x = torch.randn(7, 256).half()
+    bias = torch.randn(200).half()
+    merged = torch.full((7, 300), float("nan")).half()
+    y = kernel(x, bias, config=GemmConfig("dense", chunk=64), out=merged[:, 50:250])
+    assert y.data_ptr() == merged[:, 50:250].data_ptr()
+    assert rel_err(merged[:, 50:250], gptq_matmul(x.float(), w) + bias.float()) < 2e-3
+    assert merged[:, :50].isnan().all() and merged[:, 250:].isnan().all()
+    whole = kernel(x, bias, config=GemmConfig("dense"))
+    assert torch.equal(merged[:, 50:250], whole)  # the same dequantized weight and GEMM, chunk by chunk

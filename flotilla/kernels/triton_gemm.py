@@ -253,19 +253,20 @@ def _store_out(out_ptr, bias_ptr, acc, offs_m, offs_n, out_mask, stride_om, N, H
 
 @triton.jit
 def dequantize_kernel(
-    w_ptr, s_ptr, z_ptr, out_ptr, N, K, kw,
+    w_ptr, s_ptr, z_ptr, out_ptr, N, K, kw, n0, n1,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ZERO_CONST: tl.constexpr,
     HAS_ZEROS: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr, ASM_ODD: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr = False,
 ):
-    """W^T [N, K] = s * (q - z) (+ m) in the layout's (sorted) row order, one block of rows a program."""
+    """W^T [N, K] = s * (q - z) (+ m) in the layout's (sorted) row order, one block of rows a program;
+    out-features n0 .. n1 - 1 only, written from out_ptr's first row (a column chunk of the weight)."""
     PAIRS: tl.constexpr = 16 // BITS
     R: tl.constexpr = BLOCK_K * BITS // 32
     b = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R)
     offs_2r = tl.arange(0, 2 * R)
-    n_ok = offs_n < N
+    n_ok = offs_n < n1
     words = tl.load(w_ptr + offs_n[:, None] * kw + (b * R + offs_r)[None, :], mask=n_ok[:, None], other=0)
     for t in tl.static_range(PAIRS):
         k0 = b * BLOCK_K + t * 2 * R
@@ -276,4 +277,4 @@ def dequantize_kernel(
                              HAS_OFFSET)
         w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))
         kk = k0 + offs_2r
-        tl.store(out_ptr + offs_n[:, None] * K + kk[None, :], w, mask=n_ok[:, None] & (kk < K)[None, :])
+        tl.store(out_ptr + (offs_n - n0)[:, None] * K + kk[None, :], w, mask=n_ok[:, None] & (kk < K)[None, :])

@@ -14,7 +14,9 @@ Paths, chosen per call from the number of rows M (`config_for`):
   * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K (`choose_config`): for
               decode batches this is the split-K GEMV (16-row tile, split until every SM streams
               weights), for medium batches a tiled GEMM;
-  * "dense" — dequantize to a dense weight, then cuBLAS (torch.nn.functional.linear), large M.
+  * "dense" — dequantize to a dense weight, then cuBLAS (torch.nn.functional.linear), large M; where
+              the weight is wide enough (`dense_chunk`), chunk by chunk of out-features, each chunk's
+              dequantization on a side stream beside the previous chunk's GEMM (`dense_chunked`).
 
 This module imports Triton lazily, so the registry can import it where Triton or CUDA is absent;
 it registers the kernel for CUDA devices only. Under TRITON_INTERPRET=1 the same object runs on
@@ -47,6 +49,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # dot only: apply the group scale to the weights instead of the accumulator
+    chunk: int = 0  # dense only: out-features per chunk, the dequantization of chunk i + 1 running on a
+    # side stream beside the GEMM of chunk i (on CUDA); 0: the whole weight dequantized, then one GEMM
 
 
 # From this many rows on, dequantize + cuBLAS: the crossovers measured on the H200 (bench/kernels_dense.py,
@@ -64,7 +68,21 @@ def dense_min_rows(layout: TritonLayout) -> int:
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     """Dequantize + cuBLAS from `dense_min_rows` on, else the Triton kernel's `dot_config`."""
-    return GemmConfig("dense") if m >= dense_min_rows(layout) else dot_config(m, layout, num_sms)
+    if m >= dense_min_rows(layout):
+        return GemmConfig("dense", chunk=dense_chunk(m, layout.out_features))
+    return dot_config(m, layout, num_sms)
+
+
+# The overlapped dense path (`dense_chunked`), where it measured faster than one dequantization and one
+# GEMM (bench/kernels_dense.py on an H100, bench/NOTES-kernels.md "Overlapped dense path"): chunks of
+# 4096 out-features, from 512 rows, on weights at least three chunks wide. Narrower chunks left each GEMM
+# too few tiles; on narrower weights the first chunk's dequantization, which nothing hides, cost the gain.
+DENSE_CHUNK, DENSE_CHUNK_MIN_ROWS, DENSE_CHUNK_MIN_CHUNKS = 4096, 512, 3
+
+
+def dense_chunk(m: int, n: int) -> int:
+    """Out-features per chunk of the overlapped dense path for M rows of an N-wide weight; 0: one chunk."""
+    return DENSE_CHUNK if m >= DENSE_CHUNK_MIN_ROWS and n >= DENSE_CHUNK_MIN_CHUNKS * DENSE_CHUNK else 0
 
 
 def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
@@ -213,10 +231,15 @@ class TritonLayoutKernel:
         elif cfg.kind == "dense":
             if perm is not None:
                 x2 = x2.index_select(1, perm)  # the dense weight keeps the sorted row order
-            w_t = dequantize_layout(self.layout, self.dtype)
-            y = torch.nn.functional.linear(x2, w_t, None if bias is None else bias.to(x2.dtype))
-            if out is not None:
-                return out.copy_(y)
+            bias = None if bias is None else bias.to(x2.dtype)
+            if cfg.chunk and cfg.chunk < self.layout.out_features:
+                y = dense_chunked(x2, self.layout, cfg.chunk, bias, out)
+                if out is not None:
+                    return y
+            else:
+                y = torch.nn.functional.linear(x2, dequantize_layout(self.layout, self.dtype), bias)
+                if out is not None:
+                    return out.copy_(y)
         else:
             y = matmul_layout(x2, self.layout, weight_side(cfg, self.layout), bias,
                               self._counter_buffer(x2.shape[0], cfg), out)
@@ -305,17 +328,85 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
     return out
 
 
-def dequantize_layout(layout: TritonLayout, dtype: torch.dtype, block_n: int = 64) -> torch.Tensor:
-    """The dense weight transposed, W^T [out, in] in `dtype`, in the layout's (sorted) row order."""
+def dense_chunked(x2: torch.Tensor, layout: TritonLayout, chunk: int, bias: torch.Tensor | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 @ W (+ bias) as GEMMs over column chunks of the weight, each chunk dequantized into one of two
+    scratch buffers just before its GEMM. On CUDA the dequantization (memory-bound) runs on a side
+    stream while the previous chunk's GEMM (compute-bound at these batch sizes) runs on the caller's,
+    so most of it hides behind the GEMMs; events order every reuse of a buffer, and the caller's stream
+    waits for every chunk, so the side stream rejoins it (which CUDA-graph capture requires)."""
+    m, k = x2.shape
+    n = layout.out_features
+    if out is None:
+        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x2.dtype:
+        raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} view with unit column stride, "
+                         f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    bufs = [torch.empty((min(chunk, n), k), dtype=x2.dtype, device=x2.device) for _ in range(2)]
+    starts = range(0, n, chunk)
+    on_cuda = x2.device.type == "cuda"
+    if on_cuda:
+        main = torch.cuda.current_stream(x2.device)
+        side = _side_stream(x2.device)
+        side.wait_stream(main)  # x2, the buffers and `out` are ready
+        for b in bufs:
+            b.record_stream(side)
+        gemm_done = []
+    for i, n0 in enumerate(starts):
+        n1 = min(n0 + chunk, n)
+        buf = bufs[i % 2][: n1 - n0]
+        if on_cuda:
+            with torch.cuda.stream(side):
+                if i >= 2:
+                    side.wait_event(gemm_done[i - 2])  # the buffer's previous GEMM has read it
+                dequantize_layout(layout, x2.dtype, n0=n0, n1=n1, out=buf)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            main.wait_event(ready)
+        else:
+            dequantize_layout(layout, x2.dtype, n0=n0, n1=n1, out=buf)
+        dst = out[:, n0:n1]
+        if bias is None:
+            torch.mm(x2, buf.t(), out=dst)
+        else:
+            torch.addmm(bias[n0:n1], x2, buf.t(), out=dst)
+        if on_cuda:
+            done = torch.cuda.Event()
+            done.record(main)
+            gemm_done.append(done)
+    return out
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per device for the overlapped dense path's dequantization."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
+
+
+def dequantize_layout(layout: TritonLayout, dtype: torch.dtype, block_n: int = 64, n0: int = 0,
+                      n1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense weight transposed, W^T [out, in] in `dtype`, in the layout's (sorted) row order; with
+    n0 / n1 only out-features n0 .. n1 - 1 ([n1 - n0, in]), written into `out` when given."""
     from .triton_gemm import dequantize_kernel
 
     k, n = layout.in_features, layout.out_features
-    out = torch.empty((n, k), dtype=dtype, device=layout.words.device)
-    grid = (layout.k_padded // layout.block_k, -(-n // block_n))
+    n1 = n if n1 is None else n1
+    if not 0 <= n0 < n1 <= n:
+        raise ValueError(f"out-feature range {n0}..{n1} outside 0..{n}")
+    if out is None:
+        out = torch.empty((n1 - n0, k), dtype=dtype, device=layout.words.device)
+    elif out.shape != (n1 - n0, k) or not out.is_contiguous() or out.dtype != dtype:
+        raise ValueError(f"out must be a contiguous [{n1 - n0}, {k}] {dtype} tensor, not {tuple(out.shape)}")
+    grid = (layout.k_padded // layout.block_k, -(-(n1 - n0) // block_n))
     is_bf16 = dtype == torch.bfloat16
     has_offset = layout.offsets is not None
     dequantize_kernel[grid](
-        layout.words, layout.scales, _group_table(layout), out, n, k, layout.words.shape[1],
+        layout.words, layout.scales, _group_table(layout), out, n, k, layout.words.shape[1], n0, n1,
         BITS=layout.bits, BLOCK_K=layout.block_k, GROUP_SIZE=layout.group_size,
         ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None, IS_BF16=is_bf16,
         ASM=_asm(layout.bits, is_bf16, True, offset=has_offset),

@@ -35,7 +35,7 @@ def ids() -> torch.Tensor:
 
 
 def flotilla_logits(path) -> tuple[torch.Tensor, torch.nn.Module]:
-    model = load_stage(open_source(path))
+    model = load_stage(open_source(path), keep_source=True)  # the tests read the GPTQ tensors back
     with torch.no_grad():
         return model.compute_logits(model(ids(), torch.arange(T), DenseCausalAttention(1, T))), model
 

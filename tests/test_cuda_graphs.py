@@ -51,7 +51,7 @@ def test_fill_writes_each_field_and_pads_the_rest():
 
 
 def test_random_model_has_symmetric_uniform_codes_and_finite_logits():
-    model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, seed=3)
+    model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, seed=3, keep_source=True)
     lin = model.model.layers["0"].mlp.down_proj
     assert isinstance(lin, QuantLinear)
     w = GPTQWeight(lin.qweight, lin.qzeros, lin.scales, lin.g_idx, 4, 128)

@@ -23,7 +23,7 @@ def test_quantized_head_loads_and_matches_its_dequantized_weight(tmp_path, head_
     names = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.qweight" in names and "lm_head.weight" not in names
 
-    lm = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
+    lm = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False, keep_source=True)
     head = lm.model.lm_head
     assert isinstance(head, QuantLMHead) and head.bits == head_bits
     with safe_open(str(ckpt / names["lm_head.qweight"]), "pt") as f:  # the loader put the file's tensors in
@@ -78,7 +78,8 @@ def test_engine_with_a_quantized_head_equals_its_dequantized_head(tmp_path):
     lm = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
     got = generate(build_engine(lm, args), prompts, params)
 
-    oracle = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False)
+    oracle = load_model(ckpt, device="cpu", dtype="float32", with_tokenizer=False, progress=False,
+                        keep_source=True)
     plain = LMHead(oracle.config.hidden_size, oracle.config.vocab_size)
     plain.weight = nn.Parameter(dequantize(oracle.model.lm_head.gptq_weight()).T.contiguous(), requires_grad=False)
     oracle.model.lm_head = plain
@@ -102,7 +103,7 @@ def test_quantize_lm_head_bits_writes_a_head_the_runtime_reads(tmp_path):
     assert cfg["quantization_config"]["lm_head"] is True
     assert list(cfg["quantization_config"]["dynamic"]) == [r"+:^lm_head$"]
 
-    a, b = (load_stage(open_source(p), dtype=torch.float32) for p in (plain, headed))
+    a, b = (load_stage(open_source(p), dtype=torch.float32, keep_source=True) for p in (plain, headed))
     assert isinstance(b.lm_head, QuantLMHead) and b.lm_head.bits == 8 and isinstance(a.lm_head, LMHead)
     for name in ("qweight", "scales"):  # the body is what it was
         assert torch.equal(getattr(a.model.layers["0"].self_attn.qkv_proj, name),
@@ -153,7 +154,7 @@ def test_quantized_head_on_the_gpu_matches_the_reference(tmp_path, head_bits, ro
     """The registry's GPU kernel for the head (the GEMV at few rows) against the dequantized weight."""
     ckpt = write_random_checkpoint("tiny", tmp_path / "m", 4, 128, seed=3, device="cpu", num_layers=1,
                                    head_bits=head_bits)
-    lm = load_model(ckpt, device="cuda:0", dtype="float16", with_tokenizer=False, progress=False)
+    lm = load_model(ckpt, device="cuda:0", dtype="float16", with_tokenizer=False, progress=False, keep_source=True)
     hidden = torch.randn(rows, lm.config.hidden_size, device="cuda:0", dtype=torch.float16)
     want = hidden.float() @ dequantize(lm.model.lm_head.gptq_weight())
     got = lm.model.compute_logits(hidden)

@@ -124,7 +124,7 @@ def test_awq_checkpoint_is_plain_gptq_and_matches_the_quantizer(mha_src, tmp_pat
         t = {s: raw[f"{p}self_attn.o_proj.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
         decoded = torch.from_numpy(decode_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4))
         assert torch.equal(decoded.t(), memory[f"{index}.self_attn.o_proj"])
-    model = load_stage(open_source(out))
+    model = load_stage(open_source(out), keep_source=True)
     w = model.model.layers["1"].mlp.down_proj.gptq_weight()
     assert isinstance(w, GPTQWeight) and torch.equal(dequantize(w).t(), memory["1.mlp.down_proj"])
 

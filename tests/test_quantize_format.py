@@ -60,7 +60,7 @@ def test_round_trip_is_exact(tiny_src, tmp_path, bits, sym, group, act_order):
         if act_order and group != -1 and prefix.endswith("down_proj"):
             assert w.has_act_order  # g_idx really carries the permutation
     # the runtime's merged QuantLinears hold the same weights
-    model = load_stage(source)
+    model = load_stage(source, keep_source=True)
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):
             _, _, index, rel = name.split(".", 3)  # model.layers.N.self_attn.qkv_proj

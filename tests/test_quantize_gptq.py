@@ -186,7 +186,7 @@ def test_quantized_linear_matches_reference_matmul(tmp_path):
     src = tiny_model_dir(tmp_path / "src", seed=12, tokenizer=False)
     out = tmp_path / "q"
     quantize_model(src, out, QuantizeOptions(method="rtn", bits=8, group_size=32), progress=False)
-    model = load_stage(open_source(out))
+    model = load_stage(open_source(out), keep_source=True)
     lin = model.model.layers["0"].mlp.down_proj
     x = torch.randn(5, lin.in_features)
     torch.testing.assert_close(lin(x), x @ dequantize(lin.gptq_weight()))
@@ -285,7 +285,7 @@ def test_fp_targets_on_a_tiny_model(tmp_path):
         out = tmp_path / f"fp{int(fp_targets)}"
         options = QuantizeOptions(method="gptq", group_size=32, calib_samples=8, calib_seq_len=32, fp_targets=fp_targets)
         reports[fp_targets] = quantize_model(src, out, options, progress=False)
-        model = load_stage(open_source(out))
+        model = load_stage(open_source(out), keep_source=True)
         tensors[fp_targets] = {n: t.clone() for n, t in model.state_dict().items() if n.endswith("qweight")}
     assert "fp-targets" in reports[True].label and "fp-targets" not in reports[False].label
     first = next(n for n in tensors[True] if ".layers.0." in n and "qkv" in n)

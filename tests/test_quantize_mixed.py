@@ -82,7 +82,7 @@ def test_mixed_checkpoint_round_trips_and_loads_per_linear(src, tmp_path):
     assert len(report.kept) == 4 and "0.o_proj:16" in report.kept
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert len(config["dynamic"]) == 4
-    model = load_stage(open_source(out))
+    model = load_stage(open_source(out), keep_source=True)
     bits, stored, weights = {}, 0, 0
     for name, mod in model.named_modules():
         if isinstance(mod, (Linear, QuantLinear)):

@@ -30,6 +30,7 @@ class ReferenceKernel:
     """Dequantizes on every call. Slow; use it to check others or with FLOTILLA_KERNEL=reference."""
 
     name = "reference"
+    keeps_source = True  # it reads the GPTQ tensors on every call: QuantLinear keeps them
 
     def __init__(self, w: GPTQWeight, dtype: torch.dtype):
         self.w = w

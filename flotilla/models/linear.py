@@ -7,7 +7,7 @@ output axis, so checkpoints keep Hugging Face's and GPTQ's per-projection names.
 
 The model never sees packing: a `QuantLinear` owns the GPTQ tensors (qweight, qzeros, scales,
 g_idx, bias) and asks the kernel registry for the fastest kernel for its device once its
-weights are loaded.
+weights are loaded; a kernel with its own form of the weight takes their place (`prepare`).
 
 Nor does it see parallelism. It says which axis of a linear may be divided (`split="column"`:
 the output axis, e.g. heads; `split="row"`: the input axis) and always passes whole sizes; while
@@ -93,6 +93,8 @@ class QuantLinear(nn.Module, _Shards):
         self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.kernel = None
+        self._kernel_dtype: torch.dtype | None = None
+        self.released_bytes = 0  # the GPTQ tensors' bytes once the kernel's own form replaced them
         self._g_idx_loaded = False
 
     def tensor_suffixes(self) -> tuple[str, ...]:
@@ -124,12 +126,41 @@ class QuantLinear(nn.Module, _Shards):
         target.copy_(value.to(target.dtype))
 
     def gptq_weight(self) -> GPTQWeight:
+        if self.released_bytes:
+            raise RuntimeError("this linear's GPTQ tensors were released when its kernel was built "
+                               "(load with keep_source=True to read them back)")
         return GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size,
                           self.zero_offset)
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """Pick and build the kernel for this device; call after the weights are loaded."""
+    def prepare(self, dtype: torch.dtype, keep_source: bool = False) -> None:
+        """Pick and build the kernel for this device; call after the weights are loaded.
+
+        A kernel that holds its own form of the weight (every one but the reference kernel: the
+        Triton layout, the compiled CPU packing, a dequantized copy) makes the GPTQ tensors
+        redundant, so they are released here unless `keep_source` (for code that reads them back),
+        as GGUFLinear drops its parts: the weights are in memory once, not twice, and the load's
+        peak is one linear above the model's size."""
+        if self.kernel is not None and self.released_bytes:
+            if dtype == self._kernel_dtype:
+                return
+            raise RuntimeError(f"this linear's GPTQ tensors were released when its kernel was built for "
+                               f"{self._kernel_dtype}; it cannot be rebuilt for {dtype} (load the model again)")
         self.kernel = registry.select(self.gptq_weight(), self.qweight.device, dtype)
+        self._kernel_dtype = dtype
+        if not keep_source and not getattr(self.kernel, "keeps_source", False):
+            self._release_source()
+
+    def _release_source(self) -> None:
+        names = ("qweight", "qzeros", "scales", "g_idx")
+        self.released_bytes = sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        for n in names:
+            setattr(self, n, getattr(self, n).new_empty(0))  # a registered buffer: replaced in place
+
+    def weight_bytes(self) -> int:
+        """The bytes of this linear's GPTQ tensors (and bias), also once they are released."""
+        held = sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales, self.g_idx))
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return (self.released_bytes or held) + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

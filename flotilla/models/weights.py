@@ -120,12 +120,14 @@ def build_layer(config: ModelConfig, index: int, device: torch.device | str, dty
 
 
 def load_stage(source, stage: Stage | None = None, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, progress: bool = False) -> CausalLM:
-    """Load the layers of `stage` (default: all) from `source`; only their tensors are read."""
+               dtype: torch.dtype = torch.float32, progress: bool = False, keep_source: bool = False) -> CausalLM:
+    """Load the layers of `stage` (default: all) from `source`; only their tensors are read. The
+    quantized linears keep their GPTQ tensors beside their kernels only with `keep_source`
+    (QuantLinear.prepare)."""
     model = build_stage(source.config, stage, device, dtype)
     _fill(source, load_plan(model), progress, finish=_gguf_finisher(dtype, device))
     model.build_rope()
-    _prepare_quant(model, dtype, device)
+    _prepare_quant(model, dtype, device, keep_source)
     return model
 
 
@@ -176,9 +178,10 @@ def _gguf_finisher(dtype: torch.dtype, device: torch.device | str):
     return finish
 
 
-def _prepare_quant(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+def _prepare_quant(module: nn.Module, dtype: torch.dtype, device: torch.device | str,
+                   keep_source: bool = False) -> None:
     for mod in module.modules():
         if isinstance(mod, QuantLinear):
-            mod.prepare(dtype)
+            mod.prepare(dtype, keep_source)
         elif isinstance(mod, (GGUFLinear, *GGUF_TABLES)) and not mod.prepared:
             mod.prepare(dtype, device)

@@ -60,10 +60,12 @@ def parse_device(name: str | None) -> torch.device:
 
 
 def load_model(model: str | Path | None, device: str | torch.device | None = None, dtype: str | None = None,
-               stage: Stage | None = None, with_tokenizer: bool = True, progress: bool | None = None) -> LoadedModel:
+               stage: Stage | None = None, with_tokenizer: bool = True, progress: bool | None = None,
+               keep_source: bool = False) -> LoadedModel:
     """Load a model for the runtime; a progress bar is shown when stderr is a terminal. An entry
     point loading on the CPU wraps this in `host_memory.lean_cpu_load` (glibc settings are the
-    process's, not a library's, to change)."""
+    process's, not a library's, to change). `keep_source`: the quantized linears keep their GPTQ
+    tensors beside their kernels' own form (for code that reads them back; twice the memory)."""
     path = resolve_model_path(str(model) if model else None)
     dev = device if isinstance(device, torch.device) else parse_device(device)
     dt = parse_dtype(dtype, dev)
@@ -72,7 +74,7 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     source = open_source(path)
     if progress is None:
         progress = sys.stderr.isatty()
-    m = load_stage(source, stage, dev, dt, progress=progress)
+    m = load_stage(source, stage, dev, dt, progress=progress, keep_source=keep_source)
     if isinstance(source, GGUFSource) and source.native and _reports():
         for line in load_report(source, m):
             print(line, file=sys.stderr)

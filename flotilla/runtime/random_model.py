@@ -69,8 +69,10 @@ def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: i
 @torch.no_grad()
 def build_random_model(name: str, bits: int = 4, device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.float32, group_size: int = 128, seed: int = 0,
-                       num_layers: int | None = None, head_bits: int | None = None) -> CausalLM:
-    """A whole model of shape `name` with random weights, ready for a ModelRunner."""
+                       num_layers: int | None = None, head_bits: int | None = None,
+                       keep_source: bool = False) -> CausalLM:
+    """A whole model of shape `name` with random weights, ready for a ModelRunner (`keep_source`:
+    QuantLinear.prepare's)."""
     cfg = shape_config(name, bits, group_size, num_layers, head_bits)
     device = torch.device(device)
     model = build_stage(cfg, None, device, dtype)
@@ -90,7 +92,7 @@ def build_random_model(name: str, bits: int = 4, device: torch.device | str = "c
     model.build_rope()
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            mod.prepare(dtype)
+            mod.prepare(dtype, keep_source)
     return model
 
 
@@ -174,8 +176,11 @@ def weight_bytes(model: CausalLM) -> int:
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             layout = getattr(mod.kernel, "layout", None)  # the Triton kernel's repacked tensors
-            parts = (layout.words, layout.scales, layout.zeros) if layout is not None else (mod.qweight, mod.scales)
-            total += sum(t.numel() * t.element_size() for t in parts if t is not None)
+            if layout is None:
+                total += mod.weight_bytes()
+            else:
+                total += sum(t.numel() * t.element_size() for t in (layout.words, layout.scales, layout.zeros)
+                             if t is not None)
         elif isinstance(mod, (Linear, RMSNorm)):
             total += sum(p.numel() * p.element_size() for p in mod.parameters())
     if model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):  # a quantized one: above

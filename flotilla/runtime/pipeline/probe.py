@@ -90,7 +90,12 @@ def _machine_id() -> str:
 
 
 def _bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    """The layer's weight bytes: its tensors, with each quantized linear at its GPTQ size (its kernel holds
+    its own form of them, the module no longer does)."""
+    quant = [m for m in module.modules() if isinstance(m, QuantLinear)]
+    held = {id(t) for m in quant for t in [*m.parameters(), *m.buffers()]}
+    rest = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()] if id(t) not in held)
+    return rest + sum(m.weight_bytes() for m in quant)
 
 
 @torch.inference_mode()

@@ -171,3 +171,35 @@ def test_concat_safetensors_joins_files_without_loading(tmp_path):
         assert joined[name].dtype == t.dtype and torch.equal(joined[name], t), name
     raw = read_safetensors(tmp_path / "joined.safetensors")
     assert np.array_equal(raw["a.int"], parts[0]["a.int"].numpy())
+
+
+def test_quant_linear_releases_its_gptq_tensors_once_the_kernel_has_its_own(tmp_path, monkeypatch):
+    """prepare() drops the GPTQ tensors where the kernel holds its own form (weights in memory
+    once), keeps them for the reference kernel or with keep_source, and counts their bytes either way."""
+    from flotilla.kernels import registry
+    from flotilla.runtime.pipeline.probe import _bytes
+
+    src = tiny_model_dir(tmp_path / "src", seed=4, tokenizer=False)
+    out = tmp_path / "q"
+    quantize_model(src, out, QuantizeOptions(method="rtn", bits=4, group_size=32), progress=False)
+    kept = load_stage(open_source(out), keep_source=True)
+    released = load_stage(open_source(out))
+    x = torch.randn(3, kept.config.hidden_size)
+    for name, mod in kept.named_modules():
+        if not isinstance(mod, QuantLinear):
+            continue
+        rel = released.get_submodule(name)
+        assert rel.released_bytes > 0 and rel.qweight.numel() == 0 and rel.scales.numel() == 0
+        assert mod.released_bytes == 0 and mod.qweight.numel() > 0
+        assert rel.weight_bytes() == mod.weight_bytes()
+        if mod.in_features == kept.config.hidden_size:
+            assert torch.equal(rel(x), mod(x))  # the kernel's own form serves
+        with pytest.raises(RuntimeError, match="keep_source"):
+            rel.gptq_weight()
+        rel.prepare(torch.float32)  # the same dtype: nothing to do
+        with pytest.raises(RuntimeError, match="load the model again"):
+            rel.prepare(torch.float16)
+    assert _bytes(released.model.layers["0"]) == _bytes(kept.model.layers["0"])
+    monkeypatch.setenv(registry.ENV_KERNEL, "reference")
+    ref = load_stage(open_source(out))
+    assert all(m.released_bytes == 0 and m.qweight.numel() > 0 for m in ref.modules() if isinstance(m, QuantLinear))

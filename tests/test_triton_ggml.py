@@ -73,6 +73,8 @@ def test_layout_holds_the_codes_and_reads_back_the_weight(qtype):
         assert torch.equal(read, want) and torch.equal(dense, want)
     else:
         assert rel_err(read, want) < 1e-3 and torch.equal(dense, read)
+    for n0, n1 in ((0, 20), (13, 48), (37, 41)):  # column chunks (the overlapped dense path), unaligned too
+        assert torch.equal(dequantize_layout(layout, torch.float16, n0=n0, n1=n1), dense[n0:n1])
 
 
 def test_mixed_parts_bias_and_bf16():

@@ -151,6 +151,8 @@ def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmCo
     else:
         grid = [(64, 128, 4, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True)]
     out = [GemmConfig("dense")] if m >= 128 else []
+    if dense_chunk(m, n):
+        out.append(GemmConfig("dense", chunk=dense_chunk(m, n)))
     for bm, bn, warps, stages, sw in grid:
         tiles = -(-m // bm) * -(-n // bn)
         for s in sorted({split_for(tiles, blocks, f * num_sms) for f in (1, 2, 4)}):
@@ -349,8 +351,9 @@ def dense_chunked(x2: torch.Tensor, layout: TritonLayout, chunk: int, bias: torc
         main = torch.cuda.current_stream(x2.device)
         side = _side_stream(x2.device)
         side.wait_stream(main)  # x2, the buffers and `out` are ready
-        for b in bufs:
-            b.record_stream(side)
+        # No record_stream for the buffers: the caller's stream waits for every side-stream write
+        # (the last chunk's `ready` included), so freeing them to it is safe; marking them used by
+        # the side stream would keep a graph capture from reusing them (a pair per call).
         gemm_done = []
     for i, n0 in enumerate(starts):
         n1 = min(n0 + chunk, n)

@@ -307,11 +307,7 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
         raise ValueError("a layout with float offsets runs with the scale on the weight side (scale_w)")
     blocks = layout.k_padded // layout.block_k
     split = cfg.split_k if blocks % cfg.split_k == 0 else 1
-    if out is None:
-        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x2.dtype:
-        raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} view with unit column stride, "
-                         f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    out = _output(x2, n, out)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     is_bf16 = x2.dtype == torch.bfloat16
@@ -337,13 +333,9 @@ def dense_chunked(x2: torch.Tensor, layout: TritonLayout, chunk: int, bias: torc
     stream while the previous chunk's GEMM (compute-bound at these batch sizes) runs on the caller's,
     so most of it hides behind the GEMMs; events order every reuse of a buffer, and the caller's stream
     waits for every chunk, so the side stream rejoins it (which CUDA-graph capture requires)."""
-    m, k = x2.shape
+    k = x2.shape[1]
     n = layout.out_features
-    if out is None:
-        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x2.dtype:
-        raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} view with unit column stride, "
-                         f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    out = _output(x2, n, out)
     bufs = [torch.empty((min(chunk, n), k), dtype=x2.dtype, device=x2.device) for _ in range(2)]
     starts = range(0, n, chunk)
     on_cuda = x2.device.type == "cuda"
@@ -380,15 +372,26 @@ def dense_chunked(x2: torch.Tensor, layout: TritonLayout, chunk: int, bias: torc
     return out
 
 
-_SIDE_STREAMS: dict = {}
+def _output(x2: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The [M, n] result tensor of a product of x2: `out` checked, or a new one."""
+    m = x2.shape[0]
+    if out is None:
+        return torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x2.dtype:
+        raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} view with unit column stride, "
+                         f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    return out
+
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
 
 def _side_stream(device: torch.device):
-    """One side stream per device for the overlapped dense path's dequantization."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]
+    """One side stream per GPU (a CUDA tensor's device always has its index) for the overlapped dense
+    path's dequantization."""
+    if device.index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device.index] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device.index]
 
 
 def dequantize_layout(layout: TritonLayout, dtype: torch.dtype, block_n: int = 64, n0: int = 0,

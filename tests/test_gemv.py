@@ -494,6 +494,7 @@ def test_decoder_with_the_silu_epilogue_matches_the_composed_ops(monkeypatch):
         rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
     model = random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=20)
     model.freeze()
+    model._fusion = None  # the norms as kernels of their own: this test is about gate_up's epilogue
     fused_ops = list(model._frozen)
     assert all(ops.gate_up_act.func.__self__.fuses_silu(1) for ops in fused_ops)
     composed = [dataclasses.replace(ops, gate_up_act=lambda h, g=ops.gate_up: fused.silu_mul(g(h)))
@@ -551,3 +552,132 @@ def test_dense_in_chunks_on_the_gpu_in_a_graph_on_a_side_stream(dtype):
     torch.cuda.synchronize()
     for y in ys:
         check(y, x)
+
+
+def test_norm_weight_is_scaled_by_a_power_of_two_to_at_most_one():
+    """The producer multiplies r by the norm's weight in fp16: scaled to |w| <= 1 exactly (a power of
+    two), the consumer multiplying the power back."""
+    w = torch.tensor([0.5, -3.0, 1.25, 0.0], dtype=torch.float16)
+    nw = gemv.NormWeight.of(w, 1e-5)
+    assert nw.post_scale == 4.0 and nw.eps == 1e-5
+    assert torch.equal(nw.scaled.float() * nw.post_scale, w.float())
+    small = gemv.NormWeight.of(torch.full((8,), 0.25, dtype=torch.float16), 1e-6)
+    assert small.post_scale == 1.0 and torch.equal(small.scaled, torch.full((8,), 0.25, dtype=torch.float16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,hidden,n,sym", [(1024, 512, 768, True), (16384, 2048, 1024, False)])
+def test_norm_fusion_producer_and_consumer(k, hidden, n, sym):
+    """The residual add and the RMSNorm folded into two GEMVs: the producer's new residual is bit for
+    bit resid + its product (torch's add), its scaled output half(r * w) and its partials sum to
+    sum(r^2); the consumer (plain, with a bias, and the silu epilogue) matches the composed ops
+    (kernels/fused.rms_norm, then the GEMV) within rounding, for a norm weight above 1 and a large
+    residual, 1 to 4 rows (the register plan, and the ring at M = 1 on 16384 rows)."""
+    from flotilla.kernels import fused
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    prod = TritonGPTQKernel(weight(k, hidden, 4, 128, sym, False, seed=40).to("cuda"), torch.float16)
+    cons = TritonGPTQKernel(weight(hidden, n, 4, 128, not sym, False, seed=41).to("cuda"), torch.float16)
+    gu = TritonGPTQKernel(weight(hidden, 2 * n, 4, 128, sym, False, seed=42).to("cuda"), torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    norm_w = (torch.rand(hidden, generator=gen, device="cuda") * 3 + 0.1).to(torch.float16)
+    bias = torch.randn(n, generator=gen, device="cuda", dtype=torch.float16)
+    nw = gemv.NormWeight.of(norm_w, 1e-5)
+    for m in range(1, gemv.MMA_MAX_ROWS + 1):
+        assert prod.fuses_norm(m) and cons.fuses_norm(m) and gu.fuses_norm(m), m
+        x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float16) * 0.05
+        resid = torch.randn(m, hidden, generator=gen, device="cuda", dtype=torch.float16) * 40
+        poison(m, hidden, torch.float16)
+        nr = prod.add_norm(x, resid, nw)
+        r = resid + prod(x)
+        assert torch.equal(nr.resid, r), m
+        assert torch.equal(nr.scaled, (r.float() * nw.scaled.float()).half()), m
+        assert nr.partials.shape == (m, hidden // 16)
+        assert torch.allclose(nr.partials.sum(1), (r.float() ** 2).sum(1), rtol=1e-5), m
+        h = fused.rms_norm(r, norm_w, 1e-5)
+        poison(m, n, torch.float16)
+        assert rel_err(cons.normed(nr), cons(h).float()) < 2e-3, m
+        assert rel_err(cons.normed(nr, bias), cons(h, bias).float()) < 2e-3, m
+        poison(m, n, torch.float16)
+        assert rel_err(gu.silu_mul_normed(nr), fused.silu_mul(gu(h)).float()) < 3e-3, m
+    assert not prod.fuses_norm(8)
+
+
+@needs_cuda
+def test_norm_fusion_in_a_graph_replays_with_fresh_inputs():
+    """producer (add + norm) -> consumer with the silu epilogue -> producer -> consumer, captured with
+    PDL on sm_90+ and replayed with fresh inputs: each replay equals the composed chain within rounding
+    (a consumer reading partials or x before its producer wrote them would show the previous replay's)."""
+    from flotilla.kernels import fused
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    o = TritonGPTQKernel(weight(1024, 1024, 4, 128, True, False, seed=44).to("cuda"), torch.float16)
+    gu = TritonGPTQKernel(weight(1024, 4096, 4, 128, False, False, seed=45).to("cuda"), torch.float16)
+    down = TritonGPTQKernel(weight(2048, 1024, 4, 128, True, False, seed=46).to("cuda"), torch.float16)
+    qkv = TritonGPTQKernel(weight(1024, 1536, 4, 128, False, False, seed=47).to("cuda"), torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(48)
+    w1, w2 = ((torch.rand(1024, generator=gen, device="cuda") + 0.5).half() for _ in range(2))
+    n1, n2 = gemv.NormWeight.of(w1, 1e-5), gemv.NormWeight.of(w2, 1e-5)
+    x = torch.empty(1, 1024, device="cuda", dtype=torch.float16)
+    resid = torch.empty(1, 1024, device="cuda", dtype=torch.float16)
+
+    def chain(fuse: bool):
+        if fuse:
+            mid = o.add_norm(x, resid, n1)
+            nr = down.add_norm(gu.silu_mul_normed(mid), mid.resid, n2)
+            return nr.resid, qkv.normed(nr)
+        r1, h1 = fused.add_rms_norm(resid, o(x), w1, 1e-5)
+        r2, h2 = fused.add_rms_norm(r1, down(fused.silu_mul(gu(h1))), w2, 1e-5)
+        return r2, qkv(h2)
+
+    graph, (r_out, y_out) = captured(lambda: chain(True))
+    for _ in range(4):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
+        resid.copy_(torch.randn(resid.shape, generator=gen, device="cuda", dtype=torch.float16) * 10)
+        graph.replay()
+        r_want, y_want = chain(False)
+        torch.cuda.synchronize()
+        assert rel_err(r_out, r_want.float()) < 1e-3
+        assert rel_err(y_out, y_want.float()) < 3e-3
+
+
+@needs_cuda
+@torch.inference_mode()
+def test_decoder_with_the_norm_fusion_matches_the_norm_kernels(monkeypatch):
+    """A random INT4 model's frozen forward with the residual adds and norms in the GEMVs
+    (NormFusion) against the same model with norm kernels: logits within rounding and the same
+    greedy tokens for 1 to 4 rows; at 8 rows (the Triton tiles) the fusion does not serve, and
+    FLOTILLA_NORM_FUSION=0 turns it off."""
+    from flotilla.models.config import ModelConfig
+    from flotilla.models.llama import NORM_FUSION_ENV
+    from flotilla.runtime import random_model
+
+    monkeypatch.setitem(random_model.SHAPES, "gemv-test", ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
+    model = random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=27)
+    model.freeze()
+    fusion = model._fusion
+    assert fusion is not None and len(fusion) == 3 and fusion[-1].next_input is None
+    assert model._fused_rows(1) and not model._fused_rows(8)
+
+    class OwnValue:  # each token attends to itself alone
+        def attend(self, layer, q, k, v):
+            return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+
+    gen = torch.Generator(device="cuda").manual_seed(28)
+    for rows in (1, 2, 3, 4, 8):
+        ids = torch.randint(0, 1024, (rows,), generator=gen, device="cuda")
+        pos = torch.arange(rows, device="cuda")
+        model._fusion = fusion
+        got = model.compute_logits(model(ids, pos, OwnValue()))
+        model._fusion = None
+        want = model.compute_logits(model(ids, pos, OwnValue()))
+        assert rel_err(got, want) < 3e-3, rows
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
+        if rows == 8:
+            assert torch.equal(got, want)
+    monkeypatch.setenv(NORM_FUSION_ENV, "0")
+    model.freeze()
+    assert model._fusion is None

@@ -8,6 +8,7 @@ so a checkpoint's tensor names are this model's state-dict keys.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -199,16 +200,72 @@ def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: tor
 def attend_normed(ops: LayerOps, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttentionBackend) -> torch.Tensor:
     """The attention of the normed input h [T, hidden] -> its output [T, Hq * D], o_proj's input."""
-    T = h.shape[0]
+    return attend_projected(ops, ops.qkv(h), cos, sin, attn)
+
+
+def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attn: AttentionBackend) -> torch.Tensor:
+    """The attention of the projected q, k, v [T, (Hq + 2 Hkv) D] -> its output [T, Hq * D]."""
+    T = qkv.shape[0]
     hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
-    qkv = ops.qkv(h)  # [T, (Hq + 2 Hkv) D]
     attend_qkv = getattr(attn, "attend_qkv", None)
     if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
         return attend_qkv(ops.layer, qkv, cos, sin, hq).reshape(T, hq * d)
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
     return out.reshape(T, hq * d)
+
+
+@dataclass(frozen=True, slots=True)
+class NormFusion:
+    """One layer's residual adds and RMSNorms folded into its GEMVs (kernels/cuda/gemv.py
+    NormedResidual): o_proj adds the residual and hands on the post-attention norm, which gate_up
+    applies; down_proj adds the residual and hands on the next layer's input norm, which that
+    layer's qkv applies. No norm kernel runs between them. Built by CausalLM.freeze where the
+    layer's four linears run on the Triton layout kernel (fp16), used at the batch sizes where
+    the CUDA GEMV's tensor-core plan serves all four (`serves`); FLOTILLA_NORM_FUSION=0 turns it off."""
+
+    qkv: object  # the kernels (kernels/triton_linear.TritonLayoutKernel)
+    o: object
+    gate_up: object
+    down: object
+    qkv_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    post: object  # kernels/cuda/gemv.NormWeight of the post-attention norm
+    next_input: object | None  # that of the next layer's input norm (None: the stage's last layer)
+
+    def serves(self, m: int) -> bool:
+        return all(k.fuses_norm(m) for k in (self.qkv, self.o, self.gate_up, self.down))
+
+    @staticmethod
+    def build(layers: list["DecoderLayer"]) -> list["NormFusion"] | None:
+        """The fusion of every layer of a stage, or None where any layer's linears or norms do not allow it."""
+        if os.environ.get(NORM_FUSION_ENV, "1") == "0" or not layers:
+            return None
+        mods = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            lin = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if any(type(x) is not QuantLinear or not hasattr(x.kernel, "fuses_norm") for x in lin) \
+                    or m.gate_up_proj.bias is not None or any(x.kernel.dtype != torch.float16 for x in lin):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float16 or w.device.type != "cuda" for w in norms):
+                return None
+            mods.append(lin)
+        from flotilla.kernels.cuda.gemv import NormWeight
+
+        def weight(norm: "RMSNorm") -> object:
+            return NormWeight.of(norm.weight, norm.eps)
+        return [NormFusion(qkv.kernel, o.kernel, gu.kernel, down.kernel, qkv.bias, o.bias, down.bias,
+                           weight(layer.post_attention_layernorm),
+                           weight(layers[i + 1].input_layernorm) if i + 1 < len(layers) else None)
+                for i, (layer, (qkv, o, gu, down)) in enumerate(zip(layers, mods))]
+
+
+NORM_FUSION_ENV = "FLOTILLA_NORM_FUSION"
 
 
 class DecoderStack(nn.Module):
@@ -233,6 +290,8 @@ class CausalLM(nn.Module):
         self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.quant) if self.stage.is_last else None
         self.rope: RotaryEmbedding | None = None
         self._frozen: list[LayerOps] | None = None
+        self._fusion: list[NormFusion] | None = None  # with frozen ops: the residual and norm fusion
+        self._fusion_rows: dict[int, bool] = {}  # rows -> whether every layer's fusion serves them
         self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def freeze(self, logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -243,6 +302,8 @@ class CausalLM(nn.Module):
         for the same weights: the lm head's `logits_fn`)."""
         self._frozen = [layer.ops(frozen=True) for layer in self.model.layers.values()]
         self._logits = logits
+        self._fusion = NormFusion.build(list(self.model.layers.values()))
+        self._fusion_rows = {}
 
     @property
     def num_kv_heads(self) -> int:
@@ -275,6 +336,8 @@ class CausalLM(nn.Module):
         delta = None  # each layer's last residual add, done by the next norm's kernel
         h, normed = self._embed_normed(x, layers[0] if layers else None, sampled) if self.stage.is_first else (x, None)
         cos, sin = self.rope.tables(positions, h.dtype)  # once per step, shared by the layers
+        if self._fusion is not None and layers and self._fused_rows(h.shape[0]):
+            return self._forward_fused(layers, h, normed, cos, sin, attn)
         if normed is not None:  # the first layer's input norm came with the embedding
             h, delta = layer_normed(layers[0], h, normed, cos, sin, attn)
             layers = layers[1:]
@@ -284,6 +347,34 @@ class CausalLM(nn.Module):
             norm = self.model.norm
             return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1])
         return h if delta is None else h + delta
+
+    def _fused_rows(self, rows: int) -> bool:
+        ok = self._fusion_rows.get(rows)
+        if ok is None:
+            ok = self._fusion_rows[rows] = all(f.serves(rows) for f in self._fusion)
+        return ok
+
+    def _forward_fused(self, layers: list[LayerOps], h: torch.Tensor, normed: torch.Tensor | None,
+                       cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """forward's layers with their residual adds and norms in the GEMVs (NormFusion): the first
+        layer's qkv takes its plain input norm, the last layer's down_proj hands back its delta."""
+        if normed is None:
+            normed = rms_norm(h, layers[0].input_norm, layers[0].eps)
+        nr, delta = None, None
+        for ops, f in zip(layers, self._fusion):
+            qkv = ops.qkv(normed) if nr is None else f.qkv.normed(nr, f.qkv_bias)
+            out = attend_projected(ops, qkv, cos, sin, attn)
+            mid = f.o.add_norm(out, h, f.post, f.o_bias)  # h + o(out), and the post-attention norm
+            act = f.gate_up.silu_mul_normed(mid)
+            if f.next_input is None:
+                h, delta = mid.resid, ops.down(act)
+            else:
+                nr = f.down.add_norm(act, mid.resid, f.next_input, f.down_bias)
+                h = nr.resid
+        if self.stage.is_last:
+            norm = self.model.norm
+            return self.final_matrix(add_rms_norm(h, delta, norm.weight, norm.eps)[1])
+        return h + delta
 
     def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps | None,
                       sampled: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,37 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("y", ctypes.c_void_p), ("M", ctypes.c_int), ("N", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("log2r", ctypes.c_int), ("zero_const", ctypes.c_int),
                 ("group_magic", ctypes.c_uint32), ("scale_bf16", ctypes.c_int), ("stages", ctypes.c_int),
-                ("pdl", ctypes.c_int), ("silu_half", ctypes.c_int)]
+                ("pdl", ctypes.c_int), ("silu_half", ctypes.c_int), ("resid", ctypes.c_void_p),
+                ("y_gamma", ctypes.c_void_p), ("gamma", ctypes.c_void_p), ("partials", ctypes.c_void_p),
+                ("ldr", ctypes.c_int), ("n_partials", ctypes.c_int), ("inv_k", ctypes.c_float),
+                ("eps", ctypes.c_float), ("post_scale", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class NormWeight:
+    """An RMSNorm's weight as the producer GEMV multiplies it in: scaled by 2^-e so that no entry
+    exceeds 1 (r * gamma then stays within fp16 wherever r does), the consumer multiplying 2^e back."""
+    scaled: torch.Tensor  # [N] fp16, contiguous
+    post_scale: float  # 2^e
+    eps: float
+
+    @staticmethod
+    def of(weight: torch.Tensor, eps: float) -> "NormWeight":
+        top = float(weight.detach().abs().max().float()) if weight.numel() else 0.0
+        e = max(0, math.ceil(math.log2(top))) if top > 0 else 0
+        scaled = (weight.detach().float() * 2.0 ** -e).to(torch.float16).contiguous()
+        return NormWeight(scaled, float(2 ** e), float(eps))
+
+
+@dataclass(frozen=True)
+class NormedResidual:
+    """What a producer GEMV (GemvKernel.add_norm) hands the next one: the new residual r = resid + x @ W
+    [M, N], half(r * gamma) [M, N] (the consumer's x), each block's sum of r^2 [M, N / 16], and the
+    norm. The consumer (`norm=`) computes rms_norm(r) * gamma @ W' without a norm kernel between."""
+    resid: torch.Tensor
+    scaled: torch.Tensor
+    partials: torch.Tensor
+    norm: NormWeight
 
 
 @dataclass(frozen=True)
@@ -259,12 +290,38 @@ class GemvKernel:
         tensor-core plan's epilogue; it pairs column j with out / 2 + j, so out is a multiple of 16)."""
         return self.geo.mma and 1 <= m <= MAX_ROWS and (plan or self.plan_for(m)).cols == MMA_COLS
 
+    def fuses_norm(self, m: int, plan: GemvPlan | None = None) -> bool:
+        """Whether a call of M rows (by `plan`, or this layout's own) can add the residual and hand on
+        the norm (`add_norm`) or take a NormedResidual (`norm=`): the tensor-core plan's epilogue."""
+        return self.fuses_silu(m, plan)
+
+    def add_norm(self, x2: torch.Tensor, resid: torch.Tensor, norm: NormWeight, bias: torch.Tensor | None = None,
+                 plan: GemvPlan | None = None) -> NormedResidual:
+        """The producer: r = resid + x2 @ W (+ bias) [M, out], rounded as torch's add of the rounded
+        product, with half(r * norm.scaled) and the partial sums of r^2 for the next GEMV's norm."""
+        m, n = x2.shape[0], self.layout.out_features
+        plan = plan or self.plan_for(m)
+        if not self.fuses_norm(m, plan):
+            raise ValueError(f"{plan} cannot add the residual and the norm ({m} rows)")
+        if resid.shape != (m, n) or resid.dtype != self.dtype or resid.stride(1) != 1:
+            raise ValueError(f"resid must be [{m}, {n}] {self.dtype} with unit column stride, not "
+                             f"{tuple(resid.shape)} {resid.dtype} with strides {resid.stride()}")
+        if norm.scaled.shape != (n,) or norm.scaled.dtype != self.dtype or norm.scaled.device != x2.device:
+            raise ValueError(f"the norm weight must be [{n}] {self.dtype} on {x2.device}")
+        r = torch.empty((m, n), dtype=self.dtype, device=x2.device)
+        scaled = torch.empty_like(r)
+        partials = torch.empty((m, n // MMA_COLS), dtype=torch.float32, device=x2.device)
+        self(x2, bias, r, plan, _producer=(resid, scaled, norm.scaled, partials))
+        return NormedResidual(r, scaled, partials, norm)
+
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 plan: GemvPlan | None = None, silu: bool = False) -> torch.Tensor:
+                 plan: GemvPlan | None = None, silu: bool = False, norm: NormedResidual | None = None,
+                 _producer: tuple | None = None) -> torch.Tensor:
         """x2 [M, in] (M <= 8) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
         column stride) when given. `silu`: the weight is [gate | up] (out = 2 I) and the result is
         silu(x @ gate) * (x @ up) [M, I], rounded as kernels/fused.silu_mul rounds it (the
-        tensor-core plan only, no bias: `fuses_silu`)."""
+        tensor-core plan only, no bias: `fuses_silu`). `norm`: x2 is norm.scaled and the result is
+        rms_norm(norm.resid) * gamma @ W (the tensor-core plan only: `fuses_norm`)."""
         lay = self.layout
         m, k = x2.shape
         if not 1 <= m <= MAX_ROWS:
@@ -280,6 +337,11 @@ class GemvKernel:
         n = lay.out_features
         if silu and (plan.cols != MMA_COLS or bias is not None or n % (2 * 8)):
             raise ValueError(f"silu(gate) * up needs the tensor-core plan, no bias and 16 | out ({plan}, out {n})")
+        if (norm is not None or _producer is not None) and plan.cols != MMA_COLS:
+            raise ValueError(f"the residual and norm fusion needs the tensor-core plan, not {plan}")
+        if norm is not None and (norm.partials.shape[0] != m or norm.resid.shape != (m, lay.in_features)
+                                 or not norm.partials.is_contiguous()):
+            raise ValueError(f"a NormedResidual of {tuple(norm.resid.shape)} for [{m}, {lay.in_features}]")
         width = n // 2 if silu else n
         if out is None:
             out = torch.empty((m, width), dtype=self.dtype, device=x2.device)
@@ -294,6 +356,14 @@ class GemvKernel:
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
                     pdl=int(plan.cols == MMA_COLS and pdl.enabled(x2, m)), silu_half=n // 2 if silu else 0)
+        if _producer is not None:
+            resid, scaled, gamma, partials = _producer
+            p.resid, p.y_gamma, p.gamma, p.partials = (resid.data_ptr(), scaled.data_ptr(), gamma.data_ptr(),
+                                                       partials.data_ptr())
+            p.ldr = resid.stride(0)
+        if norm is not None:
+            p.partials, p.n_partials = norm.partials.data_ptr(), norm.partials.shape[1]
+            p.inv_k, p.eps, p.post_scale = 1.0 / lay.in_features, norm.norm.eps, norm.norm.post_scale
         stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
         self.lib.call(0, ctypes.byref(p), self._dt, lay.bits, plan, self.geo, stream)
         return out

@@ -65,6 +65,19 @@ struct GemvParams {
   int silu_half;            // the tensor-core plan only, 0: off; else N / 2 (a multiple of 8): the weight is
                             // [gate | up] and y [M, N / 2] = silu(x @ gate) * (x @ up), each rounded as
                             // kernels/fused.silu_mul rounds it (a block: gate columns n0..n0+7, up n0 + N/2..)
+  // The residual add and the RMSNorm between two GEMVs, folded into them (the tensor-core plan only;
+  // cuda/gemv.py NormedResidual). Producer (resid set): r = half(resid + half(x @ W + bias)), rounded
+  // as torch's add, written to y; half(r * gamma) to y_gamma; and each block's sum of r^2 over its 16
+  // columns, per batch row, to partials[m * gridDim.x + block]. Consumer (n_partials > 0): x is such a
+  // y_gamma and y = (x @ W) * rstd (+ bias), rstd = post_scale / sqrt(sum of partials[m, :] * inv_k + eps),
+  // the partials summed in a fixed order; under silu_half gate and up are both scaled before the silu.
+  const void* resid;        // [M, N] act dtype, row stride ldr, or null
+  void* y_gamma;            // [M, N] act dtype, row stride ldy
+  const void* gamma;        // [N] act dtype: the next norm's weight (times a power of two, post_scale's inverse)
+  float* partials;          // producer: [M, gridDim.x] written; consumer: [M, n_partials] read
+  int ldr;
+  int n_partials;
+  float inv_k, eps, post_scale;
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the

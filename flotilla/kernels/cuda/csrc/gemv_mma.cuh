@@ -67,6 +67,8 @@ __device__ __forceinline__ void launch_dependents() {
 
 constexpr int MMA_COLS = 16;
 constexpr int MAX_STAGES = 8;
+// the consumer's partial sums (M x n_partials floats) copied into shared memory where they fit
+constexpr int MMA_PARTIALS_SMEM = 1024;
 
 // 16 bytes global -> shared, bypassing L1, first out of L2; one commit group per ring step
 __device__ __forceinline__ void cp_async16(unsigned smem, const void* src, uint64_t policy) {
@@ -144,6 +146,46 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     if constexpr (PAR == 2) zk[q][PAR - 1][0] = zk[q][PAR - 1][1] = zero_const_of<BITS, 1>(p.zero_const);
   }
   float y[4] = {0.f, 0.f, 0.f, 0.f};
+  // The residual and norm fusion's reads of what the kernels before wrote, issued right after the
+  // grid dependency wait and consumed only in the epilogue, so that their latency hides behind the
+  // weight stream instead of adding to the block's chain: the consumer's partial sums (cp.async into
+  // shared memory where they fit, read from global memory in the epilogue where not), the producer's
+  // residual and norm weight at the entries this thread stores (registers).
+  __shared__ __align__(16) float part_s[MMA_PARTIALS_SMEM];
+  __shared__ float rstd[8];
+  const bool part_in_smem = p.n_partials > 0 && p.M * p.n_partials <= MMA_PARTIALS_SMEM && p.n_partials % 4 == 0;
+  constexpr int EPI = MMA_COLS * 8 / 32;  // epilogue entries a thread, at most (one warp a block)
+  half rv[EPI], gv[EPI];
+  auto fusion_loads = [&]() {  // the partials' copies join the caller's next cp.async commit group
+    if (part_in_smem) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(part_s));
+      for (int j = threadIdx.x; j < p.M * p.n_partials / 4; j += blockDim.x)
+        cp_async16_l2(dst + 16 * j, p.partials + 4 * j);
+    }
+    if (p.resid != nullptr && !p.silu_half) {
+#pragma unroll
+      for (int i = 0; i < EPI; i++) {
+        const int e = threadIdx.x + i * blockDim.x, c = e / 8, m = e % 8;
+        if (e < MMA_COLS * 8 && m < p.M) {
+          rv[i] = static_cast<const half*>(p.resid)[static_cast<size_t>(m) * p.ldr + n0 + c];
+          gv[i] = static_cast<const half*>(p.gamma)[n0 + c];
+        }
+      }
+    }
+  };
+  auto norm_rstd = [&]() {  // warp 0, in the epilogue: rstd of each batch row, the partials in a fixed order
+    if (warp != 0) return;
+    for (int m = 0; m < p.M; m++) {
+      const int np = p.n_partials;
+      const float* pm = part_in_smem ? part_s + m * np : p.partials + static_cast<size_t>(m) * np;
+      float s = 0.f;
+#pragma unroll 8
+      for (int j = lane; j < np; j += 32) s += pm[j];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+      if (lane == 0) rstd[m] = p.post_scale * rsqrtf(fmaf(s, p.inv_k, p.eps));
+    }
+  };
 
   auto load = [&](uint4 (*dst)[2], int b) {
 #pragma unroll
@@ -277,6 +319,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     // go before the grid dependency wait, into group 0 with block 0's x (so block 0 waits for them all)
     for (int j = 0; j < S && j < nb; j++) issue_weights(j, warp + j * warps);
     grid_dependency_wait();
+    fusion_loads();
     for (int j = 0; j < S; j++) {
       if (j < nb) issue_x(j, warp + j * warps);
       cp_async_commit();
@@ -304,6 +347,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     int b = warp;
     if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
     grid_dependency_wait();
+    fusion_loads();
+    cp_async_commit();
     for (; b < nblocks; b += 2 * warps) {
       if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
       block(buf[0], b, nullptr, nullptr);
@@ -317,6 +362,11 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
   red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
   red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
+  if (p.n_partials > 0) {
+    cp_async_wait<0>();  // this thread's copies of the partials (a ring's last groups are long done)
+    __syncthreads();
+    norm_rstd();
+  }
   __syncthreads();
   if (p.silu_half) {  // y [M, N / 2]: silu(gate) * up, rounded where kernels/fused.silu_mul rounds
     for (int e = threadIdx.x; e < 8 * 8; e += blockDim.x) {
@@ -324,19 +374,43 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       if (m >= p.M) continue;
       float vg = 0.f, vu = 0.f;
       for (int w = 0; w < warps; w++) vg += red[w][c][m], vu += red[w][c + 8][m];  // a fixed order
+      if (p.n_partials > 0) vg *= rstd[m], vu *= rstd[m];
       const float a = __half2float(__float2half_rn(vg)), u = __half2float(__float2half_rn(vu));
       const float silu = __half2float(__float2half_rn(a / (1.f + __expf(-a))));
       static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(silu * u);
     }
     return;
   }
-  for (int e = threadIdx.x; e < MMA_COLS * 8; e += blockDim.x) {
-    const int c = e / 8, m = e % 8;
+  __shared__ float sq[MMA_COLS][8];  // the producer's r^2
+#pragma unroll
+  for (int i = 0; i < EPI; i++) {
+    const int e = threadIdx.x + i * blockDim.x, c = e / 8, m = e % 8;
+    if (e >= MMA_COLS * 8) break;
     if (m >= p.M) continue;
     float v = 0.f;
     for (int w = 0; w < warps; w++) v += red[w][c][m];  // a fixed order: deterministic
+    if (p.n_partials > 0) v *= rstd[m];
     if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[n0 + c]);
-    static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(v);
+    const size_t at = static_cast<size_t>(m) * p.ldy + n0 + c;
+    if (p.resid != nullptr) {  // r = resid + the product, each rounded as torch rounds them
+      const half o = __float2half_rn(v);
+      const half r = __float2half_rn(__half2float(rv[i]) + __half2float(o));
+      const float rf = __half2float(r);
+      static_cast<half*>(p.y)[at] = r;
+      static_cast<half*>(p.y_gamma)[at] = __float2half_rn(rf * __half2float(gv[i]));
+      sq[c][m] = rf * rf;
+    } else {
+      static_cast<half*>(p.y)[at] = __float2half_rn(v);
+    }
+  }
+  if (p.resid != nullptr) {
+    __syncthreads();
+    if (threadIdx.x < p.M) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = 0; c < MMA_COLS; c++) s += sq[c][threadIdx.x];
+      p.partials[static_cast<size_t>(threadIdx.x) * gridDim.x + blockIdx.x] = s;
+    }
   }
 }
 

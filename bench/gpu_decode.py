@@ -50,7 +50,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 
 from flotilla.kernels import pdl, registry  # noqa: E402
 from flotilla.models.linear import QuantLinear  # noqa: E402
-from flotilla.models.llama import NORM_FUSION_ENV  # noqa: E402
+from flotilla.models.llama import NORM_FUSION_ENV, norm_fusion_enabled  # noqa: E402
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
 from flotilla.runtime.sampling import SamplingParams  # noqa: E402
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: eager, profile, hf (both "
                                                "transformers rows), nf4, fp16, cuda, sync (the int4 rows "
                                                "without overlap), nopdl (the int4 rows and profile without "
-                                               "programmatic dependent launch), nofuse (the int4 rows with the norms as kernels of their own, not in the GEMVs), head8 (the int4 rows with an int8 lm_head), slow-checks (attention, fused ops, "
+                                               "programmatic dependent launch), nofuse (the int4 rows with the norms the other way: in the GEMVs or as kernels of their own), head8 (the int4 rows with an int8 lm_head), slow-checks (attention, fused ops, "
                                                "engine spec), spec-check (the engine spec check alone)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -315,14 +315,18 @@ def main(argv=None) -> int:
             with pdl_off():
                 ours("flotilla int4 no-pdl", model)
         section("flotilla int4 no-pdl", nopdl_rows)
-    if "nofuse" not in skip:
-        def nofuse_rows():
-            os.environ[NORM_FUSION_ENV] = "0"  # read when the runner freezes the model
+    if "nofuse" not in skip:  # the int4 rows the other way: norms in the GEMVs or as kernels of their own
+        fused_now = norm_fusion_enabled()
+        other = "flotilla int4 norm kernels" if fused_now else "flotilla int4 norms in GEMVs"
+
+        def other_rows():
+            before = os.environ.get(NORM_FUSION_ENV)
+            os.environ[NORM_FUSION_ENV] = "0" if fused_now else "1"  # read when the runner freezes the model
             try:
-                ours("flotilla int4 norm kernels", model)
+                ours(other, model)
             finally:
-                del os.environ[NORM_FUSION_ENV]
-        section("flotilla int4 norm kernels", nofuse_rows)
+                os.environ.pop(NORM_FUSION_ENV) if before is None else os.environ.update({NORM_FUSION_ENV: before})
+        section(other, other_rows)
     if "cuda" not in skip:
         def cuda_rows():
             os.environ[registry.ENV_KERNEL] = "cuda"

@@ -646,8 +646,8 @@ def test_norm_fusion_in_a_graph_replays_with_fresh_inputs():
 def test_decoder_with_the_norm_fusion_matches_the_norm_kernels(monkeypatch):
     """A random INT4 model's frozen forward with the residual adds and norms in the GEMVs
     (NormFusion) against the same model with norm kernels: logits within rounding and the same
-    greedy tokens for 1 to 4 rows; at 8 rows (the Triton tiles) the fusion does not serve, and
-    FLOTILLA_NORM_FUSION=0 turns it off."""
+    greedy tokens for 1 to 4 rows; at 8 rows (the Triton tiles) the fusion does not serve;
+    FLOTILLA_NORM_FUSION=1 / 0 turns it on / off."""
     from flotilla.models.config import ModelConfig
     from flotilla.models.llama import NORM_FUSION_ENV
     from flotilla.runtime import random_model
@@ -656,6 +656,7 @@ def test_decoder_with_the_norm_fusion_matches_the_norm_kernels(monkeypatch):
         architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
+    monkeypatch.setenv(NORM_FUSION_ENV, "1")
     model = random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=27)
     model.freeze()
     fusion = model._fusion

@@ -224,7 +224,8 @@ class NormFusion:
     applies; down_proj adds the residual and hands on the next layer's input norm, which that
     layer's qkv applies. No norm kernel runs between them. Built by CausalLM.freeze where the
     layer's four linears run on the Triton layout kernel (fp16), used at the batch sizes where
-    the CUDA GEMV's tensor-core plan serves all four (`serves`); FLOTILLA_NORM_FUSION=0 turns it off."""
+    the CUDA GEMV's tensor-core plan serves all four (`serves`); FLOTILLA_NORM_FUSION=1 / 0 turns
+    it on / off (default: NORM_FUSION_DEFAULT)."""
 
     qkv: object  # the kernels (kernels/triton_linear.TritonLayoutKernel)
     o: object
@@ -242,7 +243,7 @@ class NormFusion:
     @staticmethod
     def build(layers: list["DecoderLayer"]) -> list["NormFusion"] | None:
         """The fusion of every layer of a stage, or None where any layer's linears or norms do not allow it."""
-        if os.environ.get(NORM_FUSION_ENV, "1") == "0" or not layers:
+        if not norm_fusion_enabled() or not layers:
             return None
         mods = []
         for layer in layers:
@@ -266,6 +267,13 @@ class NormFusion:
 
 
 NORM_FUSION_ENV = "FLOTILLA_NORM_FUSION"
+NORM_FUSION_DEFAULT = False  # on once measured faster (bench/NOTES-kernels.md, round 5)
+
+
+def norm_fusion_enabled() -> bool:
+    """Whether CausalLM.freeze builds the NormFusion: FLOTILLA_NORM_FUSION=1 / 0, else the default."""
+    value = os.environ.get(NORM_FUSION_ENV, "").strip()
+    return NORM_FUSION_DEFAULT if value == "" else value != "0"
 
 
 class DecoderStack(nn.Module):

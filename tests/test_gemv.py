@@ -223,6 +223,37 @@ def poison(m: int, n: int, dtype: torch.dtype) -> None:
     torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
 
 
+def tiny_decoder(monkeypatch, layers: int, seed: int):
+    """A random INT4 Llama of `layers` layers (hidden 512) on the GPU, its kernels prepared."""
+    from flotilla.models.config import ModelConfig
+    from flotilla.runtime import random_model
+
+    monkeypatch.setitem(random_model.SHAPES, "gemv-test", ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
+    return random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=seed)
+
+
+class OwnValue:
+    """An attention backend where each token attends to itself alone: what differs between two runs
+    of a model is then what the test changed."""
+
+    def attend(self, layer, q, k, v):
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+
+
+def logits_both_ways(model, rows: int, gen, first, second):
+    """The logits of `rows` random tokens through `model` after first(), then after second()."""
+    ids = torch.randint(0, 1024, (rows,), generator=gen, device="cuda")
+    pos = torch.arange(rows, device="cuda")
+    out = []
+    for setup in (first, second):
+        setup()
+        out.append(model.compute_logits(model(ids, pos, OwnValue())))
+    return out
+
+
 def captured(fn):
     """fn run once (kernels compiled, tiles chosen), then captured in a CUDA graph: (graph, fn's outputs)."""
     fn()
@@ -485,14 +516,8 @@ def test_decoder_with_the_silu_epilogue_matches_the_composed_ops(monkeypatch):
     the same ops with silu_mul of the product: logits within rounding, the same greedy tokens, for 1
     to 4 rows (the GEMV's) and 8 (the Triton tiles: composed either way)."""
     from flotilla.kernels import fused
-    from flotilla.models.config import ModelConfig
-    from flotilla.runtime import random_model
 
-    monkeypatch.setitem(random_model.SHAPES, "gemv-test", ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
-    model = random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=20)
+    model = tiny_decoder(monkeypatch, 2, seed=20)
     model.freeze()
     model._fusion = None  # the norms as kernels of their own: this test is about gate_up's epilogue
     fused_ops = list(model._frozen)
@@ -500,18 +525,10 @@ def test_decoder_with_the_silu_epilogue_matches_the_composed_ops(monkeypatch):
     composed = [dataclasses.replace(ops, gate_up_act=lambda h, g=ops.gate_up: fused.silu_mul(g(h)))
                 for ops in fused_ops]
 
-    class OwnValue:  # each token attends to itself alone: what differs between the runs is the epilogue
-        def attend(self, layer, q, k, v):
-            return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-
     gen = torch.Generator(device="cuda").manual_seed(21)
     for rows in (1, 2, 3, 4, 8):
-        ids = torch.randint(0, 1024, (rows,), generator=gen, device="cuda")
-        pos = torch.arange(rows, device="cuda")
-        model._frozen = fused_ops
-        got = model.compute_logits(model(ids, pos, OwnValue()))
-        model._frozen = composed
-        want = model.compute_logits(model(ids, pos, OwnValue()))
+        got, want = logits_both_ways(model, rows, gen, lambda: setattr(model, "_frozen", fused_ops),
+                                     lambda: setattr(model, "_frozen", composed))
         assert rel_err(got, want) < 3e-3, rows
         assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
 
@@ -648,33 +665,19 @@ def test_decoder_with_the_norm_fusion_matches_the_norm_kernels(monkeypatch):
     (NormFusion) against the same model with norm kernels: logits within rounding and the same
     greedy tokens for 1 to 4 rows; at 8 rows (the Triton tiles) the fusion does not serve;
     FLOTILLA_NORM_FUSION=1 / 0 turns it on / off."""
-    from flotilla.models.config import ModelConfig
     from flotilla.models.llama import NORM_FUSION_ENV
-    from flotilla.runtime import random_model
 
-    monkeypatch.setitem(random_model.SHAPES, "gemv-test", ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
-        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_ids=()))
     monkeypatch.setenv(NORM_FUSION_ENV, "1")
-    model = random_model.build_random_model("gemv-test", 4, "cuda", torch.float16, seed=27)
+    model = tiny_decoder(monkeypatch, 3, seed=27)
     model.freeze()
     fusion = model._fusion
     assert fusion is not None and len(fusion) == 3 and fusion[-1].next_input is None
     assert model._fused_rows(1) and not model._fused_rows(8)
 
-    class OwnValue:  # each token attends to itself alone
-        def attend(self, layer, q, k, v):
-            return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-
     gen = torch.Generator(device="cuda").manual_seed(28)
     for rows in (1, 2, 3, 4, 8):
-        ids = torch.randint(0, 1024, (rows,), generator=gen, device="cuda")
-        pos = torch.arange(rows, device="cuda")
-        model._fusion = fusion
-        got = model.compute_logits(model(ids, pos, OwnValue()))
-        model._fusion = None
-        want = model.compute_logits(model(ids, pos, OwnValue()))
+        got, want = logits_both_ways(model, rows, gen, lambda: setattr(model, "_fusion", fusion),
+                                     lambda: setattr(model, "_fusion", None))
         assert rel_err(got, want) < 3e-3, rows
         assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
         if rows == 8:

@@ -583,13 +583,15 @@ def test_norm_weight_is_scaled_by_a_power_of_two_to_at_most_one():
 
 
 @needs_cuda
-@pytest.mark.parametrize("k,hidden,n,sym", [(1024, 512, 768, True), (16384, 2048, 1024, False)])
+@pytest.mark.parametrize("k,hidden,n,sym", [(1024, 512, 768, True), (16384, 2048, 1024, False),
+                                            (1024, 8192, 256, True)])
 def test_norm_fusion_producer_and_consumer(k, hidden, n, sym):
     """The residual add and the RMSNorm folded into two GEMVs: the producer's new residual is bit for
     bit resid + its product (torch's add), its scaled output half(r * w) and its partials sum to
     sum(r^2); the consumer (plain, with a bias, and the silu epilogue) matches the composed ops
     (kernels/fused.rms_norm, then the GEMV) within rounding, for a norm weight above 1 and a large
-    residual, 1 to 4 rows (the register plan, and the ring at M = 1 on 16384 rows)."""
+    residual, 1 to 4 rows (the register plan, and the ring at M = 1 on 16384 rows; on hidden 8192 the
+    consumers' ring at M = 1 and, from 3 rows, their partials read from global memory)."""
     from flotilla.kernels import fused
     from flotilla.kernels.triton_linear import TritonGPTQKernel
 

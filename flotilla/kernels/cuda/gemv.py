@@ -339,9 +339,13 @@ class GemvKernel:
             raise ValueError(f"silu(gate) * up needs the tensor-core plan, no bias and 16 | out ({plan}, out {n})")
         if (norm is not None or _producer is not None) and plan.cols != MMA_COLS:
             raise ValueError(f"the residual and norm fusion needs the tensor-core plan, not {plan}")
-        if norm is not None and (norm.partials.shape[0] != m or norm.resid.shape != (m, lay.in_features)
-                                 or not norm.partials.is_contiguous()):
-            raise ValueError(f"a NormedResidual of {tuple(norm.resid.shape)} for [{m}, {lay.in_features}]")
+        if norm is not None:
+            parts = norm.partials
+            if norm.resid.shape != (m, lay.in_features) or parts.shape != (m, lay.in_features // MMA_COLS) \
+                    or parts.dtype != torch.float32 or parts.device != x2.device or not parts.is_contiguous() \
+                    or parts.data_ptr() % 16:
+                raise ValueError(f"a NormedResidual of {tuple(norm.resid.shape)} (partials {tuple(parts.shape)} "
+                                 f"{parts.dtype}) for [{m}, {lay.in_features}]: not a producer's output for this input")
         width = n // 2 if silu else n
         if out is None:
             out = torch.empty((m, width), dtype=self.dtype, device=x2.device)

@@ -42,30 +42,41 @@ cudaError_t launch_mma(K kernel, const GemvParams& p, int warps, int smem, cudaS
 // ring take the dynamic shared memory of its deepest launch.
 template <int BITS, int MODE, int TPG, int LOG2R>
 int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  auto regs = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false>;
-  auto ring = gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true>;
   constexpr int fixed = mma_slot_bytes<BITS, MODE, TPG, LOG2R>(), x_row = mma_x_row_bytes<BITS, LOG2R>();
-  static int most = 0;  // dynamic shared memory the ring may take (set by prepare)
-  if (op == 1) {  // what the GPU allows a block beyond its static arrays
-    cudaFuncAttributes attr;
-    cudaError_t e = cudaFuncGetAttributes(&attr, regs);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ring);
+  static int most = 0;  // dynamic shared memory the ring may take (set by prepare; the fused instance's static is larger)
+  if (op == 1) {  // what the GPU allows a block beyond its static arrays, for both instances (plain, fused)
     int device = 0, optin = 0;
-    if (e == cudaSuccess) e = cudaGetDevice(&device);
+    cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    const void* kernels[4] = {reinterpret_cast<const void*>(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, false>),
+                              reinterpret_cast<const void*>(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, true>),
+                              reinterpret_cast<const void*>(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, false>),
+                              reinterpret_cast<const void*>(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, true>)};
+    int static_max = 0;
+    for (int k = 0; k < 4 && e == cudaSuccess; k++) {
+      cudaFuncAttributes attr;
+      e = cudaFuncGetAttributes(&attr, kernels[k]);
+      if (e == cudaSuccess) static_max = max(static_max, static_cast<int>(attr.sharedSizeBytes));
+    }
     if (e != cudaSuccess) return e;
-    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - static_cast<int>(attr.sharedSizeBytes));
-    return cudaFuncSetAttribute(ring, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    most = min(MAX_WARPS * MAX_STAGES * (fixed + 8 * x_row), optin - static_max);
+    for (int k = 2; k < 4 && e == cudaSuccess; k++)
+      e = cudaFuncSetAttribute(kernels[k], cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    return e;
   }
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
-  if (p->stages == 0) return launch_mma(regs, *p, warps, 0, stream);
+  const bool fuse = p->resid != nullptr || p->n_partials > 0;
+  if (p->stages == 0)
+    return fuse ? launch_mma(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, true>, *p, warps, 0, stream)
+                : launch_mma(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, false, false>, *p, warps, 0, stream);
   if (p->stages < 2 || p->stages > MAX_STAGES) return cudaErrorInvalidValue;
   // the ring's depth: p->stages, or as many as fit the shared memory (at least 2)
   const int slot = fixed + min(p->M, 8) * x_row;
   GemvParams q = *p;
   q.stages = min(p->stages, most / (warps * slot));
   if (q.stages < 2) return cudaErrorInvalidValue;
-  return launch_mma(ring, q, warps, warps * q.stages * slot, stream);
+  return fuse ? launch_mma(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, true>, q, warps, warps * q.stages * slot, stream)
+              : launch_mma(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, false>, q, warps, warps * q.stages * slot, stream);
 }
 
 // fp16, a zero constant or uint8 zeros, blocks of 16 or 32 words (op 1 reads log2r too)

@@ -65,6 +65,14 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// a value an earlier kernel of the stream wrote: a volatile load, so that the compiler keeps it after
+// grid_dependency_wait (which has no memory clobber)
+__device__ __forceinline__ half load_after_wait(const half* p) {
+  unsigned short u;
+  asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(u) : "l"(p));
+  return __ushort_as_half(u);
+}
+
 constexpr int MMA_COLS = 16;
 constexpr int MAX_STAGES = 8;
 // the consumer's partial sums (M x n_partials floats) copied into shared memory where they fit
@@ -115,7 +123,9 @@ __host__ __device__ constexpr int mma_slot_bytes() {
 // grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
 // RING: the weight stream through the shared-memory ring of p.stages slots a warp, else the
 // register double buffer
-template <int BITS, int MODE, int TPG, int LOG2R, bool RING>
+// FUSE: the residual and norm fusion's instance (GemvParams resid / n_partials; cuda/gemv.py
+// NormedResidual); without it the kernel has none of the fusion's shared memory, registers or code
+template <int BITS, int MODE, int TPG, int LOG2R, bool RING, bool FUSE>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;  // SPB: strips of 16 words a block
   constexpr int PAR = BITS == 4 ? 2 : 1;  // run parities with their own zero constant and scale
@@ -151,23 +161,25 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   // weight stream instead of adding to the block's chain: the consumer's partial sums (cp.async into
   // shared memory where they fit, read from global memory in the epilogue where not), the producer's
   // residual and norm weight at the entries this thread stores (registers).
-  __shared__ __align__(16) float part_s[MMA_PARTIALS_SMEM];
+  __shared__ __align__(16) float part_s[FUSE ? MMA_PARTIALS_SMEM : 4];
   __shared__ float rstd[8];
-  const bool part_in_smem = p.n_partials > 0 && p.M * p.n_partials <= MMA_PARTIALS_SMEM && p.n_partials % 4 == 0;
+  const bool part_in_smem = FUSE && p.n_partials > 0 && p.M * p.n_partials <= MMA_PARTIALS_SMEM && p.n_partials % 4 == 0;
   constexpr int EPI = MMA_COLS * 8 / 32;  // epilogue entries a thread, at most (one warp a block)
-  half rv[EPI], gv[EPI];
+  half rv[FUSE ? EPI : 1], gv[FUSE ? EPI : 1];
   auto fusion_loads = [&]() {  // the partials' copies join the caller's next cp.async commit group
+    if constexpr (!FUSE) return;
     if (part_in_smem) {
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(part_s));
       for (int j = threadIdx.x; j < p.M * p.n_partials / 4; j += blockDim.x)
         cp_async16_l2(dst + 16 * j, p.partials + 4 * j);
     }
-    if (p.resid != nullptr && !p.silu_half) {
+    if constexpr (FUSE) {
+      if (p.resid == nullptr || p.silu_half) return;
 #pragma unroll
       for (int i = 0; i < EPI; i++) {
         const int e = threadIdx.x + i * blockDim.x, c = e / 8, m = e % 8;
         if (e < MMA_COLS * 8 && m < p.M) {
-          rv[i] = static_cast<const half*>(p.resid)[static_cast<size_t>(m) * p.ldr + n0 + c];
+          rv[i] = load_after_wait(static_cast<const half*>(p.resid) + static_cast<size_t>(m) * p.ldr + n0 + c);
           gv[i] = static_cast<const half*>(p.gamma)[n0 + c];
         }
       }
@@ -319,7 +331,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     // go before the grid dependency wait, into group 0 with block 0's x (so block 0 waits for them all)
     for (int j = 0; j < S && j < nb; j++) issue_weights(j, warp + j * warps);
     grid_dependency_wait();
-    fusion_loads();
+    if constexpr (FUSE) fusion_loads();
     for (int j = 0; j < S; j++) {
       if (j < nb) issue_x(j, warp + j * warps);
       cp_async_commit();
@@ -347,8 +359,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     int b = warp;
     if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
     grid_dependency_wait();
-    fusion_loads();
-    cp_async_commit();
+    if constexpr (FUSE) {
+      fusion_loads();
+      cp_async_commit();
+    }
     for (; b < nblocks; b += 2 * warps) {
       if (b + warps < nblocks) load(buf[1], b + warps);  // in flight while this block is decoded
       block(buf[0], b, nullptr, nullptr);
@@ -362,7 +376,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   // fragment (g, t): columns g and g + 8, batch rows 2t and 2t + 1
   red[warp][g][2 * t] = y[0], red[warp][g][2 * t + 1] = y[1];
   red[warp][g + 8][2 * t] = y[2], red[warp][g + 8][2 * t + 1] = y[3];
-  if (p.n_partials > 0) {
+  if (FUSE && p.n_partials > 0) {
     cp_async_wait<0>();  // this thread's copies of the partials (a ring's last groups are long done)
     __syncthreads();
     norm_rstd();
@@ -374,10 +388,21 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       if (m >= p.M) continue;
       float vg = 0.f, vu = 0.f;
       for (int w = 0; w < warps; w++) vg += red[w][c][m], vu += red[w][c + 8][m];  // a fixed order
-      if (p.n_partials > 0) vg *= rstd[m], vu *= rstd[m];
+      if (FUSE && p.n_partials > 0) vg *= rstd[m], vu *= rstd[m];
       const float a = __half2float(__float2half_rn(vg)), u = __half2float(__float2half_rn(vu));
       const float silu = __half2float(__float2half_rn(a / (1.f + __expf(-a))));
       static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(silu * u);
+    }
+    return;
+  }
+  if constexpr (!FUSE) {
+    for (int e = threadIdx.x; e < MMA_COLS * 8; e += blockDim.x) {
+      const int c = e / 8, m = e % 8;
+      if (m >= p.M) continue;
+      float v = 0.f;
+      for (int w = 0; w < warps; w++) v += red[w][c][m];  // a fixed order: deterministic
+      if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[n0 + c]);
+      static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(v);
     }
     return;
   }

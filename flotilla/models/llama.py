@@ -271,7 +271,8 @@ NORM_FUSION_DEFAULT = False  # on once measured faster (bench/NOTES-kernels.md, 
 
 
 def norm_fusion_enabled() -> bool:
-    """Whether CausalLM.freeze builds the NormFusion: FLOTILLA_NORM_FUSION=1 / 0, else the default."""
+    """Whether CausalLM.freeze builds the NormFusion: FLOTILLA_NORM_FUSION=0 off, any other value on
+    (as FLOTILLA_PDL), unset or empty the default."""
     value = os.environ.get(NORM_FUSION_ENV, "").strip()
     return NORM_FUSION_DEFAULT if value == "" else value != "0"
 

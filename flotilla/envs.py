@@ -11,6 +11,10 @@
                          does to test both); read by flotilla.kernels.cpu.build
     FLOTILLA_KERNEL      force one dequant-matmul kernel by name (read by flotilla.kernels.registry,
                          which imports nothing of flotilla's)
+    FLOTILLA_PDL         0: no programmatic dependent launch on sm_90+ GPUs (read by flotilla.kernels.pdl,
+                         which imports nothing of flotilla's; default on)
+    FLOTILLA_NORM_FUSION 1: the residual adds and RMSNorms inside the CUDA GEMV at 1-4 rows (read by
+                         flotilla.models.llama when a model is frozen; default off until measured faster)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their

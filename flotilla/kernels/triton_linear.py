@@ -249,8 +249,9 @@ class TritonLayoutKernel:
                 return y
         return y.reshape(*lead, self.layout.out_features)
 
-    def _silu_plan(self, m: int) -> GemvPlan | None:
-        """The GEMV plan whose epilogue computes silu(gate) * up at M rows, or None."""
+    def _epilogue_plan(self, m: int) -> GemvPlan | None:
+        """The GEMV plan at M rows whose epilogue can compute silu(gate) * up, or add the residual and
+        the norm (the tensor-core plan), or None."""
         cfg = self.config_for(m)
         if self.gemv is None or cfg.kind != "gemv":
             return None
@@ -259,45 +260,37 @@ class TritonLayoutKernel:
 
     def fuses_silu(self, m: int) -> bool:
         """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue)."""
-        return self._silu_plan(m) is not None
+        return self._epilogue_plan(m) is not None
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] weight's product [..., 2 I] -> [..., I]: one launch where
         the CUDA GEMV serves these rows and there is no bias (its epilogue pairs gate column j with
         up column I + j), else the product, then kernels/fused.silu_mul."""
         x2 = x.reshape(-1, x.shape[-1])
-        plan = self._silu_plan(x2.shape[0]) if bias is None else None
+        plan = self._epilogue_plan(x2.shape[0]) if bias is None else None
         if plan is None:
             return silu_mul(self(x, bias))
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         return self.gemv(x2, None, None, plan, silu=True).reshape(*x.shape[:-1], self.layout.out_features // 2)
 
-    def _norm_plan(self, m: int) -> GemvPlan | None:
-        """The GEMV plan whose epilogue adds the residual and hands on the norm at M rows, or None."""
-        cfg = self.config_for(m)
-        if self.gemv is None or cfg.kind != "gemv":
-            return None
-        plan = _gemv_plan(cfg)
-        return plan if self.gemv.fuses_norm(m, plan) else None
-
     def fuses_norm(self, m: int) -> bool:
         """Whether `add_norm` and `normed` serve M rows (the CUDA GEMV's tensor-core plan)."""
-        return self._norm_plan(m) is not None
+        return self._epilogue_plan(m) is not None
 
     def add_norm(self, x: torch.Tensor, resid: torch.Tensor, norm, bias: torch.Tensor | None = None):
         """resid + x @ W and what the next GEMV needs for its RMSNorm (cuda/gemv.py NormedResidual);
         only where `fuses_norm`."""
         x2 = x if x.stride(-1) == 1 else x.contiguous()
-        return self.gemv.add_norm(x2, resid, norm, bias, self._norm_plan(x2.shape[0]))
+        return self.gemv.add_norm(x2, resid, norm, bias, self._epilogue_plan(x2.shape[0]))
 
     def normed(self, nr, bias: torch.Tensor | None = None) -> torch.Tensor:
         """rms_norm(nr.resid) * gamma @ W (+ bias) from a producer's NormedResidual; only where `fuses_norm`."""
-        return self.gemv(nr.scaled, bias, None, self._norm_plan(nr.scaled.shape[0]), norm=nr)
+        return self.gemv(nr.scaled, bias, None, self._epilogue_plan(nr.scaled.shape[0]), norm=nr)
 
     def silu_mul_normed(self, nr) -> torch.Tensor:
         """silu(gate) * up of rms_norm(nr.resid) * gamma @ W (no bias); only where `fuses_norm`."""
-        return self.gemv(nr.scaled, None, None, self._norm_plan(nr.scaled.shape[0]), silu=True, norm=nr)
+        return self.gemv(nr.scaled, None, None, self._epilogue_plan(nr.scaled.shape[0]), silu=True, norm=nr)
 
     def _counter_buffer(self, m: int, cfg: GemmConfig) -> torch.Tensor:
         tiles = -(-m // cfg.block_m) * -(-self.layout.out_features // cfg.block_n)

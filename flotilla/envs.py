@@ -13,8 +13,9 @@
                          which imports nothing of flotilla's)
     FLOTILLA_PDL         0: no programmatic dependent launch on sm_90+ GPUs (read by flotilla.kernels.pdl,
                          which imports nothing of flotilla's; default on)
-    FLOTILLA_NORM_FUSION 1: the residual adds and RMSNorms inside the CUDA GEMV at 1-4 rows (read by
-                         flotilla.models.llama when a model is frozen; default off until measured faster)
+    FLOTILLA_NORM_FUSION 0: RMSNorm kernels between the CUDA GEMVs at 1-2 rows, where by default the
+                         GEMVs add the residuals and apply the norms (read by flotilla.models.llama when a
+                         model is frozen; default on)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their

@@ -223,9 +223,9 @@ class NormFusion:
     NormedResidual): o_proj adds the residual and hands on the post-attention norm, which gate_up
     applies; down_proj adds the residual and hands on the next layer's input norm, which that
     layer's qkv applies. No norm kernel runs between them. Built by CausalLM.freeze where the
-    layer's four linears run on the Triton layout kernel (fp16), used at the batch sizes where
-    the CUDA GEMV's tensor-core plan serves all four (`serves`); FLOTILLA_NORM_FUSION=1 / 0 turns
-    it on / off (default: NORM_FUSION_DEFAULT)."""
+    layer's four linears run on the Triton layout kernel (fp16), used at up to NORM_FUSION_ROWS
+    rows where the CUDA GEMV's tensor-core plan serves all four (`serves`); FLOTILLA_NORM_FUSION=0
+    / 1 turns it off / on (default: NORM_FUSION_DEFAULT)."""
 
     qkv: object  # the kernels (kernels/triton_linear.TritonLayoutKernel)
     o: object
@@ -238,7 +238,7 @@ class NormFusion:
     next_input: object | None  # that of the next layer's input norm (None: the stage's last layer)
 
     def serves(self, m: int) -> bool:
-        return all(k.fuses_norm(m) for k in (self.qkv, self.o, self.gate_up, self.down))
+        return m <= NORM_FUSION_ROWS and all(k.fuses_norm(m) for k in (self.qkv, self.o, self.gate_up, self.down))
 
     @staticmethod
     def build(layers: list["DecoderLayer"]) -> list["NormFusion"] | None:
@@ -267,7 +267,10 @@ class NormFusion:
 
 
 NORM_FUSION_ENV = "FLOTILLA_NORM_FUSION"
-NORM_FUSION_DEFAULT = False  # on once measured faster (bench/NOTES-kernels.md, round 5)
+NORM_FUSION_DEFAULT = True
+# the most rows it serves: faster at 1-2 rows, slower at 3-4 (an H100, llama-3-8b INT4: 423 / 843 / 1139 / 1514
+# tok/s fused against 410 / 778 / 1165 / 1553 with norm kernels; bench/NOTES-kernels.md, round 6)
+NORM_FUSION_ROWS = 2
 
 
 def norm_fusion_enabled() -> bool:

@@ -354,20 +354,21 @@ class GemvKernel:
                              f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
         if bias is not None and bias.dtype != self.dtype:
             bias = bias.to(self.dtype)
+        # A consumer (`norm`) launches as a plain kernel, not as a programmatic dependent of its producer
+        # GEMV: early-launched, its blocks measured 6% of an H100 batch-1 step slower (387.7 against 423.1
+        # tok/s; bench/NOTES-kernels.md, round 6). Its own dependents still launch early.
         p = _Params(x=x2.data_ptr(), words=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
                     zeros=_ptr(lay.zeros), offsets=_ptr(lay.offsets), bias=_ptr(bias), y=out.data_ptr(), M=m, N=n,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
-                    pdl=int(plan.cols == MMA_COLS and norm is None and pdl.enabled(x2, m)), silu_half=n // 2 if silu else 0)
+                    pdl=int(plan.cols == MMA_COLS and norm is None and pdl.enabled(x2, m)),
+                    silu_half=n // 2 if silu else 0)
         if _producer is not None:
             resid, scaled, gamma, partials = _producer
             p.resid, p.y_gamma, p.gamma, p.partials = (resid.data_ptr(), scaled.data_ptr(), gamma.data_ptr(),
                                                        partials.data_ptr())
             p.ldr = resid.stride(0)
-        # A consumer (`norm`) launches as a plain kernel, not as a programmatic dependent of its producer
-        # GEMV: early-launched, its blocks measured 6% of an H100 batch-1 step slower (387.7 against 423.1
-        # tok/s; bench/NOTES-kernels.md, round 6). Its own dependents still launch early.
         if norm is not None:
             p.partials, p.n_partials = norm.partials.data_ptr(), norm.partials.shape[1]
             p.inv_k, p.eps, p.post_scale = 1.0 / lay.in_features, norm.norm.eps, norm.norm.post_scale

@@ -7,12 +7,14 @@
     python bench/kernels.py --batches 1,2,4,8,16 --skip-cuda --gemv-sweep   # + the GEMV's plans (kernels_gemv.py)
     python bench/kernels.py --graph --only-sweeps --gemv-sweep --gemv-chain --gemv-rows 1,2,4   # + back to back
     python bench/kernels.py --graph --only-sweeps --dense-sweep     # Triton tiles vs dequantize + cuBLAS
+    python bench/kernels.py --graph --only-sweeps --tile-sweep      # the CUDA tile GEMM (Hopper) vs both
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
 triton.testing.do_bench, which clears the L2 cache before every call) for
   ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations: the CUDA
   GEMV over the Triton layout (kernels/cuda/gemv.py, batches up to 8; columns "GEMV", with TB/s
-  and x fp16), the Triton "dot" path (kernels/triton_linear), and the Marlin-style CUDA kernels
+  and x fp16), the Triton "dot" path (kernels/triton_linear), the CUDA tile GEMM on Hopper (kernels/cuda/
+  tile.py, batches of 64 and more; columns "Tile"), and the Marlin-style CUDA kernels
   (kernels/cuda, columns "CUDA"; --skip-cuda leaves them out); "pick" is what the registry's
   kernel object runs at that batch;
   fp16 torch.nn.functional.linear (cuBLAS);
@@ -305,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-all", action="store_true", help="the GEMV sweep times the plans that always lost too")
     ap.add_argument("--dense-sweep", action="store_true", help="Triton tiles vs dequantize + cuBLAS (kernels_dense.py)")
     ap.add_argument("--dense-rows", default="128,256,512,1024,2048", help="the dense sweep's batches")
+    ap.add_argument("--tile-sweep", action="store_true", help="the CUDA tile GEMM's block heights vs the other paths (kernels_tile.py)")
+    ap.add_argument("--tile-rows", default="64,128,256,512,1024,2048", help="the tile sweep's batches")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)
     global GRAPHS
@@ -321,6 +325,7 @@ def main(argv=None) -> int:
     args.gemv_bits = [int(b) for b in args.gemv_bits.split(",")]
     args.gemv_rows = [int(m) for m in args.gemv_rows.split(",")]
     args.dense_rows = [int(m) for m in args.dense_rows.split(",")]
+    args.tile_rows = [int(m) for m in args.tile_rows.split(",")]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if args.gguf:
@@ -361,6 +366,10 @@ def main(argv=None) -> int:
                 row[f"pick_w{bits}"] = kern.config_for(m).kind
                 t = row[f"triton_w{bits}_us"] = time_us(lambda: kern(x, config=triton_config(kern, m)))
                 row[f"triton_w{bits}_speedup"] = row["fp16_us"] / t
+                if kern.tile is not None and m >= 64:
+                    t = row[f"tile_w{bits}_us"] = time_us(lambda: kern.tile(x))
+                    row[f"tile_w{bits}_speedup"] = row["fp16_us"] / t
+                    row[f"tile_w{bits}_rows"] = kern.tile.rows_for(m)
                 if kern.gemv is not None and m <= 8:
                     t = row[f"gemv_w{bits}_us"] = time_us(lambda: kern.gemv(x))
                     row[f"gemv_w{bits}_tbps"] = nbytes / (t * 1e-6) / 1e12
@@ -383,6 +392,10 @@ def main(argv=None) -> int:
 def run_sweeps(args, extra: list) -> int:
     if args.gemv_sweep:
         run_gemv_sweep(args, time_us, random_gptq)
+    if args.tile_sweep:
+        from bench.kernels_tile import run_tile_sweep
+
+        run_tile_sweep(args, time_us, random_gptq)
     if args.dense_sweep:
         from bench.kernels_dense import run_dense_sweep
 
@@ -401,7 +414,8 @@ def _line(r: dict) -> str:
 
     return (f"{r['shape']:>11} m={r['batch']:<5} fp16 {r['fp16_us']:7.1f}  gemv w4 {us('gemv_w4_us')} "
             f"w8 {us('gemv_w8_us')}  triton w4 {us('triton_w4_us')} w8 {us('triton_w8_us')}  "
-            f"cuda w4 {us('w4_us')} w8 {us('w8_us')}  pick {r['pick_w4']}/{r['pick_w8']}")
+            f"tile w4 {us('tile_w4_us')} w8 {us('tile_w8_us')}  cuda w4 {us('w4_us')} w8 {us('w8_us')}  "
+            f"pick {r['pick_w4']}/{r['pick_w8']}")
 
 
 def _table(rows: list) -> str:
@@ -411,7 +425,9 @@ def _table(rows: list) -> str:
             ("GEMV W8 µs", "gemv_w8_us", "{:.1f}"), ("×fp16", "gemv_w8_speedup", "{:.2f}"),
             ("W8 TB/s", "gemv_w8_tbps", "{:.2f}"), ("Triton W4 µs", "triton_w4_us", "{:.1f}"),
             ("×fp16", "triton_w4_speedup", "{:.2f}"), ("Triton W8 µs", "triton_w8_us", "{:.1f}"),
-            ("×fp16", "triton_w8_speedup", "{:.2f}"), ("pick W4/W8", "picks", "{}"),
+            ("×fp16", "triton_w8_speedup", "{:.2f}"), ("Tile W4 µs", "tile_w4_us", "{:.1f}"),
+            ("×fp16", "tile_w4_speedup", "{:.2f}"), ("Tile W8 µs", "tile_w8_us", "{:.1f}"),
+            ("×fp16", "tile_w8_speedup", "{:.2f}"), ("pick W4/W8", "picks", "{}"),
             ("CUDA W4 µs", "w4_us", "{:.1f}"), ("CUDA W8 µs", "w8_us", "{:.1f}"),
             ("tinygemm µs", "tinygemm_us", "{:.1f}"), ("bnb nf4 µs", "bnb_nf4_us", "{:.1f}"),
             ("bnb int8 µs", "bnb_int8_us", "{:.1f}")]
@@ -419,10 +435,11 @@ def _table(rows: list) -> str:
     for r in rows:
         r = {**r, "picks": f"{r['pick_w4']}/{r['pick_w8']}"}
         lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "n/a" for _, key, fmt in cols) + " |")
-    best = [min(r.get("gemv_w4_us", 1e9), r["triton_w4_us"]) for r in rows]
+    best = [min(r.get("gemv_w4_us", 1e9), r.get("tile_w4_us", 1e9), r["triton_w4_us"]) for r in rows]
     if rows:
         w4 = [r["fp16_us"] / b for r, b in zip(rows, best)]
-        lines.append(f"\nW4A16 (faster of GEMV and Triton) over fp16: min {min(w4):.2f}x, median {statistics.median(w4):.2f}x")
+        lines.append(f"\nW4A16 (fastest of GEMV, tile and Triton) over fp16: min {min(w4):.2f}x, "
+                     f"median {statistics.median(w4):.2f}x")
     return "\n".join(lines)
 
 

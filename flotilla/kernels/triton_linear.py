@@ -14,6 +14,9 @@ Paths, chosen per call from the number of rows M (`config_for`):
   * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K (`choose_config`): for
               decode batches this is the split-K GEMV (16-row tile, split until every SM streams
               weights), for medium batches a tiled GEMM;
+  * "tile"  — on Hopper (sm_90) where nvcc built it, fp16, from TILE_MIN_ROWS rows: the CUDA tile GEMM
+              (kernels/cuda/tile.py: the weight dequantized in registers into wgmma's A operand), reading
+              this object's own layout tensors; block_m is its block height;
   * "dense" — dequantize to a dense weight, then cuBLAS (torch.nn.functional.linear), large M; where
               the weight is wide enough (`dense_chunk`), chunk by chunk of out-features, each chunk's
               dequantization on a side stream beside the previous chunk's GEMM (`dense_chunked`).
@@ -34,6 +37,7 @@ import torch
 
 from .cuda.gemv import MAX_ROWS as GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
+from .cuda.tile import tile_for
 from .fused import silu_mul
 from .gptq import GPTQWeight
 from .triton_layout import TritonLayout, UnsupportedLayout, repack
@@ -41,7 +45,7 @@ from .triton_layout import TritonLayout, UnsupportedLayout, repack
 
 @dataclass(frozen=True)
 class GemmConfig:
-    kind: str  # "dot" | "dense" | "gemv" (block_m: rows a block computes, block_n: columns, num_warps,
+    kind: str  # "dot" | "dense" | "gemv" | "tile" (block_m: rows a block computes, block_n: columns, num_warps,
     # num_stages: the tensor-core plan's ring depth, 0 its register double buffer)
     block_m: int = 16
     block_n: int = 128
@@ -64,6 +68,10 @@ def dense_min_rows(layout: TritonLayout) -> int:
     """From how many rows dequantize + cuBLAS beats the Triton tile kernel on this weight."""
     small = layout.in_features * layout.out_features <= DENSE_SMALL_WEIGHT
     return DENSE_MIN_ROWS_SMALL if small else DENSE_MIN_ROWS
+
+
+# From this many rows the CUDA tile GEMM (where it serves) replaces the Triton tiles and dequantize + cuBLAS.
+TILE_MIN_ROWS = 128
 
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
@@ -176,15 +184,18 @@ class TritonLayoutKernel:
                         if device.type == "cuda" else 4)
         self._counters = torch.zeros(4096, dtype=torch.int32, device=device)
         self._configs: dict[int, GemmConfig] = {}
-        self.gemv = None
+        self.gemv = self.tile = None
         if device.type == "cuda":
             self.gemv = gemv_for(layout, dtype)  # None: no nvcc, or a layout it does not read
+            self.tile = tile_for(layout, dtype)  # None: not Hopper, no nvcc, or a layout it does not read
 
     def config_for(self, m: int) -> GemmConfig:
         cfg = self._configs.get(m)
         if cfg is None:
             if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
                 cfg = gemv_config(self.gemv.plan_for(m))
+            elif self.tile is not None and m >= TILE_MIN_ROWS:
+                cfg = GemmConfig("tile", block_m=self.tile.rows_for(m), block_n=128)
             else:
                 cfg = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
             self._configs[m] = cfg
@@ -228,6 +239,12 @@ class TritonLayoutKernel:
             if self.gemv is None:
                 raise ValueError("the CUDA GEMV is not available for this weight (see the log)")
             y = self.gemv(x2, bias, out, _gemv_plan(cfg))
+            if out is not None:
+                return y
+        elif cfg.kind == "tile":
+            if self.tile is None:
+                raise ValueError("the CUDA tile GEMM is not available for this weight (see the log)")
+            y = self.tile(x2, bias, out, rows=cfg.block_m)
             if out is not None:
                 return y
         elif cfg.kind == "dense":

@@ -1,7 +1,8 @@
 """Compile the CUDA kernels once (just in time) and cache the shared libraries on disk.
 
-Two libraries, each built only when first needed: WQA16 (csrc/api.cu: the Marlin-style kernels of
-kernel.py) and GEMV (csrc/gemv_api.cu: the small-batch GEMV over the Triton layout, gemv.py). The
+Three libraries, each built only when first needed: WQA16 (csrc/api.cu: the Marlin-style kernels of
+kernel.py), GEMV (csrc/gemv_api.cu: the small-batch GEMV over the Triton layout, gemv.py) and TILE
+(csrc/tile_api.cu: the Hopper tile GEMM over the same layout for larger batches, tile.py; sm_90 only). The
 sources ship as package data (csrc/). The first process that needs one on a GPU compiles it with
 nvcc for that GPU's architecture, saying so on stderr; later processes load the cached library. The library has a plain C interface (csrc/api.cu) and links the CUDA runtime
 statically, so it does not depend on torch's C++ ABI: flotilla loads it with ctypes and passes
@@ -50,6 +51,8 @@ WQA16 = Library("flotilla_cuda", ("api.cu", "instance_f16_w4.cu", "instance_f16_
 GEMV = Library("flotilla_gemv", ("gemv_api.cu", "gemv_f16_w4.cu", "gemv_f16_w8.cu", "gemv_bf16_w4.cu",
                                  "gemv_bf16_w8.cu"), ("gemv.cuh", "gemv_mma.cuh", "gemv_instances.cuh"),
                "small batches use the Triton kernel")
+TILE = Library("flotilla_tile", ("tile_api.cu", "tile_w4.cu", "tile_w8.cu"), ("tile.cuh", "gemv.cuh"),
+               "medium and large batches use the Triton tiles and dequantize + cuBLAS")
 
 _loaded: dict[tuple[str, str], ctypes.CDLL] = {}
 _failed: dict[tuple[str, str], str] = {}

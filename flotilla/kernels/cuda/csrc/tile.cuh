@@ -1,0 +1,316 @@
+// The tile GEMM for medium and large batches over the Triton layout (flotilla/kernels/triton_layout.py)
+// on Hopper (sm_90a): y[m, n] = sum_k x[m, k] * W[k, n] (+ bias), the weight read in place (no second
+// copy), dequantized in registers straight into the A operand of wgmma, fp32 accumulators.
+//
+// Orientation: the product is computed transposed, y^T = W^T x^T, so that the dequantized weight is
+// wgmma's A operand (64 out-features a warpgroup, from registers: no shared-memory round trip) and a
+// tile of x is its B operand (NR batch rows, from shared memory through a matrix descriptor).
+//
+// A block: two warpgroups (256 threads), 128 out-features (64 each) x NR batch rows (64, 128, 256:
+// wgmma's N). The input axis streams in stages of 64 rows: one run t of one layout block b (R = 32
+// words a column, P = 16 / bits runs a block: stage s = b * P + t, input rows 64 s .. 64 s + 63).
+//   * x: a cp.async ring of NS stages (NR rows x 128 bytes each, the 128-byte swizzle wgmma's
+//     descriptor reads), filled NS - 2 stages ahead; rows past M and input rows past K zero-filled
+//     (the layout's padding codes dequantize to -z * s, so x must be zero there).
+//   * weights: lane (g, c) of warp w holds words c + 4i (i = 0..7) of its two columns (64 wg + 16 w
+//     + g and + 8) for the whole block, the next block's loaded one block ahead; the k16 step j of
+//     run t takes words 8j + c (rows 2c, 2c + 1 of the step) and 8j + 4 + c (rows 2c + 8, 2c + 9),
+//     which is exactly the A fragment's order (gemv.cuh PairF16 decodes a pair, times the scale).
+//   * scales (and uint8 zeros) of stage s + 1 loaded at stage s (a stage lies in one group: the group
+//     size is a multiple of 64).
+// Per k16 step: wait until at most one wgmma is in flight (the registers of the one before it are
+// free), decode the next A fragment, fence, issue. A ring slot is refilled only after every wgmma
+// that read it completed (2 stages back: each thread waited for it before the stage's barrier).
+// Epilogue: the accumulators (+ bias) through shared memory into 16-byte coalesced stores.
+#pragma once
+#include "gemv.cuh"
+
+namespace flotilla::tile {
+
+using gemv::PairF16;
+using gemv::as_h2;
+using gemv::h2_bits;
+using gemv::static_for;
+using gemv::zz_even_of;
+using gemv::zz_odd_of;
+
+struct TileParams {
+  const half* x;            // [M, K] row stride lda; 16-byte aligned rows (lda % 8 == 0), K % 8 == 0
+  const uint32_t* words;    // [N, KW] (R = 32 words a column a block)
+  const uint16_t* scales;   // [G, N] fp16
+  const uint8_t* zeros;     // [G, N] uint8, or null (zero_const for all)
+  const half* bias;         // [N], or null
+  half* y;                  // [M, N] row stride ldy; 16-byte aligned rows (ldy % 8 == 0), N % 8 == 0
+  int M, N, K, KW, lda, ldy;
+  int stages_per_group;     // group size / 64
+  int zero_const;
+  int m_tiles;              // ceil(M / NR): the grid is m_tiles x ceil(N / 128), batch rows fastest
+};
+
+constexpr int WG = 2, THREADS = 128 * WG, BN = 64 * WG;  // warpgroups, threads, out-features a block
+constexpr int Y_STRIDE = BN + 8;                          // halves a row of the epilogue's tile
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// the compiler must neither read nor move an accumulator across this point
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// the threads' cp.async writes to shared memory made visible to the async proxy (wgmma's reads)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// 16 bytes global -> shared, the first `bytes` of them read (the rest zero-filled)
+__device__ __forceinline__ void cp_async16_zfill(uint32_t smem, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart
+// (the leading-dimension offset is unused in this mode: 1)
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+// D[64 x 64] += A[64 x 16] (registers, fp16) * B[16 x 64] (shared memory, fp16), fp32 accumulators
+__device__ __forceinline__ void wgmma_f16_n64(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 128] += A[64 x 16] (registers, fp16) * B[16 x 128] (shared memory, fp16), fp32 accumulators
+__device__ __forceinline__ void wgmma_f16_n128(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 256] += A[64 x 16] (registers, fp16) * B[16 x 256] (shared memory, fp16), fp32 accumulators
+__device__ __forceinline__ void wgmma_f16_n256(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <int NR>
+__device__ __forceinline__ void wgmma_f16(float* d, const uint32_t* a, uint64_t desc) {
+  if constexpr (NR == 64) wgmma_f16_n64(d, a, desc);
+  else if constexpr (NR == 128) wgmma_f16_n128(d, a, desc);
+  else wgmma_f16_n256(d, a, desc);
+}
+
+// run T's pair of word w as fp16 (q - z) * s, rows (2r, 2r + 1) in the low / high half
+template <int BITS, int T>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t w, uint32_t zze, uint32_t zzo, uint32_t s2) {
+  return h2_bits(__hmul2(PairF16<BITS>::template get<T>(w, w >> 8, zze, zzo), as_h2(s2)));
+}
+
+// one stage's group entries for this thread's two columns: scale (low 16 bits) and zero
+struct GroupAt {
+  uint32_t s[2], z[2];
+};
+
+__device__ __forceinline__ GroupAt load_group(const TileParams& p, int stage, int col_a, int col_b) {
+  GroupAt g;
+  const size_t off = static_cast<size_t>(stage / p.stages_per_group) * p.N;
+  g.s[0] = __ldg(p.scales + off + col_a);
+  g.s[1] = __ldg(p.scales + off + col_b);
+  if (p.zeros != nullptr) {
+    g.z[0] = __ldg(p.zeros + off + col_a);
+    g.z[1] = __ldg(p.zeros + off + col_b);
+  } else {
+    g.z[0] = g.z[1] = static_cast<uint32_t>(p.zero_const);
+  }
+  return g;
+}
+
+// NR: batch rows a block (wgmma's N); NS: stages of the x ring (filled NS - 2 ahead)
+template <int BITS, int NR, int NS>
+__global__ void __launch_bounds__(THREADS, 1) tile_kernel(const TileParams p) {
+  constexpr int P = 16 / BITS, R = 32, STAGE = NR * 128, AHEAD = NS - 2, ACC = NR / 2;
+  static_assert(AHEAD >= 1 && NR * 8 % THREADS == 0, "a ring of at least 3 stages, whole 16-byte copies a thread");
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t ring = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int m0 = (blockIdx.x % p.m_tiles) * NR, n0 = (blockIdx.x / p.m_tiles) * BN;
+  const int nl = 16 * warp + g;  // the thread's first column within the block (the second is nl + 8)
+  const int col_a = min(n0 + nl, p.N - 1), col_b = min(n0 + nl + 8, p.N - 1);  // clamped for loads
+  const uint32_t* wa = p.words + static_cast<size_t>(col_a) * p.KW + c;
+  const uint32_t* wb = p.words + static_cast<size_t>(col_b) * p.KW + c;
+  const int nblocks = p.KW / R, nstages = nblocks * P;
+
+  auto issue_stage = [&](int s) {
+    if (s < nstages) {
+      const uint32_t slot = ring + (s % NS) * STAGE;
+#pragma unroll
+      for (int i = 0; i < NR * 8 / THREADS; i++) {
+        const int idx = tid + i * THREADS, row = idx >> 3, ch = idx & 7;
+        const int m = m0 + row, k = 64 * s + 8 * ch;
+        const bool ok = m < p.M && k < p.K;
+        const half* src = p.x + (ok ? static_cast<size_t>(m) * p.lda + k : 0);
+        cp_async16_zfill(slot + row * 128 + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+      }
+    }
+    cp_async_commit();  // every thread commits one group a stage, empty or not: uniform counting
+  };
+
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; i++) acc[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < AHEAD; s++) issue_stage(s);
+  uint32_t wnext[2][8];
+#pragma unroll
+  for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + 4 * i), wnext[1][i] = __ldg(wb + 4 * i);
+  GroupAt gnext = load_group(p, 0, col_a, col_b);
+
+  for (int b = 0; b < nblocks; b++) {
+    uint32_t wcur[2][8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) wcur[0][i] = wnext[0][i], wcur[1][i] = wnext[1][i];
+    if (b + 1 < nblocks) {
+      const size_t off = static_cast<size_t>(b + 1) * R;
+#pragma unroll
+      for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + off + 4 * i), wnext[1][i] = __ldg(wb + off + 4 * i);
+    }
+    static_for<P>([&](auto tc) {
+      constexpr int t = decltype(tc)::value;
+      const int s = b * P + t;
+      const GroupAt gcur = gnext;
+      if (s + 1 < nstages) gnext = load_group(p, s + 1, col_a, col_b);
+      uint32_t zze[2], zzo[2], s2[2];
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        zze[h] = zz_even_of(gcur.z[h] * 0x00010001u);
+        zzo[h] = zz_odd_of(gcur.z[h] * 0x00010001u);
+        s2[h] = gcur.s[h] * 0x00010001u;
+      }
+      cp_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed
+      fence_proxy_async();
+      __syncthreads();  // everyone's have; and every wgmma of stage s - 2 completed (waited below)
+      issue_stage(s + AHEAD);  // into stage s - 2's slot
+      const uint32_t slot = ring + (s % NS) * STAGE;
+      static_for<4>([&](auto jc) {
+        constexpr int j = decltype(jc)::value;
+        uint32_t a[4];
+        wgmma_wait<1>();  // at most the previous step's wgmma in flight: the one before it has read its A
+        a[0] = decode_pair<BITS, t>(wcur[0][2 * j], zze[0], zzo[0], s2[0]);
+        a[1] = decode_pair<BITS, t>(wcur[1][2 * j], zze[1], zzo[1], s2[1]);
+        a[2] = decode_pair<BITS, t>(wcur[0][2 * j + 1], zze[0], zzo[0], s2[0]);
+        a[3] = decode_pair<BITS, t>(wcur[1][2 * j + 1], zze[1], zzo[1], s2[1]);
+        wgmma_fence();
+        wgmma_f16<NR>(acc, a, desc_sw128(slot + 32 * j));
+        wgmma_commit();
+      });
+    });
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < ACC; i++) fence_operand(acc[i]);
+
+  // epilogue: + bias, to fp16, through shared memory (the ring, now free) into coalesced rows of y
+  cp_async_wait<0>();
+  __syncthreads();
+  half* ys = reinterpret_cast<half*>(smem_raw + (ring - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))));
+  float bias[2] = {0.f, 0.f};
+  if (p.bias != nullptr) bias[0] = __half2float(p.bias[col_a]), bias[1] = __half2float(p.bias[col_b]);
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    const int row = 8 * (i / 4) + 2 * c + (i & 1), h = (i >> 1) & 1;
+    ys[row * Y_STRIDE + nl + 8 * h] = __float2half_rn(acc[i] + bias[h]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NR * (BN / 8) / THREADS; i++) {
+    const int idx = tid + i * THREADS, row = idx / (BN / 8), ch = idx % (BN / 8);
+    const int m = m0 + row, n = n0 + 8 * ch;
+    if (m < p.M && n < p.N)
+      *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(m) * p.ldy + n) =
+          *reinterpret_cast<const uint4*>(ys + row * Y_STRIDE + 8 * ch);
+  }
+}
+
+// shared memory a block: the ring, 1024 bytes of alignment slack (the epilogue's tile fits the ring)
+template <int NR, int NS>
+constexpr int tile_smem_bytes() {
+  static_assert(NR * Y_STRIDE * 2 <= NS * NR * 128, "the epilogue's tile fits in the ring");
+  return NS * NR * 128 + 1024;
+}
+
+template <int BITS, int NR, int NS>
+cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
+  constexpr int smem = tile_smem_bytes<NR, NS>();
+  static bool configured = false;  // the opt-in to more than 48 KB of dynamic shared memory, once
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  const int n_tiles = (p.N + BN - 1) / BN;
+  tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles, THREADS, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// the instances: NR batch rows a block with its ring depth
+#define FLOTILLA_TILE_INSTANTIATE(BITS)                                                              \
+  template cudaError_t tile_launch<BITS, 64, 6>(const TileParams&, cudaStream_t);                   \
+  template cudaError_t tile_launch<BITS, 128, 5>(const TileParams&, cudaStream_t);                  \
+  template cudaError_t tile_launch<BITS, 256, 5>(const TileParams&, cudaStream_t);
+#define FLOTILLA_TILE_DECLARE(BITS)                                                                  \
+  extern template cudaError_t tile_launch<BITS, 64, 6>(const TileParams&, cudaStream_t);            \
+  extern template cudaError_t tile_launch<BITS, 128, 5>(const TileParams&, cudaStream_t);           \
+  extern template cudaError_t tile_launch<BITS, 256, 5>(const TileParams&, cudaStream_t);
+
+}  // namespace flotilla::tile

@@ -1,0 +1,192 @@
+"""The tile GEMM for medium and large batches over the Triton layout on Hopper (csrc/tile.cuh): no second copy.
+
+    tile = tile_for(layout, torch.float16)     # None where it does not serve (not sm_90, no nvcc, the layout)
+    y = tile(x2, bias)                          # x2 [M, in] -> y [M, out]
+    y = tile(x2, bias, rows=128)                # a given block height (64, 128, 256 batch rows)
+
+It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or a zero constant, perm)
+and is one of that kernel's paths (triton_linear.choose_config picks it over the Triton tiles and
+dequantize + cuBLAS where it measured faster). The weight is dequantized in registers straight into
+the A operand of Hopper's asynchronous warpgroup MMA (wgmma), the batch rows of x are its B operand
+from a swizzled shared-memory ring: y^T = W^T x^T, fp32 accumulators, the scales applied to the
+weights as the reference dequantization rounds them.
+
+Served: sm_90 (H100, H200), fp16 activations, 4 and 8 bits, blocks of 32 words a column (the GPTQ
+group-64-and-longer layouts), zeros constant or uint8 (below 64 at 4 bits), act-order (x gathered
+once per call), in and out features multiples of 8. Not served (the other paths run): bf16, the GGUF
+forms' float offsets, group 32 and shorter, other GPUs (wgmma is Hopper's).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from ..triton_layout import TritonLayout
+from . import build
+
+log = logging.getLogger(__name__)
+
+BLOCK_ROWS = (64, 128, 256)  # batch rows a block (wgmma's N); the instances of csrc/tile_api.cu
+BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
+CAPABILITY = (9, 0)
+# the smallest block height whose grid still fills this share of the SMs (else the smallest height)
+FILL = 0.8
+
+
+class TileUnsupported(ValueError):
+    """The layout, dtype or GPU is one the tile GEMM does not serve; the other paths do."""
+
+
+class _Params(ctypes.Structure):  # tile.cuh TileParams
+    _fields_ = [("x", ctypes.c_void_p), ("words", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("M", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("KW", ctypes.c_int),
+                ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("stages_per_group", ctypes.c_int),
+                ("zero_const", ctypes.c_int), ("m_tiles", ctypes.c_int)]
+
+
+def check_layout(layout: TritonLayout, dtype: torch.dtype) -> None:
+    """Raise TileUnsupported saying why the kernel cannot read this layout (device aside)."""
+    if dtype != torch.float16:
+        raise TileUnsupported(f"activations in {dtype} (the tile GEMM computes in float16)")
+    if layout.bits not in (4, 8):
+        raise TileUnsupported(f"{layout.bits}-bit codes")
+    if layout.rows_per_field != 32:
+        raise TileUnsupported(f"{layout.rows_per_field} words a column a block (it reads blocks of 32)")
+    if layout.offsets is not None:
+        raise TileUnsupported("float offsets (the GGUF forms)")
+    if layout.group_size % 64:
+        raise TileUnsupported(f"group size {layout.group_size} is not a multiple of 64 rows")
+    if layout.scales.dtype != torch.float16:
+        raise TileUnsupported(f"scales in {layout.scales.dtype}")
+    if layout.scales.shape[0] * layout.group_size < layout.k_padded:
+        raise TileUnsupported(f"{layout.scales.shape[0]} group rows do not cover {layout.k_padded} input rows")
+    if layout.out_features % 8 or layout.in_features % 8:
+        raise TileUnsupported(f"{layout.in_features}x{layout.out_features}: both must be multiples of 8")
+    zmax = layout.zero_const if layout.zeros is None else int(layout.zeros.max().item())
+    if layout.bits == 4 and not 0 <= zmax < 64:
+        raise TileUnsupported(f"zero point {zmax} (the 4-bit decode takes 0..63)")
+    for name, t in (("words", layout.words), ("scales", layout.scales), ("zeros", layout.zeros)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+            raise TileUnsupported(f"{name} not contiguous and 16-byte aligned")
+
+
+def block_rows(m: int, n: int, num_sms: int) -> int:
+    """The block height for M rows of an N-wide weight: the tallest, up to M rounded up to 64, whose grid
+    fills FILL of the SMs (a taller block reads each weight tile fewer times and issues larger MMAs),
+    else the shortest."""
+    cols = -(-n // BLOCK_COLS)
+    for rows in reversed(BLOCK_ROWS):
+        if rows <= -(-m // 64) * 64 and -(-m // rows) * cols >= FILL * num_sms:
+            return rows
+    return BLOCK_ROWS[0]
+
+
+class _Library:
+    """The ctypes view of the compiled tile GEMM (csrc/tile_api.cu)."""
+
+    def __init__(self, cdll: ctypes.CDLL):
+        self.cdll = cdll
+        cdll.flotilla_tile.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        cdll.flotilla_tile.restype = ctypes.c_int
+        cdll.flotilla_tile_error_string.argtypes = [ctypes.c_int]
+        cdll.flotilla_tile_error_string.restype = ctypes.c_char_p
+        size = cdll.flotilla_tile_param_size()
+        if size != ctypes.sizeof(_Params):
+            raise TileUnsupported(f"the library's TileParams is {size} bytes, ctypes has {ctypes.sizeof(_Params)}")
+
+    def call(self, params: _Params, bits: int, rows: int, stream) -> None:
+        rc = self.cdll.flotilla_tile(ctypes.byref(params), bits, rows, stream)
+        if rc != 0:
+            raise RuntimeError(f"flotilla tile GEMM launch failed ({bits} bits, {rows} rows a block): "
+                               f"{self.cdll.flotilla_tile_error_string(rc).decode()}")
+
+
+_libraries: dict[tuple[int, int], _Library | None] = {}
+
+
+def library(device: torch.device) -> _Library | None:
+    """The compiled tile GEMM for this GPU, or None (not sm_90, no nvcc, a failed build)."""
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if cap != CAPABILITY:
+        return None
+    if cap not in _libraries:
+        cdll = build.load(cap, build.TILE)
+        _libraries[cap] = _Library(cdll) if cdll is not None else None
+    return _libraries[cap]
+
+
+class TileKernel:
+    """y = x @ W for M rows of x over one Triton layout, on a Hopper GPU."""
+
+    name = "tile"
+
+    def __init__(self, layout: TritonLayout, dtype: torch.dtype, lib: _Library):
+        check_layout(layout, dtype)
+        self.layout, self.dtype, self.lib = layout, dtype, lib
+        self.num_sms = torch.cuda.get_device_properties(layout.words.device).multi_processor_count
+
+    def rows_for(self, m: int) -> int:
+        return block_rows(m, self.layout.out_features, self.num_sms)
+
+    def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 rows: int | None = None) -> torch.Tensor:
+        """x2 [M, in] -> [M, out] in float16, written into `out` (a [M, out] view with unit column stride)
+        when given; `rows`: the block height (default `rows_for(M)`)."""
+        lay = self.layout
+        m, k = x2.shape
+        if k != lay.in_features or x2.dtype != self.dtype:
+            raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
+        rows = rows or self.rows_for(m)
+        if rows not in BLOCK_ROWS:
+            raise ValueError(f"block height {rows}: one of {BLOCK_ROWS}")
+        n = lay.out_features
+        if out is None:
+            out = torch.empty((m, n), dtype=self.dtype, device=x2.device)
+        elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != self.dtype:
+            raise ValueError(f"out must be a [{m}, {n}] {self.dtype} view with unit column stride, "
+                             f"not {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+        if m == 0:
+            return out
+        target = out
+        if out.stride(0) % 8 or out.data_ptr() % 16:  # the kernel stores 16-byte rows
+            target = torch.empty((m, n), dtype=self.dtype, device=x2.device)
+        if lay.perm is not None:
+            x2 = x2.index_select(1, lay.perm)
+        if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+            x2 = x2.contiguous() if x2.stride(1) != 1 else x2.clone()
+        if bias is not None:
+            bias = bias.to(self.dtype).contiguous()
+        p = _Params(x=x2.data_ptr(), words=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
+                    zeros=None if lay.zeros is None else lay.zeros.data_ptr(),
+                    bias=None if bias is None else bias.data_ptr(), y=target.data_ptr(), M=m, N=n, K=k,
+                    KW=lay.words.shape[1], lda=x2.stride(0), ldy=target.stride(0),
+                    stages_per_group=lay.group_size // 64, zero_const=lay.zero_const, m_tiles=-(-m // rows))
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
+        self.lib.call(p, lay.bits, rows, stream)
+        if target is not out:
+            out.copy_(target)
+        return out
+
+
+_reported: set[str] = set()
+
+
+def tile_for(layout: TritonLayout, dtype: torch.dtype) -> TileKernel | None:
+    """The tile GEMM over this layout, or None (the other paths serve; the reason logged once)."""
+    if layout.words.device.type != "cuda":
+        return None
+    try:
+        check_layout(layout, dtype)
+        lib = library(layout.words.device)
+        if lib is None:
+            return None  # not Hopper, or build.load printed the reason once
+        return TileKernel(layout, dtype, lib)
+    except TileUnsupported as e:
+        if str(e) not in _reported:
+            _reported.add(str(e))
+            log.info("CUDA tile GEMM not used for a %dx%d %d-bit layout (%s)", layout.in_features,
+                     layout.out_features, layout.bits, e)
+        return None

@@ -1,0 +1,164 @@
+"""The tile GEMM over the Triton layout on Hopper (flotilla/kernels/cuda/tile.py, csrc/tile.cuh).
+
+On any machine: which layouts it reads and which it leaves to the other paths, the block-height rule,
+and (where nvcc is installed) that the library builds for sm_90a with no register spills and no
+serialized wgmma, exports its C functions, and agrees with the ctypes view of its parameters.
+With a Hopper GPU: the kernel against `kernels/reference` (short last groups and padded input,
+asymmetric zeros, act-order, one group, 4 and 8 bits, every block height, batches that are not a
+multiple of it, out-features that are not a multiple of 128, bias, a column slice as `out`,
+NaN-poisoned outputs, CUDA-graph replays), and the registry's pick from TILE_MIN_ROWS rows.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+
+import pytest
+import torch
+from test_cuda_kernels import weight
+
+from flotilla.kernels.cuda import build, tile
+from flotilla.kernels.reference import dequantize
+from flotilla.kernels.triton_layout import repack
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+needs_hopper = pytest.mark.skipif(not hopper, reason="needs a Hopper (sm_90) GPU: wgmma")
+
+CASES = [  # k, n, bits, group, sym, act_order
+    (1024, 256, 4, 128, True, False),  # 4 blocks of 256 rows, 2 groups a block
+    (520, 200, 4, 128, False, False),  # short last group, padded input (K = 520 of 768), N not a multiple of 128
+    (768, 136, 4, 64, False, True),  # group 64 (a group a stage), act-order, asymmetric
+    (512, 128, 4, -1, True, True),  # one group, act-order
+    (640, 72, 8, 128, False, False),  # 8 bits: blocks of 128 rows, asymmetric, N < 128
+    (1024, 384, 8, 64, True, False),  # 8 bits, group 64
+]
+
+
+def test_layouts_it_reads_and_those_it_leaves():
+    ok = repack(weight(512, 128, 4, 128, True, False))
+    tile.check_layout(ok, torch.float16)
+    tile.check_layout(repack(weight(512, 128, 8, 128, False, True)), torch.float16)
+    with pytest.raises(tile.TileUnsupported, match="bfloat16"):
+        tile.check_layout(ok, torch.bfloat16)
+    with pytest.raises(tile.TileUnsupported, match="words a column a block"):
+        tile.check_layout(repack(weight(512, 128, 4, 32, True, False)), torch.float16)  # group 32: R = 16
+    with pytest.raises(tile.TileUnsupported, match="multiples of 8"):
+        tile.check_layout(repack(weight(512, 100, 8, 128, True, False)), torch.float16)
+    with pytest.raises(tile.TileUnsupported, match="multiples of 8"):
+        tile.check_layout(repack(weight(516, 128, 8, -1, True, False)), torch.float16)
+
+
+def test_block_rows_fill_the_gpu_with_the_tallest_blocks():
+    sms = 132
+    assert tile.block_rows(256, 4096, sms) == 64  # 32 column tiles: 4 x 32 = 128 blocks of 64 rows
+    assert tile.block_rows(256, 28672, sms) == 256  # 224 column tiles fill it already
+    assert tile.block_rows(2048, 4096, sms) == 256  # 8 x 32 = 256 blocks
+    assert tile.block_rows(128, 14336, sms) == 128  # 112 column tiles: 256 rows would be one tall block
+    assert tile.block_rows(64, 4096, sms) == 64  # nothing fills it: the shortest
+    for m in (1, 64, 100, 1000, 5000):
+        for n in (128, 4096, 28672):
+            assert tile.block_rows(m, n, sms) in tile.BLOCK_ROWS
+
+
+def test_no_tile_off_hopper_or_on_cpu():
+    lay = repack(weight(512, 128, 4, 128, True, False))
+    assert tile.tile_for(lay, torch.float16) is None  # a CPU layout
+    if torch.cuda.is_available() and not hopper:
+        assert tile.tile_for(repack(weight(512, 128, 4, 128, True, False).to("cuda")), torch.float16) is None
+
+
+nvcc = build.find_nvcc()
+
+
+@pytest.mark.skipif(nvcc is None, reason="nvcc is not installed")
+def test_library_builds_for_sm90a_without_spills_or_serialized_wgmma(tmp_path):
+    """Compile each source as the first use on an H100 / H200 would, with ptxas's report: no spills, no
+    wgmma serialization warning; then link and load it (no GPU needed) and check the parameter block."""
+    flags = [*build.FLAGS, *build.arch_flags((9, 0))]
+    for src in build.TILE.sources:
+        proc = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-c", str(build.CSRC / src), "-o",
+                               str(tmp_path / (src + ".o"))], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = proc.stderr
+        assert "wgmma" not in report.lower() or "serialized" not in report.lower(), report[-2000:]
+        spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", report)]
+        assert not any(spills), report[-2000:]
+    path = tmp_path / "flotilla_tile.so"
+    build.compile_library(nvcc, (9, 0), path, build.TILE)
+    cdll = ctypes.CDLL(str(path))
+    assert cdll.flotilla_tile_param_size() == ctypes.sizeof(tile._Params)
+    lib = tile._Library(cdll)  # the argument types and the size check
+    assert lib.cdll is cdll
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def poison(m: int, n: int) -> None:
+    """A NaN-filled block of the output's size in the caching allocator: an unwritten output shows NaN."""
+    torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference_at_every_block_height(case):
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=5).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    assert kern.tile is not None
+    w32 = dequantize(w, torch.float32)
+    for m in (1, 37, 64, 130, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        bias = torch.randn(n, device="cuda", dtype=torch.float16)
+        ref = x.float() @ w32 + bias.float()
+        for rows in tile.BLOCK_ROWS:
+            poison(m, n)
+            y = kern.tile(x, bias, rows=rows)
+            assert y.shape == (m, n) and bool(torch.isfinite(y).all()), (m, rows)
+            assert rel_err(y, ref) < 2e-3, (m, rows, rel_err(y, ref))
+        assert rel_err(kern.tile(x), x.float() @ w32) < 2e-3  # no bias, the default height
+
+
+@needs_hopper
+def test_column_slice_out_strided_x_and_graph_replays():
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    k, n, m = 1024, 256, 200
+    w = weight(k, n, 4, 128, False, False, seed=6).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    w32 = dequantize(w, torch.float32)
+    merged = torch.full((m, n + 72), float("nan"), device="cuda", dtype=torch.float16)
+    xs = torch.randn(m, k + 8, device="cuda", dtype=torch.float16)[:, 8:]  # rows 16-byte aligned, offset start
+    out = kern.tile(xs, None, merged[:, 40:40 + n], rows=128)
+    assert out.data_ptr() == merged[:, 40:].data_ptr()
+    assert rel_err(merged[:, 40:40 + n], xs.float() @ w32) < 2e-3
+    assert torch.isnan(merged[:, :40]).all() and torch.isnan(merged[:, 40 + n:]).all()
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    kern.tile(x)  # load and configure outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kern.tile(x)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, x.float() @ w32) < 2e-3
+
+
+@needs_hopper
+def test_registry_picks_the_tile_from_its_rows():
+    from flotilla.kernels.triton_linear import TILE_MIN_ROWS, TritonGPTQKernel
+
+    w = weight(1024, 512, 4, 128, True, False, seed=7).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    w32 = dequantize(w, torch.float32)
+    assert kern.config_for(TILE_MIN_ROWS).kind == "tile"
+    assert kern.config_for(TILE_MIN_ROWS - 1).kind != "tile"
+    for m in (TILE_MIN_ROWS - 1, TILE_MIN_ROWS, 3 * TILE_MIN_ROWS + 5):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
+        assert rel_err(kern(x), x.float() @ w32) < 2e-3

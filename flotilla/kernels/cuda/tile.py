@@ -164,8 +164,9 @@ class TileKernel:
                     bias=None if bias is None else bias.data_ptr(), y=target.data_ptr(), M=m, N=n, K=k,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=target.stride(0),
                     stages_per_group=lay.group_size // 64, zero_const=lay.zero_const, m_tiles=-(-m // rows))
-        stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
-        self.lib.call(p, lay.bits, rows, stream)
+        with torch.cuda.device(x2.device):  # the launch (and the shared-memory opt-in) on x's GPU
+            stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
+            self.lib.call(p, lay.bits, rows, stream)
         if target is not out:
             out.copy_(target)
         return out

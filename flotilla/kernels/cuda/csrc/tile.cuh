@@ -292,11 +292,17 @@ constexpr int tile_smem_bytes() {
 template <int BITS, int NR, int NS>
 cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   constexpr int smem = tile_smem_bytes<NR, NS>();
-  static bool configured = false;  // the opt-in to more than 48 KB of dynamic shared memory, once
-  if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // the opt-in to more than 48 KB of dynamic shared memory, once per device (an attribute of the device's
+  // context: pipeline stages on several GPUs of one process each need it)
+  static uint64_t configured = 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = 1ull << (device & 63);
+  if (!(__atomic_load_n(&configured, __ATOMIC_ACQUIRE) & bit)) {
+    e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    configured = true;
+    __atomic_fetch_or(&configured, bit, __ATOMIC_RELEASE);
   }
   const int n_tiles = (p.N + BN - 1) / BN;
   tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles, THREADS, smem, stream>>>(p);

@@ -161,9 +161,9 @@ struct GroupAt {
   uint32_t s[2], z[2];
 };
 
-__device__ __forceinline__ GroupAt load_group(const TileParams& p, int stage, int col_a, int col_b) {
+__device__ __forceinline__ GroupAt load_group(const TileParams& p, int group, int col_a, int col_b) {
   GroupAt g;
-  const size_t off = static_cast<size_t>(stage / p.stages_per_group) * p.N;
+  const size_t off = static_cast<size_t>(group) * p.N;
   g.s[0] = __ldg(p.scales + off + col_a);
   g.s[1] = __ldg(p.scales + off + col_b);
   if (p.zeros != nullptr) {
@@ -177,7 +177,7 @@ __device__ __forceinline__ GroupAt load_group(const TileParams& p, int stage, in
 
 // NR: batch rows a block (wgmma's N); NS: stages of the x ring (filled NS - 2 ahead)
 template <int BITS, int NR, int NS>
-__global__ void __launch_bounds__(THREADS, 1) tile_kernel(const TileParams p) {
+__global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const TileParams p) {
   constexpr int P = 16 / BITS, R = 32, STAGE = NR * 128, AHEAD = NS - 2, ACC = NR / 2;
   static_assert(AHEAD >= 1 && NR * 8 % THREADS == 0, "a ring of at least 3 stages, whole 16-byte copies a thread");
   extern __shared__ uint8_t smem_raw[];
@@ -191,16 +191,24 @@ __global__ void __launch_bounds__(THREADS, 1) tile_kernel(const TileParams p) {
   const uint32_t* wb = p.words + static_cast<size_t>(col_b) * p.KW + c;
   const int nblocks = p.KW / R, nstages = nblocks * P;
 
+  // this thread's share of a stage of x: 16-byte chunk ch of rows r0 + 32 i (the same chunk, so the same
+  // swizzled column, in every row it copies)
+  constexpr int COPIES = NR / 32;
+  const int ch = tid & 7, r0 = tid >> 3;
+  const uint32_t dst0 = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
+  const half* src0 = p.x + static_cast<size_t>(m0 + r0) * p.lda + 8 * ch;  // dereferenced only where in range
+  const size_t row_step = static_cast<size_t>(32) * p.lda;
+  uint32_t rows_ok = 0;
+#pragma unroll
+  for (int i = 0; i < COPIES; i++) rows_ok |= (m0 + r0 + 32 * i < p.M ? 1u : 0u) << i;
   auto issue_stage = [&](int s) {
     if (s < nstages) {
-      const uint32_t slot = ring + (s % NS) * STAGE;
+      const uint32_t slot = ring + (s % NS) * STAGE + dst0;
+      const bool k_ok = 64 * s + 8 * ch < p.K;
 #pragma unroll
-      for (int i = 0; i < NR * 8 / THREADS; i++) {
-        const int idx = tid + i * THREADS, row = idx >> 3, ch = idx & 7;
-        const int m = m0 + row, k = 64 * s + 8 * ch;
-        const bool ok = m < p.M && k < p.K;
-        const half* src = p.x + (ok ? static_cast<size_t>(m) * p.lda + k : 0);
-        cp_async16_zfill(slot + row * 128 + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+      for (int i = 0; i < COPIES; i++) {
+        const bool ok = k_ok && ((rows_ok >> i) & 1u);
+        cp_async16_zfill(slot + i * 32 * 128, ok ? src0 + i * row_step + 64 * s : p.x, ok ? 16 : 0);
       }
     }
     cp_async_commit();  // every thread commits one group a stage, empty or not: uniform counting
@@ -215,21 +223,16 @@ __global__ void __launch_bounds__(THREADS, 1) tile_kernel(const TileParams p) {
 #pragma unroll
   for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + 4 * i), wnext[1][i] = __ldg(wb + 4 * i);
   GroupAt gnext = load_group(p, 0, col_a, col_b);
+  int group_next = 0, group_left = p.stages_per_group;  // stage s + 1's group, and its stages from s + 1 on
 
   for (int b = 0; b < nblocks; b++) {
     uint32_t wcur[2][8];
 #pragma unroll
     for (int i = 0; i < 8; i++) wcur[0][i] = wnext[0][i], wcur[1][i] = wnext[1][i];
-    if (b + 1 < nblocks) {
-      const size_t off = static_cast<size_t>(b + 1) * R;
-#pragma unroll
-      for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + off + 4 * i), wnext[1][i] = __ldg(wb + off + 4 * i);
-    }
     static_for<P>([&](auto tc) {
       constexpr int t = decltype(tc)::value;
       const int s = b * P + t;
       const GroupAt gcur = gnext;
-      if (s + 1 < nstages) gnext = load_group(p, s + 1, col_a, col_b);
       uint32_t zze[2], zzo[2], s2[2];
 #pragma unroll
       for (int h = 0; h < 2; h++) {
@@ -241,6 +244,16 @@ __global__ void __launch_bounds__(THREADS, 1) tile_kernel(const TileParams p) {
       fence_proxy_async();
       __syncthreads();  // everyone's have; and every wgmma of stage s - 2 completed (waited below)
       issue_stage(s + AHEAD);  // into stage s - 2's slot
+      // the global loads for later stages go after the fence, which would otherwise wait for them
+      if (t == 0 && b + 1 < nblocks) {
+        const size_t off = static_cast<size_t>(b + 1) * R;
+#pragma unroll
+        for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + off + 4 * i), wnext[1][i] = __ldg(wb + off + 4 * i);
+      }
+      if (--group_left == 0) {  // stage s + 1 starts a group
+        group_left = p.stages_per_group;
+        if (s + 1 < nstages) gnext = load_group(p, ++group_next, col_a, col_b);
+      }
       const uint32_t slot = ring + (s % NS) * STAGE;
       static_for<4>([&](auto jc) {
         constexpr int j = decltype(jc)::value;

@@ -6,7 +6,7 @@ serialized wgmma, exports its C functions, and agrees with the ctypes view of it
 With a Hopper GPU: the kernel against `kernels/reference` (short last groups and padded input,
 asymmetric zeros, act-order, one group, 4 and 8 bits, every block height, batches that are not a
 multiple of it, out-features that are not a multiple of 128, bias, a column slice as `out`,
-NaN-poisoned outputs, CUDA-graph replays), and the registry's pick from TILE_MIN_ROWS rows.
+NaN-poisoned outputs, CUDA-graph replays), and where the registry picks it.
 """
 from __future__ import annotations
 
@@ -151,14 +151,17 @@ def test_column_slice_out_strided_x_and_graph_replays():
 
 
 @needs_hopper
-def test_registry_picks_the_tile_from_its_rows():
-    from flotilla.kernels.triton_linear import TILE_MIN_ROWS, TritonGPTQKernel
+def test_registry_picks_the_tile_where_it_serves():
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
 
-    w = weight(1024, 512, 4, 128, True, False, seed=7).to("cuda")
+    w = weight(512, 14336, 4, 128, True, False, seed=7).to("cuda")  # 112 column tiles: blocks of 256 rows fill an H100
     kern = TritonGPTQKernel(w, torch.float16)
     w32 = dequantize(w, torch.float32)
-    assert kern.config_for(TILE_MIN_ROWS).kind == "tile"
-    assert kern.config_for(TILE_MIN_ROWS - 1).kind != "tile"
-    for m in (TILE_MIN_ROWS - 1, TILE_MIN_ROWS, 3 * TILE_MIN_ROWS + 5):
-        x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
+    assert kern.config_for(tile.MIN_ROWS).kind == "tile" and kern.config_for(tile.MIN_ROWS).block_m == 256
+    assert kern.config_for(tile.MIN_ROWS - 1).kind != "tile"
+    assert kern.config_for(tile.MAX_ROWS + 1).kind != "tile"
+    for m in (tile.MIN_ROWS - 1, tile.MIN_ROWS, tile.MAX_ROWS, tile.MAX_ROWS + 1):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
         assert rel_err(kern(x), x.float() @ w32) < 2e-3
+    narrow = TritonGPTQKernel(weight(512, 1024, 4, 128, True, False, seed=8).to("cuda"), torch.float16)
+    assert narrow.config_for(tile.MIN_ROWS).kind != "tile"  # 8 column tiles: the tile GEMM measured slower

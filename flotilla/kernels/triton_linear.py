@@ -14,9 +14,9 @@ Paths, chosen per call from the number of rows M (`config_for`):
   * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K (`choose_config`): for
               decode batches this is the split-K GEMV (16-row tile, split until every SM streams
               weights), for medium batches a tiled GEMM;
-  * "tile"  — on Hopper (sm_90) where nvcc built it, fp16, from TILE_MIN_ROWS rows: the CUDA tile GEMM
-              (kernels/cuda/tile.py: the weight dequantized in registers into wgmma's A operand), reading
-              this object's own layout tensors; block_m is its block height;
+  * "tile"  — on Hopper (sm_90) where nvcc built it, fp16, where it measured faster (`TileKernel.serves`):
+              the CUDA tile GEMM (kernels/cuda/tile.py: the weight dequantized in registers into wgmma's A
+              operand), reading this object's own layout tensors; block_m is its block height;
   * "dense" — dequantize to a dense weight, then cuBLAS (torch.nn.functional.linear), large M; where
               the weight is wide enough (`dense_chunk`), chunk by chunk of out-features, each chunk's
               dequantization on a side stream beside the previous chunk's GEMM (`dense_chunked`).
@@ -68,10 +68,6 @@ def dense_min_rows(layout: TritonLayout) -> int:
     """From how many rows dequantize + cuBLAS beats the Triton tile kernel on this weight."""
     small = layout.in_features * layout.out_features <= DENSE_SMALL_WEIGHT
     return DENSE_MIN_ROWS_SMALL if small else DENSE_MIN_ROWS
-
-
-# From this many rows the CUDA tile GEMM (where it serves) replaces the Triton tiles and dequantize + cuBLAS.
-TILE_MIN_ROWS = 128
 
 
 def choose_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
@@ -194,7 +190,7 @@ class TritonLayoutKernel:
         if cfg is None:
             if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
                 cfg = gemv_config(self.gemv.plan_for(m))
-            elif self.tile is not None and m >= TILE_MIN_ROWS:
+            elif self.tile is not None and self.tile.serves(m):
                 cfg = GemmConfig("tile", block_m=self.tile.rows_for(m), block_n=128)
             else:
                 cfg = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)

@@ -102,6 +102,10 @@ class _Library:
         if size != ctypes.sizeof(_Params):
             raise TileUnsupported(f"the library's TileParams is {size} bytes, ctypes has {ctypes.sizeof(_Params)}")
 
+    def available(self) -> bool:
+        """Whether the driver can encode the tensor maps the kernel's copies read (needs a GPU driver)."""
+        return bool(self.cdll.flotilla_tile_available())
+
     def call(self, params: _Params, bits: int, rows: int, stream) -> None:
         rc = self.cdll.flotilla_tile(ctypes.byref(params), bits, rows, stream)
         if rc != 0:
@@ -119,7 +123,12 @@ def library(device: torch.device) -> _Library | None:
         return None
     if cap not in _libraries:
         cdll = build.load(cap, build.TILE)
-        _libraries[cap] = _Library(cdll) if cdll is not None else None
+        lib = _Library(cdll) if cdll is not None else None
+        if lib is not None and not lib.available():
+            log.warning("CUDA tile GEMM unavailable: the driver cannot encode tensor maps (cuTensorMapEncodeTiled); "
+                        "medium and large batches use the Triton tiles and dequantize + cuBLAS")
+            lib = None
+        _libraries[cap] = lib
     return _libraries[cap]
 
 

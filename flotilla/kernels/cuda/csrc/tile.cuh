@@ -9,9 +9,12 @@
 // A block: two warpgroups (256 threads), 128 out-features (64 each) x NR batch rows (64, 128, 256:
 // wgmma's N). The input axis streams in stages of 64 rows: one run t of one layout block b (R = 32
 // words a column, P = 16 / bits runs a block: stage s = b * P + t, input rows 64 s .. 64 s + 63).
-//   * x: a cp.async ring of NS stages (NR rows x 128 bytes each, the 128-byte swizzle wgmma's
-//     descriptor reads), filled NS - 2 stages ahead; rows past M and input rows past K zero-filled
-//     (the layout's padding codes dequantize to -z * s, so x must be zero there).
+//   * x: a ring of NS stages (NR rows x 128 bytes each, the 128-byte swizzle wgmma's descriptor
+//     reads) filled NS - 2 stages ahead by the tensor memory accelerator (one thread issues a box
+//     copy a stage, which completes on the stage's mbarrier; rows past M and input rows past K come
+//     zero-filled: the layout's padding codes dequantize to -z * s, so x must be zero there). The
+//     copies and wgmma's reads are both in the async proxy: no proxy fence, whose membar would wait
+//     for every load in flight (cp.async copies, as in device run 1, measured that wait).
 //   * weights: lane (g, c) of warp w holds words c + 4i (i = 0..7) of its two columns (64 wg + 16 w
 //     + g and + 8) for the whole block, the next block's loaded one block ahead; the k16 step j of
 //     run t takes words 8j + c (rows 2c, 2c + 1 of the step) and 8j + 4 + c (rows 2c + 8, 2c + 9),
@@ -21,8 +24,13 @@
 // Per k16 step: wait until at most one wgmma is in flight (the registers of the one before it are
 // free), decode the next A fragment, fence, issue. A ring slot is refilled only after every wgmma
 // that read it completed (2 stages back: each thread waited for it before the stage's barrier).
+// The tensor map of x is encoded on the host per launch (the driver's cuTensorMapEncodeTiled,
+// fetched through the runtime) and passed as a __grid_constant__ parameter.
 // Epilogue: the accumulators (+ bias) through shared memory into 16-byte coalesced stores.
 #pragma once
+#include <cuda.h>  // CUtensorMap (the type only: the encoder is fetched from the driver at run time)
+#include <cudaTypedefs.h>
+
 #include "gemv.cuh"
 
 namespace flotilla::tile {
@@ -56,16 +64,31 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // the compiler must neither read nor move an accumulator across this point
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-// the threads' cp.async writes to shared memory made visible to the async proxy (wgmma's reads)
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// 16 bytes global -> shared, the first `bytes` of them read (the rest zero-filled)
-__device__ __forceinline__ void cp_async16_zfill(uint32_t smem, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(src), "r"(bytes) : "memory");
+// mbarriers (shared memory, 8 bytes each): the ring's "stage landed" signals for the tensor copies
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// the initialized barriers made visible to the async proxy (the tensor copies that complete on them)
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// a [rows x 64] box of x at (row, k) into shared memory by the tensor memory accelerator (128-byte swizzle,
+// out-of-range elements zero-filled), completing on `bar`
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
 
 // wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart
 // (the leading-dimension offset is unused in this mode: 1)
@@ -177,7 +200,8 @@ __device__ __forceinline__ GroupAt load_group(const TileParams& p, int group, in
 
 // NR: batch rows a block (wgmma's N); NS: stages of the x ring (filled NS - 2 ahead)
 template <int BITS, int NR, int NS>
-__global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const TileParams p) {
+__global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const TileParams p,
+                                                                      const __grid_constant__ CUtensorMap xmap) {
   constexpr int P = 16 / BITS, R = 32, STAGE = NR * 128, AHEAD = NS - 2, ACC = NR / 2;
   static_assert(AHEAD >= 1 && NR * 8 % THREADS == 0, "a ring of at least 3 stages, whole 16-byte copies a thread");
   extern __shared__ uint8_t smem_raw[];
@@ -191,34 +215,30 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   const uint32_t* wb = p.words + static_cast<size_t>(col_b) * p.KW + c;
   const int nblocks = p.KW / R, nstages = nblocks * P;
 
-  // this thread's share of a stage of x: 16-byte chunk ch of rows r0 + 32 i (the same chunk, so the same
-  // swizzled column, in every row it copies)
-  constexpr int COPIES = NR / 32;
-  const int ch = tid & 7, r0 = tid >> 3;
-  const uint32_t dst0 = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
-  const half* src0 = p.x + static_cast<size_t>(m0 + r0) * p.lda + 8 * ch;  // dereferenced only where in range
-  const size_t row_step = static_cast<size_t>(32) * p.lda;
-  uint32_t rows_ok = 0;
+  // the ring's barriers: stage s lands on full[s % NS], phase (s / NS) & 1; thread 0 issues every copy
+  __shared__ __align__(8) uint64_t full[NS];
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  if (tid == 0) {
 #pragma unroll
-  for (int i = 0; i < COPIES; i++) rows_ok |= (m0 + r0 + 32 * i < p.M ? 1u : 0u) << i;
-  auto issue_stage = [&](int s) {
+    for (int i = 0; i < NS; i++) mbar_init(bar0 + 8 * i, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue_stage = [&](int s) {  // thread 0 only
     if (s < nstages) {
-      const uint32_t slot = ring + (s % NS) * STAGE + dst0;
-      const bool k_ok = 64 * s + 8 * ch < p.K;
-#pragma unroll
-      for (int i = 0; i < COPIES; i++) {
-        const bool ok = k_ok && ((rows_ok >> i) & 1u);
-        cp_async16_zfill(slot + i * 32 * 128, ok ? src0 + i * row_step + 64 * s : p.x, ok ? 16 : 0);
-      }
+      const uint32_t bar = bar0 + 8 * (s % NS);
+      mbar_expect_tx(bar, STAGE);
+      tma_load_2d(ring + (s % NS) * STAGE, &xmap, 64 * s, m0, bar);
     }
-    cp_async_commit();  // every thread commits one group a stage, empty or not: uniform counting
   };
 
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; i++) acc[i] = 0.f;
+  if (tid == 0) {
 #pragma unroll
-  for (int s = 0; s < AHEAD; s++) issue_stage(s);
+    for (int s = 0; s < AHEAD; s++) issue_stage(s);
+  }
   uint32_t wnext[2][8];
 #pragma unroll
   for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + 4 * i), wnext[1][i] = __ldg(wb + 4 * i);
@@ -240,11 +260,9 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
         zzo[h] = zz_odd_of(gcur.z[h] * 0x00010001u);
         s2[h] = gcur.s[h] * 0x00010001u;
       }
-      cp_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed
-      fence_proxy_async();
-      __syncthreads();  // everyone's have; and every wgmma of stage s - 2 completed (waited below)
-      issue_stage(s + AHEAD);  // into stage s - 2's slot
-      // the global loads for later stages go after the fence, which would otherwise wait for them
+      mbar_wait(bar0 + 8 * (s % NS), (s / NS) & 1);  // stage s has landed
+      __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for it below)
+      if (tid == 0) issue_stage(s + AHEAD);  // into stage s - 2's slot
       if (t == 0 && b + 1 < nblocks) {
         const size_t off = static_cast<size_t>(b + 1) * R;
 #pragma unroll
@@ -273,8 +291,7 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
 #pragma unroll
   for (int i = 0; i < ACC; i++) fence_operand(acc[i]);
 
-  // epilogue: + bias, to fp16, through shared memory (the ring, now free) into coalesced rows of y
-  cp_async_wait<0>();
+  // epilogue: + bias, to fp16, through shared memory (the ring, now free: every copy landed) into rows of y
   __syncthreads();
   half* ys = reinterpret_cast<half*>(smem_raw + (ring - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))));
   float bias[2] = {0.f, 0.f};
@@ -302,6 +319,34 @@ constexpr int tile_smem_bytes() {
   return NS * NR * 128 + 1024;
 }
 
+// the driver's tensor-map encoder (cuTensorMapEncodeTiled), fetched once through the runtime; null where
+// the driver lacks it
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// x [M, K] (row stride lda) as boxes of NR rows x 64 columns, 128-byte swizzled, zero past M and K
+template <int NR>
+cudaError_t x_tensor_map(const TileParams& p, CUtensorMap* map) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.K), static_cast<cuuint64_t>(p.M)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.lda) * sizeof(half)};
+  const cuuint32_t box[2] = {64, NR}, elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<half*>(p.x), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <int BITS, int NR, int NS>
 cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   constexpr int smem = tile_smem_bytes<NR, NS>();
@@ -317,8 +362,11 @@ cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     __atomic_fetch_or(&configured, bit, __ATOMIC_RELEASE);
   }
+  CUtensorMap xmap;
+  e = x_tensor_map<NR>(p, &xmap);
+  if (e != cudaSuccess) return e;
   const int n_tiles = (p.N + BN - 1) / BN;
-  tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles, THREADS, smem, stream>>>(p);
+  tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles, THREADS, smem, stream>>>(p, xmap);
   return cudaGetLastError();
 }
 

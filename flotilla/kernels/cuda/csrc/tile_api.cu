@@ -31,4 +31,7 @@ FLOTILLA_API const char* flotilla_tile_error_string(int code) {
 }
 
 FLOTILLA_API int flotilla_tile_param_size() { return static_cast<int>(sizeof(TileParams)); }
+
+// 1 where the driver can encode the tensor maps the kernel's copies read (CUDA 12.0+ drivers), else 0
+FLOTILLA_API int flotilla_tile_available() { return flotilla::tile::tensor_map_encoder() != nullptr ? 1 : 0; }
 }

@@ -19,10 +19,10 @@
 //     + g and + 8) for the whole block, the next block's loaded one block ahead; the k16 step j of
 //     run t takes words 8j + c (rows 2c, 2c + 1 of the step) and 8j + 4 + c (rows 2c + 8, 2c + 9),
 //     which is exactly the A fragment's order (gemv.cuh PairF16 decodes a pair, times the scale).
-//   * scales (and uint8 zeros) of stage s + 1 loaded at stage s (a stage lies in one group: the group
-//     size is a multiple of 64).
-// Per k16 step: wait until at most one wgmma is in flight (the registers of the one before it are
-// free), decode the next A fragment, fence, issue. A ring slot is refilled only after every wgmma
+//   * scales (and uint8 zeros) of stage s + P loaded at stage s, one layout block ahead (a stage lies in
+//     one group: the group size is a multiple of 64).
+// Per k16 step: wait until at most two wgmmas are in flight (the registers of the one before them
+// are free), decode the next A fragment, fence, issue. A ring slot is refilled only after every wgmma
 // that read it completed (2 stages back: each thread waited for it before the stage's barrier).
 // The tensor map of x is encoded on the host per launch (the driver's cuTensorMapEncodeTiled,
 // fetched through the runtime) and passed as a __grid_constant__ parameter.
@@ -242,8 +242,11 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   uint32_t wnext[2][8];
 #pragma unroll
   for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + 4 * i), wnext[1][i] = __ldg(wb + 4 * i);
-  GroupAt gnext = load_group(p, 0, col_a, col_b);
-  int group_next = 0, group_left = p.stages_per_group;  // stage s + 1's group, and its stages from s + 1 on
+  // the group entries of the P stages of the next layout block, loaded one block ahead (a stage ahead was
+  // not enough: the load's latency showed in every stage on the narrow weights, device run 2)
+  GroupAt gq[P];
+#pragma unroll
+  for (int t = 0; t < P; t++) gq[t] = load_group(p, t / p.stages_per_group, col_a, col_b);
 
   for (int b = 0; b < nblocks; b++) {
     uint32_t wcur[2][8];
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
     static_for<P>([&](auto tc) {
       constexpr int t = decltype(tc)::value;
       const int s = b * P + t;
-      const GroupAt gcur = gnext;
+      const GroupAt gcur = gq[t];
       uint32_t zze[2], zzo[2], s2[2];
 #pragma unroll
       for (int h = 0; h < 2; h++) {
@@ -261,22 +264,19 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
         s2[h] = gcur.s[h] * 0x00010001u;
       }
       mbar_wait(bar0 + 8 * (s % NS), (s / NS) & 1);  // stage s has landed
-      __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for it below)
+      __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for step 4 s - 4)
       if (tid == 0) issue_stage(s + AHEAD);  // into stage s - 2's slot
       if (t == 0 && b + 1 < nblocks) {
         const size_t off = static_cast<size_t>(b + 1) * R;
 #pragma unroll
         for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + off + 4 * i), wnext[1][i] = __ldg(wb + off + 4 * i);
       }
-      if (--group_left == 0) {  // stage s + 1 starts a group
-        group_left = p.stages_per_group;
-        if (s + 1 < nstages) gnext = load_group(p, ++group_next, col_a, col_b);
-      }
+      if (s + P < nstages) gq[t] = load_group(p, (s + P) / p.stages_per_group, col_a, col_b);
       const uint32_t slot = ring + (s % NS) * STAGE;
       static_for<4>([&](auto jc) {
         constexpr int j = decltype(jc)::value;
         uint32_t a[4];
-        wgmma_wait<1>();  // at most the previous step's wgmma in flight: the one before it has read its A
+        wgmma_wait<2>();  // at most the two steps before in flight: the one before those has read its A
         a[0] = decode_pair<BITS, t>(wcur[0][2 * j], zze[0], zzo[0], s2[0]);
         a[1] = decode_pair<BITS, t>(wcur[1][2 * j], zze[1], zzo[1], s2[1]);
         a[2] = decode_pair<BITS, t>(wcur[0][2 * j + 1], zze[0], zzo[0], s2[0]);

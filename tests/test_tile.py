@@ -154,15 +154,16 @@ def test_column_slice_out_strided_x_and_graph_replays():
 def test_registry_picks_the_tile_where_it_serves():
     from flotilla.kernels.triton_linear import TritonGPTQKernel
 
-    w = weight(512, 14336, 4, 128, True, False, seed=7).to("cuda")  # 112 column tiles: blocks of 256 rows fill an H100
+    w = weight(512, 14336, 4, 128, True, False, seed=7).to("cuda")  # 112 column tiles: blocks of 128 rows fill an H100
     kern = TritonGPTQKernel(w, torch.float16)
     w32 = dequantize(w, torch.float32)
-    assert kern.config_for(tile.MIN_ROWS).kind == "tile" and kern.config_for(tile.MIN_ROWS).block_m == 256
-    assert kern.config_for(tile.MIN_ROWS - 1).kind != "tile"
     top = tile.MAX_ROWS[4]
+    assert kern.config_for(tile.MIN_ROWS).kind == "tile" and kern.config_for(tile.MIN_ROWS).block_m == 128
+    assert kern.config_for(256).block_m == 256
+    assert kern.config_for(tile.MIN_ROWS - 1).kind != "tile"
     assert kern.config_for(top).kind == "tile" and kern.config_for(top + 1).kind != "tile"
     for m in (tile.MIN_ROWS - 1, tile.MIN_ROWS, top, top + 1):
         x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
         assert rel_err(kern(x), x.float() @ w32) < 2e-3
     narrow = TritonGPTQKernel(weight(512, 1024, 4, 128, True, False, seed=8).to("cuda"), torch.float16)
-    assert narrow.config_for(tile.MIN_ROWS).kind != "tile"  # 8 column tiles: the tile GEMM measured slower
+    assert narrow.config_for(256).kind != "tile"  # 8 column tiles: only blocks of 64 rows would fill it

@@ -33,11 +33,12 @@ BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
 # the smallest block height whose grid still fills this share of the SMs (else the smallest height)
 FILL = 0.8
-# Where the kernel object picks it (`TileKernel.serves`): from MIN_ROWS to MAX_ROWS[bits] rows, where blocks of
-# 256 rows fill the GPU. Measured on an H100 (bench/NOTES-kernels.md, round 7, run 2): W4 at 256 rows 0.93x /
-# 0.92x fp16 on 4096x14336 / 8192x28672 against 0.51x / 0.59x for the Triton tiles or dequantize + cuBLAS,
-# faster than those up to 1024 rows; W8 faster at 256-512 rows; slower at 2048 rows.
-MIN_ROWS, MAX_ROWS = 256, {4: 1023, 8: 511}
+# Where the kernel object picks it (`TileKernel.serves`): from MIN_ROWS to MAX_ROWS[bits] rows, where blocks of at
+# least 128 rows fill the GPU. Measured on an H100 (bench/NOTES-kernels.md, round 7, run 3): W4 at 256 rows 1.02x /
+# 0.96x fp16 on 4096x14336 / 8192x28672 against 0.51x / 0.60x for the Triton tiles or dequantize + cuBLAS, and
+# faster than those from 128 rows (blocks of 128) up to 1024; W8 up to 512; slower at 2048 rows, and on the
+# 4096-wide weights until blocks of 128 rows fill the GPU (a block's chain of dependent wgmmas is too slow alone).
+MIN_ROWS, MAX_ROWS = 128, {4: 1023, 8: 511}
 
 class TileUnsupported(ValueError):
     """The layout, dtype or GPU is one the tile GEMM does not serve; the other paths do."""
@@ -146,7 +147,7 @@ class TileKernel:
 
     def serves(self, m: int) -> bool:
         """Whether the kernel object should run M rows here (where it measured faster than its other paths)."""
-        return MIN_ROWS <= m <= MAX_ROWS[self.layout.bits] and self.rows_for(m) == BLOCK_ROWS[-1]
+        return MIN_ROWS <= m <= MAX_ROWS[self.layout.bits] and self.rows_for(m) >= 128
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  rows: int | None = None) -> torch.Tensor:

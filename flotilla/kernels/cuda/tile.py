@@ -36,10 +36,11 @@ FILL = 0.8
 # Where the kernel object picks it (`TileKernel.serves`): from MIN_ROWS to MAX_ROWS[bits] rows, where blocks of at
 # least 128 rows fill the GPU. Measured on an H100 (bench/NOTES-kernels.md, round 7, run 3): W4 at 256 rows 1.02x /
 # 0.96x fp16 on 4096x14336 / 8192x28672 against 0.51x / 0.60x for the Triton tiles or dequantize + cuBLAS, and
-# faster than those from 128 rows (blocks of 128) up to 1024 (all four shapes); W8 up to 511 (at 512 rows it
-# lost on the 4096-wide weights); slower at 2048 rows, and on the
-# 4096-wide weights until blocks of 128 rows fill the GPU (a block's chain of dependent wgmmas is too slow alone).
+# faster than those from 128 rows (blocks of 128) up to 1024 on all four shapes; W8 up to 511 (at 512 rows it lost
+# on the 4096-wide weights); slower at 2048 rows, and on the 4096-wide weights until blocks of 128 rows fill the
+# GPU (a block's chain of dependent wgmmas is too slow alone).
 MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 511}
+
 
 class TileUnsupported(ValueError):
     """The layout, dtype or GPU is one the tile GEMM does not serve; the other paths do."""

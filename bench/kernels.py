@@ -309,7 +309,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-rows", default="128,256,512,1024,2048", help="the dense sweep's batches")
     ap.add_argument("--tile-sweep", action="store_true", help="the CUDA tile GEMM's block heights vs the other paths (kernels_tile.py)")
     ap.add_argument("--tile-rows", default="64,128,256,512,1024,2048", help="the tile sweep's batches")
-    ap.add_argument("--tile-depth", action="store_true", help="the tile sweep times each height's deeper ring too")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)
     global GRAPHS

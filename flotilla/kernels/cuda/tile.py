@@ -28,8 +28,7 @@ from . import build
 
 log = logging.getLogger(__name__)
 
-BLOCK_ROWS = (64, 128, 256)  # batch rows a block (wgmma's N); the instances of csrc/tile.cuh
-RING_STAGES = {64: (6, 10), 128: (5, 8), 256: (5,)}  # each height's ring depths, the default first
+BLOCK_ROWS = (64, 128, 256)  # batch rows a block (wgmma's N); the instances of csrc/tile_api.cu
 BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
 # the smallest block height whose grid still fills this share of the SMs (else the smallest height)
@@ -97,7 +96,7 @@ class _Library:
 
     def __init__(self, cdll: ctypes.CDLL):
         self.cdll = cdll
-        cdll.flotilla_tile.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        cdll.flotilla_tile.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         cdll.flotilla_tile.restype = ctypes.c_int
         cdll.flotilla_tile_error_string.argtypes = [ctypes.c_int]
         cdll.flotilla_tile_error_string.restype = ctypes.c_char_p
@@ -109,10 +108,10 @@ class _Library:
         """Whether the driver can encode the tensor maps the kernel's copies read (needs a GPU driver)."""
         return bool(self.cdll.flotilla_tile_available())
 
-    def call(self, params: _Params, bits: int, rows: int, stages: int, stream) -> None:
-        rc = self.cdll.flotilla_tile(ctypes.byref(params), bits, rows, stages, stream)
+    def call(self, params: _Params, bits: int, rows: int, stream) -> None:
+        rc = self.cdll.flotilla_tile(ctypes.byref(params), bits, rows, stream)
         if rc != 0:
-            raise RuntimeError(f"flotilla tile GEMM launch failed ({bits} bits, {rows} rows a block, ring {stages}): "
+            raise RuntimeError(f"flotilla tile GEMM launch failed ({bits} bits, {rows} rows a block): "
                                f"{self.cdll.flotilla_tile_error_string(rc).decode()}")
 
 
@@ -153,10 +152,9 @@ class TileKernel:
         return MIN_ROWS <= m <= MAX_ROWS[self.layout.bits] and self.rows_for(m) >= 128
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 rows: int | None = None, stages: int | None = None) -> torch.Tensor:
+                 rows: int | None = None) -> torch.Tensor:
         """x2 [M, in] -> [M, out] in float16, written into `out` (a [M, out] view with unit column stride)
-        when given; `rows`: the block height (default `rows_for(M)`), `stages`: its ring depth (default the
-        first of RING_STAGES[rows])."""
+        when given; `rows`: the block height (default `rows_for(M)`)."""
         lay = self.layout
         m, k = x2.shape
         if k != lay.in_features or x2.dtype != self.dtype:
@@ -164,9 +162,6 @@ class TileKernel:
         rows = rows or self.rows_for(m)
         if rows not in BLOCK_ROWS:
             raise ValueError(f"block height {rows}: one of {BLOCK_ROWS}")
-        stages = stages or RING_STAGES[rows][0]
-        if stages not in RING_STAGES[rows]:
-            raise ValueError(f"a ring of {stages} stages at {rows} rows: one of {RING_STAGES[rows]}")
         n = lay.out_features
         if out is None:
             out = torch.empty((m, n), dtype=self.dtype, device=x2.device)
@@ -191,7 +186,7 @@ class TileKernel:
                     stages_per_group=lay.group_size // 64, zero_const=lay.zero_const, m_tiles=-(-m // rows))
         with torch.cuda.device(x2.device):  # the launch (and the shared-memory opt-in) on x's GPU
             stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
-            self.lib.call(p, lay.bits, rows, stages, stream)
+            self.lib.call(p, lay.bits, rows, stream)
         if target is not out:
             out.copy_(target)
         return out

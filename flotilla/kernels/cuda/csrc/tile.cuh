@@ -370,13 +370,14 @@ cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// the instances: NR batch rows a block with its ring depths (the first is the default; the deeper ones are
-// timed by bench/kernels_tile.py --tile-depth)
-#define FLOTILLA_TILE_FOR_EACH(X, BITS) X(BITS, 64, 6) X(BITS, 64, 10) X(BITS, 128, 5) X(BITS, 128, 8) X(BITS, 256, 5)
-#define FLOTILLA_TILE_INSTANCE(BITS, NR, NS) template cudaError_t tile_launch<BITS, NR, NS>(const TileParams&, cudaStream_t);
-#define FLOTILLA_TILE_EXTERN(BITS, NR, NS) \
-  extern template cudaError_t tile_launch<BITS, NR, NS>(const TileParams&, cudaStream_t);
-#define FLOTILLA_TILE_INSTANTIATE(BITS) FLOTILLA_TILE_FOR_EACH(FLOTILLA_TILE_INSTANCE, BITS)
-#define FLOTILLA_TILE_DECLARE(BITS) FLOTILLA_TILE_FOR_EACH(FLOTILLA_TILE_EXTERN, BITS)
+// the instances: NR batch rows a block with its ring depth
+#define FLOTILLA_TILE_INSTANTIATE(BITS)                                                              \
+  template cudaError_t tile_launch<BITS, 64, 6>(const TileParams&, cudaStream_t);                   \
+  template cudaError_t tile_launch<BITS, 128, 5>(const TileParams&, cudaStream_t);                  \
+  template cudaError_t tile_launch<BITS, 256, 5>(const TileParams&, cudaStream_t);
+#define FLOTILLA_TILE_DECLARE(BITS)                                                                  \
+  extern template cudaError_t tile_launch<BITS, 64, 6>(const TileParams&, cudaStream_t);            \
+  extern template cudaError_t tile_launch<BITS, 128, 5>(const TileParams&, cudaStream_t);           \
+  extern template cudaError_t tile_launch<BITS, 256, 5>(const TileParams&, cudaStream_t);
 
 }  // namespace flotilla::tile

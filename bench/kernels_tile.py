@@ -1,5 +1,5 @@
 """The CUDA tile GEMM (kernels/cuda/tile.py, Hopper) against the other paths: `python bench/kernels.py --graph
---only-sweeps --tile-sweep`, the evidence for triton_linear.TILE_MIN_ROWS and tile.block_rows.
+--only-sweeps --tile-sweep`, the evidence for tile.MIN_ROWS, MAX_ROWS and block_rows.
 
 Per weight shape (--shapes), bit width (4, 8) and batch (--tile-rows), g128 symmetric, fp16: µs per call
 (CUDA-graph replay when --graph, L2 cleared) of fp16 cuBLAS on the dense weight, the path the registry took

@@ -37,6 +37,7 @@ import torch
 
 from .cuda.gemv import MAX_ROWS as GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
+from .cuda.tile import BLOCK_ROWS as TILE_ROWS
 from .cuda.tile import tile_for
 from .fused import silu_mul
 from .gptq import GPTQWeight
@@ -210,6 +211,8 @@ class TritonLayoutKernel:
             configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
             if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
+            if self.tile is not None and m >= 64 and not candidates:  # the tile GEMM at each block height
+                configs = [*configs, *(GemmConfig("tile", block_m=r, block_n=128) for r in TILE_ROWS)]
             for cfg in configs:
                 fn = lambda: self(x, config=cfg)  # noqa: E731
                 try:

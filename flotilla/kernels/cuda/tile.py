@@ -33,13 +33,13 @@ BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
 # the smallest block height whose grid still fills this share of the SMs (else the smallest height)
 FILL = 0.8
-# Where the kernel object picks it (`TileKernel.serves`): from MIN_ROWS to MAX_ROWS[bits] rows, where blocks of at
-# least 128 rows fill the GPU. Measured on an H100 (bench/NOTES-kernels.md, round 7, run 3): W4 at 256 rows 1.02x /
-# 0.96x fp16 on 4096x14336 / 8192x28672 against 0.51x / 0.60x for the Triton tiles or dequantize + cuBLAS, and
-# faster than those from 128 rows (blocks of 128) up to 1024 on all four shapes; W8 up to 511 (at 512 rows it lost
-# on the 4096-wide weights); slower at 2048 rows, and on the 4096-wide weights until blocks of 128 rows fill the
-# GPU (a block's chain of dependent wgmmas is too slow alone).
-MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 511}
+# Where the kernel object picks it (`TileKernel.serves`): from MIN_ROWS to MAX_ROWS[bits] rows, where blocks of 256
+# rows fill the GPU, or blocks of 128 rows on weights whose column tiles alone fill it. Measured on an H100
+# (bench/NOTES-kernels.md, round 7, run 3): W4 at 256 rows 1.02x / 0.96x fp16 on 4096x14336 / 8192x28672 against
+# 0.51x / 0.60x for the Triton tiles or dequantize + cuBLAS, and faster than those from 128 rows up to 1024; W8 up to
+# 512; slower at 2048 rows, and on the 4096-wide weights with blocks of 64 or 128 rows (a block's chain of wgmmas
+# into the same accumulators is latency-bound when one or two blocks share an SM; W8 there lost at 512 rows).
+MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 512}
 
 
 class TileUnsupported(ValueError):
@@ -89,6 +89,15 @@ def block_rows(m: int, n: int, num_sms: int) -> int:
         if rows <= -(-m // 64) * 64 and -(-m // rows) * cols >= FILL * num_sms:
             return rows
     return BLOCK_ROWS[0]
+
+
+def serves(m: int, n: int, bits: int, num_sms: int) -> bool:
+    """Whether M rows of an N-wide weight at `bits` go to the tile GEMM (MIN_ROWS, MAX_ROWS): blocks of 256 rows
+    that fill the GPU, or blocks of 128 rows on a weight whose column tiles alone fill it."""
+    if not MIN_ROWS <= m <= MAX_ROWS[bits]:
+        return False
+    rows = block_rows(m, n, num_sms)
+    return rows == BLOCK_ROWS[-1] or (rows == 128 and -(-n // BLOCK_COLS) >= FILL * num_sms)
 
 
 class _Library:
@@ -149,7 +158,7 @@ class TileKernel:
 
     def serves(self, m: int) -> bool:
         """Whether the kernel object should run M rows here (where it measured faster than its other paths)."""
-        return MIN_ROWS <= m <= MAX_ROWS[self.layout.bits] and self.rows_for(m) >= 128
+        return serves(m, self.layout.out_features, self.layout.bits, self.num_sms)
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  rows: int | None = None) -> torch.Tensor:
@@ -175,8 +184,8 @@ class TileKernel:
             target = torch.empty((m, n), dtype=self.dtype, device=x2.device)
         if lay.perm is not None:
             x2 = x2.index_select(1, lay.perm)
-        if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-            x2 = x2.contiguous() if x2.stride(1) != 1 else x2.clone()
+        if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # the tensor map's rows: 16-byte aligned
+            x2 = torch.empty((m, k), dtype=x2.dtype, device=x2.device).copy_(x2)
         if bias is not None:
             bias = bias.to(self.dtype).contiguous()
         p = _Params(x=x2.data_ptr(), words=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
@@ -197,7 +206,8 @@ _reported: set[str] = set()
 
 def tile_for(layout: TritonLayout, dtype: torch.dtype) -> TileKernel | None:
     """The tile GEMM over this layout, or None (the other paths serve; the reason logged once)."""
-    if layout.words.device.type != "cuda":
+    device = layout.words.device
+    if device.type != "cuda" or tuple(torch.cuda.get_device_capability(device)) != CAPABILITY:
         return None
     try:
         check_layout(layout, dtype)

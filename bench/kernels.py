@@ -307,7 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-all", action="store_true", help="the GEMV sweep times the plans that always lost too")
     ap.add_argument("--dense-sweep", action="store_true", help="Triton tiles vs dequantize + cuBLAS (kernels_dense.py)")
     ap.add_argument("--dense-rows", default="128,256,512,1024,2048", help="the dense sweep's batches")
-    ap.add_argument("--tile-sweep", action="store_true", help="the CUDA tile GEMM's block heights vs the other paths (kernels_tile.py)")
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="the CUDA tile GEMM's block heights vs the other paths (kernels_tile.py)")
     ap.add_argument("--tile-rows", default="64,128,256,512,1024,2048", help="the tile sweep's batches")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)

@@ -1,8 +1,11 @@
 """The tile GEMM over the Triton layout on Hopper (flotilla/kernels/cuda/tile.py, csrc/tile.cuh).
 
-On any machine: which layouts it reads and which it leaves to the other paths, the block-height rule,
-and (where nvcc is installed) that the library builds for sm_90a with no register spills and no
-serialized wgmma, exports its C functions, and agrees with the ctypes view of its parameters.
+On any machine: a numpy emulation of what every lane of every warpgroup decodes into wgmma's A fragments
+(its words, run, k16 step, group, the pair decode of the GEMV), what the descriptor reads of the swizzled
+x stage as B, and where the epilogue puts each accumulator, against x @ W; which layouts it reads and
+which it leaves to the other paths, the block-height rule and where it serves, and (where nvcc is
+installed) that the library builds for sm_90a with no register spills and no serialized wgmma, exports
+its C functions, and agrees with the ctypes view of its parameters.
 With a Hopper GPU: the kernel against `kernels/reference` (short last groups and padded input,
 asymmetric zeros, act-order, one group, 4 and 8 bits, every block height, batches that are not a
 multiple of it, out-features that are not a multiple of 128, bias, a column slice as `out`,
@@ -14,8 +17,10 @@ import ctypes
 import re
 import subprocess
 
+import numpy as np
 import pytest
 import torch
+from gemv_emulation import _pair_f16, fp16, reference_rows
 from test_cuda_kernels import weight
 
 from flotilla.kernels.cuda import build, tile
@@ -33,6 +38,74 @@ CASES = [  # k, n, bits, group, sym, act_order
     (640, 72, 8, 128, False, False),  # 8 bits: blocks of 128 rows, asymmetric, N < 128
     (1024, 384, 8, 64, True, False),  # 8 bits, group 64
 ]
+
+
+def emulate_tile(layout, x: np.ndarray, nr: int) -> np.ndarray:
+    """y [M, N] as csrc/tile.cuh computes it, in float64, from x [M, K] (fp16 values)."""
+    bits, pairs = layout.bits, 16 // layout.bits
+    words = layout.words.numpy().view(np.uint32).astype(np.uint64)
+    n, kw = words.shape
+    m, k = x.shape
+    spg = layout.group_size // 64
+    scales = layout.scales.double().numpy()
+    zeros = layout.zeros.numpy().astype(np.uint64) if layout.zeros is not None else None
+    g, c = np.arange(32) >> 2, np.arange(32) & 3  # lane (g, c)
+    y = np.zeros((m, n))
+    for m0 in range(0, m, nr):
+        for n0 in range(0, n, tile.BLOCK_COLS):
+            for wg in range(2):
+                acc = np.zeros((64, nr))  # D: rows the warpgroup's 64 out-features, columns the block's batch rows
+                for s in range(kw // 32 * pairs):
+                    b, t = divmod(s, pairs)
+                    # the stage as the tensor copy stores it: row r's 16-byte chunk h at r * 128 + (h ^ r % 8) * 16
+                    stage = np.zeros((nr, 64))
+                    for r in range(min(nr, m - m0)):
+                        for h in range(8):
+                            kk = 64 * s + 8 * h
+                            if kk < k:
+                                stage[r, 8 * (h ^ (r % 8)):8 * (h ^ (r % 8)) + 8] = x[m0 + r, kk:kk + 8]
+                    for j in range(4):
+                        # B[kk, r] as the descriptor reads it: start address + 32 j, chunk (2 j + kk / 8) ^ r % 8
+                        b_mat = np.array([[stage[r, 8 * ((2 * j + kk // 8) ^ (r % 8)) + kk % 8] for r in range(nr)]
+                                          for kk in range(16)])
+                        a_mat = np.zeros((64, 16))
+                        for wq in range(4):
+                            cols = [np.minimum(n0 + 64 * wg + 16 * wq + g + 8 * hf, n - 1) for hf in (0, 1)]
+                            grp = s // spg
+                            regs = ((0, 2 * j, 2 * c), (1, 2 * j, 2 * c), (0, 2 * j + 1, 2 * c + 8),
+                                    (1, 2 * j + 1, 2 * c + 8))  # (column half, word i, fragment k) of a0-a3
+                            for hf, i, kk in regs:
+                                col = cols[hf]
+                                word = words[col, b * 32 + c + 4 * i]
+                                z = zeros[grp, col] if zeros is not None else np.full(32, layout.zero_const, np.uint64)
+                                lo, hi = _pair_f16(word, t, bits, z * 0x00010001)
+                                sc = fp16(scales[grp, col])
+                                row = 16 * wq + g + 8 * hf
+                                a_mat[row, kk], a_mat[row, kk + 1] = fp16(lo * sc), fp16(hi * sc)
+                        acc += a_mat @ b_mat
+                for i in range(nr // 2):  # the epilogue: accumulator i of lane (g, c) of warp wq
+                    for wq in range(4):
+                        rows = 8 * (i // 4) + 2 * c + (i & 1)
+                        outs = n0 + 64 * wg + 16 * wq + g + 8 * ((i >> 1) & 1)
+                        ok = (m0 + rows < m) & (outs < n)
+                        y[m0 + rows[ok], outs[ok]] = acc[(16 * wq + g + 8 * ((i >> 1) & 1))[ok], rows[ok]]
+    return y
+
+
+@pytest.mark.parametrize("case", [(512, 200, 4, 128, False, False), (384, 136, 4, 64, True, True),
+                                  (256, 72, 8, 128, False, False)])
+def test_emulated_kernel_is_the_matmul(case):
+    """Every block, warpgroup, lane, stage and k16 step: the fragments and the swizzled x give x @ W exactly (in
+    float64), across a partial row block, out-features clamped past N and padded input."""
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=9)
+    layout = repack(w)
+    tile.check_layout(layout, torch.float16)
+    x = np.random.default_rng(1).standard_normal((70, k)).astype(np.float16).astype(np.float64)
+    ref = x @ reference_rows(w, layout, torch.float16)  # x in the layout's row order (act-order sorted) below
+    for nr in (64, 128):
+        y = emulate_tile(layout, x, nr)
+        np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
 def test_layouts_it_reads_and_those_it_leaves():

@@ -37,6 +37,7 @@ import torch
 
 from .cuda.gemv import MAX_ROWS as GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
+from .cuda.tile import BLOCK_COLS as TILE_COLS
 from .cuda.tile import BLOCK_ROWS as TILE_ROWS
 from .cuda.tile import tile_for
 from .fused import silu_mul
@@ -127,6 +128,11 @@ def gemv_config(plan) -> GemmConfig:
     return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages)
 
 
+def tile_config(rows: int) -> GemmConfig:
+    """The CUDA tile GEMM (kernels/cuda/tile.py) with blocks of `rows` batch rows, as this module's config."""
+    return GemmConfig("tile", block_m=rows, block_n=TILE_COLS)
+
+
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
     """The config a layout can run: float offsets need the group scale on the weight side."""
     if cfg.kind == "dot" and layout.offsets is not None and not cfg.scale_w:
@@ -192,7 +198,7 @@ class TritonLayoutKernel:
             if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
                 cfg = gemv_config(self.gemv.plan_for(m))
             elif self.tile is not None and self.tile.serves(m):
-                cfg = GemmConfig("tile", block_m=self.tile.rows_for(m), block_n=128)
+                cfg = tile_config(self.tile.rows_for(m))
             else:
                 cfg = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
             self._configs[m] = cfg
@@ -212,7 +218,7 @@ class TritonLayoutKernel:
             if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             if self.tile is not None and m >= 64 and not candidates:  # the tile GEMM at each block height
-                configs = [*configs, *(GemmConfig("tile", block_m=r, block_n=128) for r in TILE_ROWS)]
+                configs = [*configs, *(tile_config(r) for r in TILE_ROWS)]
             for cfg in configs:
                 fn = lambda: self(x, config=cfg)  # noqa: E731
                 try:

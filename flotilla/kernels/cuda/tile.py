@@ -24,7 +24,7 @@ import logging
 import torch
 
 from ..triton_layout import TritonLayout
-from . import build
+from . import build, gemv
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ class _Params(ctypes.Structure):  # tile.cuh TileParams
 
 
 def check_layout(layout: TritonLayout, dtype: torch.dtype) -> None:
-    """Raise TileUnsupported saying why the kernel cannot read this layout (device aside)."""
+    """Raise TileUnsupported saying why the kernel cannot read this layout (device aside): its own limits
+    first, then those it shares with the GEMV's decode (gemv.geometry: group runs, scale rows, the 4-bit zero
+    range, contiguous aligned tables)."""
     if dtype != torch.float16:
         raise TileUnsupported(f"activations in {dtype} (the tile GEMM computes in float16)")
     if layout.bits not in (4, 8):
@@ -64,20 +66,12 @@ def check_layout(layout: TritonLayout, dtype: torch.dtype) -> None:
         raise TileUnsupported(f"{layout.rows_per_field} words a column a block (it reads blocks of 32)")
     if layout.offsets is not None:
         raise TileUnsupported("float offsets (the GGUF forms)")
-    if layout.group_size % 64:
-        raise TileUnsupported(f"group size {layout.group_size} is not a multiple of 64 rows")
-    if layout.scales.dtype != torch.float16:
-        raise TileUnsupported(f"scales in {layout.scales.dtype}")
-    if layout.scales.shape[0] * layout.group_size < layout.k_padded:
-        raise TileUnsupported(f"{layout.scales.shape[0]} group rows do not cover {layout.k_padded} input rows")
     if layout.out_features % 8 or layout.in_features % 8:
         raise TileUnsupported(f"{layout.in_features}x{layout.out_features}: both must be multiples of 8")
-    zmax = layout.zero_const if layout.zeros is None else int(layout.zeros.max().item())
-    if layout.bits == 4 and not 0 <= zmax < 64:
-        raise TileUnsupported(f"zero point {zmax} (the 4-bit decode takes 0..63)")
-    for name, t in (("words", layout.words), ("scales", layout.scales), ("zeros", layout.zeros)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
-            raise TileUnsupported(f"{name} not contiguous and 16-byte aligned")
+    try:
+        gemv.geometry(layout, dtype)  # with 32-word blocks, a group of whole 64-row runs: a stage lies in one group
+    except gemv.GemvUnsupported as e:
+        raise TileUnsupported(str(e)) from None
 
 
 def block_rows(m: int, n: int, num_sms: int) -> int:
@@ -149,7 +143,7 @@ class TileKernel:
     name = "tile"
 
     def __init__(self, layout: TritonLayout, dtype: torch.dtype, lib: _Library):
-        check_layout(layout, dtype)
+        """Over a layout that `check_layout` accepted (`tile_for` checks it before it builds the library)."""
         self.layout, self.dtype, self.lib = layout, dtype, lib
         self.num_sms = torch.cuda.get_device_properties(layout.words.device).multi_processor_count
 

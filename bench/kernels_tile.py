@@ -4,8 +4,9 @@
 Per weight shape (--shapes), bit width (4, 8) and batch (--tile-rows), g128 symmetric, fp16: µs per call
 (CUDA-graph replay when --graph, L2 cleared) of fp16 cuBLAS on the dense weight, the path the registry took
 before the tile GEMM (Triton tiles or dequantize + cuBLAS: `choose_config`), and the tile GEMM at each block
-height (64, 128, 256 batch rows), each checked against the reference first (a failure is printed with the
-largest error's position, and that height is not timed); ×fp16 of each, and the height `block_rows` picks.
+height (64, 128, 256 batch rows) and split-K count (1, and those whose grid stays within two waves), each
+checked against the reference first (a failure is printed with the largest error's position, and that case is
+not timed); ×fp16 of each, the best, and the plan `block_rows` / `split_k` picks.
 One JSON object per case with --json. Without a Hopper GPU (or nvcc) it says so and times nothing.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 
 import torch
 
-from flotilla.kernels.cuda.tile import BLOCK_ROWS
+from flotilla.kernels.cuda.tile import BLOCK_COLS, BLOCK_ROWS
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import TritonGPTQKernel, choose_config, weight_side
 
@@ -38,31 +39,48 @@ def run_tile_sweep(args, time_us, random_gptq) -> None:
     print(_table(rows_table), flush=True)
 
 
+def split_counts(m: int, n: int, rows: int, k_blocks: int, num_sms: int) -> list[int]:
+    """The split-K counts the sweep times at one block height: 1, and those whose grid stays within two waves."""
+    tiles = -(-m // rows) * -(-n // BLOCK_COLS)
+    return [1] + [s for s in (2, 3, 4, 6, 8) if s <= k_blocks and tiles * s <= 2 * num_sms]
+
+
 def _case(args, kern, w16, k: int, n: int, bits: int, m: int, time_us) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     bias = torch.randn(n, device="cuda", dtype=torch.float16)
     ref = x.float() @ w16.float().t() + bias.float()
     before = weight_side(choose_config(m, kern.layout, kern.num_sms), kern.layout)
-    row = {"shape": f"{k}x{n}", "bits": bits, "m": m, "before": before.kind, "pick": kern.tile.rows_for(m),
+    pick_rows = kern.tile.rows_for(m)
+    row = {"shape": f"{k}x{n}", "bits": bits, "m": m, "before": before.kind, "pick": pick_rows,
+           "pick_splits": kern.tile.splits_for(m, pick_rows),
            "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
            "before_us": time_us(lambda: kern(x, config=before))}
     for rows in BLOCK_ROWS:
-        torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison the allocator
-        y = kern.tile(x, bias, rows=rows).float()
-        err = ((y - ref).norm() / ref.norm()).item()
-        if not err < 2e-3 or not bool(torch.isfinite(y).all()):
-            bad = (y - ref).abs().nan_to_num(float("inf")).flatten().argmax().item()
-            print(f"FAIL tile {k}x{n} w{bits} m={m} rows={rows}: rel err {err:.2e}; worst at "
-                  f"(row {bad // n}, col {bad % n}): {y.flatten()[bad].item():.4g} vs {ref.flatten()[bad].item():.4g}",
-                  flush=True)
-            continue
-        row[f"tile{rows}_us"] = time_us(lambda: kern.tile(x, rows=rows))  # noqa: B023 - called at once
-    timed = [(row[f"tile{r}_us"], r) for r in BLOCK_ROWS if f"tile{r}_us" in row]
-    row["best_rows"] = min(timed)[1] if timed else 0
-    parts = "  ".join(f"tile{r} {row[f'tile{r}_us']:.1f} ({row['fp16_us'] / row[f'tile{r}_us']:.2f}x)"
-                      for r in BLOCK_ROWS if f"tile{r}_us" in row)
+        for splits in split_counts(m, n, rows, kern.tile.k_blocks, kern.num_sms):
+            key = f"tile{rows}" if splits == 1 else f"tile{rows}s{splits}"
+            torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison the allocator
+            y = kern.tile(x, bias, rows=rows, splits=splits).float()
+            err = ((y - ref).norm() / ref.norm()).item()
+            if not err < 2e-3 or not bool(torch.isfinite(y).all()):
+                bad = (y - ref).abs().nan_to_num(float("inf")).flatten().argmax().item()
+                print(f"FAIL tile {k}x{n} w{bits} m={m} rows={rows} splits={splits}: rel err {err:.2e}; worst at "
+                      f"(row {bad // n}, col {bad % n}): {y.flatten()[bad].item():.4g} vs {ref.flatten()[bad].item():.4g}",
+                      flush=True)
+                continue
+            row[f"{key}_us"] = time_us(lambda: kern.tile(x, rows=rows, splits=splits))  # noqa: B023 - called at once
+        split_keys = [(row[key], key) for key in row if key.startswith(f"tile{rows}s")]
+        if split_keys:  # the best split count at this height
+            row[f"tile{rows}split_us"], best = min(split_keys)
+            row[f"tile{rows}split"] = int(best[len(f"tile{rows}s"):-3])
+    timed = [(row[key], key) for key in row if key.startswith("tile") and key.endswith("_us")
+             and "split_us" not in key]
+    row["best"] = min(timed)[1][:-3] if timed else ""
+    pick = f"tile{pick_rows}" + (f"s{row['pick_splits']}" if row["pick_splits"] > 1 else "")
+    row["pick_us"] = row.get(f"{pick}_us", 0.0)
+    parts = "  ".join(f"{key[:-3]} {row[key]:.1f} ({row['fp16_us'] / row[key]:.2f}x)" for key in row
+                      if key.startswith("tile") and key.endswith("_us") and "split_us" not in key)
     print(f"tile sweep {k}x{n} w{bits} m={m}: fp16 {row['fp16_us']:.1f}us, {before.kind} {row['before_us']:.1f} "
-          f"({row['fp16_us'] / row['before_us']:.2f}x)  {parts}  (block_rows picks {row['pick']})", flush=True)
+          f"({row['fp16_us'] / row['before_us']:.2f}x)  {parts}  (picks {pick})", flush=True)
     if args.json:
         print(json.dumps({"tile_sweep": row}), flush=True)
     return row
@@ -70,14 +88,16 @@ def _case(args, kern, w16, k: int, n: int, bits: int, m: int, time_us) -> dict:
 
 def _table(rows: list) -> str:
     head = ["shape", "bits", "batch", "fp16 µs", "before", "before µs", "×fp16",
-            *[f"tile {r} µs" for r in BLOCK_ROWS], "best ×fp16", "picked rows", "picked ×fp16"]
+            *[f"tile {r} µs" for r in BLOCK_ROWS], *[f"tile {r} split-K µs (splits)" for r in BLOCK_ROWS],
+            "best", "best ×fp16", "picked", "picked ×fp16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tiles = [f"{r[f'tile{h}_us']:.1f}" if f"tile{h}_us" in r else "fail" for h in BLOCK_ROWS]
-        best_key, pick_key = f"tile{r['best_rows']}_us", f"tile{r['pick']}_us"
-        best = f"{r['fp16_us'] / r[best_key]:.2f}" if r["best_rows"] else "n/a"
-        picked = f"{r['fp16_us'] / r[pick_key]:.2f}" if pick_key in r else "n/a"
+        splits = [f"{r[f'tile{h}split_us']:.1f} ({r[f'tile{h}split']})" if f"tile{h}split_us" in r else "" for h in BLOCK_ROWS]
+        best = f"{r['fp16_us'] / r[r['best'] + '_us']:.2f}" if r["best"] else "n/a"
+        picked = f"{r['fp16_us'] / r['pick_us']:.2f}" if r["pick_us"] else "n/a"
+        pick = f"{r['pick']}" + (f" / {r['pick_splits']}" if r["pick_splits"] > 1 else "")
         lines.append("| " + " | ".join([r["shape"], str(r["bits"]), str(r["m"]), f"{r['fp16_us']:.1f}", r["before"],
-                                        f"{r['before_us']:.1f}", f"{r['fp16_us'] / r['before_us']:.2f}", *tiles,
-                                        best, str(r["pick"]), picked]) + " |")
+                                        f"{r['before_us']:.1f}", f"{r['fp16_us'] / r['before_us']:.2f}", *tiles, *splits,
+                                        r["best"], best, pick, picked]) + " |")
     return "\n".join(lines)

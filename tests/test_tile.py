@@ -40,8 +40,9 @@ CASES = [  # k, n, bits, group, sym, act_order
 ]
 
 
-def emulate_tile(layout, x: np.ndarray, nr: int) -> np.ndarray:
-    """y [M, N] as csrc/tile.cuh computes it, in float64, from x [M, K] (fp16 values)."""
+def emulate_tile(layout, x: np.ndarray, nr: int, splits: int = 1) -> np.ndarray:
+    """y [M, N] as csrc/tile.cuh computes it, in float64, from x [M, K] (fp16 values), the input axis cut into
+    `splits` ranges of whole layout blocks whose partial accumulators are summed in split order."""
     bits, pairs = layout.bits, 16 // layout.bits
     words = layout.words.numpy().view(np.uint32).astype(np.uint64)
     n, kw = words.shape
@@ -55,7 +56,9 @@ def emulate_tile(layout, x: np.ndarray, nr: int) -> np.ndarray:
         for n0 in range(0, n, tile.BLOCK_COLS):
             for wg in range(2):
                 acc = np.zeros((64, nr))  # D: rows the warpgroup's 64 out-features, columns the block's batch rows
-                for s in range(kw // 32 * pairs):
+                nb = kw // 32
+                for s in (s for sp in range(splits) for s in range(sp * nb // splits * pairs,
+                                                                    (sp + 1) * nb // splits * pairs)):
                     b, t = divmod(s, pairs)
                     # the stage as the tensor copy stores it: row r's 16-byte chunk h at r * 128 + (h ^ r % 8) * 16
                     stage = np.zeros((nr, 64))
@@ -103,8 +106,8 @@ def test_emulated_kernel_is_the_matmul(case):
     tile.check_layout(layout, torch.float16)
     x = np.random.default_rng(1).standard_normal((70, k)).astype(np.float16).astype(np.float64)
     ref = x @ reference_rows(w, layout, torch.float16)  # x in the layout's row order (act-order sorted) below
-    for nr in (64, 128):
-        y = emulate_tile(layout, x, nr)
+    for nr, splits in ((64, 1), (128, 1), (64, layout.words.shape[1] // 32)):  # the last: a split a layout block
+        y = emulate_tile(layout, x, nr, splits)
         np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
@@ -122,33 +125,34 @@ def test_layouts_it_reads_and_those_it_leaves():
         tile.check_layout(repack(weight(516, 128, 8, -1, True, False)), torch.float16)
 
 
-def test_block_rows_fill_the_gpu_with_the_tallest_blocks():
-    sms = 132
-    assert tile.block_rows(256, 4096, sms) == 64  # 32 column tiles: 4 x 32 = 128 blocks of 64 rows
-    assert tile.block_rows(256, 28672, sms) == 256  # 224 column tiles fill it already
-    assert tile.block_rows(2048, 4096, sms) == 256  # 8 x 32 = 256 blocks
-    assert tile.block_rows(128, 14336, sms) == 128  # 112 column tiles: 256 rows would be one tall block
-    assert tile.block_rows(64, 4096, sms) == 64  # nothing fills it: the shortest
-    for m in (1, 64, 100, 1000, 5000):
+def test_block_rows_are_the_tallest_that_hold_the_batch_and_splits_fill_one_wave():
+    assert [tile.block_rows(m) for m in (1, 64, 65, 128, 129, 256, 2048)] == [64, 64, 128, 128, 256, 256, 256]
+    sms, kb = 132, 16  # an H100; 16 layout blocks: 4096 input rows at 4 bits
+    assert tile.split_k(128, 4096, 128, kb, sms) == 4  # 32 column tiles: 4 x 32 = 128 blocks, one wave
+    assert tile.split_k(512, 4096, 256, kb, sms) == 2  # 64 tiles
+    assert tile.split_k(1024, 4096, 256, kb, sms) == 1  # 128 tiles fill it
+    assert tile.split_k(128, 14336, 128, kb, sms) == 1  # 112 column tiles: past FILL
+    assert tile.split_k(128, 6144, 128, kb, sms) == 2  # 48 tiles: a third split would make 144 blocks
+    assert tile.split_k(128, 512, 128, kb, sms) == tile.MAX_SPLITS  # 4 tiles
+    assert tile.split_k(128, 512, 128, 6, sms) == 3  # 6 layout blocks: at least 2 a split
+    assert tile.split_k(128, 512, 128, 1, sms) == 1
+    for m in (1, 100, 1000, 5000):
         for n in (128, 4096, 28672):
-            assert tile.block_rows(m, n, sms) in tile.BLOCK_ROWS
+            assert 1 <= tile.split_k(m, n, tile.block_rows(m), kb, sms) <= tile.MAX_SPLITS
 
 
 def test_served_exactly_where_it_measured_faster():
-    """Run 3 of bench/NOTES-kernels.md round 7 (an H100, 132 SMs): each (in x out, bits, rows) the rule gives the
-    tile GEMM was faster there than the Triton tiles / dequantize + cuBLAS, each it leaves out was not (or was
-    not measured)."""
-    sms = 132
-    won = [(14336, 4, 128), (14336, 4, 256), (14336, 4, 512), (14336, 4, 1024), (28672, 4, 128), (28672, 4, 256),
-           (28672, 4, 512), (28672, 4, 1024), (4096, 4, 1024), (14336, 8, 128), (14336, 8, 256), (14336, 8, 512),
-           (28672, 8, 256), (28672, 8, 512)]
-    lost = [(4096, 4, 64), (4096, 4, 128), (4096, 4, 256), (4096, 8, 512), (4096, 8, 1024), (14336, 8, 1024),
-            (28672, 8, 1024), (14336, 4, 2048), (28672, 4, 2048), (4096, 4, 2048), (14336, 4, 64), (28672, 8, 64)]
+    """Run 2 of bench/NOTES-kernels.md round 8 (an H100): each (out-features, bits, rows) the rule gives the tile GEMM
+    (with its block height and split) was faster there than the Triton tiles / dequantize + cuBLAS, but one tie
+    (4096x14336 W4 at 1024 rows, 224.5 against 222.6 µs); each it leaves out was not."""
+    won = [(n, 4, m) for n in (4096, 28672) for m in (128, 256, 512, 1024)] + \
+        [(14336, 4, m) for m in (128, 256, 512)] + [(n, 8, m) for n in (4096, 14336, 28672) for m in (128, 256, 512)]
+    lost = [(4096, 4, 64), (14336, 4, 64), (28672, 8, 64), (14336, 8, 1024), (28672, 8, 1024), (14336, 4, 2048),
+            (28672, 4, 2048), (4096, 4, 2048), (4096, 8, 2048)]
     for n, bits, m in won:
-        assert tile.serves(m, n, bits, sms), (n, bits, m)
+        assert tile.serves(m, bits), (n, bits, m)
     for n, bits, m in lost:
-        assert not tile.serves(m, n, bits, sms), (n, bits, m)
-    assert not any(tile.serves(m, 4096, 4, sms) for m in range(128, 769))  # 4096 wide: only blocks of 256 rows
+        assert not tile.serves(m, bits), (n, bits, m)
 
 
 def test_no_tile_off_hopper_or_on_cpu():
@@ -220,6 +224,32 @@ def test_kernel_matches_reference_at_every_block_height(case):
 
 
 @needs_hopper
+@pytest.mark.parametrize("case", CASES[:2] + CASES[4:5])
+def test_split_k_matches_reference_and_is_deterministic(case):
+    """Split-K at every block height and every split count up to a split a layout block: the reference's
+    result, bit for bit the same on a second call (the counters reset; the splits summed in split order)."""
+    from flotilla.kernels.triton_linear import TritonGPTQKernel
+
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=15).to("cuda")
+    kern = TritonGPTQKernel(w, torch.float16)
+    w32 = dequantize(w, torch.float32)
+    nb = kern.tile.k_blocks
+    for m in (37, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        bias = torch.randn(n, device="cuda", dtype=torch.float16)
+        ref = x.float() @ w32 + bias.float()
+        for rows in tile.BLOCK_ROWS:
+            for splits in sorted({2, 3, nb} & set(range(2, nb + 1))):
+                poison(m, n)
+                y = kern.tile(x, bias, rows=rows, splits=splits)
+                assert bool(torch.isfinite(y).all()) and rel_err(y, ref) < 2e-3, (m, rows, splits, rel_err(y, ref))
+                assert torch.equal(kern.tile(x, bias, rows=rows, splits=splits), y), (m, rows, splits)
+    with pytest.raises(ValueError, match="splits of the input axis"):
+        kern.tile(x, rows=64, splits=nb + 1)
+
+
+@needs_hopper
 def test_column_slice_out_strided_x_and_graph_replays():
     from flotilla.kernels.triton_linear import TritonGPTQKernel
 
@@ -236,14 +266,18 @@ def test_column_slice_out_strided_x_and_graph_replays():
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     kern.tile(x)  # load and configure outside the capture
     torch.cuda.synchronize()
+    kern.tile(x, rows=64, splits=4)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = kern.tile(x)
-    for _ in range(2):
+        y_split = kern.tile(x, rows=64, splits=4)  # split-K: its counters reset by every replay's last blocks
+    for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(y, x.float() @ w32) < 2e-3
+        assert rel_err(y_split, x.float() @ w32) < 2e-3
 
 
 @needs_hopper
@@ -261,5 +295,9 @@ def test_registry_picks_the_tile_where_it_serves():
     for m in (tile.MIN_ROWS - 1, tile.MIN_ROWS, top, top + 1):
         x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
         assert rel_err(kern(x), x.float() @ w32) < 2e-3
-    narrow = TritonGPTQKernel(weight(512, 1024, 4, 128, True, False, seed=8).to("cuda"), torch.float16)
-    assert narrow.config_for(256).kind != "tile"  # 8 column tiles: only blocks of 64 rows would fill it
+    narrow_w = weight(2048, 1024, 4, 128, True, False, seed=8).to("cuda")
+    narrow = TritonGPTQKernel(narrow_w, torch.float16)
+    cfg = narrow.config_for(256)  # 8 column tiles of 256 rows: the input axis (8 layout blocks) split in four
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tile", 256, 4)
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.float16)
+    assert rel_err(narrow(x), x.float() @ dequantize(narrow_w, torch.float32)) < 2e-3

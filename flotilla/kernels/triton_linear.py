@@ -128,9 +128,10 @@ def gemv_config(plan) -> GemmConfig:
     return GemmConfig("gemv", block_m=plan.rows, block_n=plan.cols, num_warps=plan.warps, num_stages=plan.stages)
 
 
-def tile_config(rows: int) -> GemmConfig:
-    """The CUDA tile GEMM (kernels/cuda/tile.py) with blocks of `rows` batch rows, as this module's config."""
-    return GemmConfig("tile", block_m=rows, block_n=TILE_COLS)
+def tile_config(rows: int, splits: int = 1) -> GemmConfig:
+    """The CUDA tile GEMM (kernels/cuda/tile.py) with blocks of `rows` batch rows and the input axis cut into
+    `splits` ranges, as this module's config."""
+    return GemmConfig("tile", block_m=rows, block_n=TILE_COLS, split_k=splits)
 
 
 def weight_side(cfg: GemmConfig, layout: TritonLayout) -> GemmConfig:
@@ -198,7 +199,8 @@ class TritonLayoutKernel:
             if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
                 cfg = gemv_config(self.gemv.plan_for(m))
             elif self.tile is not None and self.tile.serves(m):
-                cfg = tile_config(self.tile.rows_for(m))
+                rows = self.tile.rows_for(m)
+                cfg = tile_config(rows, self.tile.splits_for(m, rows))
             else:
                 cfg = weight_side(choose_config(m, self.layout, self.num_sms), self.layout)
             self._configs[m] = cfg
@@ -218,7 +220,7 @@ class TritonLayoutKernel:
             if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             if self.tile is not None and m >= 64 and not candidates:  # the tile GEMM at each block height
-                configs = [*configs, *(tile_config(r) for r in TILE_ROWS)]
+                configs = [*configs, *(tile_config(r, self.tile.splits_for(m, r)) for r in TILE_ROWS)]
             for cfg in configs:
                 fn = lambda: self(x, config=cfg)  # noqa: E731
                 try:
@@ -249,7 +251,7 @@ class TritonLayoutKernel:
         elif cfg.kind == "tile":
             if self.tile is None:
                 raise ValueError("the CUDA tile GEMM is not available for this weight (see the log)")
-            y = self.tile(x2, bias, out, rows=cfg.block_m)
+            y = self.tile(x2, bias, out, rows=cfg.block_m, splits=cfg.split_k)
             if out is not None:
                 return y
         elif cfg.kind == "dense":

@@ -31,15 +31,17 @@ log = logging.getLogger(__name__)
 BLOCK_ROWS = (64, 128, 256)  # batch rows a block (wgmma's N); the instances of csrc/tile_api.cu
 BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
-# the smallest block height whose grid still fills this share of the SMs (else the smallest height)
-FILL = 0.8
-# Where the kernel object picks it (`TileKernel.serves`): from MIN_ROWS to MAX_ROWS[bits] rows, where blocks of 256
-# rows fill the GPU, or blocks of 128 rows on weights whose column tiles alone fill it. Measured on an H100
-# (bench/NOTES-kernels.md, round 7, run 3): W4 at 256 rows 1.02x / 0.96x fp16 on 4096x14336 / 8192x28672 against
-# 0.51x / 0.60x for the Triton tiles or dequantize + cuBLAS, and faster than those from 128 rows up to 1024; W8 up to
-# 512; slower at 2048 rows, and on the 4096-wide weights with blocks of 64 or 128 rows (a block's chain of wgmmas
-# into the same accumulators is latency-bound when one or two blocks share an SM; W8 there lost at 512 rows).
+# Where the kernel object picks it (`serves`): from MIN_ROWS to MAX_ROWS[bits] rows, in blocks of 128 rows up to 128,
+# else 256 (`block_rows`), the input axis split where the output tiles alone leave SMs idle (`split_k`). Measured
+# on an H100 (bench/NOTES-kernels.md, round 8, run 2): faster than the Triton tiles or dequantize + cuBLAS in every
+# case it covers but one tie (4096x14336 W4 at 1024 rows: 224.5 against 222.6 µs), e.g. W4 at 256 rows 0.86-1.10x
+# fp16 on all four llama shapes against 0.51-0.68x; slower at 2048 rows (cuBLAS on the dequantized weight) and
+# below 128 (the Triton tiles); W8 up to 512 (at 1024 dequantize + cuBLAS won on the wide weights). Shorter blocks
+# that fill more SMs lost to split tall ones: a block's per-stage cost is latency-bound below 256 rows.
 MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 512}
+# split-K: the grid kept within one wave of the SMs (more splits measured slower: a second wave, a longer reduction),
+# at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of the SMs, no split
+FILL, MAX_SPLITS, MIN_SPLIT_BLOCKS = 0.8, 8, 2
 
 
 class TileUnsupported(ValueError):
@@ -51,7 +53,8 @@ class _Params(ctypes.Structure):  # tile.cuh TileParams
                 ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("M", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("KW", ctypes.c_int),
                 ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("stages_per_group", ctypes.c_int),
-                ("zero_const", ctypes.c_int), ("m_tiles", ctypes.c_int)]
+                ("zero_const", ctypes.c_int), ("m_tiles", ctypes.c_int), ("splits", ctypes.c_int),
+                ("partial", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
 
 
 def check_layout(layout: TritonLayout, dtype: torch.dtype) -> None:
@@ -74,24 +77,26 @@ def check_layout(layout: TritonLayout, dtype: torch.dtype) -> None:
         raise TileUnsupported(str(e)) from None
 
 
-def block_rows(m: int, n: int, num_sms: int) -> int:
-    """The block height for M rows of an N-wide weight: the tallest, up to M rounded up to 64, whose grid
-    fills FILL of the SMs (a taller block reads each weight tile fewer times and issues larger MMAs),
-    else the shortest."""
-    cols = -(-n // BLOCK_COLS)
-    for rows in reversed(BLOCK_ROWS):
-        if rows <= -(-m // 64) * 64 and -(-m // rows) * cols >= FILL * num_sms:
-            return rows
-    return BLOCK_ROWS[0]
+def block_rows(m: int) -> int:
+    """The block height for M rows: the shortest of BLOCK_ROWS that holds them, 256 from there on (a taller block
+    reads each weight tile fewer times and issues larger MMAs; a grid too small for the SMs is split along the
+    input axis, `split_k`, rather than cut into shorter blocks)."""
+    return next((rows for rows in BLOCK_ROWS if rows >= m), BLOCK_ROWS[-1])
 
 
-def serves(m: int, n: int, bits: int, num_sms: int) -> bool:
-    """Whether M rows of an N-wide weight at `bits` go to the tile GEMM (MIN_ROWS, MAX_ROWS): blocks of 256 rows
-    that fill the GPU, or blocks of 128 rows on a weight whose column tiles alone fill it."""
-    if not MIN_ROWS <= m <= MAX_ROWS[bits]:
-        return False
-    rows = block_rows(m, n, num_sms)
-    return rows == BLOCK_ROWS[-1] or (rows == 128 and -(-n // BLOCK_COLS) >= FILL * num_sms)
+def split_k(m: int, n: int, rows: int, k_blocks: int, num_sms: int) -> int:
+    """Into how many ranges of whole layout blocks to cut the input axis (split-K) for M rows of an N-wide
+    weight in blocks of `rows`: 1 where the output tiles fill FILL of the SMs, else as many as keep the grid
+    within one wave (MAX_SPLITS at most, MIN_SPLIT_BLOCKS layout blocks a split at least)."""
+    tiles = -(-m // rows) * -(-n // BLOCK_COLS)
+    if tiles >= FILL * num_sms:
+        return 1
+    return max(1, min(num_sms // tiles, MAX_SPLITS, k_blocks // MIN_SPLIT_BLOCKS))
+
+
+def serves(m: int, bits: int) -> bool:
+    """Whether M rows of a weight at `bits` go to the tile GEMM (MIN_ROWS to MAX_ROWS[bits])."""
+    return MIN_ROWS <= m <= MAX_ROWS[bits]
 
 
 class _Library:
@@ -146,18 +151,24 @@ class TileKernel:
         """Over a layout that `check_layout` accepted (`tile_for` checks it before it builds the library)."""
         self.layout, self.dtype, self.lib = layout, dtype, lib
         self.num_sms = torch.cuda.get_device_properties(layout.words.device).multi_processor_count
+        self.k_blocks = layout.words.shape[1] // 32  # layout blocks along the input axis
+        self._counters = torch.zeros(1024, dtype=torch.int32, device=layout.words.device)
 
     def rows_for(self, m: int) -> int:
-        return block_rows(m, self.layout.out_features, self.num_sms)
+        return block_rows(m)
+
+    def splits_for(self, m: int, rows: int) -> int:
+        return split_k(m, self.layout.out_features, rows, self.k_blocks, self.num_sms)
 
     def serves(self, m: int) -> bool:
         """Whether the kernel object should run M rows here (where it measured faster than its other paths)."""
-        return serves(m, self.layout.out_features, self.layout.bits, self.num_sms)
+        return serves(m, self.layout.bits)
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 rows: int | None = None) -> torch.Tensor:
+                 rows: int | None = None, splits: int | None = None) -> torch.Tensor:
         """x2 [M, in] -> [M, out] in float16, written into `out` (a [M, out] view with unit column stride)
-        when given; `rows`: the block height (default `rows_for(M)`)."""
+        when given; `rows`: the block height (default `rows_for(M)`); `splits`: ranges of the input axis
+        (split-K, default `splits_for(M, rows)`)."""
         lay = self.layout
         m, k = x2.shape
         if k != lay.in_features or x2.dtype != self.dtype:
@@ -165,6 +176,9 @@ class TileKernel:
         rows = rows or self.rows_for(m)
         if rows not in BLOCK_ROWS:
             raise ValueError(f"block height {rows}: one of {BLOCK_ROWS}")
+        splits = splits or self.splits_for(m, rows)
+        if not 1 <= splits <= self.k_blocks:
+            raise ValueError(f"{splits} splits of the input axis: 1 to {self.k_blocks} (its layout blocks)")
         n = lay.out_features
         if out is None:
             out = torch.empty((m, n), dtype=self.dtype, device=x2.device)
@@ -182,11 +196,20 @@ class TileKernel:
             x2 = torch.empty((m, k), dtype=x2.dtype, device=x2.device).copy_(x2)
         if bias is not None:
             bias = bias.to(self.dtype).contiguous()
+        partial = counters = None
+        if splits > 1:
+            tiles = -(-m // rows) * -(-n // BLOCK_COLS)
+            partial = torch.empty(splits * tiles * BLOCK_COLS * rows, dtype=torch.float32, device=x2.device)
+            if tiles > self._counters.numel():  # every launch leaves its counters at zero: a larger zeroed one replaces it
+                self._counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+            counters = self._counters
         p = _Params(x=x2.data_ptr(), words=lay.words.data_ptr(), scales=lay.scales.data_ptr(),
                     zeros=None if lay.zeros is None else lay.zeros.data_ptr(),
                     bias=None if bias is None else bias.data_ptr(), y=target.data_ptr(), M=m, N=n, K=k,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=target.stride(0),
-                    stages_per_group=lay.group_size // 64, zero_const=lay.zero_const, m_tiles=-(-m // rows))
+                    stages_per_group=lay.group_size // 64, zero_const=lay.zero_const, m_tiles=-(-m // rows),
+                    splits=splits, partial=None if partial is None else partial.data_ptr(),
+                    counters=None if counters is None else counters.data_ptr())
         with torch.cuda.device(x2.device):  # the launch (and the shared-memory opt-in) on x's GPU
             stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
             self.lib.call(p, lay.bits, rows, stream)

@@ -26,6 +26,10 @@
 // that read it completed (2 stages back: each thread waited for it before the stage's barrier).
 // The tensor map of x is encoded on the host per launch (the driver's cuTensorMapEncodeTiled,
 // fetched through the runtime) and passed as a __grid_constant__ parameter.
+// Split-K (narrow grids: too few output tiles to fill the SMs): block (tile, split) runs layout blocks
+// split * nb / splits .. (split + 1) * nb / splits - 1 of the input axis, writes its fp32 accumulators to
+// `partial` and counts itself in on the tile's counter; the tile's last block sums the splits' partials in
+// split order (deterministic), resets the counter and runs the epilogue.
 // Epilogue: the accumulators (+ bias) through shared memory into 16-byte coalesced stores.
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only: the encoder is fetched from the driver at run time)
@@ -52,7 +56,10 @@ struct TileParams {
   int M, N, K, KW, lda, ldy;
   int stages_per_group;     // group size / 64
   int zero_const;
-  int m_tiles;              // ceil(M / NR): the grid is m_tiles x ceil(N / 128), batch rows fastest
+  int m_tiles;              // ceil(M / NR): the grid is m_tiles x splits x ceil(N / 128), batch rows fastest
+  int splits;               // the input axis cut into this many ranges of whole layout blocks (split-K)
+  float* partial;           // splits > 1: [splits, tiles, ACC / 4, THREADS, 4] fp32, every block's accumulators
+  int* counters;            // splits > 1: [tiles], zero before the launch (the last block of a tile resets its own)
 };
 
 constexpr int WG = 2, THREADS = 128 * WG, BN = 64 * WG;  // warpgroups, threads, out-features a block
@@ -184,14 +191,18 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   const uint32_t ring = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int m0 = (blockIdx.x % p.m_tiles) * NR, n0 = (blockIdx.x / p.m_tiles) * BN;
+  const int m_tile = blockIdx.x % p.m_tiles, split = (blockIdx.x / p.m_tiles) % p.splits;
+  const int n_tile = blockIdx.x / (p.m_tiles * p.splits);
+  const int m0 = m_tile * NR, n0 = n_tile * BN;
   const int nl = 16 * warp + g;  // the thread's first column within the block (the second is nl + 8)
   const int col_a = min(n0 + nl, p.N - 1), col_b = min(n0 + nl + 8, p.N - 1);  // clamped for loads
   const uint32_t* wa = p.words + static_cast<size_t>(col_a) * p.KW + c;
   const uint32_t* wb = p.words + static_cast<size_t>(col_b) * p.KW + c;
-  const int nblocks = p.KW / R, nstages = nblocks * P;
+  const int nb = p.KW / R, b_begin = split * nb / p.splits, b_end = (split + 1) * nb / p.splits;
+  const int s0 = b_begin * P, nstages = (b_end - b_begin) * P;  // this block's stages: s0 .. s0 + nstages - 1
 
-  // the ring's barriers: stage s lands on full[s % NS], phase (s / NS) & 1; thread 0 issues every copy
+  // the ring's barriers: local stage l (= s - s0) lands on full[l % NS], phase (l / NS) & 1; thread 0 issues
+  // every copy
   __shared__ __align__(8) uint64_t full[NS];
   const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   if (tid == 0) {
@@ -200,11 +211,11 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
     mbar_init_fence();
   }
   __syncthreads();
-  auto issue_stage = [&](int s) {  // thread 0 only
-    if (s < nstages) {
-      const uint32_t bar = bar0 + 8 * (s % NS);
+  auto issue_stage = [&](int l) {  // thread 0 only
+    if (l < nstages) {
+      const uint32_t bar = bar0 + 8 * (l % NS);
       mbar_expect_tx(bar, STAGE);
-      tma_load_2d(ring + (s % NS) * STAGE, &xmap, 64 * s, m0, bar);
+      tma_load_2d(ring + (l % NS) * STAGE, &xmap, 64 * (s0 + l), m0, bar);
     }
   };
 
@@ -217,20 +228,23 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   }
   uint32_t wnext[2][8];
 #pragma unroll
-  for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + 4 * i), wnext[1][i] = __ldg(wb + 4 * i);
+  for (int i = 0; i < 8; i++) {
+    wnext[0][i] = __ldg(wa + b_begin * R + 4 * i);
+    wnext[1][i] = __ldg(wb + b_begin * R + 4 * i);
+  }
   // the group entries of the P stages of the next layout block, loaded one block ahead (a stage ahead was
   // not enough: the load's latency showed in every stage on the narrow weights, device run 2)
   GroupAt gq[P];
 #pragma unroll
-  for (int t = 0; t < P; t++) gq[t] = load_group(p, t / p.stages_per_group, col_a, col_b);
+  for (int t = 0; t < P; t++) gq[t] = load_group(p, (s0 + t) / p.stages_per_group, col_a, col_b);
 
-  for (int b = 0; b < nblocks; b++) {
+  for (int b = b_begin; b < b_end; b++) {
     uint32_t wcur[2][8];
 #pragma unroll
     for (int i = 0; i < 8; i++) wcur[0][i] = wnext[0][i], wcur[1][i] = wnext[1][i];
     static_for<P>([&](auto tc) {
       constexpr int t = decltype(tc)::value;
-      const int s = b * P + t;
+      const int s = b * P + t, l = s - s0;
       const GroupAt gcur = gq[t];
       uint32_t zze[2], zzo[2], s2[2];
 #pragma unroll
@@ -239,16 +253,16 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
         zzo[h] = zz_odd_of(gcur.z[h] * 0x00010001u);
         s2[h] = gcur.s[h] * 0x00010001u;
       }
-      mbar_wait(bar0 + 8 * (s % NS), (s / NS) & 1);  // stage s has landed
+      mbar_wait(bar0 + 8 * (l % NS), (l / NS) & 1);  // stage s has landed
       __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for step 4 s - 4)
-      if (tid == 0) issue_stage(s + AHEAD);  // into stage s - 2's slot
-      if (t == 0 && b + 1 < nblocks) {
+      if (tid == 0) issue_stage(l + AHEAD);  // into stage s - 2's slot
+      if (t == 0 && b + 1 < b_end) {
         const size_t off = static_cast<size_t>(b + 1) * R;
 #pragma unroll
         for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + off + 4 * i), wnext[1][i] = __ldg(wb + off + 4 * i);
       }
-      if (s + P < nstages) gq[t] = load_group(p, (s + P) / p.stages_per_group, col_a, col_b);
-      const uint32_t slot = ring + (s % NS) * STAGE;
+      if (l + P < nstages) gq[t] = load_group(p, (s + P) / p.stages_per_group, col_a, col_b);
+      const uint32_t slot = ring + (l % NS) * STAGE;
       static_for<4>([&](auto jc) {
         constexpr int j = decltype(jc)::value;
         uint32_t a[4];
@@ -266,6 +280,44 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   wgmma_wait<0>();
 #pragma unroll
   for (int i = 0; i < ACC; i++) fence_operand(acc[i]);
+
+  if (p.splits > 1) {  // split-K: this block's partial out, and the tile's last block sums them all
+    // the block's place again from a fresh read of its index (kept live through the loop, it cost a spill at
+    // NR = 64)
+    uint32_t bid;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
+    const int mt = bid % p.m_tiles, sp = (bid / p.m_tiles) % p.splits;
+    const int tile_id = bid / (p.m_tiles * p.splits) * p.m_tiles + mt, tiles = p.m_tiles * ((p.N + BN - 1) / BN);
+    float4* mine = reinterpret_cast<float4*>(p.partial) + (static_cast<size_t>(sp) * tiles + tile_id) * (ACC / 4) * THREADS;
+#pragma unroll
+    for (int q = 0; q < ACC / 4; q++)
+      __stcg(mine + q * THREADS + tid, make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+    __syncthreads();  // every thread's partial stored, ordered before thread 0's fence (CTA barrier)
+    __shared__ int is_last;
+    if (tid == 0) {  // one thread fences for the block (a fence in every thread measured as membar stalls)
+      __threadfence();  // release: the block's partial before its count
+      is_last = atomicAdd(p.counters + tile_id, 1) == p.splits - 1;
+      if (is_last) __threadfence();  // acquire: the other splits' partials after their counts
+    }
+    __syncthreads();
+    if (!is_last) return;  // block-uniform
+    // split by split, each round's loads all issued before its adds (one latency a split, not one a load)
+    const float4* part = reinterpret_cast<const float4*>(p.partial) + static_cast<size_t>(tile_id) * (ACC / 4) * THREADS;
+#pragma unroll
+    for (int q = 0; q < ACC / 4; q++) {
+      const float4 v = __ldcg(part + q * THREADS + tid);
+      acc[4 * q] = v.x, acc[4 * q + 1] = v.y, acc[4 * q + 2] = v.z, acc[4 * q + 3] = v.w;
+    }
+    for (int j = 1; j < p.splits; j++) {  // in split order: the same sum whichever block came last
+      part += static_cast<size_t>(tiles) * (ACC / 4) * THREADS;
+#pragma unroll
+      for (int q = 0; q < ACC / 4; q++) {
+        const float4 v = __ldcg(part + q * THREADS + tid);
+        acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
+      }
+    }
+    if (tid == 0) p.counters[tile_id] = 0;  // ready for the next launch
+  }
 
   // epilogue: + bias, to fp16, through shared memory (the ring, now free: every copy landed) into rows of y
   __syncthreads();
@@ -345,18 +397,17 @@ cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   e = x_tensor_map<NR>(p, &xmap);
   if (e != cudaSuccess) return e;
   const int n_tiles = (p.N + BN - 1) / BN;
-  tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles, THREADS, smem, stream>>>(p, xmap);
+  if (p.splits < 1 || (p.splits > 1 && (p.partial == nullptr || p.counters == nullptr))) return cudaErrorInvalidValue;
+  tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles * p.splits, THREADS, smem, stream>>>(p, xmap);
   return cudaGetLastError();
 }
 
-// the instances: NR batch rows a block with its ring depth
-#define FLOTILLA_TILE_INSTANTIATE(BITS)                                                              \
-  template cudaError_t tile_launch<BITS, 64, 6>(const TileParams&, cudaStream_t);                   \
-  template cudaError_t tile_launch<BITS, 128, 5>(const TileParams&, cudaStream_t);                  \
-  template cudaError_t tile_launch<BITS, 256, 5>(const TileParams&, cudaStream_t);
-#define FLOTILLA_TILE_DECLARE(BITS)                                                                  \
-  extern template cudaError_t tile_launch<BITS, 64, 6>(const TileParams&, cudaStream_t);            \
-  extern template cudaError_t tile_launch<BITS, 128, 5>(const TileParams&, cudaStream_t);           \
-  extern template cudaError_t tile_launch<BITS, 256, 5>(const TileParams&, cudaStream_t);
+// the instances: NR batch rows a block with its ring depth (deeper rings, 12 / 9 / 6 stages, measured no faster:
+// bench/NOTES-kernels.md round 8)
+#define FLOTILLA_TILE_INSTANCES(X, BITS) X(BITS, 64, 6) X(BITS, 128, 5) X(BITS, 256, 5)
+#define FLOTILLA_TILE_INSTANCE(BITS, NR, NS) template cudaError_t tile_launch<BITS, NR, NS>(const TileParams&, cudaStream_t);
+#define FLOTILLA_TILE_EXTERN(BITS, NR, NS) extern template cudaError_t tile_launch<BITS, NR, NS>(const TileParams&, cudaStream_t);
+#define FLOTILLA_TILE_INSTANTIATE(BITS) FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_INSTANCE, BITS)
+#define FLOTILLA_TILE_DECLARE(BITS) FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_EXTERN, BITS)
 
 }  // namespace flotilla::tile

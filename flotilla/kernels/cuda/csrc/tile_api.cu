@@ -17,12 +17,11 @@ extern "C" {
 // bits: 4 or 8; rows: batch rows a block (64, 128, 256)
 FLOTILLA_API int flotilla_tile(const TileParams* p, int bits, int rows, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (bits == 4 && rows == 64) return tile_launch<4, 64, 6>(*p, s);
-  if (bits == 4 && rows == 128) return tile_launch<4, 128, 5>(*p, s);
-  if (bits == 4 && rows == 256) return tile_launch<4, 256, 5>(*p, s);
-  if (bits == 8 && rows == 64) return tile_launch<8, 64, 6>(*p, s);
-  if (bits == 8 && rows == 128) return tile_launch<8, 128, 5>(*p, s);
-  if (bits == 8 && rows == 256) return tile_launch<8, 256, 5>(*p, s);
+#define FLOTILLA_TILE_CASE(BITS, NR, NS) \
+  if (bits == BITS && rows == NR) return tile_launch<BITS, NR, NS>(*p, s);
+  FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_CASE, 4)
+  FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_CASE, 8)
+#undef FLOTILLA_TILE_CASE
   return cudaErrorInvalidValue;
 }
 

@@ -374,6 +374,7 @@ def test_registry_crosses_to_dense_at_the_measured_batch():
 
     w = weight(1024, 512, 4, 128, False, True, seed=10).to("cuda")
     kern = TritonGPTQKernel(w, torch.float16)
+    kern.tile = None  # the crossover between the Triton paths (Hopper's tile GEMM: tests/test_tile.py)
     first = dense_min_rows(kern.layout)
     w32 = dequantize(w, torch.float32)
     for m, kind in ((first - 1, "dot"), (first, "dense")):
@@ -546,6 +547,7 @@ def test_dense_in_chunks_on_the_gpu_in_a_graph_on_a_side_stream(dtype):
     k, n, m = 256, 3 * 4096 + 64, 512  # three full chunks and a short one
     w = weight(k, n, 4, 128, False, True, seed=5).to("cuda")
     kernel = TritonGPTQKernel(w, dtype)
+    kernel.tile = None  # the dense path, which Hopper's tile GEMM takes over at these rows (tests/test_tile.py)
     assert kernel.config_for(m) == GemmConfig("dense", chunk=dense_chunk(m, n)) and dense_chunk(m, n) == 4096
     x = torch.randn(m, k, device="cuda").to(dtype)
     bias = torch.randn(n, device="cuda").to(dtype)

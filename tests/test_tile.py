@@ -155,6 +155,16 @@ def test_served_exactly_where_it_measured_faster():
         assert not tile.serves(m, bits), (n, bits, m)
 
 
+def test_the_environment_switch(monkeypatch):
+    for value, want in (("1", "on"), ("0", "off"), ("nosplit", "nosplit"), (" OFF ", "off")):
+        monkeypatch.setenv(tile.ENV, value)
+        assert tile.env_setting() == want
+    monkeypatch.setenv(tile.ENV, "no")
+    assert tile.env_setting() == "on"  # logged once: not understood
+    monkeypatch.delenv(tile.ENV)
+    assert tile.env_setting() == "on"
+
+
 def test_no_tile_off_hopper_or_on_cpu():
     lay = repack(weight(512, 128, 4, 128, True, False))
     assert tile.tile_for(lay, torch.float16) is None  # a CPU layout

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 
@@ -42,6 +43,22 @@ MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 512}
 # split-K: the grid kept within one wave of the SMs (more splits measured slower: a second wave, a longer reduction),
 # at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of the SMs, no split
 FILL, MAX_SPLITS, MIN_SPLIT_BLOCKS = 0.8, 8, 2
+# FLOTILLA_TILE=0 turns the tile GEMM off (the Triton tiles and dequantize + cuBLAS serve every batch), =nosplit keeps
+# it but never splits the input axis; read when a kernel object is built
+ENV = "FLOTILLA_TILE"
+_reported: set[str] = set()  # reasons and settings logged once
+
+
+def env_setting() -> str:
+    """FLOTILLA_TILE as "on", "off" or "nosplit"; an unknown value is logged once and read as the default."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    settings = {"1": "on", "": "on", "on": "on", "0": "off", "off": "off", "nosplit": "nosplit"}
+    if value not in settings:
+        if value not in _reported:
+            _reported.add(value)
+            log.warning("%s=%r not understood (use 1, 0 or nosplit): the tile GEMM stays on", ENV, os.environ[ENV])
+        return "on"
+    return settings[value]
 
 
 class TileUnsupported(ValueError):
@@ -152,13 +169,14 @@ class TileKernel:
         self.layout, self.dtype, self.lib = layout, dtype, lib
         self.num_sms = torch.cuda.get_device_properties(layout.words.device).multi_processor_count
         self.k_blocks = layout.words.shape[1] // 32  # layout blocks along the input axis
+        self.split = env_setting() != "nosplit"
         self._counters = torch.zeros(1024, dtype=torch.int32, device=layout.words.device)
 
     def rows_for(self, m: int) -> int:
         return block_rows(m)
 
     def splits_for(self, m: int, rows: int) -> int:
-        return split_k(m, self.layout.out_features, rows, self.k_blocks, self.num_sms)
+        return split_k(m, self.layout.out_features, rows, self.k_blocks, self.num_sms) if self.split else 1
 
     def serves(self, m: int) -> bool:
         """Whether the kernel object should run M rows here (where it measured faster than its other paths)."""
@@ -218,13 +236,13 @@ class TileKernel:
         return out
 
 
-_reported: set[str] = set()
-
 
 def tile_for(layout: TritonLayout, dtype: torch.dtype) -> TileKernel | None:
     """The tile GEMM over this layout, or None (the other paths serve; the reason logged once)."""
     device = layout.words.device
     if device.type != "cuda" or tuple(torch.cuda.get_device_capability(device)) != CAPABILITY:
+        return None
+    if env_setting() == "off":
         return None
     try:
         check_layout(layout, dtype)

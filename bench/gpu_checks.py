@@ -152,6 +152,52 @@ def check_graphs(model, batch: int = 5, prompt_len: int = 40, steps: int = 3) ->
             f"greedy tokens agree {agree}/{batch * steps} -> {'OK' if ok else 'FAIL'}")
 
 
+def _layout_kernels(model) -> list:
+    """The model's Triton-layout kernel objects (the ones that hold Hopper's tile GEMM)."""
+    from flotilla.kernels.triton_linear import TritonLayoutKernel
+    return [k for k in (getattr(m, "kernel", None) for m in model.modules()) if isinstance(k, TritonLayoutKernel)]
+
+
+@torch.inference_mode()
+def check_prefill(model, batch: int = 5, prompt_len: int = 40) -> str:
+    """One prefill of batch x prompt_len rows with the registry's picks (on Hopper the tile GEMM from 128 rows,
+    split-K on narrow weights) against the same prefill with the tile GEMM left out (the Triton tiles or
+    dequantize + cuBLAS): both finite, and equal within rounding. The decode checks share one prefill between
+    the two sides they compare, so they cannot see a wrong one."""
+    engine = bench_engine(model, batch, prompt_len + 1, batch * prompt_len, graphs=False)
+    runner = engine.executor
+    bs = runner.block_size
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    blocks = -(-(prompt_len + 1) // bs)
+    s = step_input(prompts, [0] * batch, [[1 + b * blocks + i for i in range(blocks)] for b in range(batch)])
+    positions, meta = prepare_step(s, bs, runner.device)
+    x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
+
+    def logits() -> torch.Tensor:
+        return runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
+
+    kernels = _layout_kernels(model)
+    tiles = [k.tile for k in kernels]
+    picks = {k.config_for(batch * prompt_len).kind for k in kernels}
+    got = logits()
+    try:
+        for k in kernels:
+            k.tile = None
+            k._configs.clear()
+        want = logits()
+    finally:
+        for k, t in zip(kernels, tiles):
+            k.tile = t
+            k._configs.clear()
+    bad = [name for name, t in (("picks", got), ("without the tile GEMM", want)) if not bool(torch.isfinite(t).all())]
+    err = rel_err(got, want) if not bad else float("nan")
+    ok = not bad and err < 1e-2
+    return (f"prefill of {batch * prompt_len} rows, the registry's picks ({'/'.join(sorted(picks)) or 'no layout kernels'}) vs the tile GEMM "
+            f"left out: logits rel err {err:.1e}" + (f", not finite: {', '.join(bad)}" if bad else "")
+            + f" -> {'OK' if ok else 'FAIL'}")
+
+
 @torch.inference_mode()
 def check_syncs(model, batch: int = 4, prompt_len: int = 16, steps: int = 8, overlap: bool = False) -> str:
     """Decode steps through the engine under torch's sync debug mode: every synchronising CUDA

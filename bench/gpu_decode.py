@@ -54,7 +54,7 @@ from flotilla.models.llama import NORM_FUSION_ENV, norm_fusion_enabled  # noqa: 
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
 from flotilla.runtime.sampling import SamplingParams  # noqa: E402
-from bench.gpu_checks import (check_attention, check_engine_spec, check_fused, check_graphs,  # noqa: E402
+from bench.gpu_checks import (check_attention, check_engine_spec, check_fused, check_graphs, check_prefill,  # noqa: E402
                               check_overlap, check_syncs)
 
 
@@ -301,6 +301,7 @@ def main(argv=None) -> int:
     print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if slow:
         print(section("fused ops check", lambda: check_fused(model)), flush=True)
+    print(section("prefill check", lambda: check_prefill(model)), flush=True)
     print(section("graph check", lambda: check_graphs(model)), flush=True)
     for overlap in (False, True):
         print(section("sync check", lambda: check_syncs(model, overlap=overlap)), flush=True)

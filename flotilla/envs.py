@@ -16,6 +16,9 @@
     FLOTILLA_NORM_FUSION 0: RMSNorm kernels between the CUDA GEMVs at 1-2 rows, where by default the
                          GEMVs add the residuals and apply the norms (read by flotilla.models.llama when a
                          model is frozen; default on)
+    FLOTILLA_TILE        0: no Hopper tile GEMM for 128-1024 batch rows (the Triton tiles and dequantize +
+                         cuBLAS serve them); nosplit: the tile GEMM without split-K (read by
+                         flotilla.kernels.cuda.tile when a kernel object is built; default on)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their

@@ -41,11 +41,12 @@ def step_input(new_tokens: list[list[int]], starts: list[int], tables: list[list
 
 # ------------------------------------------------------------------------------------- checks
 
-def check_attention(seed: int = 0) -> str:
+def check_attention(seed: int = 0, hq: int = 32, hkv: int = 8) -> str:
     """One mixed step (decodes with contexts 1..2100, a fresh prefill, a prefill after a cached
-    prefix) on llama-3-8b heads: CUDA fp16 (Triton decode, SDPA prefill) vs CPU fp32 reference."""
+    prefix) on llama-3-8b heads (hq=64: llama-3-70b's): CUDA fp16 (Triton decode, SDPA prefill) vs CPU fp32
+    reference."""
     gen = torch.Generator().manual_seed(seed)
-    hq, hkv, d, bs, nblocks = 32, 8, 128, 16, 600
+    d, bs, nblocks = 128, 16, 600
     seqs = [(0, 1), (36, 1), (699, 1), (2099, 1), (0, 50), (30, 20)]  # (cached, new) decodes first
     perm = torch.randperm(nblocks - 1, generator=gen).add(1).tolist()
     tables, starts, tokens = [], [], []
@@ -71,7 +72,7 @@ def check_attention(seed: int = 0) -> str:
     dec = rel_err(outs["cuda"][:nd], outs["cpu"][:nd])
     pre = rel_err(outs["cuda"][nd:], outs["cpu"][nd:])
     ok = dec < 5e-3 and pre < 5e-3 and bool(torch.isfinite(outs["cuda"]).all())
-    return (f"paged attention, CUDA fp16 vs CPU fp32 reference: decodes (Triton) rel err {dec:.1e}, "
+    return (f"paged attention ({hq} heads over {hkv}), CUDA fp16 vs CPU fp32 reference: decodes (Triton) rel err {dec:.1e}, "
             f"prefills (SDPA) rel err {pre:.1e} -> {'OK' if ok else 'FAIL'}")
 
 

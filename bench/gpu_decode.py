@@ -295,6 +295,8 @@ def main(argv=None) -> int:
     slow = "slow-checks" not in skip
     if slow:
         print(section("attention check", check_attention), flush=True)
+        if args.shape == "llama-3-70b":
+            print(section("attention check (70b heads)", lambda: check_attention(hq=64)), flush=True)
     bw = section("HBM bandwidth", copy_bandwidth)
     model = section("build int4", lambda: build_random_model(args.shape, 4, "cuda", torch.float16))
     wbytes = weight_bytes(model)

@@ -76,6 +76,19 @@ def check_attention(seed: int = 0, hq: int = 32, hkv: int = 8) -> str:
             f"prefills (SDPA) rel err {pre:.1e} -> {'OK' if ok else 'FAIL'}")
 
 
+def _prefill(model, batch: int, prompt_len: int, seed: int, max_len: int):
+    """Random prompts' first step on a fresh eager engine: a function that runs the model over it and returns
+    the logits (each call writes the same KV blocks again)."""
+    runner = bench_engine(model, batch, max_len, batch * prompt_len, graphs=False).executor
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    blocks = -(-prompt_len // runner.block_size)
+    s = step_input(prompts, [0] * batch, [[1 + b * blocks + i for i in range(blocks)] for b in range(batch)])
+    positions, meta = prepare_step(s, runner.block_size, runner.device)
+    x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
+    return lambda: runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
+
+
 @torch.inference_mode()
 def check_fused(model, batch: int = 4, prompt_len: int = 32) -> str:
     """The Triton kernels of the small per-layer ops against torch on real shapes (the KV store
@@ -100,19 +113,11 @@ def check_fused(model, batch: int = 4, prompt_len: int = 32) -> str:
         cos, sin = model.rope.tables(torch.arange(0, 6400, 100, device="cuda"), dtype)
         want = torch.addcmul(q.float() * cos.float(), q.float().roll(64, dims=-1), sin.float())
         errs[f"rope {dtype}"] = rel_err(triton_fused.rope(q, cos, sin), want)
-    engine = bench_engine(model, batch, prompt_len + 8, batch * prompt_len, graphs=False)
-    runner = engine.executor
-    gen = torch.Generator().manual_seed(3)
-    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
-    blocks = -(-prompt_len // runner.block_size)
-    s = step_input(prompts, [0] * batch, [[1 + b * blocks + i for i in range(blocks)] for b in range(batch)])
-    positions, meta = prepare_step(s, runner.block_size, runner.device)
-    x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
+    prefill = _prefill(model, batch, prompt_len, seed=3, max_len=prompt_len + 8)
     logits = {}
     for on in (True, False):
         fused.ENABLED = on
-        h = model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale))
-        logits[on] = runner.compute_logits(s, h)
+        logits[on] = prefill()
     fused.ENABLED = True
     errs["model logits, fused vs torch ops"] = rel_err(logits[True], logits[False])
     worst = max(v for k, v in errs.items() if not k.startswith("model"))
@@ -165,19 +170,7 @@ def check_prefill(model, batch: int = 5, prompt_len: int = 40) -> str:
     split-K on narrow weights) against the same prefill with the tile GEMM left out (the Triton tiles or
     dequantize + cuBLAS): both finite, and equal within rounding. The decode checks share one prefill between
     the two sides they compare, so they cannot see a wrong one."""
-    engine = bench_engine(model, batch, prompt_len + 1, batch * prompt_len, graphs=False)
-    runner = engine.executor
-    bs = runner.block_size
-    gen = torch.Generator().manual_seed(2)
-    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
-    blocks = -(-(prompt_len + 1) // bs)
-    s = step_input(prompts, [0] * batch, [[1 + b * blocks + i for i in range(blocks)] for b in range(batch)])
-    positions, meta = prepare_step(s, bs, runner.device)
-    x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
-
-    def logits() -> torch.Tensor:
-        return runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
-
+    logits = _prefill(model, batch, prompt_len, seed=2, max_len=prompt_len + 1)
     kernels = _layout_kernels(model)
     tiles = [k.tile for k in kernels]
     picks = {k.config_for(batch * prompt_len).kind for k in kernels}

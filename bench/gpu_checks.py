@@ -3,6 +3,8 @@
   check_attention  paged attention on CUDA (Triton decode, SDPA prefill) vs the CPU fp32 reference
   check_fused      the Triton small-op kernels vs torch, and the model's logits with them on and off
   check_graphs     decode-graph replays vs the eager runner's logits
+  check_prefill    a prefill with the registry's picks vs the same with the tile GEMM left out
+  check_linears    every layout-kernel call of a prefill vs dequantize + cuBLAS on its own input (which went wrong)
   check_syncs      host syncs per graph decode step, under torch's sync debug mode (with and without overlap)
   check_overlap    the overlapped engine's tokens against the synchronous engine's (stops, an abort)
   check_engine_spec  `build_engine` on CUDA (what `runtime serve/generate` run) with --speculative
@@ -190,6 +192,47 @@ def check_prefill(model, batch: int = 5, prompt_len: int = 40) -> str:
     return (f"prefill of {batch * prompt_len} rows, the registry's picks ({'/'.join(sorted(picks)) or 'no layout kernels'}) vs the tile GEMM "
             f"left out: logits rel err {err:.1e}" + (f", not finite: {', '.join(bad)}" if bad else "")
             + f" -> {'OK' if ok else 'FAIL'}")
+
+
+@torch.inference_mode()
+def check_linears(model, batch: int = 5, prompt_len: int = 40) -> str:
+    """Every layout-kernel call of one prefill against dequantize + cuBLAS on the same input (the call's own
+    input, so a bad linear shows where it is, not downstream): per call its config, and whether the input
+    and output are finite. Says which call first went wrong (the diagnostic behind a failing check_prefill)."""
+    from flotilla.kernels.triton_linear import GemmConfig, TritonLayoutKernel
+
+    prefill = _prefill(model, batch, prompt_len, seed=2, max_len=prompt_len + 1)
+    calls: list[tuple] = []
+    inner = TritonLayoutKernel.__call__
+
+    def checked(self, x, bias=None, config=None, out=None):
+        y = inner(self, x, bias, config, out)
+        cfg = config or self.config_for(x.reshape(-1, x.shape[-1]).shape[0])
+        if cfg.kind != "dense":
+            want = inner(self, x, bias, GemmConfig("dense"))
+            got = out if out is not None else y
+            lay = self.layout
+            calls.append((len(calls), f"{lay.in_features}x{lay.out_features}", cfg, bool(torch.isfinite(x).all()),
+                          bool(torch.isfinite(got).all()), rel_err(got.reshape(want.shape), want)))
+        return y
+
+    TritonLayoutKernel.__call__ = checked
+    try:
+        prefill()
+    finally:
+        TritonLayoutKernel.__call__ = inner
+    if not calls:
+        return "linears: no layout-kernel calls in the prefill -> FAIL"
+    bad = [c for c in calls if not c[4] or not c[5] < 1e-2]
+    worst = max(calls, key=lambda c: c[5] if c[5] == c[5] else float("inf"))
+    kinds = sorted({f"{c[2].kind}/{c[2].block_m}/{c[2].split_k}" for c in calls})
+    line = (f"linears of a {batch * prompt_len}-row prefill vs dequantize + cuBLAS: {len(calls)} calls ({', '.join(kinds)}), "
+            f"worst rel err {worst[5]:.1e} ({worst[1]}, {worst[2].kind} rows {worst[2].block_m} splits {worst[2].split_k})")
+    if bad:
+        i, shape, cfg, fin_in, fin_out, err = bad[0]
+        line += (f"; {len(bad)} bad, the first: call {i} {shape} {cfg.kind} rows {cfg.block_m} splits {cfg.split_k}, "
+                 f"input {'finite' if fin_in else 'NOT finite'}, output {'finite' if fin_out else 'NOT finite'}, rel err {err:.1e}")
+    return line + (" -> FAIL" if bad else " -> OK")
 
 
 @torch.inference_mode()

@@ -54,8 +54,8 @@ from flotilla.models.llama import NORM_FUSION_ENV, norm_fusion_enabled  # noqa: 
 from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches  # noqa: E402
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
 from flotilla.runtime.sampling import SamplingParams  # noqa: E402
-from bench.gpu_checks import (check_attention, check_engine_spec, check_fused, check_graphs, check_prefill,  # noqa: E402
-                              check_overlap, check_syncs)
+from bench.gpu_checks import (check_attention, check_engine_spec, check_fused, check_graphs, check_linears,  # noqa: E402
+                              check_overlap, check_prefill, check_syncs)
 
 
 # ------------------------------------------------------------------------------------- peers
@@ -255,6 +255,7 @@ def main(argv=None) -> int:
                                                "without overlap), nopdl (the int4 rows and profile without "
                                                "programmatic dependent launch), nofuse (the int4 rows with the norms the other way: in the GEMVs or as kernels of their own), head8 (the int4 rows with an int8 lm_head), slow-checks (attention, fused ops, "
                                                "engine spec), spec-check (the engine spec check alone)")
+    ap.add_argument("--checks-only", action="store_true", help="run the checks on the model, then stop (no rows)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -303,13 +304,18 @@ def main(argv=None) -> int:
     print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if slow:
         print(section("fused ops check", lambda: check_fused(model)), flush=True)
-    print(section("prefill check", lambda: check_prefill(model)), flush=True)
+    prefill = section("prefill check", lambda: check_prefill(model))
+    print(prefill, flush=True)
+    if prefill is None or prefill.endswith("FAIL"):  # which linear call went wrong first
+        print(section("linears check", lambda: check_linears(model)), flush=True)
     print(section("graph check", lambda: check_graphs(model)), flush=True)
     for overlap in (False, True):
         print(section("sync check", lambda: check_syncs(model, overlap=overlap)), flush=True)
     print(section("overlap check", lambda: check_overlap(model)), flush=True)
     if slow and "spec-check" not in skip:
         print(section("engine spec check", check_engine_spec), flush=True)
+    if args.checks_only:
+        return 0
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
     if "sync" not in skip:
         section("flotilla int4 sync", lambda: ours("flotilla int4 sync", model, overlap=False))

@@ -56,7 +56,9 @@ def test_random_model_has_symmetric_uniform_codes_and_finite_logits():
     assert isinstance(lin, QuantLinear)
     w = GPTQWeight(lin.qweight, lin.qzeros, lin.scales, lin.g_idx, 4, 128)
     assert torch.equal(w.zeros(), torch.full_like(w.zeros(), 8))
-    assert set(w.codes().unique().tolist()) == set(range(16))
+    codes = w.codes()
+    assert set(codes.unique().tolist()) == set(range(1, 16))  # centred on the zero: weights of mean zero
+    assert abs((codes.float() - 8).mean().item()) < 0.05
     assert bool((lin.scales > 0).all())
     assert weight_bytes(model) > model.lm_head.weight.numel() * 4
     cache = KVCache(KVCacheSpec((0, 1), 2, 32, torch.float32, 4), 8, torch.device("cpu"))
@@ -64,6 +66,27 @@ def test_random_model_has_symmetric_uniform_codes_and_finite_logits():
     assert runner.graphs is None  # CPU: graphs are never captured; the eager path is untouched
     out = runner.execute(step([[1, 2, 3]], [0], [[1]], sample=True))
     assert len(out.token_ids) == 1
+
+
+def test_deep_random_model_residual_grows_like_a_random_walk(monkeypatch):
+    """The layers' deltas of a random model are uncorrelated, so the residual's spread grows like the square
+    root of the depth (with weights of nonzero mean it grew linearly: llama-3-70b overflowed fp16 at layer 35)."""
+    import flotilla.models.llama as llama
+    from bench.gpu_checks import _prefill
+
+    model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, num_layers=64)
+    spread = {}
+    inner = llama.layer_residual
+
+    def recorded(ops, x, delta, cos, sin, attn):
+        out = inner(ops, x, delta, cos, sin, attn)
+        spread[ops.layer] = out[0].std().item()
+        return out
+
+    monkeypatch.setattr(llama, "layer_residual", recorded)
+    with torch.inference_mode():
+        _prefill(model, 4, 24, seed=0, max_len=25)()
+    assert spread[63] / spread[15] < 3  # a random walk: ~2 (sqrt of 4); linear growth: ~4
 
 
 def step(new_tokens, starts, tables, sample=True) -> StepInput:

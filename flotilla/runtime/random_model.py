@@ -3,7 +3,7 @@
     model = build_random_model("llama-3-8b", bits=4, device="cuda", dtype=torch.float16)
     write_random_checkpoint("llama-3-8b", "/tmp/llama8b-int4", device="cuda")   # for pipeline workers
 
-Quantized linears get random GPTQ tensors (uniform codes, symmetric zero, one scale per group
+Quantized linears get random GPTQ tensors (uniform codes of mean zero, symmetric zero, one scale per group
 and output) and choose their kernel through the registry exactly as a loaded checkpoint does;
 `bits=16` builds plain fp linears. Scales are sized so that each linear roughly preserves the
 variance of its input, which keeps the activations of a deep random model finite in fp16.
@@ -104,14 +104,27 @@ def _fill_quant(mod: QuantLinear, gen: torch.Generator) -> None:
 
 def _random_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
                  group_size: int, gen: torch.Generator) -> None:
-    """Fill one linear's GPTQ tensors in place: uniform random codes (uniform random words), zero
-    at the middle code, scales around 1 / (std(code - zero) * sqrt(in))."""
+    """Fill one linear's GPTQ tensors in place: uniform random codes 1 .. 2**bits - 1, zero at the middle code
+    2**(bits - 1) (the symmetric checkpoint's constant zero), scales around 1 / (std(code - zero) * sqrt(in)).
+    Code 0 is left out so that the weights have mean zero: with all 2**bits codes they average half a step
+    below the zero, every linear's output carries the same rank-one shift (the sum of its input), the
+    layers' deltas line up, and the residual stream of a deep model grows linearly until fp16 overflows
+    (llama-3-70b's 80 layers did, at layer 35)."""
     n_in = g_idx.numel()
-    qweight.random_(-2**31, 2**31, generator=gen)
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int64).view(1, per, 1)
+    chunk = max(1, (1 << 24) // max(1, per * qweight.shape[1]))  # word rows at a time: ~16M codes
+    for r0 in range(0, qweight.shape[0], chunk):
+        rows = qweight[r0:r0 + chunk]
+        codes = torch.randint(1, 1 << bits, (rows.shape[0], per, rows.shape[1]), generator=gen,
+                              device=qweight.device, dtype=torch.int64)
+        words = (codes << shifts).sum(1)  # the codes of a word along the input axis, the first in the low bits
+        rows.copy_(torch.where(words >= 2**31, words - 2**32, words))
     field = (1 << (bits - 1)) - 1  # the stored zero - 1 (gptq convention)
-    word = sum(field << (i * bits) for i in range(32 // bits))
+    word = sum(field << (i * bits) for i in range(per))
     qzeros.fill_(word - 2**32 if word >= 2**31 else word)
-    code_std = math.sqrt(((1 << bits) ** 2 - 1) / 12)
+    n_codes = (1 << bits) - 1  # uniform over n_codes values centred on the zero
+    code_std = math.sqrt((n_codes ** 2 - 1) / 12)
     base = 1.0 / (code_std * math.sqrt(n_in))
     scales.uniform_(0.5 * base, 1.5 * base, generator=gen)
     g_idx.copy_(torch.arange(n_in, device=g_idx.device, dtype=torch.int32) // (n_in if group_size == -1 else group_size))

@@ -11,6 +11,28 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
+# Triton chooses its interpreter when a kernel is defined (at import) and keeps it for the whole process. With
+# no GPU visible, every Triton test runs on CPU tensors through the interpreter: switched on here, before any
+# test module imports triton. On a GPU the kernels compile for it, the GPU tests run, and the interpreter's
+# test files skip (run them apart: TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py ...);
+# TRITON_INTERPRET=1 set before pytest starts runs those and skips the GPU tests instead. (Mixed in one
+# process, kernels defined after the switch were interpreted inside GPU tests: "Cannot copy between CPU and
+# CUDA tensors during CUDA graph capture".)
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRETED = "TRITON_INTERPRET" in os.environ
+GPU = torch.cuda.is_available() and not INTERPRETED
+GPU_SKIP_REASON = ("needs a CUDA GPU" if not torch.cuda.is_available()
+                   else "Triton interprets in this process (TRITON_INTERPRET is set): the GPU tests run without it")
+needs_gpu = pytest.mark.skipif(not GPU, reason=GPU_SKIP_REASON)
+
+
+def interpreter_only() -> None:
+    """Skip the calling test module unless Triton interprets in this process (see above)."""
+    if not INTERPRETED:
+        pytest.skip("Triton kernels compile for the GPU in this process; run this file apart with "
+                    "TRITON_INTERPRET=1 python -m pytest ...", allow_module_level=True)
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -19,8 +19,9 @@ from flotilla.kernels.cuda import kernel as cuda_kernel
 from flotilla.kernels.cuda.layout import UnsupportedCudaLayout, repack, unpack_layout
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
 from flotilla.kernels.reference import dequantize
+from conftest import needs_gpu
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = needs_gpu
 
 
 def weight(k: int, n: int, bits: int, group: int, sym: bool, act_order: bool, seed: int = 0) -> GPTQWeight:

@@ -1,9 +1,7 @@
 """The small-op Triton kernels compiled on a CUDA GPU (on sm_90+ launched as programmatic dependents,
 kernels/pdl.py), against the torch expressions they replace, eagerly and replayed in a CUDA graph.
-Run without the TRITON_INTERPRET test files in the same process (they interpret every Triton kernel)."""
+Skipped where Triton interprets (tests/conftest.py: on a GPU the interpreter's test files skip instead)."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -11,8 +9,9 @@ import torch.nn.functional as F
 
 from flotilla.kernels import fused, pdl
 from flotilla.models.rope import RotaryEmbedding
+from conftest import needs_gpu
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_gpu
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -29,8 +28,6 @@ def step(x, delta, norm_w, gate_up, qkv, cos, sin, kc, vc, slots, hq):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_small_ops_on_the_gpu_eager_and_in_a_graph(dtype):
-    if "TRITON_INTERPRET" in os.environ:
-        pytest.skip("Triton interprets in this process")
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(1)
     T, hq, hkv, d, hidden, inter = 2, 32, 8, 128, 4096, 1100
@@ -86,8 +83,6 @@ def test_step_start_and_greedy_ids_on_the_gpu():
     """The first stage's step start (embedding + the first input norm, one kernel) and the
     one-launch greedy ids, compiled on the GPU: against torch, and the greedy ids over a llama-3
     vocabulary at batch 1 and 16, twice (the scratch goes back to rest)."""
-    if "TRITON_INTERPRET" in os.environ:
-        pytest.skip("Triton interprets in this process")
     from flotilla.kernels.triton_sample import first_max_into
     from flotilla.runtime.sampler import chunked_first_max
 

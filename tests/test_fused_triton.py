@@ -3,11 +3,13 @@ silu * mul, rope, the KV store) against the torch expressions they replace, on C
 through TRITON_INTERPRET=1; and the dispatching functions are torch's own off CUDA."""
 from __future__ import annotations
 
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
 import pytest  # noqa: E402
+
+from conftest import interpreter_only  # noqa: E402
+
+interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_gpu
 from gemv_emulation import (
     emulate,
     emulate_mma,
@@ -40,7 +41,7 @@ from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_ggml import repack_ggml
 from flotilla.kernels.triton_layout import repack, unpack_words
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = needs_gpu
 
 
 CASES = [  # k, n, bits, group, sym, act_order
@@ -542,8 +543,6 @@ def test_dense_in_chunks_on_the_gpu_in_a_graph_on_a_side_stream(dtype):
     from flotilla.kernels.reference import gptq_matmul
     from flotilla.kernels.triton_linear import GemmConfig, TritonGPTQKernel, dense_chunk
 
-    if "TRITON_INTERPRET" in os.environ:
-        pytest.skip("Triton interprets in this process")
     k, n, m = 256, 3 * 4096 + 64, 512  # three full chunks and a short one
     w = weight(k, n, 4, 128, False, True, seed=5).to("cuda")
     kernel = TritonGPTQKernel(w, dtype)

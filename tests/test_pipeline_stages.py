@@ -27,6 +27,7 @@ from flotilla.runtime.pipeline.probe import memory_id
 from flotilla.runtime.random_model import write_random_checkpoint
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.runtime.scheduler import SchedulerConfig
+from conftest import needs_gpu
 
 BLOCK, BLOCKS, BUDGET = 4, 48, 8  # tokens a block, blocks in the pool, tokens a step
 PROMPTS = [[5, 17, 42, 99, 3, 8, 1, 2, 9, 11, 13], [7] * 6, [300, 1], [33]]
@@ -104,8 +105,7 @@ class PreparedStages(TwoStages):
         return out
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_gpu)])
 @torch.inference_mode()
 def test_a_first_stage_step_prepared_before_its_tokens_gives_the_plain_tokens(tiny, device):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -12,6 +12,7 @@ from flotilla.models.config import QuantConfig
 from flotilla.models.linear import LMHead, QuantLMHead
 from flotilla.runtime.loader import load_model
 from flotilla.runtime.random_model import shape_config, write_random_checkpoint
+from conftest import needs_gpu
 
 
 @pytest.mark.parametrize("head_bits", [8, 4])
@@ -147,7 +148,7 @@ def test_rotated_model_with_a_quantized_head(tmp_path):
     assert (b.compute_logits(hidden) - ref).abs().max() < 0.02 * ref.abs().max()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_gpu
 @pytest.mark.parametrize("head_bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_quantized_head_on_the_gpu_matches_the_reference(tmp_path, head_bits, rows):

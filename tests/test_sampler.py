@@ -9,6 +9,7 @@ import torch
 from flotilla.errors import FlotillaError
 from flotilla.runtime.sampler import Sampler, SamplingBatch, chunked_first_max, first_max
 from flotilla.runtime.sampling import SamplingParams
+from conftest import needs_gpu
 
 V = 50
 
@@ -147,8 +148,7 @@ def test_sampling_params_are_validated():
             SamplingParams(**bad)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 def test_first_max_in_chunks_is_argmax_with_ties_at_the_first(device):
     """Ties inside a chunk, across chunks, at a chunk's border, and -inf rows: the first maximum."""
     V = 128256  # llama-3's vocabulary: 128 chunks of 1002

@@ -2,11 +2,13 @@
 TRITON_INTERPRET=1 (CI has no GPU; bench/kernels.py --gguf checks and times them on one)."""
 from __future__ import annotations
 
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
 import pytest  # noqa: E402
+
+from conftest import interpreter_only  # noqa: E402
+
+interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402
 
 pytest.importorskip("triton")

@@ -10,14 +10,16 @@ act-order, padding, bias, the dense path, paged attention with splits) runs here
 """
 from __future__ import annotations
 
-import os
 import re
 from types import SimpleNamespace
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from conftest import interpreter_only  # noqa: E402
+
+interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")

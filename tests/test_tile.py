@@ -133,6 +133,8 @@ def test_block_rows_are_the_tallest_that_hold_the_batch_and_splits_fill_one_wave
     assert tile.split_k(1024, 4096, 256, kb, sms) == 1  # 128 tiles fill it
     assert tile.split_k(128, 14336, 128, kb, sms) == 1  # 112 column tiles: past FILL
     assert tile.split_k(128, 6144, 128, kb, sms) == 2  # 48 tiles: a third split would make 144 blocks
+    assert tile.split_k(200, 10240, 256, kb, sms) == 3  # 80 tiles: 3 splits in 2 waves (measured faster than 1)
+    assert tile.split_k(200, 12288, 256, kb, sms) == 1  # 96 tiles: 3 splits would take 3 waves, 2 tie
     assert tile.split_k(128, 512, 128, kb, sms) == tile.MAX_SPLITS  # 4 tiles
     assert tile.split_k(128, 512, 128, 6, sms) == 3  # 6 layout blocks: at least 2 a split
     assert tile.split_k(128, 512, 128, 1, sms) == 1

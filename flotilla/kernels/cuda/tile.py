@@ -40,9 +40,11 @@ CAPABILITY = (9, 0)
 # below 128 (the Triton tiles); W8 up to 512 (at 1024 dequantize + cuBLAS won on the wide weights). Shorter blocks
 # that fill more SMs lost to split tall ones: a block's per-stage cost is latency-bound below 256 rows.
 MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 512}
-# split-K: the grid kept within one wave of the SMs (more splits measured slower: a second wave, a longer reduction),
-# at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of the SMs, no split
-FILL, MAX_SPLITS, MIN_SPLIT_BLOCKS = 0.8, 8, 2
+# split-K: the grid kept within one wave of the SMs (more splits measured slower where they only tied it: a second
+# wave, a longer reduction), at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of
+# the SMs, no split. Two waves only where they cut the waves a split's share of the work by SECOND_WAVE_GAIN or more
+# (llama-3-70b's qkv, 80 column tiles at 200 rows: 3 splits in 2 waves, 96.0 against 103.0 µs whole; H100)
+FILL, MAX_SPLITS, MIN_SPLIT_BLOCKS, SECOND_WAVE_GAIN = 0.8, 8, 2, 0.25
 # FLOTILLA_TILE=0 turns the tile GEMM off (the Triton tiles and dequantize + cuBLAS serve every batch), =nosplit keeps
 # it but never splits the input axis; read when a kernel object is built
 ENV = "FLOTILLA_TILE"
@@ -104,11 +106,19 @@ def block_rows(m: int) -> int:
 def split_k(m: int, n: int, rows: int, k_blocks: int, num_sms: int) -> int:
     """Into how many ranges of whole layout blocks to cut the input axis (split-K) for M rows of an N-wide
     weight in blocks of `rows`: 1 where the output tiles fill FILL of the SMs, else as many as keep the grid
-    within one wave (MAX_SPLITS at most, MIN_SPLIT_BLOCKS layout blocks a split at least)."""
+    within one wave (MAX_SPLITS at most, MIN_SPLIT_BLOCKS layout blocks a split at least), or more in two
+    waves where that cuts the time so modelled (waves / splits) by SECOND_WAVE_GAIN."""
     tiles = -(-m // rows) * -(-n // BLOCK_COLS)
     if tiles >= FILL * num_sms:
         return 1
-    return max(1, min(num_sms // tiles, MAX_SPLITS, k_blocks // MIN_SPLIT_BLOCKS))
+    most = max(1, min(MAX_SPLITS, k_blocks // MIN_SPLIT_BLOCKS))
+    best = max(1, min(num_sms // tiles, most))  # one wave
+    cost = 1.0 / best  # waves times a split's share of the input axis
+    for s in range(best + 1, most + 1):
+        waves = -(-tiles * s // num_sms)
+        if waves <= 2 and waves / s < cost * (1 - SECOND_WAVE_GAIN):
+            best, cost = s, waves / s
+    return best
 
 
 def serves(m: int, bits: int) -> bool:

@@ -255,7 +255,8 @@ def main(argv=None) -> int:
                                                "without overlap), nopdl (the int4 rows and profile without "
                                                "programmatic dependent launch), nofuse (the int4 rows with the norms the other way: in the GEMVs or as kernels of their own), head8 (the int4 rows with an int8 lm_head), slow-checks (attention, fused ops, "
                                                "engine spec), spec-check (the engine spec check alone)")
-    ap.add_argument("--checks-only", action="store_true", help="run the checks on the model, then stop (no rows)")
+    ap.add_argument("--checks-only", action="store_true", help="run the checks on the model, then stop (no rows; "
+                                                               "exit status 1 if one failed)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -294,28 +295,39 @@ def main(argv=None) -> int:
                   f"{r.ms_per_step:6.2f} ms/step)", flush=True)
 
     slow = "slow-checks" not in skip
+    failed: list[str] = []
+
+    def check(label, fn):
+        """One check's line printed; a failure (its line ends in FAIL, or it raised) remembered."""
+        line = section(label, fn)
+        print(line, flush=True)
+        if line is None or line.endswith("FAIL"):
+            failed.append(label)
+        return line
+
     if slow:
-        print(section("attention check", check_attention), flush=True)
+        check("attention check", check_attention)
         if args.shape == "llama-3-70b":
-            print(section("attention check (70b heads)", lambda: check_attention(hq=64)), flush=True)
+            check("attention check (70b heads)", lambda: check_attention(hq=64))
     bw = section("HBM bandwidth", copy_bandwidth)
     model = section("build int4", lambda: build_random_model(args.shape, 4, "cuda", torch.float16))
     wbytes = weight_bytes(model)
     print(f"int4 model: {wbytes / 1e9:.2f} GB read per decode step; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if slow:
-        print(section("fused ops check", lambda: check_fused(model)), flush=True)
-    prefill = section("prefill check", lambda: check_prefill(model))
-    print(prefill, flush=True)
-    if prefill is None or prefill.endswith("FAIL"):  # which linear call went wrong first
-        print(section("linears check", lambda: check_linears(model)), flush=True)
-    print(section("graph check", lambda: check_graphs(model)), flush=True)
+        check("fused ops check", lambda: check_fused(model))
+    check("prefill check", lambda: check_prefill(model))
+    if "prefill check" in failed:  # which linear call went wrong first
+        check("linears check", lambda: check_linears(model))
+    check("graph check", lambda: check_graphs(model))
     for overlap in (False, True):
-        print(section("sync check", lambda: check_syncs(model, overlap=overlap)), flush=True)
-    print(section("overlap check", lambda: check_overlap(model)), flush=True)
+        check("sync check", lambda: check_syncs(model, overlap=overlap))
+    check("overlap check", lambda: check_overlap(model))
     if slow and "spec-check" not in skip:
-        print(section("engine spec check", check_engine_spec), flush=True)
+        check("engine spec check", check_engine_spec)
+    if failed:
+        print(f"FAILED checks: {', '.join(failed)}", flush=True)
     if args.checks_only:
-        return 0
+        return 1 if failed else 0
     section("flotilla int4", lambda: ours("flotilla int4 g128", model))
     if "sync" not in skip:
         section("flotilla int4 sync", lambda: ours("flotilla int4 sync", model, overlap=False))

@@ -20,10 +20,10 @@ torch.set_num_threads(2)
 # CUDA tensors during CUDA graph capture".)
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = "TRITON_INTERPRET" in os.environ
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")  # as Triton reads it
 GPU = torch.cuda.is_available() and not INTERPRETED
 GPU_SKIP_REASON = ("needs a CUDA GPU" if not torch.cuda.is_available()
-                   else "Triton interprets in this process (TRITON_INTERPRET is set): the GPU tests run without it")
+                   else "Triton interprets in this process (TRITON_INTERPRET=1): the GPU tests run without it")
 needs_gpu = pytest.mark.skipif(not GPU, reason=GPU_SKIP_REASON)
 
 

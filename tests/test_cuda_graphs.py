@@ -58,7 +58,7 @@ def test_random_model_has_symmetric_uniform_codes_and_finite_logits():
     assert torch.equal(w.zeros(), torch.full_like(w.zeros(), 8))
     codes = w.codes()
     assert set(codes.unique().tolist()) == set(range(1, 16))  # centred on the zero: weights of mean zero
-    assert abs((codes.float() - 8).mean().item()) < 0.05
+    assert abs((codes.float() - 8).mean().item()) < 0.15  # ~6 sigma here; codes 0..15 gave -0.5
     assert bool((lin.scales > 0).all())
     assert weight_bytes(model) > model.lm_head.weight.numel() * 4
     cache = KVCache(KVCacheSpec((0, 1), 2, 32, torch.float32, 4), 8, torch.device("cpu"))
@@ -86,7 +86,7 @@ def test_deep_random_model_residual_grows_like_a_random_walk(monkeypatch):
     monkeypatch.setattr(llama, "layer_residual", recorded)
     with torch.inference_mode():
         _prefill(model, 4, 24, seed=0, max_len=25)()
-    assert spread[63] / spread[15] < 3  # a random walk: ~2 (sqrt of 4); linear growth: ~4
+    assert spread[63] / spread[15] < 3  # a random walk: ~2 (sqrt of 4); the old codes measured 5.8
 
 
 def step(new_tokens, starts, tables, sample=True) -> StepInput:

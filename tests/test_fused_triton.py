@@ -3,11 +3,9 @@ silu * mul, rope, the KV store) against the torch expressions they replace, on C
 through TRITON_INTERPRET=1; and the dispatching functions are torch's own off CUDA."""
 from __future__ import annotations
 
+import pytest
 
-
-import pytest  # noqa: E402
-
-from conftest import interpreter_only  # noqa: E402
+from conftest import interpreter_only
 
 interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402

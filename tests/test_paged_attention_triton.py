@@ -2,11 +2,9 @@
 tensors through TRITON_INTERPRET=1 against the torch path of the same function."""
 from __future__ import annotations
 
+import pytest
 
-
-import pytest  # noqa: E402
-
-from conftest import interpreter_only  # noqa: E402
+from conftest import interpreter_only
 
 interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402

@@ -20,6 +20,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from conftest import GPU
 from gemv_emulation import _pair_f16, fp16, reference_rows
 from test_cuda_kernels import weight
 
@@ -27,7 +28,7 @@ from flotilla.kernels.cuda import build, tile
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_layout import repack
 
-hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+hopper = GPU and torch.cuda.get_device_capability(0) == (9, 0)  # conftest.GPU: compiled Triton kernels too
 needs_hopper = pytest.mark.skipif(not hopper, reason="needs a Hopper (sm_90) GPU: wgmma")
 
 CASES = [  # k, n, bits, group, sym, act_order
@@ -125,7 +126,7 @@ def test_layouts_it_reads_and_those_it_leaves():
         tile.check_layout(repack(weight(516, 128, 8, -1, True, False)), torch.float16)
 
 
-def test_block_rows_are_the_tallest_that_hold_the_batch_and_splits_fill_one_wave():
+def test_block_rows_are_the_tallest_that_hold_the_batch_and_splits_fill_a_wave_or_two():
     assert [tile.block_rows(m) for m in (1, 64, 65, 128, 129, 256, 2048)] == [64, 64, 128, 128, 256, 256, 256]
     sms, kb = 132, 16  # an H100; 16 layout blocks: 4096 input rows at 4 bits
     assert tile.split_k(128, 4096, 128, kb, sms) == 4  # 32 column tiles: 4 x 32 = 128 blocks, one wave

@@ -2,11 +2,9 @@
 TRITON_INTERPRET=1 (CI has no GPU; bench/kernels.py --gguf checks and times them on one)."""
 from __future__ import annotations
 
+import pytest
 
-
-import pytest  # noqa: E402
-
-from conftest import interpreter_only  # noqa: E402
+from conftest import interpreter_only
 
 interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402

@@ -13,11 +13,10 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from conftest import interpreter_only  # noqa: E402
+from conftest import interpreter_only
 
 interpreter_only()  # conftest switched the interpreter on where no GPU is visible
 import torch  # noqa: E402

@@ -42,8 +42,9 @@ CAPABILITY = (9, 0)
 MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 512}
 # split-K: the grid kept within one wave of the SMs (more splits measured slower where they only tied it: a second
 # wave, a longer reduction), at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of
-# the SMs, no split. Two waves only where they cut the waves a split's share of the work by SECOND_WAVE_GAIN or more
-# (llama-3-70b's qkv, 80 column tiles at 200 rows: 3 splits in 2 waves, 96.0 against 103.0 µs whole; H100)
+# the SMs, no split. Two waves only where the modelled time (waves x a split's share of the input axis) drops by more
+# than SECOND_WAVE_GAIN against one wave (llama-3-70b's qkv, 80 column tiles at 200 rows: 3 splits in 2 waves, 96.0
+# against 103.0 µs whole on an H100; measured on 132 SMs only)
 FILL, MAX_SPLITS, MIN_SPLIT_BLOCKS, SECOND_WAVE_GAIN = 0.8, 8, 2, 0.25
 # FLOTILLA_TILE=0 turns the tile GEMM off (the Triton tiles and dequantize + cuBLAS serve every batch), =nosplit keeps
 # it but never splits the input axis; read when a kernel object is built

@@ -72,9 +72,14 @@ def test_deep_random_model_residual_grows_like_a_random_walk(monkeypatch):
     """The layers' deltas of a random model are uncorrelated, so the residual's spread grows like the square
     root of the depth (with weights of nonzero mean it grew linearly: llama-3-70b overflowed fp16 at layer 35)."""
     import flotilla.models.llama as llama
-    from bench.gpu_checks import _prefill
 
     model = build_random_model("tiny", bits=4, device="cpu", dtype=torch.float32, num_layers=64)
+    cfg = model.config
+    cache = KVCache(KVCacheSpec(tuple(range(64)), cfg.num_key_value_heads, cfg.head_dim, torch.float32, 4), 32,
+                    torch.device("cpu"))
+    runner = ModelRunner(model, cache)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, cfg.vocab_size, (4, 24), generator=gen).tolist()
     spread = {}
     inner = llama.layer_residual
 
@@ -84,8 +89,7 @@ def test_deep_random_model_residual_grows_like_a_random_walk(monkeypatch):
         return out
 
     monkeypatch.setattr(llama, "layer_residual", recorded)
-    with torch.inference_mode():
-        _prefill(model, 4, 24, seed=0, max_len=25)()
+    runner.execute(step(prompts, [0] * 4, [[1 + 6 * b + i for i in range(6)] for b in range(4)]))
     assert spread[63] / spread[15] < 3  # a random walk: ~2 (sqrt of 4); the old codes measured 5.8
 
 

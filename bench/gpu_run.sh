@@ -1,35 +1,52 @@
 #!/bin/bash
-# One device call: the GPU checks and tables of bench/NOTES-gpu-decode.md and NOTES-kernels.md.
-# Run from the repository root on the GPU machine; logs go to $OUT (default ./gpu-out).
-#   PARTS="pytest checks decode bench spec spec_k kernels sweep" bash bench/gpu_run.sh
+# GPU checks, tests and the tables of bench/NOTES-gpu-decode.md and NOTES-kernels.md (issue 18's "must show"),
+# in parts that each fit one device call (10 minutes). Run from the repository root on the GPU machine; logs go
+# to $OUT (default ./gpu-out).
+#   PARTS="pytest checks decode" bash bench/gpu_run.sh          # then, in a second call:
+#   PARTS="kernels decode70" bash bench/gpu_run.sh
+# Parts: pytest (the GPU test files, one process; the Triton interpreter's files run in CI), checks
+# (bench/gpu_checks.py), decode (llama-3-8b INT4 with every peer), decode70 (llama-3-70b INT4 at batch 1 with its
+# checks), kernels (the kernel table: 4 shapes x batch 1-2048 with fp16, tinygemm, bitsandbytes), bench
+# (`runtime bench`), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
+# bitsandbytes for the kernel table's peers) are installed into /tmp/site first.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-PARTS=${PARTS:-"pytest decode bench spec kernels sweep"}  # any of these
-export PYTHONUNBUFFERED=1
+PARTS=${PARTS:-"pytest checks decode"}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repository (not installed there)
 T0=$SECONDS
 mark() { echo "=== $* [t=$((SECONDS - T0))s]"; }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if has pytest; then
   mark pytest
-  OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_triton_kernels.py \
-    tests/test_fused_triton.py tests/test_cuda_graphs.py tests/test_paged_attention_triton.py \
-    tests/test_spec_verify.py tests/test_gemv.py 2>&1 | tail -15 | tee "$OUT/pytest.log"
+  timeout 280 python3 -m pytest -q -rf -p no:cacheprovider tests/test_tile.py tests/test_gemv.py \
+    tests/test_fused_cuda.py tests/test_cuda_kernels.py tests/test_quant_lm_head.py tests/test_pipeline_stages.py \
+    tests/test_sampler.py tests/test_cuda_graphs.py > "$OUT/pytest.log" 2>&1
+  tail -15 "$OUT/pytest.log"
 fi
 if has checks; then
   mark gpu_checks
-  timeout 120 python3 bench/gpu_checks.py 2>&1 | grep -v "Writing model shards" | tee "$OUT/gpu_checks.log"
+  timeout 120 python3 -P bench/gpu_checks.py 2>&1 | grep -v "Writing model shards" | tee "$OUT/gpu_checks.log"
 fi
 if has spec_k; then
   for k in 2 8; do
     mark "gpu_spec --k $k"
-    timeout 100 python3 bench/gpu_spec.py --k $k --batches 1 2>&1 | tee "$OUT/gpu_spec_k$k.log"
+    timeout 100 python3 -P bench/gpu_spec.py --k $k --batches 1 2>&1 | tee "$OUT/gpu_spec_k$k.log"
   done
 fi
 if has decode; then
   mark gpu_decode
-  timeout 230 python3 bench/gpu_decode.py 2>&1 | tee "$OUT/gpu_decode.log"
+  timeout 300 python3 -P bench/gpu_decode.py --batches 1,16,64 2>&1 | tee "$OUT/gpu_decode.log"
+fi
+if has decode70; then
+  mark "gpu_decode llama-3-70b"
+  timeout 200 python3 -P bench/gpu_decode.py --shape llama-3-70b --batches 1 --tokens 48 \
+    --skip eager,hf,nf4,cuda,sync,fp16,spec-check,nopdl,nofuse,head8,profile 2>&1 | tee "$OUT/gpu_decode_70b.log"
 fi
 if has bench; then
   mark runtime bench
@@ -37,12 +54,12 @@ if has bench; then
 fi
 if has spec; then
   mark gpu_spec
-  timeout 170 python3 bench/gpu_spec.py 2>&1 | tee "$OUT/gpu_spec.log"
+  timeout 170 python3 -P bench/gpu_spec.py 2>&1 | tee "$OUT/gpu_spec.log"
 fi
 if has kernels; then
   mark kernels
-  SW=""; has sweep && SW="--sweep --sweep-shapes 8192x28672,14336x4096,4096x14336,4096x4096 --sweep-batches 1,16 --sweep-bits 4 --sweep-block-k 256"
-  timeout 200 python3 bench/kernels.py --graph --shapes 4096x4096,4096x14336,14336x4096,8192x28672 \
-    --batches 1,16 $SW 2>&1 | tee "$OUT/kernels.log"
+  timeout 330 python3 -P bench/kernels.py --graph --skip-cuda --shapes 4096x4096,4096x14336,14336x4096,8192x28672 \
+    --batches 1,16,64,256,2048 > "$OUT/kernels.log" 2>&1
+  grep -E "^\||FAIL|correctness" "$OUT/kernels.log"
 fi
 mark done

@@ -13,15 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import needs_gpu
 
 from flotilla.kernels import registry
 from flotilla.kernels.cuda import kernel as cuda_kernel
 from flotilla.kernels.cuda.layout import UnsupportedCudaLayout, repack, unpack_layout
 from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
 from flotilla.kernels.reference import dequantize
-from conftest import needs_gpu
-
-needs_cuda = needs_gpu
 
 
 def weight(k: int, n: int, bits: int, group: int, sym: bool, act_order: bool, seed: int = 0) -> GPTQWeight:
@@ -231,7 +229,7 @@ def poison(m: int, n: int, dtype: torch.dtype) -> None:
     torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
@@ -253,7 +251,7 @@ def test_kernel_matches_reference_on_every_plan(bits, dtype, case):
     assert rel_err(kern(x), x.float() @ w32) < tol  # no bias
 
 
-@needs_cuda
+@needs_gpu
 def test_graph_replays_reuse_the_split_counters():
     w = weight(4096, 512, 4, 128, True, False, seed=3).to("cuda")
     kern = cuda_kernel.CudaGPTQKernel(w, torch.float16)
@@ -273,7 +271,7 @@ def test_graph_replays_reuse_the_split_counters():
     assert int(kern._counters.abs().sum()) == 0
 
 
-@needs_cuda
+@needs_gpu
 def test_forced_through_the_registry_and_results_are_deterministic(monkeypatch):
     monkeypatch.setenv(registry.ENV_KERNEL, "cuda")
     w = weight(2048, 384, 4, 128, False, True, seed=4).to("cuda")

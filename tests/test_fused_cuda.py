@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_gpu
 
 from flotilla.kernels import fused, pdl
 from flotilla.models.rope import RotaryEmbedding
-from conftest import needs_gpu
 
 pytestmark = needs_gpu
 

@@ -41,8 +41,6 @@ from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_ggml import repack_ggml
 from flotilla.kernels.triton_layout import repack, unpack_words
 
-needs_cuda = needs_gpu
-
 
 CASES = [  # k, n, bits, group, sym, act_order
     (1024, 96, 4, 128, True, False),  # 4 blocks of 256 rows, 2 groups a block (TPG 2)
@@ -272,7 +270,7 @@ def plans(kern, m: int):
                 yield dataclasses.replace(shape, warps=warps)
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference_on_every_plan(case, dtype):
@@ -296,7 +294,7 @@ def test_kernel_matches_reference_on_every_plan(case, dtype):
     assert rel_err(kern.gemv(x), x.float() @ w32) < tol  # no bias
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0", "Q5_1", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gguf_forms_through_the_gemv(qtype, dtype):
@@ -314,7 +312,7 @@ def test_gguf_forms_through_the_gemv(qtype, dtype):
         assert rel_err(y, x.float() @ ref_w.t()) < (2e-3 if dtype == torch.float16 else 1.2e-2), (qtype, m)
 
 
-@needs_cuda
+@needs_gpu
 def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_slice():
     from flotilla.kernels.triton_linear import TritonGPTQKernel, gemv_config
 
@@ -335,7 +333,7 @@ def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_sl
     assert torch.equal(kern(x), kern(x))  # a fixed summation order
 
 
-@needs_cuda
+@needs_gpu
 def test_strided_and_transposed_inputs_when_k_needs_no_padding():
     """x with a row stride that is not its width, and a transposed x (column stride 2): the GEMV
     copies either to a contiguous x rather than passing the wrong row stride to the kernel."""
@@ -351,7 +349,7 @@ def test_strided_and_transposed_inputs_when_k_needs_no_padding():
         assert rel_err(kern(x), x.float() @ w32) < 2e-3, x.stride()
 
 
-@needs_cuda
+@needs_gpu
 def test_graph_replays():
     from flotilla.kernels.triton_linear import TritonGPTQKernel
 
@@ -367,7 +365,7 @@ def test_graph_replays():
             assert rel_err(y, x.float() @ w32) < 2e-3
 
 
-@needs_cuda
+@needs_gpu
 def test_registry_crosses_to_dense_at_the_measured_batch():
     """triton_linear.dense_min_rows on the GPU: below it the Triton tiles, from it dequantize + cuBLAS,
     both the reference's product."""
@@ -384,7 +382,7 @@ def test_registry_crosses_to_dense_at_the_measured_batch():
         assert rel_err(kern(x), x.float() @ w32) < 2e-3, m
 
 
-@needs_cuda
+@needs_gpu
 def test_odd_n_falls_back_to_triton():
     from flotilla.kernels.triton_linear import TritonLayoutKernel
 
@@ -411,7 +409,7 @@ def test_pdl_only_on_hopper_gpus_and_never_interpreted(monkeypatch):
         assert not pdl.enabled(t)
 
 
-@needs_cuda
+@needs_gpu
 def test_pdl_chain_in_a_graph_is_the_chain_without_pdl(monkeypatch):
     """A decode step's pattern captured in a CUDA graph: a Triton norm (or silu * up) writes x, the GEMV
     reads it (register plan and ring); on sm_90+ both as programmatic dependents (the GEMV's weight
@@ -451,7 +449,7 @@ def test_pdl_chain_in_a_graph_is_the_chain_without_pdl(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip((h, y_regs, y_ring), outs0))
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("k,n,sym", [(4096, 2048, True), (1024, 768, False), (16384, 512, False)])
 def test_silu_epilogue_is_silu_mul_of_the_product(k, n, sym):
     """silu_mul of a [gate | up] weight through the tensor-core plan's epilogue (gate column j and up
@@ -483,7 +481,7 @@ def test_silu_epilogue_is_silu_mul_of_the_product(k, n, sym):
     assert torch.equal(kern.silu_mul(x1, bias), fused.silu_mul(kern(x1, bias)))  # a bias: composed
 
 
-@needs_cuda
+@needs_gpu
 def test_silu_epilogue_in_a_graph_replays_with_fresh_inputs():
     """norm -> gate_up with the silu epilogue -> down, captured once with PDL on sm_90+ and replayed
     with fresh inputs: each replay equals the unfused chain within rounding (a down GEMV reading its
@@ -511,7 +509,7 @@ def test_silu_epilogue_in_a_graph_replays_with_fresh_inputs():
         assert rel_err(out, want.float()) < 2e-3
 
 
-@needs_cuda
+@needs_gpu
 @torch.inference_mode()
 def test_decoder_with_the_silu_epilogue_matches_the_composed_ops(monkeypatch):
     """A random INT4 model through its frozen ops (gate_up's silu in the GEMV's epilogue) and through
@@ -535,7 +533,7 @@ def test_decoder_with_the_silu_epilogue_matches_the_composed_ops(monkeypatch):
         assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dense_in_chunks_on_the_gpu_in_a_graph_on_a_side_stream(dtype):
     """The overlapped dense path (dequantization on a side stream) eagerly and replayed in a CUDA graph
@@ -583,7 +581,7 @@ def test_norm_weight_is_scaled_by_a_power_of_two_to_at_most_one():
     assert small.post_scale == 1.0 and torch.equal(small.scaled, torch.full((8,), 0.25, dtype=torch.float16))
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("k,hidden,n,sym", [(1024, 512, 768, True), (16384, 2048, 1024, False),
                                             (1024, 8192, 256, True)])
 def test_norm_fusion_producer_and_consumer(k, hidden, n, sym):
@@ -623,7 +621,7 @@ def test_norm_fusion_producer_and_consumer(k, hidden, n, sym):
     assert not prod.fuses_norm(8)
 
 
-@needs_cuda
+@needs_gpu
 def test_norm_fusion_in_a_graph_replays_with_fresh_inputs():
     """producer (add + norm) -> consumer with the silu epilogue -> producer -> consumer, captured with
     PDL on sm_90+ and replayed with fresh inputs: each replay equals the composed chain within rounding
@@ -661,7 +659,7 @@ def test_norm_fusion_in_a_graph_replays_with_fresh_inputs():
         assert rel_err(y_out, y_want.float()) < 3e-3
 
 
-@needs_cuda
+@needs_gpu
 @torch.inference_mode()
 def test_decoder_with_the_norm_fusion_matches_the_norm_kernels(monkeypatch):
     """A random INT4 model's frozen forward with the residual adds and norms in the GEMVs

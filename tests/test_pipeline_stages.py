@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import needs_gpu
 
 from flotilla.errors import FlotillaError
 from flotilla.models.llama import Stage
@@ -27,7 +28,6 @@ from flotilla.runtime.pipeline.probe import memory_id
 from flotilla.runtime.random_model import write_random_checkpoint
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.runtime.scheduler import SchedulerConfig
-from conftest import needs_gpu
 
 BLOCK, BLOCKS, BUDGET = 4, 48, 8  # tokens a block, blocks in the pool, tokens a step
 PROMPTS = [[5, 17, 42, 99, 3, 8, 1, 2, 9, 11, 13], [7] * 6, [300, 1], [33]]

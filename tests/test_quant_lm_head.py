@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from conftest import needs_gpu
 
 from flotilla.errors import FlotillaError
 from flotilla.kernels.reference import dequantize
@@ -12,7 +13,6 @@ from flotilla.models.config import QuantConfig
 from flotilla.models.linear import LMHead, QuantLMHead
 from flotilla.runtime.loader import load_model
 from flotilla.runtime.random_model import shape_config, write_random_checkpoint
-from conftest import needs_gpu
 
 
 @pytest.mark.parametrize("head_bits", [8, 4])

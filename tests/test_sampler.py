@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import needs_gpu
 
 from flotilla.errors import FlotillaError
 from flotilla.runtime.sampler import Sampler, SamplingBatch, chunked_first_max, first_max
 from flotilla.runtime.sampling import SamplingParams
-from conftest import needs_gpu
 
 V = 50
 

@@ -247,7 +247,6 @@ class TileKernel:
         return out
 
 
-
 def tile_for(layout: TritonLayout, dtype: torch.dtype) -> TileKernel | None:
     """The tile GEMM over this layout, or None (the other paths serve; the reason logged once)."""
     device = layout.words.device

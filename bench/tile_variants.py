@@ -5,9 +5,11 @@ tree's bit for bit, and timed beside it and fp16 cuBLAS. The A/B behind bench/NO
     git archive HEAD~3 flotilla/kernels/cuda/csrc | tar -x -C /tmp/before     # a variant: a csrc directory
     python3 -P bench/tile_variants.py --variants /tmp/before/flotilla/kernels/cuda/csrc \\
         --shapes 4096x4096,8192x28672 --rows 256,2048                         # + --json: one object a case
+    python3 -P bench/tile_variants.py --plans 64,128 --rows 256               # this tree's other block heights
 
 On the device tool, put the variant directories inside the repository (an ignored folder named in `carry`).
-Each case runs at the plan the registry picks (`block_rows`, `split_k`); µs per call are CUDA-graph replays
+Each case runs at the plan the registry picks (`block_rows`, `split_k`); `--plans` times this tree's kernel at
+other block heights as well (each with its own `split_k`). µs per call are CUDA-graph replays
 with the L2 cleared (bench/kernels.py's `time_us`). The same code timed twice moved by up to 4-7% at 2048 rows
 on an H100: differences under that are noise. Without a Hopper GPU and nvcc it says so and times nothing.
 """
@@ -47,10 +49,19 @@ def compile_variant(csrc: Path, out: Path) -> tile._Library:
     return tile._Library(ctypes.CDLL(str(out)))
 
 
+def parse_plans(text: str) -> list[int]:
+    """"64,256" -> [64, 256]: block heights of this tree's kernel to time beside the pick."""
+    plans = [int(v) for v in text.split(",") if v.strip()]
+    if any(r not in tile.BLOCK_ROWS for r in plans):
+        raise SystemExit(f"--plans {text!r}: block heights among {tile.BLOCK_ROWS}")
+    return plans
+
+
 def run(args) -> list[dict]:
     variants = [Path(v).resolve() for v in args.variants.split(",") if v]
     work = Path(tempfile.mkdtemp(prefix="tile_variants_"))
     libs = {v: compile_variant(v, work / f"v{i}" / "flotilla_tile.so") for i, v in enumerate(variants)}
+    plans = parse_plans(args.plans)
     kernels_bench.GRAPHS = True
     rows = []
     for shape in args.shapes.split(","):
@@ -72,11 +83,18 @@ def run(args) -> list[dict]:
                 row = dict(shape=shape, bits=bits, m=m, rows=r, splits=s,
                            err=((want.float() - ref).norm() / ref.norm()).item(),
                            fp16_us=kernels_bench.time_us(lambda: torch.nn.functional.linear(x, w16)),
-                           this_us=kernels_bench.time_us(lambda: ours(x, rows=r, splits=s)), variants={})
+                           this_us=kernels_bench.time_us(lambda: ours(x, rows=r, splits=s)), plans={}, variants={})
+                for pr in plans:
+                    ps = ours.splits_for(m, pr)
+                    got = ours(x, rows=pr, splits=ps)
+                    row["plans"][str(pr)] = dict(
+                        splits=ps, us=kernels_bench.time_us(lambda: ours(x, rows=pr, splits=ps)),
+                        bit_equal=torch.equal(got, want), err=((got.float() - ref).norm() / ref.norm()).item())
                 for v, kv in others.items():
                     got = kv(x, rows=r, splits=s)
                     row["variants"][str(v)] = dict(
-                        us=kernels_bench.time_us(lambda: kv(x, rows=r, splits=s)), bit_equal=torch.equal(got, want),
+                        us=kernels_bench.time_us(lambda: kv(x, rows=r, splits=s)),
+                        bit_equal=torch.equal(got, want),
                         err=((got.float() - ref).norm() / ref.norm()).item())
                 rows.append(row)
                 print(json.dumps(row) if args.json else _line(row, variants), flush=True)
@@ -84,9 +102,13 @@ def run(args) -> list[dict]:
 
 
 def _line(row: dict, variants: list[Path]) -> str:
-    cells = [row["shape"], f"W{row['bits']}", str(row["m"]), f"{row['rows']} / {row['splits']}", f"{row['fp16_us']:.1f}",
+    pick = f"{row['rows']} / {row['splits']}"
+    cells = [row["shape"], f"W{row['bits']}", str(row["m"]), pick, f"{row['fp16_us']:.1f}",
              f"{row['this_us']:.1f} ({row['fp16_us'] / row['this_us']:.2f}x)", f"{row['err']:.1e}"]
-    for i, v in enumerate(variants):
+    for r in row["plans"].values():
+        cells.append(f"{r['us']:.1f} ({row['fp16_us'] / r['us']:.2f}x, {r['splits']} split"
+                     + ("" if r["bit_equal"] else f", DIFFERENT, err {r['err']:.1e}") + ")")
+    for v in variants:
         r = row["variants"][str(v)]
         cells.append(f"{r['us']:.1f} ({row['fp16_us'] / r['us']:.2f}x, "
                      + ("bit-equal" if r["bit_equal"] else f"DIFFERENT, err {r['err']:.1e}") + ")")
@@ -95,7 +117,8 @@ def _line(row: dict, variants: list[Path]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", required=True, help="comma-separated csrc directories (each a version of the kernel)")
+    ap.add_argument("--variants", default="", help="comma-separated csrc directories (each a version of the kernel)")
+    ap.add_argument("--plans", default="", help="this tree's kernel also at these block heights, e.g. 64,128")
     ap.add_argument("--shapes", default="4096x4096,14336x4096,8192x28672", help="KxN weight shapes")
     ap.add_argument("--rows", default="256,1024,2048", help="batch rows")
     ap.add_argument("--bits", default="4,8")
@@ -107,13 +130,14 @@ def main(argv=None) -> int:
     variants = [Path(v).resolve() for v in args.variants.split(",") if v]
     if not args.json:
         head = ["shape", "bits", "rows", "block / splits", "fp16 µs", "this tree µs", "rel err"]
+        head += [f"{p} µs" for p in (v.strip() for v in args.plans.split(",")) if p]
         head += [f"variant {i + 1} µs" for i in range(len(variants))]
         print("variants: " + ", ".join(f"{i + 1}: {v}" for i, v in enumerate(variants)))
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
     rows = run(args)
-    different = [r for r in rows if not all(v["bit_equal"] for v in r["variants"].values())]
+    different = [r for r in rows if not all(v["bit_equal"] for v in (*r["variants"].values(), *r["plans"].values()))]
     if different:
-        print(f"{len(different)} case(s) where a variant's output differs from this tree's", file=sys.stderr)
+        print(f"{len(different)} case(s) where a variant's or plan's output differs from the pick's", file=sys.stderr)
     return 0
 
 

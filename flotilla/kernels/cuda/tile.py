@@ -8,8 +8,9 @@ It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or 
 and is one of that kernel's paths (triton_linear.choose_config picks it over the Triton tiles and
 dequantize + cuBLAS where it measured faster). The weight is dequantized in registers straight into
 the A operand of Hopper's asynchronous warpgroup MMA (wgmma), the batch rows of x are its B operand
-from a swizzled shared-memory ring: y^T = W^T x^T, fp32 accumulators, the scales applied to the
-weights as the reference dequantization rounds them.
+from a swizzled shared-memory ring (filled by a producer warpgroup of its own at 128 and 256 rows a
+block): y^T = W^T x^T, fp32 accumulators, the scales applied to the weights as the reference
+dequantization rounds them.
 
 Served: sm_90 (H100, H200), fp16 activations, 4 and 8 bits, blocks of 32 words a column (the GPTQ
 group-64-and-longer layouts), zeros constant or uint8 (below 64 at 4 bits), act-order (x gathered

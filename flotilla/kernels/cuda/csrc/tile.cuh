@@ -6,15 +6,21 @@
 // wgmma's A operand (64 out-features a warpgroup, from registers: no shared-memory round trip) and a
 // tile of x is its B operand (NR batch rows, from shared memory through a matrix descriptor).
 //
-// A block: two warpgroups (256 threads), 128 out-features (64 each) x NR batch rows (64, 128, 256:
+// A block: two MMA warpgroups (256 threads), 128 out-features (64 each) x NR batch rows (64, 128, 256:
 // wgmma's N). The input axis streams in stages of 64 rows: one run t of one layout block b (R = 32
 // words a column, P = 16 / bits runs a block: stage s = b * P + t, input rows 64 s .. 64 s + 63).
 //   * x: a ring of NS stages (NR rows x 128 bytes each, the 128-byte swizzle wgmma's descriptor
-//     reads) filled NS - 2 stages ahead by the tensor memory accelerator (one thread issues a box
-//     copy a stage, which completes on the stage's mbarrier; rows past M and input rows past K come
-//     zero-filled: the layout's padding codes dequantize to -z * s, so x must be zero there). The
-//     copies and wgmma's reads are both in the async proxy: no proxy fence, whose membar would wait
-//     for every load in flight (cp.async copies, as in device run 1, measured that wait).
+//     reads) filled by the tensor memory accelerator (one thread issues a box copy a stage, which
+//     completes on the stage's "full" mbarrier; rows past M and input rows past K come zero-filled:
+//     the layout's padding codes dequantize to -z * s, so x must be zero there). The copies and
+//     wgmma's reads are both in the async proxy: no proxy fence, whose membar would wait for every
+//     load in flight (cp.async copies, as in device run 1, measured that wait).
+//   * who fills it: at 128 and 256 rows a third warpgroup, the producer (warp-specialized: it keeps
+//     24 registers a thread and the MMA warps get 240 by setmaxnreg), as soon as a slot's "empty"
+//     mbarrier says all 8 MMA warps released it; the MMA warps never wait for one another (the block
+//     barrier a stage was 13% of the cycles at 2048 rows, round 9; measured 0-10% faster, round 10).
+//     At 64 rows (two blocks an SM, no registers for a producer) thread 0 issues the copies NS - 2
+//     stages ahead, and a block barrier a stage orders a slot's reuse.
 //   * weights: lane (g, c) of warp w holds words c + 4i (i = 0..7) of its two columns (64 wg + 16 w
 //     + g and + 8) for the whole block, the next block's loaded one block ahead; the k16 step j of
 //     run t takes words 8j + c (rows 2c, 2c + 1 of the step) and 8j + 4 + c (rows 2c + 8, 2c + 9),
@@ -23,7 +29,8 @@
 //     one group: the group size is a multiple of 64).
 // Per k16 step: wait until at most two wgmmas are in flight (the registers of the one before them
 // are free), decode the next A fragment, fence, issue. A ring slot is refilled only after every wgmma
-// that read it completed (2 stages back: each thread waited for it before the stage's barrier).
+// that read it completed: at the start of stage s every warp has waited for step 4 s - 4, so stage
+// s - 2's slot is free (released there, or refilled after that stage's block barrier).
 // The tensor map of x is encoded on the host per launch (the driver's cuTensorMapEncodeTiled,
 // fetched through the runtime) and passed as a __grid_constant__ parameter.
 // Split-K (narrow grids: too few output tiles to fill the SMs): block (tile, split) runs layout blocks
@@ -62,7 +69,12 @@ struct TileParams {
   int* counters;            // splits > 1: [tiles], zero before the launch (the last block of a tile resets its own)
 };
 
-constexpr int WG = 2, THREADS = 128 * WG, BN = 64 * WG;  // warpgroups, threads, out-features a block
+constexpr int WG = 2, THREADS = 128 * WG, BN = 64 * WG;  // MMA warpgroups, their threads, out-features a block
+// warp-specialized blocks (128 and 256 rows): one more warpgroup in front, the producer, which only issues the tensor
+// copies of x; its registers go to the MMA warpgroups (setmaxnreg: 128 x 24 + 256 x 240 of the SM's 65 536)
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+template <int NR>
+constexpr bool warp_specialized() { return NR >= 128; }
 constexpr int Y_STRIDE = BN + 8;                          // halves a row of the epilogue's tile
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -87,6 +99,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "@P1 bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+// a barrier of the MMA warpgroups only (named barrier 1: the producer may have exited), or of the whole block
+template <bool WS>
+__device__ __forceinline__ void mma_sync() {
+  if constexpr (WS) asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+  else __syncthreads();
 }
 // a [rows x 64] box of x at (row, k) into shared memory by the tensor memory accelerator (128-byte swizzle,
 // out-of-range elements zero-filled), completing on `bar`
@@ -162,7 +187,8 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t w, uint32_t zze, uint32
   return h2_bits(__hmul2(PairF16<BITS>::template get<T>(w, w >> 8, zze, zzo), as_h2(s2)));
 }
 
-// one stage's group entries for this thread's two columns: scale (low 16 bits) and zero
+// one stage's group entries for this thread's two columns: scale (low 16 bits) and zero. Kept apart: packing them
+// into one register each made every load's latency show where the two were combined (round 10)
 struct GroupAt {
   uint32_t s[2], z[2];
 };
@@ -181,19 +207,33 @@ __device__ __forceinline__ GroupAt load_group(const TileParams& p, int group, in
   return g;
 }
 
-// NR: batch rows a block (wgmma's N); NS: stages of the x ring (filled NS - 2 ahead)
-template <int BITS, int NR, int NS>
-__global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const TileParams p,
-                                                                      const __grid_constant__ CUtensorMap xmap) {
+// where a block lies in the grid (batch rows fastest, then splits, then column tiles); `fresh`: from a new read of its
+// index, so that nothing computed from it stays live through the main loop (that cost spills at 64 and 256 rows)
+struct Place {
+  int m_tile, split, n_tile;
+};
+__device__ __forceinline__ Place place_of(const TileParams& p, bool fresh) {
+  uint32_t bid = blockIdx.x;
+  if (fresh) asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
+  return {static_cast<int>(bid % p.m_tiles), static_cast<int>(bid / p.m_tiles % p.splits),
+          static_cast<int>(bid / (p.m_tiles * p.splits))};
+}
+
+// NR: batch rows a block (wgmma's N); NS: stages of the x ring. WS (warp-specialized, 128 and 256 rows): a producer
+// warpgroup issues the copies, NS stages ahead, and each slot is released on an mbarrier; else (64 rows, two blocks
+// an SM: no registers for a producer) thread 0 issues them NS - 2 ahead, a block barrier a stage ordering the reuse
+template <int BITS, int NR, int NS, bool WS = warp_specialized<NR>()>
+__global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1) tile_kernel(
+    const TileParams p, const __grid_constant__ CUtensorMap xmap) {
   constexpr int P = 16 / BITS, R = 32, STAGE = NR * 128, AHEAD = NS - 2, ACC = NR / 2;
   static_assert(AHEAD >= 1 && NR * 8 % THREADS == 0, "a ring of at least 3 stages, whole 16-byte copies a thread");
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = WS ? static_cast<int>(threadIdx.x) - 128 : static_cast<int>(threadIdx.x);  // < 0: the producer
+  const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int m_tile = blockIdx.x % p.m_tiles, split = (blockIdx.x / p.m_tiles) % p.splits;
-  const int n_tile = blockIdx.x / (p.m_tiles * p.splits);
-  const int m0 = m_tile * NR, n0 = n_tile * BN;
+  const Place at = place_of(p, false);
+  const int split = at.split, m0 = at.m_tile * NR, n0 = at.n_tile * BN;
   const int nl = 16 * warp + g;  // the thread's first column within the block (the second is nl + 8)
   const int col_a = min(n0 + nl, p.N - 1), col_b = min(n0 + nl + 8, p.N - 1);  // clamped for loads
   const uint32_t* wa = p.words + static_cast<size_t>(col_a) * p.KW + c;
@@ -201,28 +241,47 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   const int nb = p.KW / R, b_begin = split * nb / p.splits, b_end = (split + 1) * nb / p.splits;
   const int s0 = b_begin * P, nstages = (b_end - b_begin) * P;  // this block's stages: s0 .. s0 + nstages - 1
 
-  // the ring's barriers: local stage l (= s - s0) lands on full[l % NS], phase (l / NS) & 1; thread 0 issues
-  // every copy
-  __shared__ __align__(8) uint64_t full[NS];
+  // the ring's barriers: local stage l (= s - s0) lands on full[l % NS], phase (l / NS) & 1; one thread issues
+  // every copy (thread 0, or the producer's first). WS: the MMA warps release slot l % NS on empty[l % NS]
+  // (one arrival a warp, at the start of stage l + 2) and the producer waits for that before refilling it
+  __shared__ __align__(8) uint64_t full[NS], empty[WS ? NS : 1];
   const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  if (tid == 0) {
+  const uint32_t ebar0 = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < NS; i++) mbar_init(bar0 + 8 * i, 1);
+    if constexpr (WS) {
+#pragma unroll
+      for (int i = 0; i < NS; i++) mbar_init(ebar0 + 8 * i, THREADS / 32);
+    }
     mbar_init_fence();
   }
   __syncthreads();
-  auto issue_stage = [&](int l) {  // thread 0 only
+  auto issue_stage = [&](int l) {  // one thread
     if (l < nstages) {
       const uint32_t bar = bar0 + 8 * (l % NS);
       mbar_expect_tx(bar, STAGE);
       tma_load_2d(ring + (l % NS) * STAGE, &xmap, 64 * (s0 + l), m0, bar);
     }
   };
+  if constexpr (WS) {
+    if (tid < 0) {  // the producer warpgroup: its first thread fills the ring, as slots come free
+      setmaxnreg_dec<PRODUCER_REGS>();
+      if (threadIdx.x == 0) {
+        for (int l = 0; l < nstages; l++) {
+          if (l >= NS) mbar_wait(ebar0 + 8 * (l % NS), (l / NS - 1) & 1);  // stage l - NS's slot released
+          issue_stage(l);
+        }
+      }
+      return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+  }
 
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; i++) acc[i] = 0.f;
-  if (tid == 0) {
+  if (!WS && tid == 0) {
 #pragma unroll
     for (int s = 0; s < AHEAD; s++) issue_stage(s);
   }
@@ -253,9 +312,15 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
         zzo[h] = zz_odd_of(gcur.z[h] * 0x00010001u);
         s2[h] = gcur.s[h] * 0x00010001u;
       }
-      mbar_wait(bar0 + 8 * (l % NS), (l / NS) & 1);  // stage s has landed
-      __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for step 4 s - 4)
-      if (tid == 0) issue_stage(l + AHEAD);  // into stage s - 2's slot
+      if constexpr (WS) {
+        // every wgmma of stage s - 2 completed (this warp waited for step 4 s - 4): its slot is free
+        if (lane == 0 && l >= 2) mbar_arrive(ebar0 + 8 * ((l - 2) % NS));
+        mbar_wait(bar0 + 8 * (l % NS), (l / NS) & 1);  // stage s has landed
+      } else {
+        mbar_wait(bar0 + 8 * (l % NS), (l / NS) & 1);  // stage s has landed
+        __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for step 4 s - 4)
+        if (tid == 0) issue_stage(l + AHEAD);  // into stage s - 2's slot
+      }
       if (t == 0 && b + 1 < b_end) {
         const size_t off = static_cast<size_t>(b + 1) * R;
 #pragma unroll
@@ -282,24 +347,21 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   for (int i = 0; i < ACC; i++) fence_operand(acc[i]);
 
   if (p.splits > 1) {  // split-K: this block's partial out, and the tile's last block sums them all
-    // the block's place again from a fresh read of its index (kept live through the loop, it cost a spill at
-    // NR = 64)
-    uint32_t bid;
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
-    const int mt = bid % p.m_tiles, sp = (bid / p.m_tiles) % p.splits;
-    const int tile_id = bid / (p.m_tiles * p.splits) * p.m_tiles + mt, tiles = p.m_tiles * ((p.N + BN - 1) / BN);
-    float4* mine = reinterpret_cast<float4*>(p.partial) + (static_cast<size_t>(sp) * tiles + tile_id) * (ACC / 4) * THREADS;
+    const Place pl = place_of(p, true);
+    const int tile_id = pl.n_tile * p.m_tiles + pl.m_tile, tiles = p.m_tiles * ((p.N + BN - 1) / BN);
+    float4* mine =
+        reinterpret_cast<float4*>(p.partial) + (static_cast<size_t>(pl.split) * tiles + tile_id) * (ACC / 4) * THREADS;
 #pragma unroll
     for (int q = 0; q < ACC / 4; q++)
       __stcg(mine + q * THREADS + tid, make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
-    __syncthreads();  // every thread's partial stored, ordered before thread 0's fence (CTA barrier)
+    mma_sync<WS>();  // every thread's partial stored, ordered before thread 0's fence (CTA barrier)
     __shared__ int is_last;
     if (tid == 0) {  // one thread fences for the block (a fence in every thread measured as membar stalls)
       __threadfence();  // release: the block's partial before its count
       is_last = atomicAdd(p.counters + tile_id, 1) == p.splits - 1;
       if (is_last) __threadfence();  // acquire: the other splits' partials after their counts
     }
-    __syncthreads();
+    mma_sync<WS>();
     if (!is_last) return;  // block-uniform
     // split by split, each round's loads all issued before its adds (one latency a split, not one a load)
     const float4* part = reinterpret_cast<const float4*>(p.partial) + static_cast<size_t>(tile_id) * (ACC / 4) * THREADS;
@@ -320,20 +382,25 @@ __global__ void __launch_bounds__(THREADS, NR == 64 ? 2 : 1) tile_kernel(const T
   }
 
   // epilogue: + bias, to fp16, through shared memory (the ring, now free: every copy landed) into rows of y
-  __syncthreads();
+  mma_sync<WS>();
   half* ys = reinterpret_cast<half*>(smem_raw + (ring - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))));
+  const Place pe = place_of(p, true);
+  const int me = pe.m_tile * NR, ne = pe.n_tile * BN;
   float bias[2] = {0.f, 0.f};
-  if (p.bias != nullptr) bias[0] = __half2float(p.bias[col_a]), bias[1] = __half2float(p.bias[col_b]);
+  if (p.bias != nullptr) {
+    bias[0] = __half2float(p.bias[min(ne + nl, p.N - 1)]);
+    bias[1] = __half2float(p.bias[min(ne + nl + 8, p.N - 1)]);
+  }
 #pragma unroll
   for (int i = 0; i < ACC; i++) {
     const int row = 8 * (i / 4) + 2 * c + (i & 1), h = (i >> 1) & 1;
     ys[row * Y_STRIDE + nl + 8 * h] = __float2half_rn(acc[i] + bias[h]);
   }
-  __syncthreads();
+  mma_sync<WS>();
 #pragma unroll
   for (int i = 0; i < NR * (BN / 8) / THREADS; i++) {
     const int idx = tid + i * THREADS, row = idx / (BN / 8), ch = idx % (BN / 8);
-    const int m = m0 + row, n = n0 + 8 * ch;
+    const int m = me + row, n = ne + 8 * ch;
     if (m < p.M && n < p.N)
       *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(m) * p.ldy + n) =
           *reinterpret_cast<const uint4*>(ys + row * Y_STRIDE + 8 * ch);
@@ -380,6 +447,7 @@ cudaError_t x_tensor_map(const TileParams& p, CUtensorMap* map) {
 
 template <int BITS, int NR, int NS>
 cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
+  constexpr bool WS = warp_specialized<NR>();
   constexpr int smem = tile_smem_bytes<NR, NS>();
   // the opt-in to more than 48 KB of dynamic shared memory, once per device (an attribute of the device's
   // context: pipeline stages on several GPUs of one process each need it)
@@ -389,7 +457,7 @@ cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   const uint64_t bit = 1ull << (device & 63);
   if (!(__atomic_load_n(&configured, __ATOMIC_ACQUIRE) & bit)) {
-    e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS, WS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     __atomic_fetch_or(&configured, bit, __ATOMIC_RELEASE);
   }
@@ -398,7 +466,7 @@ cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   const int n_tiles = (p.N + BN - 1) / BN;
   if (p.splits < 1 || (p.splits > 1 && (p.partial == nullptr || p.counters == nullptr))) return cudaErrorInvalidValue;
-  tile_kernel<BITS, NR, NS><<<p.m_tiles * n_tiles * p.splits, THREADS, smem, stream>>>(p, xmap);
+  tile_kernel<BITS, NR, NS, WS><<<p.m_tiles * n_tiles * p.splits, WS ? THREADS + 128 : THREADS, smem, stream>>>(p, xmap);
   return cudaGetLastError();
 }
 

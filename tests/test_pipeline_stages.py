@@ -152,6 +152,29 @@ def test_random_checkpoint_is_seeded_and_loads_as_a_checkpoint(tiny, tmp_path):
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 
 
+@needs_gpu
+@pytest.mark.parametrize("device", ["cuda", None, torch.device("cuda")])
+def test_a_model_loads_on_a_bare_cuda_device(tiny, device):
+    """`--device cuda` (and the default on a GPU host): the loader sets the thread's current device, which
+    torch.cuda.set_device accepts only with an index (a bare `cuda` failed there, bench/NOTES-kernels.md round 10)."""
+    lm = load_model(tiny, device, None, with_tokenizer=False, progress=False)
+    assert lm.device == torch.device("cuda", torch.cuda.current_device())
+    logits = lm.model.compute_logits(lm.model.embed(torch.tensor([1, 2], device=lm.device)))
+    assert torch.isfinite(logits).all()
+
+
+def test_a_bare_cuda_device_is_given_the_current_gpus_index(monkeypatch):
+    from flotilla.runtime.loader import parse_device, with_index
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert parse_device("cuda") == parse_device(None) == parse_device("auto") == torch.device("cuda", 3)
+    assert parse_device("cuda:1") == torch.device("cuda", 1)
+    assert with_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert with_index(torch.device("cpu")) == torch.device("cpu") == parse_device("cpu")
+    assert parse_devices("cuda,cuda:1", 2) == ["cuda:3", "cuda:1"]
+
+
 # ------------------------------------------------------------------------------ placement
 
 def test_devices_give_the_stages_and_their_count():

@@ -48,14 +48,23 @@ def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def parse_device(name: str | None) -> torch.device:
+    """cpu, cuda or cuda:N (auto / None: cuda where a GPU is visible); a CUDA device always with its index."""
     if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return with_index(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         device = torch.device(name)
     except RuntimeError:
         raise FlotillaError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlotillaError(f"device {name!r} asked for, but no CUDA GPU is available")
+    return with_index(device)
+
+
+def with_index(device: torch.device) -> torch.device:
+    """A bare `cuda` as the GPU it means, the current one (`cuda:N`): torch.cuda.set_device, which the loader and
+    the engine's threads call, refuses a CUDA device without an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -67,7 +76,7 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     process's, not a library's, to change). `keep_source`: the quantized linears keep their GPTQ
     tensors beside their kernels' own form (for code that reads them back; twice the memory)."""
     path = resolve_model_path(str(model) if model else None)
-    dev = device if isinstance(device, torch.device) else parse_device(device)
+    dev = with_index(device) if isinstance(device, torch.device) else parse_device(device)
     dt = parse_dtype(dtype, dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # this thread's kernel builds, launches and graph captures go to that GPU

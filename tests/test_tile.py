@@ -187,8 +187,10 @@ def nvcc_version() -> tuple[int, int]:
 @pytest.mark.skipif(nvcc is None or nvcc_version() < (12, 0), reason="needs nvcc 12.0 or newer (sm_90a, tensor maps)")
 def test_library_builds_for_sm90a_without_spills_or_serialized_wgmma(tmp_path):
     """Compile each source as the first use on an H100 / H200 would, with ptxas's report: no spills, no
-    wgmma serialization warning; then link and load it (no GPU needed) and check the parameter block."""
+    wgmma serialization warning, the warp-specialized kernels at 168 registers; then link and load it (no GPU
+    needed) and check the parameter block."""
     flags = [*build.FLAGS, *build.arch_flags((9, 0))]
+    ws_regs = {}
     for src in build.TILE.sources:
         proc = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-c", str(build.CSRC / src), "-o",
                                str(tmp_path / (src + ".o"))], capture_output=True, text=True)
@@ -197,6 +199,11 @@ def test_library_builds_for_sm90a_without_spills_or_serialized_wgmma(tmp_path):
         assert "wgmma" not in report.lower() or "serialized" not in report.lower(), report[-2000:]
         spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", report)]
         assert not any(spills), report[-2000:]
+        # the warp-specialized instances (template flag "b1") must launch with the full 168 registers a thread:
+        # their MMA warps' setmaxnreg.inc takes 240 from the block's pool and would wait for ever on less
+        ws = re.findall(r"Compiling entry function '(\w+)'[^\n]*\n(?:[^\n]*\n)*?[^\n]*Used (\d+) registers", report)
+        ws_regs.update({name: int(regs) for name, regs in ws if "ELb1E" in name})
+    assert len(ws_regs) == 4 and set(ws_regs.values()) == {168}, ws_regs  # 128 and 256 rows, 4 and 8 bits
     path = tmp_path / "flotilla_tile.so"
     build.compile_library(nvcc, (9, 0), path, build.TILE)
     cdll = ctypes.CDLL(str(path))

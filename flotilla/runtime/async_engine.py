@@ -27,6 +27,7 @@ import torch
 from flotilla.errors import FlotillaError
 
 from .engine import EngineStats, LLMEngine
+from .loader import with_index
 from .output import RequestOutput
 from .sampling import SamplingParams
 
@@ -177,7 +178,7 @@ class AsyncEngine:
         try:
             device = getattr(self.engine.executor, "device", None)
             if isinstance(device, torch.device) and device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread: launches go to the model's GPU
+                torch.cuda.set_device(with_index(device))  # per thread: launches go to the model's GPU
             while not self._stop:
                 self._wake.clear()
                 self._drain_inbox()

@@ -71,8 +71,12 @@ struct TileParams {
 
 constexpr int WG = 2, THREADS = 128 * WG, BN = 64 * WG;  // MMA warpgroups, their threads, out-features a block
 // warp-specialized blocks (128 and 256 rows): one more warpgroup in front, the producer, which only issues the tensor
-// copies of x; its registers go to the MMA warpgroups (setmaxnreg: 128 x 24 + 256 x 240 of the SM's 65 536)
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+// copies of x; its registers go to the MMA warpgroups (setmaxnreg: 128 x 24 + 256 x 240 = 384 x 168). The block's
+// pool is what it launched with, so the raise waits for ever unless ptxas gave the kernel the full 168 a thread
+// (65 536 / 384, rounded down to 8): tests/test_tile.py checks the build's report
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240, WS_LAUNCH_REGS = 65536 / (THREADS + 128) / 8 * 8;
+static_assert(128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= (THREADS + 128) * WS_LAUNCH_REGS,
+              "the MMA warps' registers come from the producer's");
 template <int NR>
 constexpr bool warp_specialized() { return NR >= 128; }
 constexpr int Y_STRIDE = BN + 8;                          // halves a row of the epilogue's tile
@@ -219,9 +223,10 @@ __device__ __forceinline__ Place place_of(const TileParams& p, bool fresh) {
           static_cast<int>(bid / (p.m_tiles * p.splits))};
 }
 
-// NR: batch rows a block (wgmma's N); NS: stages of the x ring. WS (warp-specialized, 128 and 256 rows): a producer
-// warpgroup issues the copies, NS stages ahead, and each slot is released on an mbarrier; else (64 rows, two blocks
-// an SM: no registers for a producer) thread 0 issues them NS - 2 ahead, a block barrier a stage ordering the reuse
+// NR: batch rows a block (wgmma's N); NS: stages of the x ring, filled NS - 2 stages ahead of the MMAs. WS
+// (warp-specialized, 128 and 256 rows): a producer warpgroup issues the copies as the MMA warps release slots on
+// mbarriers; else (64 rows, two blocks an SM: no registers for a producer) thread 0 issues them, a block barrier a
+// stage ordering the reuse
 template <int BITS, int NR, int NS, bool WS = warp_specialized<NR>()>
 __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1) tile_kernel(
     const TileParams p, const __grid_constant__ CUtensorMap xmap) {
@@ -234,7 +239,9 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1
   const int g = lane >> 2, c = lane & 3;
   const Place at = place_of(p, false);
   const int split = at.split, m0 = at.m_tile * NR, n0 = at.n_tile * BN;
-  const int nl = 16 * warp + g;  // the thread's first column within the block (the second is nl + 8)
+  // the thread's first column within the block (the second is nl + 8); the producer's (warp < 0) pointers below are
+  // never read through: it returns before the weights are loaded
+  const int nl = 16 * warp + g;
   const int col_a = min(n0 + nl, p.N - 1), col_b = min(n0 + nl + 8, p.N - 1);  // clamped for loads
   const uint32_t* wa = p.words + static_cast<size_t>(col_a) * p.KW + c;
   const uint32_t* wb = p.words + static_cast<size_t>(col_b) * p.KW + c;

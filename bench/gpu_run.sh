@@ -2,16 +2,16 @@
 # GPU checks, tests and the tables of bench/NOTES-gpu-decode.md and NOTES-kernels.md (issue 18's "must show"),
 # in parts that each fit one device call (10 minutes). Run from the repository root on the GPU machine; logs go
 # to $OUT (default ./gpu-out).
-#   PARTS="pytest checks decode" bash bench/gpu_run.sh          # then, in a second call:
+#   PARTS="pytest checks decode bench" bash bench/gpu_run.sh    # then, in a second call:
 #   PARTS="kernels decode70" bash bench/gpu_run.sh
 # Parts: pytest (the GPU test files, one process; the Triton interpreter's files run in CI), checks
 # (bench/gpu_checks.py), decode (llama-3-8b INT4 with every peer), decode70 (llama-3-70b INT4 at batch 1 with its
 # checks), kernels (the kernel table: 4 shapes x batch 1-2048 with fp16, tinygemm, bitsandbytes), bench
-# (`runtime bench`), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
+# (`runtime bench` with the default device: the CLI's own GPU path, which the benchmarks' cuda:0 skip), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
 # bitsandbytes for the kernel table's peers) are installed into /tmp/site first.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-PARTS=${PARTS:-"pytest checks decode"}
+PARTS=${PARTS:-"pytest checks decode bench"}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repository (not installed there)
 T0=$SECONDS
 mark() { echo "=== $* [t=$((SECONDS - T0))s]"; }

@@ -46,7 +46,7 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     if rows % per_word:
         raise ValueError(f"cannot pack {rows} rows at {bits} bits: rows must be a multiple of {per_word}")
     q = q.to(torch.int64).reshape(rows // per_word, per_word, cols)
-    shifts = (torch.arange(per_word, dtype=torch.int64) * bits).view(1, per_word, 1)
+    shifts = (torch.arange(per_word, dtype=torch.int64, device=q.device) * bits).view(1, per_word, 1)
     word = (q << shifts).sum(dim=1)  # [rows/per_word, cols], each < 2**32
     return _as_int32(word)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.kernels.gptq import pack_rows
 from flotilla.models.checkpoint import CheckpointWriter
 from flotilla.models.config import ModelConfig, QuantConfig
 from flotilla.models.linear import Linear, QuantLinear
@@ -112,14 +113,12 @@ def _random_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     (llama-3-70b's 80 layers did, at layer 35)."""
     n_in = g_idx.numel()
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int64).view(1, per, 1)
     chunk = max(1, (1 << 24) // max(1, per * qweight.shape[1]))  # word rows at a time: ~16M codes
     for r0 in range(0, qweight.shape[0], chunk):
         rows = qweight[r0:r0 + chunk]
-        codes = torch.randint(1, 1 << bits, (rows.shape[0], per, rows.shape[1]), generator=gen,
+        codes = torch.randint(1, 1 << bits, (rows.shape[0] * per, rows.shape[1]), generator=gen,
                               device=qweight.device, dtype=torch.int64)
-        words = (codes << shifts).sum(1)  # the codes of a word along the input axis, the first in the low bits
-        rows.copy_(torch.where(words >= 2**31, words - 2**32, words))
+        rows.copy_(pack_rows(codes, bits))
     field = (1 << (bits - 1)) - 1  # the stored zero - 1 (gptq convention)
     word = sum(field << (i * bits) for i in range(per))
     qzeros.fill_(word - 2**32 if word >= 2**31 else word)

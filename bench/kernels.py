@@ -310,6 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tile-sweep", action="store_true",
                     help="the CUDA tile GEMM's block heights vs the other paths (kernels_tile.py)")
     ap.add_argument("--tile-rows", default="64,128,256,512,1024,2048", help="the tile sweep's batches")
+    ap.add_argument("--tile-heights", default="", help="the tile sweep's block heights (default: all of BLOCK_ROWS)")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)
     global GRAPHS
@@ -327,6 +328,7 @@ def main(argv=None) -> int:
     args.gemv_rows = [int(m) for m in args.gemv_rows.split(",")]
     args.dense_rows = [int(m) for m in args.dense_rows.split(",")]
     args.tile_rows = [int(m) for m in args.tile_rows.split(",")]
+    args.tile_heights = [int(h) for h in args.tile_heights.split(",") if h.strip()]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if args.gguf:

@@ -4,7 +4,7 @@
 Per weight shape (--shapes), bit width (4, 8) and batch (--tile-rows), g128 symmetric, fp16: µs per call
 (CUDA-graph replay when --graph, L2 cleared) of fp16 cuBLAS on the dense weight, the path the registry took
 before the tile GEMM (Triton tiles or dequantize + cuBLAS: `choose_config`), and the tile GEMM at each block
-height (64, 128, 256 batch rows) and split-K count (1, and those whose grid stays within two waves), each
+height (64, 128, 256 batch rows, or --tile-heights) and split-K count (1, and those whose grid stays within two waves), each
 checked against the reference first (a failure is printed with the largest error's position, and that case is
 not timed); ×fp16 of each, the best, and the plan `block_rows` / `split_k` picks.
 One JSON object per case with --json. Without a Hopper GPU (or nvcc) it says so and times nothing.
@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from flotilla.kernels.cuda.tile import BLOCK_COLS, BLOCK_ROWS
+from flotilla.kernels.cuda.tile import BLOCK_COLS, BLOCK_ROWS, TWO_A_SM
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import TritonGPTQKernel, choose_config, weight_side
 
@@ -42,7 +42,8 @@ def run_tile_sweep(args, time_us, random_gptq) -> None:
 def split_counts(m: int, n: int, rows: int, k_blocks: int, num_sms: int) -> list[int]:
     """The split-K counts the sweep times at one block height: 1, and those whose grid stays within two waves."""
     tiles = -(-m // rows) * -(-n // BLOCK_COLS)
-    return [1] + [s for s in (2, 3, 4, 6, 8) if s <= k_blocks and tiles * s <= 2 * num_sms]
+    slots = num_sms * (2 if rows <= TWO_A_SM else 1)
+    return [1] + [s for s in (2, 3, 4, 6, 8) if s <= k_blocks and tiles * s <= 2 * slots]
 
 
 def _case(args, kern, w16, k: int, n: int, bits: int, m: int, time_us) -> dict:
@@ -55,7 +56,7 @@ def _case(args, kern, w16, k: int, n: int, bits: int, m: int, time_us) -> dict:
            "pick_splits": kern.tile.splits_for(m, pick_rows),
            "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
            "before_us": time_us(lambda: kern(x, config=before))}
-    for rows in BLOCK_ROWS:
+    for rows in getattr(args, "tile_heights", None) or BLOCK_ROWS:
         for splits in split_counts(m, n, rows, kern.tile.k_blocks, kern.num_sms):
             key = f"tile{rows}" if splits == 1 else f"tile{rows}s{splits}"
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison the allocator
@@ -92,7 +93,7 @@ def _table(rows: list) -> str:
             "best", "best ×fp16", "picked", "picked ×fp16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        tiles = [f"{r[f'tile{h}_us']:.1f}" if f"tile{h}_us" in r else "fail" for h in BLOCK_ROWS]
+        tiles = [f"{r[f'tile{h}_us']:.1f}" if f"tile{h}_us" in r else "-" for h in BLOCK_ROWS]
         splits = [f"{r[f'tile{h}split_us']:.1f} ({r[f'tile{h}split']})" if f"tile{h}split_us" in r else "" for h in BLOCK_ROWS]
         best = f"{r['fp16_us'] / r[r['best'] + '_us']:.2f}" if r["best"] else "n/a"
         picked = f"{r['fp16_us'] / r['pick_us']:.2f}" if r["pick_us"] else "n/a"

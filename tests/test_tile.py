@@ -61,6 +61,12 @@ def emulate_tile(layout, x: np.ndarray, nr: int, splits: int = 1) -> np.ndarray:
                 for s in (s for sp in range(splits) for s in range(sp * nb // splits * pairs,
                                                                     (sp + 1) * nb // splits * pairs)):
                     b, t = divmod(s, pairs)
+                    # the weight slot as the tensor copy stores it: column r's 16-byte piece h (words 4 h .. 4 h + 3
+                    # of its layout block b) at r * 128 + (h ^ r % 8) * 16, columns past N zero
+                    wslot = np.zeros((tile.BLOCK_COLS, 32), np.uint64)
+                    for r in range(min(tile.BLOCK_COLS, n - n0)):
+                        for h in range(8):
+                            wslot[r, 4 * (h ^ (r % 8)):4 * (h ^ (r % 8)) + 4] = words[n0 + r, b * 32 + 4 * h:b * 32 + 4 * h + 4]
                     # the stage as the tensor copy stores it: row r's 16-byte chunk h at r * 128 + (h ^ r % 8) * 16
                     stage = np.zeros((nr, 64))
                     for r in range(min(nr, m - m0)):
@@ -80,7 +86,8 @@ def emulate_tile(layout, x: np.ndarray, nr: int, splits: int = 1) -> np.ndarray:
                                     (1, 2 * j + 1, 2 * c + 8))  # (column half, word i, fragment k) of a0-a3
                             for hf, i, kk in regs:
                                 col = cols[hf]
-                                word = words[col, b * 32 + c + 4 * i]
+                                nl = 64 * wg + 16 * wq + g + 8 * hf  # the thread's column in the slot: nl % 8 = g
+                                word = wslot[nl, 4 * (i ^ g) + c]
                                 z = zeros[grp, col] if zeros is not None else np.full(32, layout.zero_const, np.uint64)
                                 lo, hi = _pair_f16(word, t, bits, z * 0x00010001)
                                 sc = fp16(scales[grp, col])
@@ -107,7 +114,8 @@ def test_emulated_kernel_is_the_matmul(case):
     tile.check_layout(layout, torch.float16)
     x = np.random.default_rng(1).standard_normal((70, k)).astype(np.float16).astype(np.float64)
     ref = x @ reference_rows(w, layout, torch.float16)  # x in the layout's row order (act-order sorted) below
-    for nr, splits in ((64, 1), (128, 1), (64, layout.words.shape[1] // 32)):  # the last: a split a layout block
+    for nr, splits in ((64, 1), (128, 1), (64, 2), (64, layout.words.shape[1] // 32)):  # the last: a split a
+        # layout block
         y = emulate_tile(layout, x, nr, splits)
         np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
@@ -129,6 +137,10 @@ def test_layouts_it_reads_and_those_it_leaves():
 def test_block_rows_are_the_tallest_that_hold_the_batch_and_splits_fill_a_wave_or_two():
     assert [tile.block_rows(m) for m in (1, 64, 65, 128, 129, 256, 2048)] == [64, 64, 128, 128, 256, 256, 256]
     sms, kb = 132, 16  # an H100; 16 layout blocks: 4096 input rows at 4 bits
+    # blocks of up to 64 rows run two an SM: a wave holds 264
+    assert tile.split_k(64, 4096, 64, kb, sms) == 8  # 32 column tiles: 256 blocks
+    assert tile.split_k(64, 14336, 64, kb, sms) == 2  # 112 tiles: 224 blocks (a third split: 2 waves, no gain)
+    assert tile.split_k(64, 28672, 64, 32, sms) == 1  # 224 tiles: past FILL of 264
     assert tile.split_k(128, 4096, 128, kb, sms) == 4  # 32 column tiles: 4 x 32 = 128 blocks, one wave
     assert tile.split_k(512, 4096, 256, kb, sms) == 2  # 64 tiles
     assert tile.split_k(1024, 4096, 256, kb, sms) == 1  # 128 tiles fill it

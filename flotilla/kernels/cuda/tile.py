@@ -31,6 +31,7 @@ from . import build, gemv
 log = logging.getLogger(__name__)
 
 BLOCK_ROWS = (64, 128, 256)  # batch rows a block (wgmma's N); the instances of csrc/tile_api.cu
+TWO_A_SM = 64  # blocks of up to this many rows run two an SM (csrc/tile.cuh's launch bounds and shared memory)
 BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
 # Where the kernel object picks it (`serves`): from MIN_ROWS to MAX_ROWS[bits] rows, in blocks of 128 rows up to 128,
@@ -92,6 +93,10 @@ def check_layout(layout: TritonLayout, dtype: torch.dtype) -> None:
         raise TileUnsupported("float offsets (the GGUF forms)")
     if layout.out_features % 8 or layout.in_features % 8:
         raise TileUnsupported(f"{layout.in_features}x{layout.out_features}: both must be multiples of 8")
+    words = layout.words
+    if not words.is_contiguous() or words.data_ptr() % 16:
+        raise TileUnsupported("the words are not one contiguous 16-byte-aligned [out, words] tensor (its tensor copies "
+                              "read them as such)")
     try:
         gemv.geometry(layout, dtype)  # with 32-word blocks, a group of whole 64-row runs: a stage lies in one group
     except gemv.GemvUnsupported as e:
@@ -111,13 +116,14 @@ def split_k(m: int, n: int, rows: int, k_blocks: int, num_sms: int) -> int:
     within one wave (MAX_SPLITS at most, MIN_SPLIT_BLOCKS layout blocks a split at least), or more in two
     waves where that cuts the time so modelled (waves / splits) by SECOND_WAVE_GAIN."""
     tiles = -(-m // rows) * -(-n // BLOCK_COLS)
-    if tiles >= FILL * num_sms:
+    slots = num_sms * (2 if rows <= TWO_A_SM else 1)  # blocks one wave holds
+    if tiles >= FILL * slots:
         return 1
     most = max(1, min(MAX_SPLITS, k_blocks // MIN_SPLIT_BLOCKS))
-    best = max(1, min(num_sms // tiles, most))  # one wave
+    best = max(1, min(slots // tiles, most))  # one wave
     cost = 1.0 / best  # waves times a split's share of the input axis
     for s in range(best + 1, most + 1):
-        waves = -(-tiles * s // num_sms)
+        waves = -(-tiles * s // slots)
         if waves <= 2 and waves / s < cost * (1 - SECOND_WAVE_GAIN):
             best, cost = s, waves / s
     return best

@@ -80,11 +80,19 @@ static_assert(128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= (THREADS + 128) *
 template <int NR>
 constexpr bool warp_specialized() { return NR >= 128; }
 constexpr int Y_STRIDE = BN + 8;                          // halves a row of the epilogue's tile
+constexpr int W_SLOT = BN * 128;                          // bytes of a weight-ring slot: 32 words of BN columns
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// orders this thread's generic-proxy accesses to shared memory before later async-proxy ones (tensor copies)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 // the compiler must neither read nor move an accumulator across this point
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 // mbarriers (shared memory, 8 bytes each): the ring's "stage landed" signals for the tensor copies
@@ -223,17 +231,19 @@ __device__ __forceinline__ Place place_of(const TileParams& p, bool fresh) {
           static_cast<int>(bid / (p.m_tiles * p.splits))};
 }
 
-// NR: batch rows a block (wgmma's N); NS: stages of the x ring, filled NS - 2 stages ahead of the MMAs. WS
+// NR: batch rows a block (wgmma's N); NS: stages of the x ring, filled NS - 2 stages ahead of the MMAs; WNS: slots
+// of the weight ring (a layout block of the block's 128 columns each, 16 KB), filled WNS - 1 layout blocks ahead. WS
 // (warp-specialized, 128 and 256 rows): a producer warpgroup issues the copies as the MMA warps release slots on
-// mbarriers; else (64 rows, two blocks an SM: no registers for a producer) thread 0 issues them, a block barrier a
-// stage ordering the reuse
-template <int BITS, int NR, int NS, bool WS = warp_specialized<NR>()>
-__global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1) tile_kernel(
-    const TileParams p, const __grid_constant__ CUtensorMap xmap) {
+// mbarriers (its warp 0 those of x, its warp 1 those of the weights); else (16-64 rows, two blocks an SM: no
+// registers for a producer) thread 0 issues them, a block barrier a stage ordering the reuse
+template <int BITS, int NR, int NS, int WNS, bool WS = warp_specialized<NR>()>
+__global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR <= 64 ? 2 : 1) tile_kernel(
+    const TileParams p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap wmap) {
   constexpr int P = 16 / BITS, R = 32, STAGE = NR * 128, AHEAD = NS - 2, ACC = NR / 2;
-  static_assert(AHEAD >= 1 && NR * 8 % THREADS == 0, "a ring of at least 3 stages, whole 16-byte copies a thread");
+  static_assert(AHEAD >= 1 && WNS >= 2, "an x ring of at least 3 stages, a weight ring of at least 2 slots");
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const uint32_t wring = ring + NS * STAGE;  // 1024-byte aligned: STAGE is a multiple of 2048
   const int tid = WS ? static_cast<int>(threadIdx.x) - 128 : static_cast<int>(threadIdx.x);  // < 0: the producer
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -243,23 +253,30 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1
   // never read through: it returns before the weights are loaded
   const int nl = 16 * warp + g;
   const int col_a = min(n0 + nl, p.N - 1), col_b = min(n0 + nl + 8, p.N - 1);  // clamped for loads
-  const uint32_t* wa = p.words + static_cast<size_t>(col_a) * p.KW + c;
-  const uint32_t* wb = p.words + static_cast<size_t>(col_b) * p.KW + c;
   const int nb = p.KW / R, b_begin = split * nb / p.splits, b_end = (split + 1) * nb / p.splits;
   const int s0 = b_begin * P, nstages = (b_end - b_begin) * P;  // this block's stages: s0 .. s0 + nstages - 1
+  const int nblk = b_end - b_begin;                             // and layout blocks
 
   // the ring's barriers: local stage l (= s - s0) lands on full[l % NS], phase (l / NS) & 1; one thread issues
   // every copy (thread 0, or the producer's first). WS: the MMA warps release slot l % NS on empty[l % NS]
   // (one arrival a warp, at the start of stage l + 2) and the producer waits for that before refilling it
-  __shared__ __align__(8) uint64_t full[NS], empty[WS ? NS : 1];
+  // the weight ring likewise: local layout block j lands on wfull[j % WNS], phase (j / WNS) & 1; WS: every MMA
+  // thread releases its slot on wempty[j % WNS] once it has read its words of block j
+  __shared__ __align__(8) uint64_t full[NS], empty[WS ? NS : 1], wfull[WNS], wempty[WS ? WNS : 1];
   const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   const uint32_t ebar0 = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  const uint32_t wbar0 = static_cast<uint32_t>(__cvta_generic_to_shared(wfull));
+  const uint32_t webar0 = static_cast<uint32_t>(__cvta_generic_to_shared(wempty));
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < NS; i++) mbar_init(bar0 + 8 * i, 1);
+#pragma unroll
+    for (int i = 0; i < WNS; i++) mbar_init(wbar0 + 8 * i, 1);
     if constexpr (WS) {
 #pragma unroll
       for (int i = 0; i < NS; i++) mbar_init(ebar0 + 8 * i, THREADS / 32);
+#pragma unroll
+      for (int i = 0; i < WNS; i++) mbar_init(webar0 + 8 * i, THREADS);
     }
     mbar_init_fence();
   }
@@ -271,32 +288,44 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1
       tma_load_2d(ring + (l % NS) * STAGE, &xmap, 64 * (s0 + l), m0, bar);
     }
   };
+  // the block's 128 columns' 32 words of layout block b_begin + j: a [128 x 128-byte] box (columns past N zero-filled),
+  // 128-byte swizzled (16-byte piece i of column r at piece i ^ (r % 8): the reads below are free of bank conflicts)
+  auto issue_weights = [&](int j) {  // one thread
+    if (j < nblk) {
+      const uint32_t bar = wbar0 + 8 * (j % WNS);
+      mbar_expect_tx(bar, W_SLOT);
+      tma_load_2d(wring + (j % WNS) * W_SLOT, &wmap, (b_begin + j) * R, n0, bar);
+    }
+  };
   if constexpr (WS) {
-    if (tid < 0) {  // the producer warpgroup: its first thread fills the ring, as slots come free
+    if (tid < 0) {  // the producer warpgroup: its warp 0 fills the x ring, its warp 1 the weight ring, as slots come free
       setmaxnreg_dec<PRODUCER_REGS>();
       if (threadIdx.x == 0) {
         for (int l = 0; l < nstages; l++) {
           if (l >= NS) mbar_wait(ebar0 + 8 * (l % NS), (l / NS - 1) & 1);  // stage l - NS's slot released
           issue_stage(l);
         }
+      } else if (threadIdx.x == 32) {
+        for (int j = 0; j < nblk; j++) {
+          if (j >= WNS) mbar_wait(webar0 + 8 * (j % WNS), (j / WNS - 1) & 1);  // block j - WNS's slot read
+          issue_weights(j);
+        }
       }
       return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
   }
+  // this thread's words of a weight slot: word c + 4 i of column nl + 8 h sits in 16-byte piece i ^ (nl % 8) = i ^ g
+  const uint32_t wmine = wring + nl * 128 + 4 * c;
 
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; i++) acc[i] = 0.f;
   if (!WS && tid == 0) {
 #pragma unroll
-    for (int s = 0; s < AHEAD; s++) issue_stage(s);
-  }
-  uint32_t wnext[2][8];
+    for (int j = 0; j < WNS; j++) issue_weights(j);
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
-    wnext[0][i] = __ldg(wa + b_begin * R + 4 * i);
-    wnext[1][i] = __ldg(wb + b_begin * R + 4 * i);
+    for (int s = 0; s < AHEAD; s++) issue_stage(s);
   }
   // the group entries of the P stages of the next layout block, loaded one block ahead (a stage ahead was
   // not enough: the load's latency showed in every stage on the narrow weights, device run 2)
@@ -305,9 +334,22 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1
   for (int t = 0; t < P; t++) gq[t] = load_group(p, (s0 + t) / p.stages_per_group, col_a, col_b);
 
   for (int b = b_begin; b < b_end; b++) {
+    const int jb = b - b_begin;  // the local layout block
     uint32_t wcur[2][8];
+    {  // this layout block's words out of its slot (landed), then the slot released
+      const uint32_t slot = wmine + (jb % WNS) * W_SLOT;
+      mbar_wait(wbar0 + 8 * (jb % WNS), (jb / WNS) & 1);
 #pragma unroll
-    for (int i = 0; i < 8; i++) wcur[0][i] = wnext[0][i], wcur[1][i] = wnext[1][i];
+      for (int i = 0; i < 8; i++) {
+        wcur[0][i] = lds32(slot + ((i ^ g) << 4));
+        wcur[1][i] = lds32(slot + 8 * 128 + ((i ^ g) << 4));
+      }
+      // the slot's next contents come by a tensor copy (the async proxy): this thread's reads of it (the generic
+      // proxy) ordered before that write. Without the fence the W8 kernels at 256 rows gave a different result in
+      // up to 10 of 40 calls on an H100 (bench/NOTES-kernels.md round 11)
+      fence_proxy_async();
+      if constexpr (WS) mbar_arrive(webar0 + 8 * (jb % WNS));  // else the next stage's block barrier orders it
+    }
     static_for<P>([&](auto tc) {
       constexpr int t = decltype(tc)::value;
       const int s = b * P + t, l = s - s0;
@@ -326,12 +368,11 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1
       } else {
         mbar_wait(bar0 + 8 * (l % NS), (l / NS) & 1);  // stage s has landed
         __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for step 4 s - 4)
-        if (tid == 0) issue_stage(l + AHEAD);  // into stage s - 2's slot
-      }
-      if (t == 0 && b + 1 < b_end) {
-        const size_t off = static_cast<size_t>(b + 1) * R;
-#pragma unroll
-        for (int i = 0; i < 8; i++) wnext[0][i] = __ldg(wa + off + 4 * i), wnext[1][i] = __ldg(wb + off + 4 * i);
+        if (tid == 0) {
+          issue_stage(l + AHEAD);  // into stage s - 2's slot
+          // every thread read layout block j - 1's words before this barrier: its slot takes block j - 1 + WNS
+          if (t == 0 && jb >= 1) issue_weights(jb - 1 + WNS);
+        }
       }
       if (l + P < nstages) gq[t] = load_group(p, (s + P) / p.stages_per_group, col_a, col_b);
       const uint32_t slot = ring + (l % NS) * STAGE;
@@ -414,11 +455,12 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR == 64 ? 2 : 1
   }
 }
 
-// shared memory a block: the ring, 1024 bytes of alignment slack (the epilogue's tile fits the ring)
-template <int NR, int NS>
+// shared memory a block: the x ring, the weight ring, 1024 bytes of alignment slack (the epilogue's tile fits the
+// x ring)
+template <int NR, int NS, int WNS>
 constexpr int tile_smem_bytes() {
   static_assert(NR * Y_STRIDE * 2 <= NS * NR * 128, "the epilogue's tile fits in the ring");
-  return NS * NR * 128 + 1024;
+  return NS * NR * 128 + WNS * W_SLOT + 1024;
 }
 
 // the driver's tensor-map encoder (cuTensorMapEncodeTiled), fetched once through the runtime; null where
@@ -452,10 +494,24 @@ cudaError_t x_tensor_map(const TileParams& p, CUtensorMap* map) {
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int BITS, int NR, int NS>
+// the words [N, KW] as boxes of BN columns x 32 words (a layout block of a block's columns), 128-byte swizzled,
+// zero past N; the rows (KW words) 16-byte aligned and the base too (tile.py checks both)
+inline cudaError_t w_tensor_map(const TileParams& p, CUtensorMap* map) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.KW), static_cast<cuuint64_t>(p.N)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.KW) * sizeof(uint32_t)};
+  const cuuint32_t box[2] = {32, BN}, elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<uint32_t*>(p.words), dims, strides, box,
+                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int BITS, int NR, int NS, int WNS>
 cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   constexpr bool WS = warp_specialized<NR>();
-  constexpr int smem = tile_smem_bytes<NR, NS>();
+  constexpr int smem = tile_smem_bytes<NR, NS, WNS>();
   // the opt-in to more than 48 KB of dynamic shared memory, once per device (an attribute of the device's
   // context: pipeline stages on several GPUs of one process each need it)
   static uint64_t configured = 0;
@@ -464,24 +520,28 @@ cudaError_t tile_launch(const TileParams& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   const uint64_t bit = 1ull << (device & 63);
   if (!(__atomic_load_n(&configured, __ATOMIC_ACQUIRE) & bit)) {
-    e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS, WS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    e = cudaFuncSetAttribute(tile_kernel<BITS, NR, NS, WNS, WS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     __atomic_fetch_or(&configured, bit, __ATOMIC_RELEASE);
   }
-  CUtensorMap xmap;
+  CUtensorMap xmap, wmap;
   e = x_tensor_map<NR>(p, &xmap);
+  if (e == cudaSuccess) e = w_tensor_map(p, &wmap);
   if (e != cudaSuccess) return e;
   const int n_tiles = (p.N + BN - 1) / BN;
   if (p.splits < 1 || (p.splits > 1 && (p.partial == nullptr || p.counters == nullptr))) return cudaErrorInvalidValue;
-  tile_kernel<BITS, NR, NS, WS><<<p.m_tiles * n_tiles * p.splits, WS ? THREADS + 128 : THREADS, smem, stream>>>(p, xmap);
+  tile_kernel<BITS, NR, NS, WNS, WS>
+      <<<p.m_tiles * n_tiles * p.splits, WS ? THREADS + 128 : THREADS, smem, stream>>>(p, xmap, wmap);
   return cudaGetLastError();
 }
 
-// the instances: NR batch rows a block with its ring depth (deeper rings, 12 / 9 / 6 stages, measured no faster:
-// bench/NOTES-kernels.md round 8)
-#define FLOTILLA_TILE_INSTANCES(X, BITS) X(BITS, 64, 6) X(BITS, 128, 5) X(BITS, 256, 5)
-#define FLOTILLA_TILE_INSTANCE(BITS, NR, NS) template cudaError_t tile_launch<BITS, NR, NS>(const TileParams&, cudaStream_t);
-#define FLOTILLA_TILE_EXTERN(BITS, NR, NS) extern template cudaError_t tile_launch<BITS, NR, NS>(const TileParams&, cudaStream_t);
+// the instances: NR batch rows a block with its x ring's and weight ring's depths (deeper x rings, 12 / 9 / 6 stages,
+// measured no faster: bench/NOTES-kernels.md round 8). Blocks of 64 rows run two an SM (at most ~113 KB each)
+#define FLOTILLA_TILE_INSTANCES(X, BITS) X(BITS, 64, 5, 4) X(BITS, 128, 5, 4) X(BITS, 256, 5, 4)
+#define FLOTILLA_TILE_INSTANCE(BITS, NR, NS, WNS) \
+  template cudaError_t tile_launch<BITS, NR, NS, WNS>(const TileParams&, cudaStream_t);
+#define FLOTILLA_TILE_EXTERN(BITS, NR, NS, WNS) \
+  extern template cudaError_t tile_launch<BITS, NR, NS, WNS>(const TileParams&, cudaStream_t);
 #define FLOTILLA_TILE_INSTANTIATE(BITS) FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_INSTANCE, BITS)
 #define FLOTILLA_TILE_DECLARE(BITS) FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_EXTERN, BITS)
 

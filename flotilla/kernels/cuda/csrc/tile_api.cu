@@ -17,8 +17,8 @@ extern "C" {
 // bits: 4 or 8; rows: batch rows a block (64, 128, 256)
 FLOTILLA_API int flotilla_tile(const TileParams* p, int bits, int rows, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-#define FLOTILLA_TILE_CASE(BITS, NR, NS) \
-  if (bits == BITS && rows == NR) return tile_launch<BITS, NR, NS>(*p, s);
+#define FLOTILLA_TILE_CASE(BITS, NR, NS, WNS) \
+  if (bits == BITS && rows == NR) return tile_launch<BITS, NR, NS, WNS>(*p, s);
   FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_CASE, 4)
   FLOTILLA_TILE_INSTANCES(FLOTILLA_TILE_CASE, 8)
 #undef FLOTILLA_TILE_CASE

@@ -21,10 +21,17 @@
 //     barrier a stage was 13% of the cycles at 2048 rows, round 9; measured 0-10% faster, round 10).
 //     At 64 rows (two blocks an SM, no registers for a producer) thread 0 issues the copies NS - 2
 //     stages ahead, and a block barrier a stage orders a slot's reuse.
-//   * weights: lane (g, c) of warp w holds words c + 4i (i = 0..7) of its two columns (64 wg + 16 w
-//     + g and + 8) for the whole block, the next block's loaded one block ahead; the k16 step j of
-//     run t takes words 8j + c (rows 2c, 2c + 1 of the step) and 8j + 4 + c (rows 2c + 8, 2c + 9),
-//     which is exactly the A fragment's order (gemv.cuh PairF16 decodes a pair, times the scale).
+//   * weights: a second ring of WNS slots, each one layout block of the block's 128 columns (a box of
+//     128 columns x 32 words, 16 KB, 128-byte swizzled) by a tensor copy, WNS - 1 layout blocks ahead
+//     (the producer's second warp at 128 and 256 rows, released on "wempty" mbarriers by every MMA
+//     thread; thread 0 at 64 rows). At the start of a layout block lane (g, c) of warp w reads words
+//     c + 4i (i = 0..7) of its two columns (64 wg + 16 w + g and + 8) into registers (4-byte loads
+//     free of bank conflicts under the swizzle), then a proxy fence orders those reads before the
+//     slot's next tensor copy. Up to round 10 each thread loaded its words from global memory one
+//     block ahead (4-byte loads, half-used sectors); the ring measured up to 8% faster at W4 and
+//     10-17% at W8 (round 11). The k16 step j of run t takes words 8j + c (rows 2c, 2c + 1 of the
+//     step) and 8j + 4 + c (rows 2c + 8, 2c + 9), which is exactly the A fragment's order (gemv.cuh
+//     PairF16 decodes a pair, times the scale).
 //   * scales (and uint8 zeros) of stage s + P loaded at stage s, one layout block ahead (a stage lies in
 //     one group: the group size is a multiple of 64).
 // Per k16 step: wait until at most two wgmmas are in flight (the registers of the one before them

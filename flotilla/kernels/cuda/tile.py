@@ -39,9 +39,11 @@ CAPABILITY = (9, 0)
 # on an H100 (bench/NOTES-kernels.md, round 8, run 2): faster than the Triton tiles or dequantize + cuBLAS in every
 # case it covers but one tie (4096x14336 W4 at 1024 rows: 224.5 against 222.6 µs), e.g. W4 at 256 rows 0.86-1.10x
 # fp16 on all four llama shapes against 0.51-0.68x; slower at 2048 rows (cuBLAS on the dequantized weight) and
-# below 128 (the Triton tiles); W8 up to 512 (at 1024 dequantize + cuBLAS won on the wide weights). Shorter blocks
-# that fill more SMs lost to split tall ones: a block's per-stage cost is latency-bound below 256 rows.
-MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 512}
+# below 128 (the Triton tiles). W8 up to 1024 since round 11's weight ring (H100, `--tile-sweep --tile-rows
+# 512,1024,2048`: at 1024 rows 56.7 / 224.4 / 192.2 / 819.1 µs against dequantize + cuBLAS's 68.5 / 225.8 / 224.7 /
+# 892.5 on the four llama shapes; at 2048 cuBLAS still won on the three wide ones). Shorter blocks that fill more SMs
+# lost to split tall ones: a block's per-stage cost is latency-bound below 256 rows.
+MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 1024}
 # split-K: the grid kept within one wave of the SMs (more splits measured slower where they only tied it: a second
 # wave, a longer reduction), at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of
 # the SMs, no split. Two waves only where the modelled time (waves x a split's share of the input axis) drops by more

@@ -76,7 +76,7 @@ class _Params(ctypes.Structure):  # tile.cuh TileParams
     _fields_ = [("x", ctypes.c_void_p), ("words", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("M", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("KW", ctypes.c_int),
-                ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("stages_per_group", ctypes.c_int),
+                ("lda", ctypes.c_int), ("ldy", ctypes.c_int), ("group_magic", ctypes.c_uint32),
                 ("zero_const", ctypes.c_int), ("m_tiles", ctypes.c_int), ("splits", ctypes.c_int),
                 ("partial", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
 
@@ -189,6 +189,8 @@ class TileKernel:
         self.layout, self.dtype, self.lib = layout, dtype, lib
         self.num_sms = torch.cuda.get_device_properties(layout.words.device).multi_processor_count
         self.k_blocks = layout.words.shape[1] // 32  # layout blocks along the input axis
+        # a stage is one 64-row run of the GEMV's geometry: the same magic finds its group
+        self.group_magic = gemv.geometry(layout, dtype).group_magic
         self.split = env_setting() != "nosplit"
         self._counters = torch.zeros(1024, dtype=torch.int32, device=layout.words.device)
 
@@ -245,7 +247,7 @@ class TileKernel:
                     zeros=None if lay.zeros is None else lay.zeros.data_ptr(),
                     bias=None if bias is None else bias.data_ptr(), y=target.data_ptr(), M=m, N=n, K=k,
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=target.stride(0),
-                    stages_per_group=lay.group_size // 64, zero_const=lay.zero_const, m_tiles=-(-m // rows),
+                    group_magic=self.group_magic, zero_const=lay.zero_const, m_tiles=-(-m // rows),
                     splits=splits, partial=None if partial is None else partial.data_ptr(),
                     counters=None if counters is None else counters.data_ptr())
         with torch.cuda.device(x2.device):  # the launch (and the shared-memory opt-in) on x's GPU

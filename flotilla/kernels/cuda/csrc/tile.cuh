@@ -68,7 +68,7 @@ struct TileParams {
   const half* bias;         // [N], or null
   half* y;                  // [M, N] row stride ldy; 16-byte aligned rows (ldy % 8 == 0), N % 8 == 0
   int M, N, K, KW, lda, ldy;
-  int stages_per_group;     // group size / 64
+  unsigned group_magic;     // the group of stage s (64 input rows) = gemv::group_of(s, group_magic)
   int zero_const;
   int m_tiles;              // ceil(M / NR): the grid is m_tiles x splits x ceil(N / 128), batch rows fastest
   int splits;               // the input axis cut into this many ranges of whole layout blocks (split-K)
@@ -212,14 +212,22 @@ struct GroupAt {
   uint32_t s[2], z[2];
 };
 
-__device__ __forceinline__ GroupAt load_group(const TileParams& p, int group, int col_a, int col_b) {
+// the thread's two columns of the scales (and zeros) tables; a group's entries at + group * N
+struct GroupCols {
+  const uint16_t *sa, *sb;
+  const uint8_t *za, *zb;  // null: the zero constant
+};
+
+// stage s's entries: the group by a multiply-high (a division here was ~30 instructions a stage, round 11), its
+// row offset in 32 bits (G * N < 2^32)
+__device__ __forceinline__ GroupAt load_group(const TileParams& p, const GroupCols& gc, int s) {
   GroupAt g;
-  const size_t off = static_cast<size_t>(group) * p.N;
-  g.s[0] = __ldg(p.scales + off + col_a);
-  g.s[1] = __ldg(p.scales + off + col_b);
-  if (p.zeros != nullptr) {
-    g.z[0] = __ldg(p.zeros + off + col_a);
-    g.z[1] = __ldg(p.zeros + off + col_b);
+  const unsigned off = gemv::group_of(s, p.group_magic) * static_cast<unsigned>(p.N);
+  g.s[0] = __ldg(gc.sa + off);
+  g.s[1] = __ldg(gc.sb + off);
+  if (gc.za != nullptr) {
+    g.z[0] = __ldg(gc.za + off);
+    g.z[1] = __ldg(gc.zb + off);
   } else {
     g.z[0] = g.z[1] = static_cast<uint32_t>(p.zero_const);
   }
@@ -336,9 +344,11 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR <= 64 ? 2 : 1
   }
   // the group entries of the P stages of the next layout block, loaded one block ahead (a stage ahead was
   // not enough: the load's latency showed in every stage on the narrow weights, device run 2)
+  const GroupCols gc = {p.scales + col_a, p.scales + col_b, p.zeros != nullptr ? p.zeros + col_a : nullptr,
+                        p.zeros != nullptr ? p.zeros + col_b : nullptr};
   GroupAt gq[P];
 #pragma unroll
-  for (int t = 0; t < P; t++) gq[t] = load_group(p, (s0 + t) / p.stages_per_group, col_a, col_b);
+  for (int t = 0; t < P; t++) gq[t] = load_group(p, gc, s0 + t);
 
   for (int b = b_begin; b < b_end; b++) {
     const int jb = b - b_begin;  // the local layout block
@@ -381,7 +391,7 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR <= 64 ? 2 : 1
           if (t == 0 && jb >= 1) issue_weights(jb - 1 + WNS);
         }
       }
-      if (l + P < nstages) gq[t] = load_group(p, (s + P) / p.stages_per_group, col_a, col_b);
+      if (l + P < nstages) gq[t] = load_group(p, gc, s + P);
       const uint32_t slot = ring + (l % NS) * STAGE;
       static_for<4>([&](auto jc) {
         constexpr int j = decltype(jc)::value;

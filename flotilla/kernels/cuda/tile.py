@@ -38,12 +38,13 @@ CAPABILITY = (9, 0)
 # else 256 (`block_rows`), the input axis split where the output tiles alone leave SMs idle (`split_k`). Measured
 # on an H100 (bench/NOTES-kernels.md, round 8, run 2): faster than the Triton tiles or dequantize + cuBLAS in every
 # case it covers but one tie (4096x14336 W4 at 1024 rows: 224.5 against 222.6 µs), e.g. W4 at 256 rows 0.86-1.10x
-# fp16 on all four llama shapes against 0.51-0.68x; slower at 2048 rows (cuBLAS on the dequantized weight) and
-# below 128 (the Triton tiles). W8 up to 1024 since round 11's weight ring (H100, `--tile-sweep --tile-rows
-# 512,1024,2048`: at 1024 rows 56.7 / 224.4 / 192.2 / 819.1 µs against dequantize + cuBLAS's 68.5 / 225.8 / 224.7 /
-# 892.5 on the four llama shapes; at 2048 cuBLAS still won on the three wide ones). Shorter blocks that fill more SMs
-# lost to split tall ones: a block's per-stage cost is latency-bound below 256 rows.
-MIN_ROWS, MAX_ROWS = 128, {4: 1024, 8: 1024}
+# fp16 on all four llama shapes against 0.51-0.68x; slower below 128 rows (the Triton tiles). Since round 11 (the
+# weight ring, a stage's group by a multiply-high) up to 2048 rows at both widths (H100, `--tile-sweep --tile-rows
+# 64,128,256,1024,2048`): at 2048 rows W4 101.1 / 380.0 / 354.1 / 1439.6 µs against dequantize + cuBLAS's 112.1 /
+# 392.8 / 391.5 / 1498.2 on the four llama shapes, W8 103.7 / 396.0 / 369.5 / 1459.2 against 115.3 / 394.5 / 399.1 /
+# 1554.3 (one tie); above 2048, not measured, dequantize + cuBLAS. Shorter blocks that fill more SMs lost to split
+# tall ones: a block's per-stage cost is latency-bound below 256 rows.
+MIN_ROWS, MAX_ROWS = 128, {4: 2048, 8: 2048}
 # split-K: the grid kept within one wave of the SMs (more splits measured slower where they only tied it: a second
 # wave, a longer reduction), at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of
 # the SMs, no split. Two waves only where the modelled time (waves x a split's share of the input axis) drops by more

@@ -249,7 +249,7 @@ __device__ __forceinline__ Place place_of(const TileParams& p, bool fresh) {
 // NR: batch rows a block (wgmma's N); NS: stages of the x ring, filled NS - 2 stages ahead of the MMAs; WNS: slots
 // of the weight ring (a layout block of the block's 128 columns each, 16 KB), filled WNS - 1 layout blocks ahead. WS
 // (warp-specialized, 128 and 256 rows): a producer warpgroup issues the copies as the MMA warps release slots on
-// mbarriers (its warp 0 those of x, its warp 1 those of the weights); else (16-64 rows, two blocks an SM: no
+// mbarriers (its warp 0 those of x, its warp 1 those of the weights); else (64 rows, two blocks an SM: no
 // registers for a producer) thread 0 issues them, a block barrier a stage ordering the reuse
 template <int BITS, int NR, int NS, int WNS, bool WS = warp_specialized<NR>()>
 __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR <= 64 ? 2 : 1) tile_kernel(
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR <= 64 ? 2 : 1
         __syncthreads();  // and every wgmma of stage s - 2 completed (each thread waited for step 4 s - 4)
         if (tid == 0) {
           issue_stage(l + AHEAD);  // into stage s - 2's slot
-          // every thread read layout block j - 1's words before this barrier: its slot takes block j - 1 + WNS
+          // every thread read layout block jb - 1's words before this barrier: its slot takes block jb - 1 + WNS
           if (t == 0 && jb >= 1) issue_weights(jb - 1 + WNS);
         }
       }

@@ -154,6 +154,11 @@ def test_block_rows_are_the_tallest_that_hold_the_batch_and_splits_fill_a_wave_o
     for m in (1, 100, 1000, 5000):
         for n in (128, 4096, 28672):
             assert 1 <= tile.split_k(m, n, tile.block_rows(m), kb, sms) <= tile.MAX_SPLITS
+    # 256 rows of a 4096x4096 weight: 256-row blocks would need 4 splits of 4 layout blocks; 128-row ones need 2
+    assert tile.plan_rows(256, 4096, kb, sms) == 128 and tile.split_k(256, 4096, 128, kb, sms) == 2
+    assert tile.plan_rows(256, 4096, 56, sms) == 256  # 14336 input rows: 4 splits of 14 layout blocks
+    assert tile.plan_rows(512, 4096, kb, sms) == 256  # 2 splits of 8
+    assert tile.plan_rows(256, 28672, 32, sms) == 256 and tile.plan_rows(64, 4096, kb, sms) == 64
 
 
 def test_served_exactly_where_it_measured_faster():

@@ -329,6 +329,9 @@ def main(argv=None) -> int:
     args.dense_rows = [int(m) for m in args.dense_rows.split(",")]
     args.tile_rows = [int(m) for m in args.tile_rows.split(",")]
     args.tile_heights = [int(h) for h in args.tile_heights.split(",") if h.strip()]
+    from flotilla.kernels.cuda.tile import BLOCK_ROWS
+    if any(h not in BLOCK_ROWS for h in args.tile_heights):
+        ap.error(f"--tile-heights {','.join(map(str, args.tile_heights))}: block heights among {BLOCK_ROWS}")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if args.gguf:

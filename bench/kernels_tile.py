@@ -6,7 +6,7 @@ Per weight shape (--shapes), bit width (4, 8) and batch (--tile-rows), g128 symm
 before the tile GEMM (Triton tiles or dequantize + cuBLAS: `choose_config`), and the tile GEMM at each block
 height (64, 128, 256 batch rows, or --tile-heights) and split-K count (1, and those whose grid stays within two waves), each
 checked against the reference first (a failure is printed with the largest error's position, and that case is
-not timed); ×fp16 of each, the best, and the plan `block_rows` / `split_k` picks.
+not timed); ×fp16 of each, the best, and the plan `rows_for` (`plan_rows`) / `split_k` picks.
 One JSON object per case with --json. Without a Hopper GPU (or nvcc) it says so and times nothing.
 """
 from __future__ import annotations
@@ -67,6 +67,7 @@ def _case(args, kern, w16, k: int, n: int, bits: int, m: int, time_us) -> dict:
                 print(f"FAIL tile {k}x{n} w{bits} m={m} rows={rows} splits={splits}: rel err {err:.2e}; worst at "
                       f"(row {bad // n}, col {bad % n}): {y.flatten()[bad].item():.4g} vs {ref.flatten()[bad].item():.4g}",
                       flush=True)
+                row[f"{key}_failed"] = True
                 continue
             row[f"{key}_us"] = time_us(lambda: kern.tile(x, rows=rows, splits=splits))  # noqa: B023 - called at once
         split_keys = [(row[key], key) for key in row if key.startswith(f"tile{rows}s")]
@@ -93,7 +94,8 @@ def _table(rows: list) -> str:
             "best", "best ×fp16", "picked", "picked ×fp16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        tiles = [f"{r[f'tile{h}_us']:.1f}" if f"tile{h}_us" in r else "-" for h in BLOCK_ROWS]
+        tiles = [f"{r[f'tile{h}_us']:.1f}" if f"tile{h}_us" in r else "fail" if f"tile{h}_failed" in r else "-"
+                 for h in BLOCK_ROWS]  # "-": a height not asked for (--tile-heights)
         splits = [f"{r[f'tile{h}split_us']:.1f} ({r[f'tile{h}split']})" if f"tile{h}split_us" in r else "" for h in BLOCK_ROWS]
         best = f"{r['fp16_us'] / r[r['best'] + '_us']:.2f}" if r["best"] else "n/a"
         picked = f"{r['fp16_us'] / r['pick_us']:.2f}" if r["pick_us"] else "n/a"

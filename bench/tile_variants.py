@@ -8,7 +8,7 @@ tree's bit for bit, and timed beside it and fp16 cuBLAS. The A/B behind bench/NO
     python3 -P bench/tile_variants.py --plans 64,128 --rows 256               # this tree's other block heights
 
 On the device tool, put the variant directories inside the repository (an ignored folder named in `carry`).
-Each case runs at the plan the registry picks (`block_rows`, `split_k`); `--plans` times this tree's kernel at
+Each case runs at the plan the registry picks (`rows_for`, `split_k`); `--plans` times this tree's kernel at
 other block heights as well (each with its own `split_k`). µs per call are CUDA-graph replays
 with the L2 cleared (bench/kernels.py's `time_us`). The same code timed twice moved by up to 4-7% at 2048 rows
 on an H100: differences under that are noise. Without a Hopper GPU and nvcc it says so and times nothing.

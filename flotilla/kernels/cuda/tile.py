@@ -35,7 +35,7 @@ TWO_A_SM = 64  # blocks of up to this many rows run two an SM (csrc/tile.cuh's l
 BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
 # Where the kernel object picks it (`serves`): from MIN_ROWS to MAX_ROWS[bits] rows, in blocks of 128 rows up to 128,
-# else 256 (`block_rows`), the input axis split where the output tiles alone leave SMs idle (`split_k`). Measured
+# else 256 (`block_rows`; `plan_rows` keeps 128 where 256 would split the input axis into short runs), the input axis split where the output tiles alone leave SMs idle (`split_k`). Measured
 # on an H100 (bench/NOTES-kernels.md, round 8, run 2): faster than the Triton tiles or dequantize + cuBLAS in every
 # case it covers but one tie (4096x14336 W4 at 1024 rows: 224.5 against 222.6 µs), e.g. W4 at 256 rows 0.86-1.10x
 # fp16 on all four llama shapes against 0.51-0.68x; slower below 128 rows (the Triton tiles). Since round 11 (the
@@ -51,7 +51,7 @@ MIN_ROWS, MAX_ROWS = 128, {4: 2048, 8: 2048}
 # than SECOND_WAVE_GAIN against one wave (llama-3-70b's qkv, 80 column tiles at 200 rows: 3 splits in 2 waves, 96.0
 # against 103.0 µs whole on an H100; measured on 132 SMs only)
 FILL, MAX_SPLITS, MIN_SPLIT_BLOCKS, SECOND_WAVE_GAIN = 0.8, 8, 2, 0.25
-SHORT_SPLIT = 8  # layout blocks a split below which 256-row blocks give way to 128-row ones (`plan_rows`)
+SHORT_SPLIT = 32  # stages a split below which 256-row blocks give way to 128-row ones (`plan_rows`)
 # FLOTILLA_TILE=0 turns the tile GEMM off (the Triton tiles and dequantize + cuBLAS serve every batch), =nosplit keeps
 # it but never splits the input axis; read when a kernel object is built
 ENV = "FLOTILLA_TILE"
@@ -72,6 +72,9 @@ def env_setting() -> str:
 
 class TileUnsupported(ValueError):
     """The layout, dtype or GPU is one the tile GEMM does not serve; the other paths do."""
+
+
+PARAM_VERSION = 2  # tile_api.cu flotilla_tile_param_version
 
 
 class _Params(ctypes.Structure):  # tile.cuh TileParams
@@ -114,16 +117,17 @@ def block_rows(m: int) -> int:
     return next((rows for rows in BLOCK_ROWS if rows >= m), BLOCK_ROWS[-1])
 
 
-def plan_rows(m: int, n: int, k_blocks: int, num_sms: int) -> int:
-    """The block height for M rows of an N-wide weight of `k_blocks` layout blocks: `block_rows`, except that
-    blocks of 256 rows whose split-K would leave each split fewer than SHORT_SPLIT layout blocks become blocks of 128
-    rows where those need fewer splits (round 11, H100, 4096x4096 at 256 rows: 128-row blocks in 2 splits 26.8 µs W4
-    / 28.7 W8 against 256-row blocks in 4 splits 29.6 / 30.6; on 14336x4096, 14 layout blocks a split, the 256-row
-    blocks stayed ahead, 58.0 against 60.6)."""
+def plan_rows(m: int, n: int, k_blocks: int, num_sms: int, bits: int) -> int:
+    """The block height for M rows of an N-wide `bits`-bit weight of `k_blocks` layout blocks: `block_rows`, except
+    that blocks of 256 rows whose split-K would leave each split fewer than SHORT_SPLIT stages (64 input rows each;
+    16 / bits a layout block) become blocks of 128 rows where those need fewer splits (round 11, H100, 4096x4096 at
+    256 rows: 128-row blocks in 2 splits 26.8 µs W4 / 28.7 W8 against 256-row blocks in 4 splits 29.6 / 30.6; on
+    14336x4096, 56 stages a split, the 256-row blocks stayed ahead, 58.0 against 60.6)."""
     rows = block_rows(m)
     if rows == 256:
         splits = split_k(m, n, 256, k_blocks, num_sms)
-        if splits > 1 and k_blocks // splits < SHORT_SPLIT and split_k(m, n, 128, k_blocks, num_sms) < splits:
+        short = k_blocks * (16 // bits) // splits < SHORT_SPLIT
+        if splits > 1 and short and split_k(m, n, 128, k_blocks, num_sms) < splits:
             return 128
     return rows
 
@@ -164,6 +168,13 @@ class _Library:
         size = cdll.flotilla_tile_param_size()
         if size != ctypes.sizeof(_Params):
             raise TileUnsupported(f"the library's TileParams is {size} bytes, ctypes has {ctypes.sizeof(_Params)}")
+        try:
+            version = cdll.flotilla_tile_param_version()
+        except AttributeError:  # built before round 11: the same size, stages_per_group where group_magic is now
+            version = 1
+        if version != PARAM_VERSION:
+            raise TileUnsupported(f"the library's TileParams is version {version}, this code writes version "
+                                  f"{PARAM_VERSION} (a build from another tree?)")
 
     def available(self) -> bool:
         """Whether the driver can encode the tensor maps the kernel's copies read (needs a GPU driver)."""
@@ -213,7 +224,7 @@ class TileKernel:
     def rows_for(self, m: int) -> int:
         if not self.split:
             return block_rows(m)
-        return plan_rows(m, self.layout.out_features, self.k_blocks, self.num_sms)
+        return plan_rows(m, self.layout.out_features, self.k_blocks, self.num_sms, self.layout.bits)
 
     def splits_for(self, m: int, rows: int) -> int:
         return split_k(m, self.layout.out_features, rows, self.k_blocks, self.num_sms) if self.split else 1

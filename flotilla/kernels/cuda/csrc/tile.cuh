@@ -22,14 +22,14 @@
 //     At 64 rows (two blocks an SM, no registers for a producer) thread 0 issues the copies NS - 2
 //     stages ahead, and a block barrier a stage orders a slot's reuse.
 //   * weights: a second ring of WNS slots, each one layout block of the block's 128 columns (a box of
-//     128 columns x 32 words, 16 KB, 128-byte swizzled) by a tensor copy, WNS - 1 layout blocks ahead
+//     128 columns x 32 words, 16 KB, 128-byte swizzled) by a tensor copy, up to WNS layout blocks ahead
 //     (the producer's second warp at 128 and 256 rows, released on "wempty" mbarriers by every MMA
 //     thread; thread 0 at 64 rows). At the start of a layout block lane (g, c) of warp w reads words
 //     c + 4i (i = 0..7) of its two columns (64 wg + 16 w + g and + 8) into registers (4-byte loads
 //     free of bank conflicts under the swizzle), then a proxy fence orders those reads before the
 //     slot's next tensor copy. Up to round 10 each thread loaded its words from global memory one
 //     block ahead (4-byte loads, half-used sectors); the ring measured up to 8% faster at W4 and
-//     10-17% at W8 (round 11). The k16 step j of run t takes words 8j + c (rows 2c, 2c + 1 of the
+//     8-17% at W8 (round 11). The k16 step j of run t takes words 8j + c (rows 2c, 2c + 1 of the
 //     step) and 8j + 4 + c (rows 2c + 8, 2c + 9), which is exactly the A fragment's order (gemv.cuh
 //     PairF16 decodes a pair, times the scale).
 //   * scales (and uint8 zeros) of stage s + P loaded at stage s, one layout block ahead (a stage lies in
@@ -78,7 +78,7 @@ struct TileParams {
 
 constexpr int WG = 2, THREADS = 128 * WG, BN = 64 * WG;  // MMA warpgroups, their threads, out-features a block
 // warp-specialized blocks (128 and 256 rows): one more warpgroup in front, the producer, which only issues the tensor
-// copies of x; its registers go to the MMA warpgroups (setmaxnreg: 128 x 24 + 256 x 240 = 384 x 168). The block's
+// copies (of x and of the weights); its registers go to the MMA warpgroups (setmaxnreg: 128 x 24 + 256 x 240 = 384 x 168). The block's
 // pool is what it launched with, so the raise waits for ever unless ptxas gave the kernel the full 168 a thread
 // (65 536 / 384, rounded down to 8): tests/test_tile.py checks the build's report
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240, WS_LAUNCH_REGS = 65536 / (THREADS + 128) / 8 * 8;
@@ -247,7 +247,8 @@ __device__ __forceinline__ Place place_of(const TileParams& p, bool fresh) {
 }
 
 // NR: batch rows a block (wgmma's N); NS: stages of the x ring, filled NS - 2 stages ahead of the MMAs; WNS: slots
-// of the weight ring (a layout block of the block's 128 columns each, 16 KB), filled WNS - 1 layout blocks ahead. WS
+// of the weight ring (a layout block of the block's 128 columns each, 16 KB), filled up to WNS layout blocks ahead
+// (WNS - 1 at 64 rows, where a slot is refilled a block after it was read). WS
 // (warp-specialized, 128 and 256 rows): a producer warpgroup issues the copies as the MMA warps release slots on
 // mbarriers (its warp 0 those of x, its warp 1 those of the weights); else (64 rows, two blocks an SM: no
 // registers for a producer) thread 0 issues them, a block barrier a stage ordering the reuse
@@ -477,6 +478,10 @@ __global__ void __launch_bounds__(WS ? THREADS + 128 : THREADS, NR <= 64 ? 2 : 1
 template <int NR, int NS, int WNS>
 constexpr int tile_smem_bytes() {
   static_assert(NR * Y_STRIDE * 2 <= NS * NR * 128, "the epilogue's tile fits in the ring");
+  // with up to 256 bytes of static barriers: within sm_90's 227 KB a block, or half an SM's 228 KB less the 1 KB the
+  // system keeps a block where two blocks share an SM
+  static_assert(NS * NR * 128 + WNS * W_SLOT + 1024 + 256 <= (NR <= 64 ? 228 * 1024 / 2 - 1024 : 227 * 1024),
+                "the rings fit the shared memory a block may have");
   return NS * NR * 128 + WNS * W_SLOT + 1024;
 }
 

@@ -31,6 +31,10 @@ FLOTILLA_API const char* flotilla_tile_error_string(int code) {
 
 FLOTILLA_API int flotilla_tile_param_size() { return static_cast<int>(sizeof(TileParams)); }
 
+// the TileParams layout's version (tile.py PARAM_VERSION): 2 since group_magic replaced stages_per_group (round 11), a
+// change of meaning that the size alone does not show (bench/tile_variants.py loads other builds)
+FLOTILLA_API int flotilla_tile_param_version() { return 2; }
+
 // 1 where the driver can encode the tensor maps the kernel's copies read (CUDA 12.0+ drivers), else 0
 FLOTILLA_API int flotilla_tile_available() { return flotilla::tile::tensor_map_encoder() != nullptr ? 1 : 0; }
 }

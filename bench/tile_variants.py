@@ -8,6 +8,8 @@ tree's bit for bit, and timed beside it and fp16 cuBLAS. The A/B behind bench/NO
     python3 -P bench/tile_variants.py --plans 64,128 --rows 256               # this tree's other block heights
 
 On the device tool, put the variant directories inside the repository (an ignored folder named in `carry`).
+A build whose TileParams layout differs from this tree's (before round 11: `stages_per_group` where `group_magic`
+is now) is refused when loaded: the same bytes would mean another thing to it.
 Each case runs at the plan the registry picks (`rows_for`, `split_k`); `--plans` times this tree's kernel at
 other block heights as well (each with its own `split_k`). µs per call are CUDA-graph replays
 with the L2 cleared (bench/kernels.py's `time_us`). The same code timed twice moved by up to 4-7% at 2048 rows

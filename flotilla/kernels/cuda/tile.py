@@ -8,9 +8,9 @@ It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or 
 and is one of that kernel's paths (triton_linear.choose_config picks it over the Triton tiles and
 dequantize + cuBLAS where it measured faster). The weight is dequantized in registers straight into
 the A operand of Hopper's asynchronous warpgroup MMA (wgmma), the batch rows of x are its B operand
-from a swizzled shared-memory ring (filled by a producer warpgroup of its own at 128 and 256 rows a
-block): y^T = W^T x^T, fp32 accumulators, the scales applied to the weights as the reference
-dequantization rounds them.
+from a swizzled shared-memory ring, the weight's words come through a second one (both filled by tensor
+copies, by a producer warpgroup of its own at 128 and 256 rows a block): y^T = W^T x^T, fp32
+accumulators, the scales applied to the weights as the reference dequantization rounds them.
 
 Served: sm_90 (H100, H200), fp16 activations, 4 and 8 bits, blocks of 32 words a column (the GPTQ
 group-64-and-longer layouts), zeros constant or uint8 (below 64 at 4 bits), act-order (x gathered
@@ -35,7 +35,8 @@ TWO_A_SM = 64  # blocks of up to this many rows run two an SM (csrc/tile.cuh's l
 BLOCK_COLS = 128  # out-features a block: two warpgroups of 64
 CAPABILITY = (9, 0)
 # Where the kernel object picks it (`serves`): from MIN_ROWS to MAX_ROWS[bits] rows, in blocks of 128 rows up to 128,
-# else 256 (`block_rows`; `plan_rows` keeps 128 where 256 would split the input axis into short runs), the input axis split where the output tiles alone leave SMs idle (`split_k`). Measured
+# else 256 (`block_rows`; `plan_rows` keeps 128 where 256 would split the input axis into short runs), the input axis
+# split where the output tiles alone leave SMs idle (`split_k`). Measured
 # on an H100 (bench/NOTES-kernels.md, round 8, run 2): faster than the Triton tiles or dequantize + cuBLAS in every
 # case it covers but one tie (4096x14336 W4 at 1024 rows: 224.5 against 222.6 µs), e.g. W4 at 256 rows 0.86-1.10x
 # fp16 on all four llama shapes against 0.51-0.68x; slower below 128 rows (the Triton tiles). Since round 11 (the

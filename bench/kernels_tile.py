@@ -56,7 +56,7 @@ def _case(args, kern, w16, k: int, n: int, bits: int, m: int, time_us) -> dict:
            "pick_splits": kern.tile.splits_for(m, pick_rows),
            "fp16_us": time_us(lambda: torch.nn.functional.linear(x, w16)),
            "before_us": time_us(lambda: kern(x, config=before))}
-    for rows in getattr(args, "tile_heights", None) or BLOCK_ROWS:
+    for rows in args.tile_heights or BLOCK_ROWS:
         for splits in split_counts(m, n, rows, kern.tile.k_blocks, kern.num_sms):
             key = f"tile{rows}" if splits == 1 else f"tile{rows}s{splits}"
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)  # poison the allocator

@@ -44,8 +44,11 @@ CAPABILITY = (9, 0)
 # 64,128,256,1024,2048`): at 2048 rows W4 101.1 / 380.0 / 354.1 / 1439.6 µs against dequantize + cuBLAS's 112.1 /
 # 392.8 / 391.5 / 1498.2 on the four llama shapes, W8 103.7 / 396.0 / 369.5 / 1459.2 against 115.3 / 394.5 / 399.1 /
 # 1554.3 (one tie); above 2048, not measured, dequantize + cuBLAS. Shorter blocks that fill more SMs lost to split
-# tall ones: a block's per-stage cost is latency-bound below 256 rows.
-MIN_ROWS, MAX_ROWS = 128, {4: 2048, 8: 2048}
+# tall ones: a block's per-stage cost is latency-bound below 256 rows. From 65 rows since round 12 (H100, run 2): at
+# 96 rows the 128-row blocks took 20.8 / 41.0 / 41.6 / 130.3 µs W4 against the Triton tiles' 28.0 / 49.9 / 72.6 /
+# 164.6 (two 64-row tiles there), 23.2 / 44.2 / 46.1 / 140.4 W8 against 33.3 / 58.8 / 90.8 / 196.4; at 32-64 rows
+# the Triton tiles keep the batch (ahead by up to 37% at 32, within 11% either way at 48-64).
+MIN_ROWS, MAX_ROWS = 65, {4: 2048, 8: 2048}
 # split-K: the grid kept within one wave of the SMs (more splits measured slower where they only tied it: a second
 # wave, a longer reduction), at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of
 # the SMs, no split. Two waves only where the modelled time (waves x a split's share of the input axis) drops by more

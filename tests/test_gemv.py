@@ -135,7 +135,9 @@ def test_emulated_kernel_reads_the_gguf_forms(qtype, dtype):
 
 def test_crossovers_only_where_measured():
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
-    assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS
+    assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS == 8
+    assert gemv.crossover(g128, 4, torch.float16, 4096 * 28672) == 8  # llama-3-8b's gate_up
+    assert gemv.crossover(g128, 4, torch.float16, 8192 * 28672) == gemv.MMA_MAX_ROWS_LARGE == 4  # 70b's
     g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
     assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
     w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)
@@ -474,8 +476,8 @@ def test_silu_epilogue_is_silu_mul_of_the_product(k, n, sym):
         assert got.shape == (m, n // 2)
         assert rel_err(got, want.float()) < 1e-3 and rel_err(got, ref) < 3e-3, m
         assert (got == want).float().mean().item() > 0.98, m  # the same roundings: ties of the exp aside
-    x = torch.randn(8, k, generator=gen, device="cuda", dtype=torch.float16)
-    assert not kern.fuses_silu(8) and torch.equal(kern.silu_mul(x), fused.silu_mul(kern(x)))
+    x = torch.randn(9, k, generator=gen, device="cuda", dtype=torch.float16)
+    assert not kern.fuses_silu(9) and torch.equal(kern.silu_mul(x), fused.silu_mul(kern(x)))
     bias = torch.randn(n, generator=gen, device="cuda", dtype=torch.float16)
     x1 = x[:1]
     assert torch.equal(kern.silu_mul(x1, bias), fused.silu_mul(kern(x1, bias)))  # a bias: composed
@@ -589,7 +591,7 @@ def test_norm_fusion_producer_and_consumer(k, hidden, n, sym):
     bit resid + its product (torch's add), its scaled output half(r * w) and its partials sum to
     sum(r^2); the consumer (plain, with a bias, and the silu epilogue) matches the composed ops
     (kernels/fused.rms_norm, then the GEMV) within rounding, for a norm weight above 1 and a large
-    residual, 1 to 4 rows (the register plan, and the ring at M = 1 on 16384 rows; on hidden 8192 the
+    residual, 1 to 8 rows (the register plan, and the ring at M = 1 on 16384 rows; on hidden 8192 the
     consumers' ring at M = 1 and, from 3 rows, their partials read from global memory)."""
     from flotilla.kernels import fused
     from flotilla.kernels.triton_linear import TritonGPTQKernel
@@ -618,7 +620,7 @@ def test_norm_fusion_producer_and_consumer(k, hidden, n, sym):
         assert rel_err(cons.normed(nr, bias), cons(h, bias).float()) < 2e-3, m
         poison(m, n, torch.float16)
         assert rel_err(gu.silu_mul_normed(nr), fused.silu_mul(gu(h)).float()) < 3e-3, m
-    assert not prod.fuses_norm(8)
+    assert not prod.fuses_norm(gemv.MMA_MAX_ROWS + 1)
 
 
 @needs_gpu

@@ -63,8 +63,14 @@ MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
 # measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
 # on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
-# (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes).
-MMA_MAX_ROWS = 4
+# (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes). The tensor-core
+# plan up to 8 rows since round 12 (a llama-3-8b INT4 decode step at batch 8 on an H100: 2987.3 tok/s against
+# 2731.7 with the Triton tiles at 5-8 rows; round 3's chain at 8 rows: 4096x6144 7.6 against 9.4 µs, 4096x4096 5.7
+# / 8.5, 14336x4096 14.0 / 14.9, 4096x28672 23.0 / 23.6), but up to 4 on weights of more than MMA_LARGE_WEIGHT
+# weights (8192x28672 at 8 rows: 42.9 against the Triton tiles' 42.5 in the chain, 53.5 / 51.2 with the L2 cleared).
+# Past 8 rows the Triton tiles (round 12: a second tile of 8 batch rows in the plan, branch gemv16, lost a decode
+# step at batch 16 by 10%: 4096x28672 at 16 rows 45.2 against 36.8 µs).
+MMA_MAX_ROWS, MMA_MAX_ROWS_LARGE, MMA_LARGE_WEIGHT = 8, 4, 1 << 27
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
@@ -176,13 +182,15 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
-def crossover(geo: Geometry, bits: int, dtype: torch.dtype) -> int:
-    """Up to how many rows the GEMV beats the Triton kernel, as measured: 0 (never picked, though
-    it runs when asked) for layouts of kinds not measured yet: GGUF float offsets, blocks other
-    than 32 words (group 32 or 16)."""
+def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) -> int:
+    """Up to how many rows the GEMV beats the Triton kernel on a layout of `weights` weights (in x out),
+    as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
+    GGUF float offsets, blocks other than 32 words (group 32 or 16)."""
     if geo.mode == OFF or geo.log2r != 5:
         return 0
-    return MMA_MAX_ROWS if bits == 4 and geo.mma else CORES_MAX_ROWS[(bits, dtype)]
+    if bits == 4 and geo.mma:
+        return MMA_MAX_ROWS_LARGE if weights > MMA_LARGE_WEIGHT else MMA_MAX_ROWS
+    return CORES_MAX_ROWS[(bits, dtype)]
 
 
 def group_of(run: int, magic: int) -> int:
@@ -262,7 +270,7 @@ class GemvKernel:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
-        self.max_rows = crossover(self.geo, layout.bits, dtype)
+        self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)

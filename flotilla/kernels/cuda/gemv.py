@@ -65,7 +65,7 @@ MAX_WARPS = 8
 # on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
 # (bits, dtype) (8 bits: the tensor-core plan lost to Triton from M = 4 on the large shapes). The tensor-core
 # plan up to 8 rows since round 12 (a llama-3-8b INT4 decode step at batch 8 on an H100: 2983.0 tok/s against
-# 2722.9 with the Triton tiles at 5-8 rows; round 3's chain at 8 rows: 4096x6144 7.6 against 9.4 µs, 4096x4096 5.7
+# 2722.9 with the Triton tiles at 5-8 rows; round 3's chain on an H200 at 8 rows: 4096x6144 7.6 against 9.4 µs, 4096x4096 5.7
 # / 8.5, 14336x4096 14.0 / 14.9, 4096x28672 23.0 / 23.6), but up to 4 on weights of more than MMA_LARGE_WEIGHT
 # weights (8192x28672 at 8 rows: 42.9 against the Triton tiles' 42.5 in the chain, 53.5 / 51.2 with the L2 cleared).
 # Past 8 rows the Triton tiles (round 12: a second tile of 8 batch rows in the plan, branch gemv16, lost a decode

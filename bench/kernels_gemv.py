@@ -1,9 +1,10 @@
 """The CUDA GEMV's plans on the GPU (`python bench/kernels.py --gemv-sweep`): the evidence for
 kernels/cuda/gemv.py's choose_plan and its crossovers (MMA_MAX_ROWS, CORES_MAX_ROWS).
 
-Per weight shape, bit width (--gemv-bits) and batch M (1, 2, 4, 8; --gemv-rows): µs per call (CUDA-graph replay when --graph,
-L2 cleared) of every GEMV plan (the tensor-core plan "mma", "mma8w4s": 8 warps, a
-cp.async ring of 4 blocks a warp, "mma8w": the register double buffer; CUDA-core plans with the rows tile = M
+Per weight shape, bit width (--gemv-bits) and batch M (1, 2, 4, 8, 12, 16; --gemv-rows): µs per call (CUDA-graph replay when
+--graph, L2 cleared) of every GEMV plan (the tensor-core plan "mma", "mma8w4s": 8 warps, a
+cp.async ring of 4 blocks a warp, "mma8w": the register double buffer; past 8 rows the wide tensor-core plan,
+"wide64c4w": 64 columns a block, 4 warps; CUDA-core plans with the rows tile = M
 rounded up and 2 or 4 columns a block; warps a block 1, 2, 4, 8) next to the built-in plan and the
 Triton "dot" path, in fp16; then, at the built-in plans, the same against Triton in bf16 (CUDA-core
 plans: the crossover M per bits and dtype). Every plan's result is checked
@@ -22,7 +23,7 @@ import json
 
 import torch
 
-from flotilla.kernels.cuda.gemv import MMA_COLS
+from flotilla.kernels.cuda.gemv import MMA_COLS, ROW_TILES, WIDE_ROWS
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_linear import (
     TritonGPTQKernel,
@@ -31,7 +32,7 @@ from flotilla.kernels.triton_linear import (
     weight_side,
 )
 
-SWEEP_ROWS = (1, 2, 4, 8)
+SWEEP_ROWS = (1, 2, 4, 8, 12, 16)
 WARPS = (1, 2, 4, 8)
 CHAIN_CALLS = 64
 CHAIN_BYTES = 160e6  # the weight copies of a chain together: > 3x the H200's 50 MB L2
@@ -44,6 +45,8 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 
 def label(plan) -> str:
+    if plan.rows == WIDE_ROWS:  # the wide tensor-core plan
+        return f"wide{plan.cols}c{plan.warps}w"
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
         return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
     return f"{plan.cols}c{plan.warps}w"
@@ -61,13 +64,19 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
             nbytes = kern.layout.nbytes()
             w32 = dequantize(w, torch.float32)
             for m in rows:
+                if m > kern.gemv.most_rows:
+                    continue
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w32
                 timed = []
                 for shape in kern.gemv.plans():
-                    if shape.cols != MMA_COLS and shape.rows != next(r for r in SWEEP_ROWS if r >= m):
+                    if shape.rows != WIDE_ROWS and m > ROW_TILES[-1]:
+                        continue  # past 8 rows the wide plan only (it runs any M <= 16)
+                    if shape.rows != WIDE_ROWS and shape.cols != MMA_COLS \
+                            and shape.rows != next(r for r in SWEEP_ROWS if r >= m):
                         continue
-                    if kern.gemv.geo.mma and not args.gemv_all and (shape.cols != MMA_COLS or shape.stages not in (0, 2)):
+                    if kern.gemv.geo.mma and not args.gemv_all and shape.rows != WIDE_ROWS \
+                            and (shape.cols != MMA_COLS or shape.stages not in (0, 2)):
                         continue  # plans that lost in every earlier run (NOTES-kernels.md: CUDA cores, rings > 2)
                     for warps in WARPS:
                         plan = dataclasses.replace(shape, warps=warps)
@@ -81,7 +90,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
                 t_built = time_us(lambda: kern.gemv(x))
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))
                 best = ", ".join(f"{t:.1f} {label(p)}" for t, p in timed[:4])
-                mma = [f"{t:.1f} {label(p)}" for t, p in timed if p.cols == MMA_COLS]
+                mma = [f"{t:.1f} {label(p)}" for t, p in timed if p.cols == MMA_COLS or p.rows == WIDE_ROWS]
                 print(f"gemv sweep {k}x{n} w{bits} m={m}: built-in {label(built_in)} {t_built:.1f}us "
                       f"({nbytes / (t_built * 1e-6) / 1e12:.2f} TB/s), triton {t_triton:.1f}us; best {best}; mma {mma}",
                       flush=True)
@@ -97,7 +106,7 @@ def run_gemv_sweep(args, time_us, random_gptq) -> None:
             kern = TritonGPTQKernel(random_gptq(k, n, bits, 128, True, False, "cuda"), torch.bfloat16)
             if kern.gemv is None:
                 continue
-            for m in rows:
+            for m in [r for r in rows if r <= kern.gemv.most_rows]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t_gemv = time_us(lambda: kern.gemv(x))
                 t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))

@@ -198,6 +198,73 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     return y[:, :m_rows].T
 
 
+def wide_columns(n: int, cols: int, silu: bool) -> list[np.ndarray]:
+    """The wide plan's columns of each block (gemv_wide.cuh col_of): octet c of a block of `cols` is
+    columns col_of(c) .. + 8; under silu the first half of the octets is gate, the second up."""
+    nc, out = cols // 8, []
+    for blk in range(n // cols):
+        if silu:
+            n0 = blk * cols // 2
+            firsts = [n0 + 8 * c if c < nc // 2 else n // 2 + n0 + 8 * (c - nc // 2) for c in range(nc)]
+        else:
+            firsts = [blk * cols + 8 * c for c in range(nc)]
+        out.append(np.array(firsts))
+    return out
+
+
+def emulate_wide(layout, x: np.ndarray, cols: int, silu: bool = False) -> np.ndarray:
+    """x @ W [M, N] (M <= 16) as the wide tensor-core plan (gemv_wide.cuh) computes it, before the
+    epilogue (silu only changes which columns a block holds): from what each lane (g, t) loads (words
+    4t..4t+3 of its column g of every octet, x of batch rows g and g + 8 clamped to M - 1), the
+    fragments it hands mma.sync by the PTX m16n8k16 layouts (A = x: rows g / g + 8 at k 2t, 2t+1 and
+    2t+8, 2t+9; B = q - z of column g at those k; C rows g / g + 8, columns 2t, 2t+1), one accumulator a
+    group and strip, times the scales of columns 2t, 2t+1 of the octet from the block's table (which
+    copies each group's row of the block's columns); in float64. x: [M, k_padded]."""
+    geo = gemv.geometry(layout, torch.float16)
+    assert geo.mma
+    bits, pairs = layout.bits, 16 // layout.bits
+    r = 1 << geo.log2r
+    spb, tpg, bk = r // 16, geo.tpg, 2 * r * pairs
+    words = layout.words.numpy().view(np.uint32).astype(np.uint64)
+    scales = layout.scales.float().double().numpy()
+    zeros = layout.zeros.numpy().astype(np.uint64) if layout.zeros is not None else None
+    n, kw = words.shape
+    m_rows = x.shape[0]
+    assert m_rows <= 16
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    x0, x1 = np.minimum(g, m_rows - 1), np.minimum(g + 8, m_rows - 1)
+    y = np.zeros((16, n))
+    for firsts in wide_columns(n, cols, silu):
+        for b in range(kw // r):
+            grp = [gemv.group_of(b * pairs + q * tpg, geo.group_magic) for q in range(pairs // tpg)]
+            for sq in range(spb):
+                base = b * r + 16 * sq + 4 * t  # [32] this lane's first word
+                for c, first in enumerate(firsts):
+                    wl = words[first + g[:, None], base[:, None] + np.arange(4)]  # [32, 4]
+                    for q, gi in enumerate(grp):
+                        z = zeros[gi, first + g] if zeros is not None else np.full(32, layout.zero_const, np.uint64)
+                        acc = np.zeros((16, 8))
+                        for s in range(q * tpg, (q + 1) * tpg):
+                            rows = b * bk + s * 2 * r + 32 * sq + 8 * t  # [32]
+                            xa = x[x0[:, None], rows[:, None] + np.arange(8)]  # [32, 8]
+                            xb = x[x1[:, None], rows[:, None] + np.arange(8)]
+                            for h in range(2):
+                                a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+                                a_mat[g, 2 * t], a_mat[g, 2 * t + 1] = xa[:, 4 * h], xa[:, 4 * h + 1]
+                                a_mat[g + 8, 2 * t], a_mat[g + 8, 2 * t + 1] = xb[:, 4 * h], xb[:, 4 * h + 1]
+                                a_mat[g, 2 * t + 8], a_mat[g, 2 * t + 9] = xa[:, 4 * h + 2], xa[:, 4 * h + 3]
+                                a_mat[g + 8, 2 * t + 8], a_mat[g + 8, 2 * t + 9] = xb[:, 4 * h + 2], xb[:, 4 * h + 3]
+                                for word, kk in ((wl[:, 2 * h], 2 * t), (wl[:, 2 * h + 1], 2 * t + 8)):
+                                    lo, hi = _pair_f16(word, s, bits, z * 0x00010001)
+                                    b_mat[kk, g], b_mat[kk + 1, g] = lo, hi
+                                acc += a_mat @ b_mat
+                        f = np.zeros(8)  # the scales of fragment columns 2t, 2t+1 lane (g, t) reads
+                        f[2 * t], f[2 * t + 1] = scales[gi, first + 2 * t], scales[gi, first + 2 * t + 1]
+                        y[:, first:first + 8] += acc * f[None, :]
+    return y[:m_rows]
+
+
 def ring_scale(layout, group: int, n0: int, g: np.ndarray, c: int) -> np.ndarray:
     """The scale of column n0 + g + 8c as the ring copies it: the 4-byte word of the [G, N] fp16 table
     at column (n0 + g) & ~1 (+ 8c) of row `group`, its half g % 2."""

@@ -27,10 +27,12 @@ from conftest import needs_gpu
 from gemv_emulation import (
     emulate,
     emulate_mma,
+    emulate_wide,
     fp16,
     lane_walk,
     reference_rows,
     ring_offsets,
+    wide_columns,
 )
 from ggml_helpers import random_weight
 from test_cuda_kernels import weight
@@ -89,6 +91,39 @@ def test_emulated_tensor_core_plan_is_the_matmul(case):
         ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
         y = emulate_mma(layout, x)
         np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] % 16 == 0])
+def test_emulated_wide_plan_is_the_matmul(case):
+    k, n, bits, group, sym, act = case
+    w = weight(k, n, bits, group, sym, act, seed=5)
+    layout = repack(w)
+    if not gemv.geometry(layout, torch.float16).mma:
+        pytest.skip("not a tensor-core layout")
+    rng = np.random.default_rng(1)
+    ref_w = reference_rows(w, layout, torch.float32)
+    for m, cols in ((16, 16), (9, 32), (13, 16), (1, 16)):
+        if n % cols:
+            continue
+        x = np.zeros((m, layout.k_padded))
+        x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
+        ref = x[:, :k] @ ref_w
+        for silu in (False, True) if n % (2 * cols) == 0 else (False,):
+            y = emulate_wide(layout, x, cols, silu)
+            np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n,cols", [(64, 16), (64, 32), (128, 64), (96, 32)])
+def test_wide_blocks_cover_every_column_once(n, cols):
+    for silu in (False, True) if n % (2 * cols) == 0 else (False,):
+        firsts = np.concatenate(wide_columns(n, cols, silu))
+        seen = np.sort((firsts[:, None] + np.arange(8)).reshape(-1))
+        np.testing.assert_array_equal(seen, np.arange(n))
+        if silu:  # block j: gate columns j * cols / 2 .. and the same of up
+            for j, f in enumerate(wide_columns(n, cols, True)):
+                half = len(f) // 2
+                np.testing.assert_array_equal(f[half:] - f[:half], n // 2)
+                assert f[0] == j * cols // 2
 
 
 @pytest.mark.parametrize("spb,ng,zp,bk", [(2, 2, False, 256), (2, 4, True, 256), (1, 1, True, 128),
@@ -209,6 +244,14 @@ def test_plans():
                 plan = gemv.choose_plan(m, n, kw, 132, 4, mma_r)
                 assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
                 assert 1 <= plan.warps <= gemv.MAX_WARPS
+                assert plan.rows <= gemv.ROW_TILES[-1]  # up to 8 rows never the wide plan
+    for m in range(9, 17):  # the wide plan: 64 columns a block where that leaves a block a SM, else narrower
+        for n, kw, cols in ((28672, 512, 64), (6144, 512, 32), (4096, 1792, 16), (64, 64, 16), (48, 64, 16)):
+            plan = gemv.choose_plan(m, n, kw, 132, 4, mma_r=32)
+            assert (plan.rows, plan.cols) == (gemv.WIDE_ROWS, cols) and (plan.rows, plan.cols) in gemv.SHAPES
+            assert 1 <= plan.warps <= min(gemv.MAX_WARPS, kw // 32) and plan.stages == 0
+    with pytest.raises(ValueError):
+        gemv.choose_plan(17, 4096, 512, 132, 4, mma_r=32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,11 +327,11 @@ def test_kernel_matches_reference_on_every_plan(case, dtype):
     assert kern.gemv is not None
     w32 = dequantize(w, torch.float32)
     tol = 2e-3 if dtype == torch.float16 else 1.2e-2
-    for m in range(1, gemv.MAX_ROWS + 1):
+    for m in range(1, kern.gemv.most_rows + 1):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype)
         ref = x.float() @ w32 + bias.float()
-        for plan in [None, *plans(kern.gemv, m)] if m in (1, 3, 8) else [None]:
+        for plan in [None, *plans(kern.gemv, m)] if m in (1, 3, 8, 11, 16) else [None]:
             poison(m, n, dtype)
             y = kern.gemv(x, bias, plan=plan)
             assert y.shape == (m, n) and bool(torch.isfinite(y).all()), (m, plan)
@@ -322,7 +365,9 @@ def test_registry_kernel_picks_the_gemv_for_small_batches_and_writes_a_column_sl
     kern = TritonGPTQKernel(w, torch.float16)
     assert kern.gemv.geo.mma and kern.gemv.max_rows == gemv.MMA_MAX_ROWS
     assert kern.config_for(1).kind == "gemv" and kern.config_for(1).block_n == gemv.MMA_COLS
-    assert kern.config_for(gemv.MMA_MAX_ROWS + 1).kind == "dot"
+    for m in range(gemv.MMA_MAX_ROWS + 1, gemv.WIDE_MAX_ROWS + 1):  # the wide plan
+        assert kern.config_for(m).kind == "gemv" and kern.config_for(m).block_m == gemv.WIDE_ROWS, m
+    assert kern.config_for(max(gemv.MMA_MAX_ROWS, gemv.WIDE_MAX_ROWS) + 1).kind == "dot"
     x8 = torch.randn(8, 2048, device="cuda", dtype=torch.float16)  # past the crossover, still correct when asked
     y8 = kern(x8, config=gemv_config(kern.gemv.plan_for(8)))
     assert rel_err(y8, x8.float() @ dequantize(w, torch.float32)) < 2e-3
@@ -465,7 +510,7 @@ def test_silu_epilogue_is_silu_mul_of_the_product(k, n, sym):
     kern = TritonGPTQKernel(w, torch.float16)
     w32 = dequantize(w, torch.float32)
     gen = torch.Generator(device="cuda").manual_seed(23)
-    for m in range(1, gemv.MMA_MAX_ROWS + 1):
+    for m in range(1, max(gemv.MMA_MAX_ROWS, gemv.WIDE_MAX_ROWS) + 1):
         assert kern.fuses_silu(m), m
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float16)
         want = fused.silu_mul(kern(x))
@@ -476,8 +521,16 @@ def test_silu_epilogue_is_silu_mul_of_the_product(k, n, sym):
         assert got.shape == (m, n // 2)
         assert rel_err(got, want.float()) < 1e-3 and rel_err(got, ref) < 3e-3, m
         assert (got == want).float().mean().item() > 0.98, m  # the same roundings: ties of the exp aside
-    x = torch.randn(9, k, generator=gen, device="cuda", dtype=torch.float16)
-    assert not kern.fuses_silu(9) and torch.equal(kern.silu_mul(x), fused.silu_mul(kern(x)))
+    past = max(gemv.MMA_MAX_ROWS, gemv.WIDE_MAX_ROWS) + 1
+    x = torch.randn(past, k, generator=gen, device="cuda", dtype=torch.float16)
+    assert not kern.fuses_silu(past) and torch.equal(kern.silu_mul(x), fused.silu_mul(kern(x)))
+    for cols in gemv.WIDE_COLS:  # every wide plan's epilogue, at 16 rows
+        plan = gemv.GemvPlan(gemv.WIDE_ROWS, cols, 2)
+        if n % (2 * cols) == 0:
+            x16 = torch.randn(16, k, generator=gen, device="cuda", dtype=torch.float16)
+            prod = kern.gemv(x16, plan=plan)
+            got = kern.gemv(x16, plan=plan, silu=True)
+            assert torch.equal(got, fused.silu_mul(prod)) or (got == fused.silu_mul(prod)).float().mean() > 0.98
     bias = torch.randn(n, generator=gen, device="cuda", dtype=torch.float16)
     x1 = x[:1]
     assert torch.equal(kern.silu_mul(x1, bias), fused.silu_mul(kern(x1, bias)))  # a bias: composed

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda.gemv import MAX_ROWS as GEMV_ROWS
 from .cuda.gemv import GemvPlan, gemv_for
 from .cuda.tile import BLOCK_COLS as TILE_COLS
 from .cuda.tile import BLOCK_ROWS as TILE_ROWS
@@ -196,7 +195,7 @@ class TritonLayoutKernel:
     def config_for(self, m: int) -> GemmConfig:
         cfg = self._configs.get(m)
         if cfg is None:
-            if self.gemv is not None and 1 <= m <= self.gemv.max_rows:
+            if self.gemv is not None and self.gemv.picks(m):
                 cfg = gemv_config(self.gemv.plan_for(m))
             elif self.tile is not None and self.tile.serves(m):
                 rows = self.tile.rows_for(m)
@@ -217,7 +216,7 @@ class TritonLayoutKernel:
             x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
             timed = []
             configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
-            if self.gemv is not None and m <= GEMV_ROWS and not candidates:  # timed here: any M it takes
+            if self.gemv is not None and m <= self.gemv.most_rows and not candidates:  # timed here: any M it takes
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             if self.tile is not None and m >= 64 and not candidates:  # the tile GEMM at each block height
                 configs = [*configs, *(tile_config(r, self.tile.splits_for(m, r)) for r in TILE_ROWS)]
@@ -273,14 +272,15 @@ class TritonLayoutKernel:
                 return y
         return y.reshape(*lead, self.layout.out_features)
 
-    def _epilogue_plan(self, m: int) -> GemvPlan | None:
-        """The GEMV plan at M rows whose epilogue can compute silu(gate) * up, or add the residual and
-        the norm (the tensor-core plan), or None."""
+    def _epilogue_plan(self, m: int, norm: bool = False) -> GemvPlan | None:
+        """The GEMV plan at M rows whose epilogue can compute silu(gate) * up (norm: add the residual and
+        the norm; the tensor-core plans), or None."""
         cfg = self.config_for(m)
         if self.gemv is None or cfg.kind != "gemv":
             return None
         plan = _gemv_plan(cfg)
-        return plan if self.gemv.fuses_silu(m, plan) else None
+        fuses = self.gemv.fuses_norm if norm else self.gemv.fuses_silu
+        return plan if fuses(m, plan) else None
 
     def fuses_silu(self, m: int) -> bool:
         """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue)."""
@@ -300,21 +300,21 @@ class TritonLayoutKernel:
 
     def fuses_norm(self, m: int) -> bool:
         """Whether `add_norm` and `normed` serve M rows (the CUDA GEMV's tensor-core plan)."""
-        return self._epilogue_plan(m) is not None
+        return self._epilogue_plan(m, norm=True) is not None
 
     def add_norm(self, x: torch.Tensor, resid: torch.Tensor, norm, bias: torch.Tensor | None = None):
         """resid + x @ W and what the next GEMV needs for its RMSNorm (cuda/gemv.py NormedResidual);
         only where `fuses_norm`."""
         x2 = x if x.stride(-1) == 1 else x.contiguous()
-        return self.gemv.add_norm(x2, resid, norm, bias, self._epilogue_plan(x2.shape[0]))
+        return self.gemv.add_norm(x2, resid, norm, bias, self._epilogue_plan(x2.shape[0], norm=True))
 
     def normed(self, nr, bias: torch.Tensor | None = None) -> torch.Tensor:
         """rms_norm(nr.resid) * gamma @ W (+ bias) from a producer's NormedResidual; only where `fuses_norm`."""
-        return self.gemv(nr.scaled, bias, None, self._epilogue_plan(nr.scaled.shape[0]), norm=nr)
+        return self.gemv(nr.scaled, bias, None, self._epilogue_plan(nr.scaled.shape[0], norm=True), norm=nr)
 
     def silu_mul_normed(self, nr) -> torch.Tensor:
         """silu(gate) * up of rms_norm(nr.resid) * gamma @ W (no bias); only where `fuses_norm`."""
-        return self.gemv(nr.scaled, None, None, self._epilogue_plan(nr.scaled.shape[0]), silu=True, norm=nr)
+        return self.gemv(nr.scaled, None, None, self._epilogue_plan(nr.scaled.shape[0], norm=True), silu=True, norm=nr)
 
     def _counter_buffer(self, m: int, cfg: GemmConfig) -> torch.Tensor:
         tiles = -(-m // cfg.block_m) * -(-self.layout.out_features // cfg.block_n)

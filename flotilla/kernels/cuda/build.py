@@ -49,7 +49,7 @@ WQA16 = Library("flotilla_cuda", ("api.cu", "instance_f16_w4.cu", "instance_f16_
                                   "instance_bf16_w8.cu"), ("wqa16.cuh", "instances.cuh"),
                 "using the Triton kernels (the dense one where Triton is not installed)")
 GEMV = Library("flotilla_gemv", ("gemv_api.cu", "gemv_f16_w4.cu", "gemv_f16_w8.cu", "gemv_bf16_w4.cu",
-                                 "gemv_bf16_w8.cu"), ("gemv.cuh", "gemv_mma.cuh", "gemv_instances.cuh"),
+                                 "gemv_bf16_w8.cu"), ("gemv.cuh", "gemv_mma.cuh", "gemv_wide.cuh", "gemv_instances.cuh"),
                "small batches use the Triton kernel")
 TILE = Library("flotilla_tile", ("tile_api.cu", "tile_w4.cu", "tile_w8.cu"), ("tile.cuh", "gemv.cuh"),
                "medium and large batches use the Triton tiles and dequantize + cuBLAS")

@@ -45,9 +45,12 @@ log = logging.getLogger(__name__)
 
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
-MAX_ROWS = 8
 ROW_TILES = (1, 2, 4, 8)
+MAX_ROWS = ROW_TILES[-1]  # the M <= 8 plans' rows; the wide plan's: WIDE_ROWS
 MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
+# The wide tensor-core plan (gemv_wide.cuh), 9..16 rows: GemvPlan(16, cols, warps), x the MMA's A operand and
+# each warp computing `cols` columns (8 a column octet): 16, 32 or 64
+WIDE_ROWS, WIDE_COLS = 16, (16, 32, 64)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -58,7 +61,8 @@ RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # 14336x4096, 1 on 4096x28672); from M = 3 on at least one warp per 4 of a column's blocks (8 on
 # 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
-SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS)})  # gemv_instances.cuh
+SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS),
+                    *((WIDE_ROWS, c) for c in WIDE_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
 # measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
@@ -71,6 +75,9 @@ MAX_WARPS = 8
 # Past 8 rows the Triton tiles (round 12: a second tile of 8 batch rows in the plan, branch gemv16, lost a decode
 # step at batch 16 by 10%: 4096x28672 at 16 rows 45.2 against 36.8 µs).
 MMA_MAX_ROWS, MMA_MAX_ROWS_LARGE, MMA_LARGE_WEIGHT = 8, 4, 1 << 27
+# The wide plan from 9 rows up to WIDE_MAX_ROWS, on the layouts the tensor-core plan reads at 4 bits, GPTQ blocks of
+# 32 words (round 13, bench/NOTES-kernels.md)
+WIDE_MAX_ROWS = 16
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
@@ -193,6 +200,13 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) ->
     return CORES_MAX_ROWS[(bits, dtype)]
 
 
+def wide_rows(geo: Geometry, bits: int) -> range:
+    """The rows past the other plans' at which the GEMV's wide plan beats the Triton kernel, as measured."""
+    if geo.mma and bits == 4 and geo.log2r == 5:
+        return range(ROW_TILES[-1] + 1, WIDE_MAX_ROWS + 1)
+    return range(0)
+
+
 def group_of(run: int, magic: int) -> int:
     """The kernel's group index of a run (gemv.cuh group_of)."""
     return ((2 * run) * magic) >> 32
@@ -206,17 +220,36 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     the register double buffer with WARPS_PER_SM's warps (the sweeps' fastest back to back, as a
     decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
     more columns), else 2; two warps up to M = 2, else one."""
+    if mma_r and m > ROW_TILES[-1]:
+        return wide_plan(m, n, kw // mma_r, num_sms)
     if mma_r and bits == 4:
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
-            return GemvPlan(MAX_ROWS, MMA_COLS, MAX_WARPS, RING_STAGES)
+            return GemvPlan(ROW_TILES[-1], MMA_COLS, MAX_WARPS, RING_STAGES)
         warps = _pow2_floor(max(1, WARPS_PER_SM * num_sms // tiles))
         if m >= 3:
             warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
-        return GemvPlan(MAX_ROWS, MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
+        return GemvPlan(ROW_TILES[-1], MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
     rows = next(t for t in ROW_TILES if t >= m)
     cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
+
+
+# The wide plan's columns a block: the widest of WIDE_COLS that leaves at least WIDE_MIN_TILES blocks a SM, and
+# its warps a block: the power of two nearest below WIDE_WARPS_PER_SM a SM over the grid
+WIDE_MIN_TILES, WIDE_WARPS_PER_SM = 1, 8
+
+
+def wide_plan(m: int, n: int, layout_blocks: int, num_sms: int) -> GemvPlan:
+    """The wide tensor-core plan for 9..16 rows over N columns of `layout_blocks` blocks each."""
+    if not ROW_TILES[-1] < m <= WIDE_ROWS:
+        raise ValueError(f"the wide GEMV takes {ROW_TILES[-1] + 1}..{WIDE_ROWS} rows, not {m}")
+    fits = [c for c in WIDE_COLS if n % c == 0]
+    if not fits:
+        raise ValueError(f"no wide plan divides {n} columns")
+    cols = next((c for c in reversed(fits) if n // c >= WIDE_MIN_TILES * num_sms), fits[0])
+    warps = _pow2_floor(max(1, WIDE_WARPS_PER_SM * num_sms // (n // cols)))
+    return GemvPlan(WIDE_ROWS, cols, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
 
 
 def _pow2_floor(v: int) -> int:
@@ -259,7 +292,7 @@ def library(device: torch.device) -> _Library | None:
 
 
 class GemvKernel:
-    """y = x @ W for M <= 8 rows of x, over one Triton layout on an NVIDIA GPU."""
+    """y = x @ W for M <= 8 rows of x (16 on the tensor-core layouts), over one Triton layout on an NVIDIA GPU."""
 
     name = "gemv"
 
@@ -271,6 +304,8 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
+        self.wide_rows = wide_rows(self.geo, layout.bits)
+        self.most_rows = WIDE_ROWS if self.geo.mma else ROW_TILES[-1]  # what it can run, picked or not
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
@@ -280,10 +315,17 @@ class GemvKernel:
         weight streams)."""
         n = self.layout.out_features
         for rows, cols in sorted(SHAPES):
-            if n % cols == 0 and cols != MMA_COLS:
+            if rows == WIDE_ROWS:
+                if self.geo.mma and n % cols == 0:
+                    yield GemvPlan(rows, cols, warps)
+            elif n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
             elif cols == MMA_COLS and self.geo.mma:
                 yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
+
+    def picks(self, m: int) -> bool:
+        """Whether the kernel object runs this GEMV for M rows (the measured crossovers)."""
+        return 1 <= m <= self.max_rows or m in self.wide_rows
 
     def plan_for(self, m: int) -> GemvPlan:
         plan = self._plans.get(m)
@@ -295,13 +337,22 @@ class GemvKernel:
 
     def fuses_silu(self, m: int, plan: GemvPlan | None = None) -> bool:
         """Whether a call of M rows (by `plan`, or this layout's own) can end in silu(gate) * up (the
-        tensor-core plan's epilogue; it pairs column j with out / 2 + j, so out is a multiple of 16)."""
-        return self.geo.mma and 1 <= m <= MAX_ROWS and (plan or self.plan_for(m)).cols == MMA_COLS
+        tensor-core plans' epilogue; it pairs column j with out / 2 + j, so out is a multiple of 16, and
+        of the wide plan's columns)."""
+        if not (self.geo.mma and 1 <= m <= self.most_rows):
+            return False
+        plan = plan or self.plan_for(m)
+        if plan.rows == WIDE_ROWS:
+            return self.layout.out_features % (2 * plan.cols) == 0
+        return plan.cols == MMA_COLS
 
     def fuses_norm(self, m: int, plan: GemvPlan | None = None) -> bool:
         """Whether a call of M rows (by `plan`, or this layout's own) can add the residual and hand on
-        the norm (`add_norm`) or take a NormedResidual (`norm=`): the tensor-core plan's epilogue."""
-        return self.fuses_silu(m, plan)
+        the norm (`add_norm`) or take a NormedResidual (`norm=`): the M <= 8 tensor-core plan's epilogue."""
+        if not (self.geo.mma and 1 <= m <= ROW_TILES[-1]):
+            return False
+        plan = plan or self.plan_for(m)
+        return plan.cols == MMA_COLS and plan.rows == ROW_TILES[-1]
 
     def add_norm(self, x2: torch.Tensor, resid: torch.Tensor, norm: NormWeight, bias: torch.Tensor | None = None,
                  plan: GemvPlan | None = None) -> NormedResidual:
@@ -325,27 +376,29 @@ class GemvKernel:
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  plan: GemvPlan | None = None, silu: bool = False, norm: NormedResidual | None = None,
                  _producer: tuple | None = None) -> torch.Tensor:
-        """x2 [M, in] (M <= 8) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
+        """x2 [M, in] (M <= most_rows) -> [M, out] in x2's dtype, written into `out` (a [M, out] view with unit
         column stride) when given. `silu`: the weight is [gate | up] (out = 2 I) and the result is
         silu(x @ gate) * (x @ up) [M, I], rounded as kernels/fused.silu_mul rounds it (the
         tensor-core plan only, no bias: `fuses_silu`). `norm`: x2 is norm.scaled and the result is
         rms_norm(norm.resid) * gamma @ W (the tensor-core plan only: `fuses_norm`)."""
         lay = self.layout
         m, k = x2.shape
-        if not 1 <= m <= MAX_ROWS:
-            raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, not {m}")
+        if not 1 <= m <= self.most_rows:
+            raise ValueError(f"the GEMV takes 1..{self.most_rows} rows here, not {m}")
         if k != lay.in_features or x2.dtype != self.dtype:
             raise ValueError(f"activation [{m}, {k}] {x2.dtype}; the weight expects [M, {lay.in_features}] {self.dtype}")
         plan = plan or self.plan_for(m)
+        wide = plan.rows == WIDE_ROWS
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and 2 <= plan.stages <= MAX_STAGES)):
+                or not 1 <= plan.warps <= MAX_WARPS or ((plan.cols == MMA_COLS or wide) and not self.geo.mma) \
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
-        if silu and (plan.cols != MMA_COLS or bias is not None or n % (2 * 8)):
-            raise ValueError(f"silu(gate) * up needs the tensor-core plan, no bias and 16 | out ({plan}, out {n})")
-        if (norm is not None or _producer is not None) and plan.cols != MMA_COLS:
+        if silu and (not self.fuses_silu(m, plan) or bias is not None):
+            raise ValueError(f"silu(gate) * up needs a tensor-core plan, no bias and out a multiple of 16 and of twice "
+                             f"the plan's columns ({plan}, out {n})")
+        if (norm is not None or _producer is not None) and not self.fuses_norm(m, plan):
             raise ValueError(f"the residual and norm fusion needs the tensor-core plan, not {plan}")
         if norm is not None:
             parts = norm.partials
@@ -370,7 +423,7 @@ class GemvKernel:
                     KW=lay.words.shape[1], lda=x2.stride(0), ldy=out.stride(0), log2r=self.geo.log2r,
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
-                    pdl=int(plan.cols == MMA_COLS and norm is None and pdl.enabled(x2, m)),
+                    pdl=int(plan.cols == MMA_COLS and not wide and norm is None and pdl.enabled(x2, m)),
                     silu_half=n // 2 if silu else 0)
         if _producer is not None:
             resid, scaled, gamma, partials = _producer

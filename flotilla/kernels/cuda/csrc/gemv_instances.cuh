@@ -3,6 +3,7 @@
 #pragma once
 #include "gemv.cuh"
 #include "gemv_mma.cuh"
+#include "gemv_wide.cuh"
 
 namespace flotilla::gemv {
 
@@ -89,11 +90,40 @@ int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t strea
   return cudaErrorInvalidValue;
 }
 
+// the wide tensor-core plan (gemv_wide.cuh) at M <= 16: C = 16, 32 or 64 columns a block (8 NC)
+template <int BITS, int MODE, int TPG, int LOG2R, int NC>
+int gemv_wide_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
+  auto fn = gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC>;
+  if (op == 1) {
+    cudaFuncAttributes attr;
+    return cudaFuncGetAttributes(&attr, fn);
+  }
+  if (warps < 1 || warps > MAX_WARPS || p->M < 1 || p->M > WIDE_ROWS || p->N % (8 * NC)) return cudaErrorInvalidValue;
+  if (p->silu_half && (2 * p->silu_half != p->N || p->silu_half % (4 * NC))) return cudaErrorInvalidValue;
+  fn<<<p->N / (8 * NC), 32 * warps, 0, stream>>>(*p);
+  return cudaGetLastError();
+}
+
+template <typename T, int BITS, int MODE, int TPG>
+int gemv_wide_dispatch(int op, const GemvParams* p, int cols, int warps, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, half> && MODE != OFF) {
+#define FLOTILLA_WIDE_CASE(NC)                                                                     \
+  if (cols == 8 * NC && p->log2r == 4) return gemv_wide_op<BITS, MODE, TPG, 4, NC>(op, p, warps, stream); \
+  if (cols == 8 * NC && p->log2r == 5) return gemv_wide_op<BITS, MODE, TPG, 5, NC>(op, p, warps, stream);
+    FLOTILLA_WIDE_CASE(2)
+    FLOTILLA_WIDE_CASE(4)
+    FLOTILLA_WIDE_CASE(8)
+#undef FLOTILLA_WIDE_CASE
+  }
+  return cudaErrorInvalidValue;
+}
+
 // (rows a block computes, columns a block computes): the shapes the plans use (gemv.py ROW_TILES)
 #define FLOTILLA_GEMV_SHAPES(X) X(1, 2) X(1, 4) X(2, 2) X(2, 4) X(4, 2) X(4, 4) X(8, 2)
 
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_shape(int op, const GemvParams* p, int mt, int cols, int warps, cudaStream_t stream) {
+  if (mt == WIDE_ROWS) return gemv_wide_dispatch<T, BITS, MODE, TPG>(op, p, cols, warps, stream);
   if (op == 0 && cols != MMA_COLS && p->silu_half) return cudaErrorInvalidValue;  // the tensor-core plan's epilogue
   if (cols == MMA_COLS) return mt == 8 ? gemv_mma_dispatch<T, BITS, MODE, TPG>(op, p, warps, stream)
                                        : cudaErrorInvalidValue;

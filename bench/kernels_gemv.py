@@ -46,7 +46,7 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 def label(plan) -> str:
     if plan.rows == WIDE_ROWS:  # the wide tensor-core plan
-        return f"wide{plan.cols}c{plan.warps}w"
+        return f"wide{plan.cols}c{plan.warps}w" + ("d2" if plan.stages else "")
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
         return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
     return f"{plan.cols}c{plan.warps}w"

@@ -173,6 +173,8 @@ def test_crossovers_only_where_measured():
     assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS == 8
     assert gemv.crossover(g128, 4, torch.float16, 4096 * 28672) == 8  # llama-3-8b's gate_up
     assert gemv.crossover(g128, 4, torch.float16, 8192 * 28672) == gemv.MMA_MAX_ROWS_LARGE == 4  # 70b's
+    assert gemv.wide_rows(g128, 4, 4096 * 4096) == range(9, gemv.WIDE_MAX_ROWS + 1)  # the wide plan: small weights
+    assert not gemv.wide_rows(g128, 4, 4096 * 6144) and not gemv.wide_rows(g128, 8, 4096 * 4096)
     g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
     assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
     w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)
@@ -245,11 +247,10 @@ def test_plans():
                 assert (plan.rows, plan.cols) in gemv.SHAPES and plan.rows >= m and n % plan.cols == 0
                 assert 1 <= plan.warps <= gemv.MAX_WARPS
                 assert plan.rows <= gemv.ROW_TILES[-1]  # up to 8 rows never the wide plan
-    for m in range(9, 17):  # the wide plan: 64 columns a block where that leaves a block a SM, else narrower
-        for n, kw, cols in ((28672, 512, 64), (6144, 512, 32), (4096, 1792, 16), (64, 64, 16), (48, 64, 16)):
+    for m in range(9, 17):  # the wide plan: 16 columns a block, 8 warps or one a layout block
+        for n, kw, warps in ((28672, 512, 8), (4096, 1792, 8), (64, 64, 2), (48, 96, 2)):
             plan = gemv.choose_plan(m, n, kw, 132, 4, mma_r=32)
-            assert (plan.rows, plan.cols) == (gemv.WIDE_ROWS, cols) and (plan.rows, plan.cols) in gemv.SHAPES
-            assert 1 <= plan.warps <= min(gemv.MAX_WARPS, kw // 32) and plan.stages == 0
+            assert plan == gemv.GemvPlan(gemv.WIDE_ROWS, 16, warps) and (plan.rows, plan.cols) in gemv.SHAPES
     with pytest.raises(ValueError):
         gemv.choose_plan(17, 4096, 512, 132, 4, mma_r=32)
 

@@ -51,6 +51,9 @@ MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 # The wide tensor-core plan (gemv_wide.cuh), 9..16 rows: GemvPlan(16, cols, warps), x the MMA's A operand and
 # each warp computing `cols` columns (8 a column octet): 16, 32 or 64
 WIDE_ROWS, WIDE_COLS = 16, (16, 32, 64)
+# its weight streams (GemvPlan.stages): 0 one strip of registers ahead, WIDE_DEEP two (three register buffers: up
+# to WIDE_DEEP_COLS columns a warp)
+WIDE_DEEP, WIDE_DEEP_COLS = 3, 32
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -76,8 +79,10 @@ MAX_WARPS = 8
 # step at batch 16 by 10%: 4096x28672 at 16 rows 45.2 against 36.8 µs).
 MMA_MAX_ROWS, MMA_MAX_ROWS_LARGE, MMA_LARGE_WEIGHT = 8, 4, 1 << 27
 # The wide plan from 9 rows up to WIDE_MAX_ROWS, on the layouts the tensor-core plan reads at 4 bits, GPTQ blocks of
-# 32 words (round 13, bench/NOTES-kernels.md)
-WIDE_MAX_ROWS = 16
+# 32 words, of at most WIDE_MAX_WEIGHT weights: where it beat the Triton tiles in round 13 (bench/NOTES-kernels.md;
+# H100, 16 rows: 4096x4096 8.3 against 9.3 µs back to back, 13.5 / 14.1 with the L2 cleared; behind on 4096x6144,
+# 14336x4096 and the 28672-wide shapes: 11.5 / 10.3, 20.5 / 17.0, 36.7 / 25.9 back to back)
+WIDE_MAX_ROWS, WIDE_MAX_WEIGHT = 16, 1 << 24
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
 
 class GemvUnsupported(ValueError):
@@ -200,9 +205,10 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) ->
     return CORES_MAX_ROWS[(bits, dtype)]
 
 
-def wide_rows(geo: Geometry, bits: int) -> range:
-    """The rows past the other plans' at which the GEMV's wide plan beats the Triton kernel, as measured."""
-    if geo.mma and bits == 4 and geo.log2r == 5:
+def wide_rows(geo: Geometry, bits: int, weights: int) -> range:
+    """The rows past the other plans' at which the GEMV's wide plan beats the Triton kernel on a layout of
+    `weights` weights (in x out), as measured."""
+    if geo.mma and bits == 4 and geo.log2r == 5 and weights <= WIDE_MAX_WEIGHT:
         return range(ROW_TILES[-1] + 1, WIDE_MAX_ROWS + 1)
     return range(0)
 
@@ -235,21 +241,16 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
 
 
-# The wide plan's columns a block: the widest of WIDE_COLS that leaves at least WIDE_MIN_TILES blocks a SM, and
-# its warps a block: the power of two nearest below WIDE_WARPS_PER_SM a SM over the grid
-WIDE_MIN_TILES, WIDE_WARPS_PER_SM = 1, 8
-
-
 def wide_plan(m: int, n: int, layout_blocks: int, num_sms: int) -> GemvPlan:
-    """The wide tensor-core plan for 9..16 rows over N columns of `layout_blocks` blocks each."""
+    """The wide tensor-core plan for 9..16 rows over N columns of `layout_blocks` blocks each: 16 columns a
+    block, 8 warps (or one a layout block), one strip ahead: round 13's fastest on every shape, with the L2
+    cleared and back to back alike (wider blocks won only back to back on the 28672-wide shapes, where the
+    Triton tiles serve)."""
     if not ROW_TILES[-1] < m <= WIDE_ROWS:
         raise ValueError(f"the wide GEMV takes {ROW_TILES[-1] + 1}..{WIDE_ROWS} rows, not {m}")
-    fits = [c for c in WIDE_COLS if n % c == 0]
-    if not fits:
+    if n % WIDE_COLS[0]:
         raise ValueError(f"no wide plan divides {n} columns")
-    cols = next((c for c in reversed(fits) if n // c >= WIDE_MIN_TILES * num_sms), fits[0])
-    warps = _pow2_floor(max(1, WIDE_WARPS_PER_SM * num_sms // (n // cols)))
-    return GemvPlan(WIDE_ROWS, cols, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
+    return GemvPlan(WIDE_ROWS, WIDE_COLS[0], max(1, min(MAX_WARPS, _pow2_floor(layout_blocks))))
 
 
 def _pow2_floor(v: int) -> int:
@@ -304,7 +305,7 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
-        self.wide_rows = wide_rows(self.geo, layout.bits)
+        self.wide_rows = wide_rows(self.geo, layout.bits, layout.in_features * layout.out_features)
         self.most_rows = WIDE_ROWS if self.geo.mma else ROW_TILES[-1]  # what it can run, picked or not
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
@@ -318,6 +319,8 @@ class GemvKernel:
             if rows == WIDE_ROWS:
                 if self.geo.mma and n % cols == 0:
                     yield GemvPlan(rows, cols, warps)
+                    if cols <= WIDE_DEEP_COLS:
+                        yield GemvPlan(rows, cols, warps, WIDE_DEEP)
             elif n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
             elif cols == MMA_COLS and self.geo.mma:
@@ -391,7 +394,8 @@ class GemvKernel:
         wide = plan.rows == WIDE_ROWS
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or ((plan.cols == MMA_COLS or wide) and not self.geo.mma) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)
+                        or (wide and plan.stages == WIDE_DEEP and plan.cols <= WIDE_DEEP_COLS)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features

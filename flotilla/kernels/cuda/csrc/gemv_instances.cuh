@@ -91,13 +91,18 @@ int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t strea
 }
 
 // the wide tensor-core plan (gemv_wide.cuh) at M <= 16: C = 16, 32 or 64 columns a block (8 NC)
+// p->stages: 0 the weights one strip ahead, 3 two strips ahead (NC <= 4: three register buffers)
 template <int BITS, int MODE, int TPG, int LOG2R, int NC>
 int gemv_wide_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  auto fn = gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC>;
+  constexpr bool deep = NC <= 4;
+  auto fn = p->stages == 3 && deep ? gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, deep ? 2 : 1>
+                                   : gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, 1>;
   if (op == 1) {
     cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, fn);
+    const cudaError_t e = cudaFuncGetAttributes(&attr, gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, 1>);
+    return e == cudaSuccess ? cudaFuncGetAttributes(&attr, gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, deep ? 2 : 1>) : e;
   }
+  if (!(p->stages == 0 || (p->stages == 3 && deep))) return cudaErrorInvalidValue;
   if (warps < 1 || warps > MAX_WARPS || p->M < 1 || p->M > WIDE_ROWS || p->N % (8 * NC)) return cudaErrorInvalidValue;
   if (p->silu_half && (2 * p->silu_half != p->N || p->silu_half % (4 * NC))) return cudaErrorInvalidValue;
   fn<<<p->N / (8 * NC), 32 * warps, 0, stream>>>(*p);

@@ -32,13 +32,22 @@ namespace flotilla::gemv {
 
 constexpr int WIDE_ROWS = 16;
 
+__host__ __device__ constexpr int gcd_of(int a, int b) { return b == 0 ? a : gcd_of(b, a % b); }
+__host__ __device__ constexpr int lcm_of(int a, int b) { return a / gcd_of(a, b) * b; }
+
 // grid: N / (8 NC) blocks (silu_half: (N / 2) / (4 NC)) of 32 * warps threads
-template <int BITS, int MODE, int TPG, int LOG2R, int NC>
+// D: strips a warp's weight loads run ahead of its decode (D + 1 register buffers of a strip)
+template <int BITS, int MODE, int TPG, int LOG2R, int NC, int D>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;
   constexpr int BK = 2 * R * P;  // input rows a block
   constexpr int C = 8 * NC;      // output columns a CTA
   static_assert(SPB >= 1 && NG >= 1 && (NC == 2 || NC == 4 || NC == 8), "whole strips and groups; 2, 4 or 8 octets");
+  static_assert(D == 1 || D == 2, "one or two strips ahead");
+  // register buffers; table slots (block i's in slot i % TS: refilled D strips before its block's first
+  // strip, after the last strip of block i - TS); strips an unrolled iteration (every index a constant)
+  constexpr int NB = D + 1, TS = D + 1;
+  constexpr int PERIOD = lcm_of(NB, TS * SPB);
   __shared__ float red[MAX_WARPS][WIDE_ROWS][C + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -61,10 +70,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
   for (int c = 0; c < NC; c++) y[c][0] = y[c][1] = y[c][2] = y[c][3] = 0.f;
 
   // A block's table (its scales and zeros at the CTA's columns, each group's row of C scales then
-  // C zero bytes) rides through a 2-slot ring of the warp in shared memory, copied by the warp's lanes
+  // C zero bytes) rides through a TS-slot ring of the warp in shared memory, copied by the warp's lanes
   // together (4-byte cp.async) with the block's first strip; the weights stream into registers.
   constexpr int TAB = NG * C * (MODE == ZP ? 3 : 2);  // bytes a slot
-  __shared__ __align__(16) char tab_smem[MAX_WARPS][2][TAB];
+  __shared__ __align__(16) char tab_smem[MAX_WARPS][TS][TAB];
   const unsigned tab_s = static_cast<unsigned>(__cvta_generic_to_shared(&tab_smem[warp][0][0]));
   auto load = [&](uint4 (&w)[NC], int slot, int b, int sq) {
 #pragma unroll
@@ -136,24 +145,29 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
     });
   };
 
-  // the warp's strips u = 0, 1, ...: block warp + (u / SPB) * warps, strip u % SPB. Two blocks an
-  // iteration, so that every buffer index is a constant: strip k of it in w[k % 2], its block's table
-  // in slot k / SPB; strip u + 1's loads go out before strip u is decoded (one cp.async group a strip).
+  // the warp's strips u = 0, 1, ...: block warp + (u / SPB) * warps, strip u % SPB; PERIOD strips an
+  // iteration (a multiple of NB and of TS blocks), so that every buffer index is a constant: strip k of it
+  // in w[k % NB], its block's table in slot (k / SPB) % TS; strip u + D's loads go out before strip u is
+  // decoded (one cp.async group a strip, empty past the warp's last).
   const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;
   const int units = nb * SPB;
-  uint4 w[2][NC];
-  if (units > 0) load(w[0], 0, warp, 0);
-  for (int u = 0; u < units; u += 2 * SPB) {
+  uint4 w[NB][NC];
+  static_for<D>([&](auto j_) {
+    constexpr int j = decltype(j_)::value;
+    if (j < units) load(w[j], (j / SPB) % TS, warp + (j / SPB) * warps, j % SPB);
+    else cp_async_commit();
+  });
+  for (int u = 0; u < units; u += PERIOD) {
     const int b0 = warp + (u / SPB) * warps;
-    static_for<2 * SPB>([&](auto k_) {
-      constexpr int k = decltype(k_)::value, k1 = (k + 1) % (2 * SPB);
+    static_for<PERIOD>([&](auto k_) {
+      constexpr int k = decltype(k_)::value, kn = k + D;
       if (u + k >= units) return;
-      if (u + k + 1 < units) load(w[k1 % 2], k1 / SPB, b0 + ((k + 1) / SPB) * warps, k1 % SPB);
+      if (u + kn < units) load(w[kn % NB], (kn / SPB) % TS, b0 + (kn / SPB) * warps, kn % SPB);
       else cp_async_commit();  // an empty group: the wait below counts alike every strip
-      cp_async_wait<1>();      // strip u + k's table has landed
+      cp_async_wait<D>();      // strip u + k's table has landed
       __syncwarp();            // with the other lanes' pieces
-      strip(w[k % 2], k / SPB, b0 + (k / SPB) * warps, k % SPB);
-      __syncwarp();  // every lane is done with the table slot before the next strip's load may refill it
+      strip(w[k % NB], (k / SPB) % TS, b0 + (k / SPB) * warps, k % SPB);
+      __syncwarp();  // every lane is done with the table slot before a later strip's load may refill it
     });
   }
 

@@ -4,7 +4,7 @@ kernels/cuda/gemv.py's choose_plan and its crossovers (MMA_MAX_ROWS, CORES_MAX_R
 Per weight shape, bit width (--gemv-bits) and batch M (1, 2, 4, 8, 12, 16; --gemv-rows): µs per call (CUDA-graph replay when
 --graph, L2 cleared) of every GEMV plan (the tensor-core plan "mma", "mma8w4s": 8 warps, a
 cp.async ring of 4 blocks a warp, "mma8w": the register double buffer; past 8 rows the wide tensor-core plan,
-"wide64c4w": 64 columns a block, 4 warps; CUDA-core plans with the rows tile = M
+"wide16c8w": 16 columns a block, 8 warps; CUDA-core plans with the rows tile = M
 rounded up and 2 or 4 columns a block; warps a block 1, 2, 4, 8) next to the built-in plan and the
 Triton "dot" path, in fp16; then, at the built-in plans, the same against Triton in bf16 (CUDA-core
 plans: the crossover M per bits and dtype). Every plan's result is checked
@@ -46,7 +46,7 @@ def triton_config(kern: TritonGPTQKernel, m: int):
 
 def label(plan) -> str:
     if plan.rows == WIDE_ROWS:  # the wide tensor-core plan
-        return f"wide{plan.cols}c{plan.warps}w" + ("d2" if plan.stages else "")
+        return f"wide{plan.cols}c{plan.warps}w"
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
         return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
     return f"{plan.cols}c{plan.warps}w"

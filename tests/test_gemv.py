@@ -168,13 +168,16 @@ def test_emulated_kernel_reads_the_gguf_forms(qtype, dtype):
     np.testing.assert_array_equal(dense, fp16(exact) if name == "fp16" else exact)
 
 
-def test_crossovers_only_where_measured():
+def test_crossovers_only_where_measured(monkeypatch):
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
     assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS == 8
     assert gemv.crossover(g128, 4, torch.float16, 4096 * 28672) == 8  # llama-3-8b's gate_up
     assert gemv.crossover(g128, 4, torch.float16, 8192 * 28672) == gemv.MMA_MAX_ROWS_LARGE == 4  # 70b's
     assert gemv.wide_rows(g128, 4, 4096 * 4096) == range(9, gemv.WIDE_MAX_ROWS + 1)  # the wide plan: small weights
     assert not gemv.wide_rows(g128, 4, 4096 * 6144) and not gemv.wide_rows(g128, 8, 4096 * 4096)
+    monkeypatch.setenv("FLOTILLA_GEMV_WIDE", "0")
+    assert not gemv.wide_rows(g128, 4, 4096 * 4096)  # turned off
+    monkeypatch.delenv("FLOTILLA_GEMV_WIDE")
     g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
     assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
     w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)

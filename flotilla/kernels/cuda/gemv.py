@@ -1,7 +1,7 @@
 """The GEMV for small batches over the Triton layout (csrc/gemv.cuh, gemv_mma.cuh): no second copy.
 
     gemv = gemv_for(layout, torch.float16)     # None where nvcc is missing or the layout unsupported
-    y = gemv(x2, bias)                          # x2 [M <= 8, in] -> y [M, out]
+    y = gemv(x2, bias)                          # x2 [M <= 8, in] -> y [M, out] (16 on tensor-core layouts)
 
 It reads the very tensors a `TritonLayoutKernel` holds (words, scales, zeros or a zero constant,
 perm, GGUF offsets) and is one of that kernel's plans (triton_linear.choose_config picks it for M
@@ -17,6 +17,10 @@ Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
     M = 1 on long columns); on sm_90+ launched as a programmatic dependent of the kernel before it
     (kernels/pdl.py: its first weight loads overlap that kernel);
+  * the wide tensor-core plan (gemv_wide.cuh; the same layouts) for 9-16 rows: x the MMA's A operand
+    (all 16 batch rows in one m16n8k16), the decoded q - z its B operand, 16 columns a block, the
+    block's scales and zeros through a small cp.async ring, silu(gate) * up in its epilogue; picked
+    where it beat the Triton tiles (`wide_rows`: weights of at most 2^24, e.g. llama-3-8b's o_proj);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
@@ -32,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +54,9 @@ ROW_TILES = (1, 2, 4, 8)
 MAX_ROWS = ROW_TILES[-1]  # the M <= 8 plans' rows; the wide plan's: WIDE_ROWS
 MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 # The wide tensor-core plan (gemv_wide.cuh), 9..16 rows: GemvPlan(16, cols, warps), x the MMA's A operand and
-# each warp computing `cols` columns (8 a column octet): 16, 32 or 64
-WIDE_ROWS, WIDE_COLS = 16, (16, 32, 64)
-# its weight streams (GemvPlan.stages): 0 one strip of registers ahead, WIDE_DEEP two (three register buffers: up
-# to WIDE_DEEP_COLS columns a warp)
-WIDE_DEEP, WIDE_DEEP_COLS = 3, 32
+# each warp computing `cols` columns (8 a column octet): 16 (32 and 64 columns a warp, and the weights two strips
+# ahead, were measured no faster where it is picked: round 13, branch wide-deep)
+WIDE_ROWS, WIDE_COLS = 16, (16,)
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -207,7 +210,9 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) ->
 
 def wide_rows(geo: Geometry, bits: int, weights: int) -> range:
     """The rows past the other plans' at which the GEMV's wide plan beats the Triton kernel on a layout of
-    `weights` weights (in x out), as measured."""
+    `weights` weights (in x out), as measured; none with FLOTILLA_GEMV_WIDE=0 (it still runs when asked)."""
+    if os.environ.get("FLOTILLA_GEMV_WIDE") == "0":
+        return range(0)
     if geo.mma and bits == 4 and geo.log2r == 5 and weights <= WIDE_MAX_WEIGHT:
         return range(ROW_TILES[-1] + 1, WIDE_MAX_ROWS + 1)
     return range(0)
@@ -319,8 +324,6 @@ class GemvKernel:
             if rows == WIDE_ROWS:
                 if self.geo.mma and n % cols == 0:
                     yield GemvPlan(rows, cols, warps)
-                    if cols <= WIDE_DEEP_COLS:
-                        yield GemvPlan(rows, cols, warps, WIDE_DEEP)
             elif n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
             elif cols == MMA_COLS and self.geo.mma:
@@ -394,8 +397,7 @@ class GemvKernel:
         wide = plan.rows == WIDE_ROWS
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or ((plan.cols == MMA_COLS or wide) and not self.geo.mma) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)
-                        or (wide and plan.stages == WIDE_DEEP and plan.cols <= WIDE_DEEP_COLS)):
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features

@@ -90,20 +90,17 @@ int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t strea
   return cudaErrorInvalidValue;
 }
 
-// the wide tensor-core plan (gemv_wide.cuh) at M <= 16: C = 16, 32 or 64 columns a block (8 NC)
-// p->stages: 0 the weights one strip ahead, 3 two strips ahead (NC <= 4: three register buffers)
+// the wide tensor-core plan (gemv_wide.cuh) at M <= 16: 16 columns a block (NC = 2 octets; 32 and 64, measured
+// no faster where it is picked in round 13, are on branch wide-deep)
 template <int BITS, int MODE, int TPG, int LOG2R, int NC>
 int gemv_wide_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  constexpr bool deep = NC <= 4;
-  auto fn = p->stages == 3 && deep ? gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, deep ? 2 : 1>
-                                   : gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, 1>;
+  auto fn = gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC>;
   if (op == 1) {
     cudaFuncAttributes attr;
-    const cudaError_t e = cudaFuncGetAttributes(&attr, gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, 1>);
-    return e == cudaSuccess ? cudaFuncGetAttributes(&attr, gemv_wide_kernel<BITS, MODE, TPG, LOG2R, NC, deep ? 2 : 1>) : e;
+    return cudaFuncGetAttributes(&attr, fn);
   }
-  if (!(p->stages == 0 || (p->stages == 3 && deep))) return cudaErrorInvalidValue;
-  if (warps < 1 || warps > MAX_WARPS || p->M < 1 || p->M > WIDE_ROWS || p->N % (8 * NC)) return cudaErrorInvalidValue;
+  if (warps < 1 || warps > MAX_WARPS || p->M < 1 || p->M > WIDE_ROWS || p->N % (8 * NC) || p->stages != 0)
+    return cudaErrorInvalidValue;
   if (p->silu_half && (2 * p->silu_half != p->N || p->silu_half % (4 * NC))) return cudaErrorInvalidValue;
   fn<<<p->N / (8 * NC), 32 * warps, 0, stream>>>(*p);
   return cudaGetLastError();
@@ -112,13 +109,8 @@ int gemv_wide_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_wide_dispatch(int op, const GemvParams* p, int cols, int warps, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, half> && MODE != OFF) {
-#define FLOTILLA_WIDE_CASE(NC)                                                                     \
-  if (cols == 8 * NC && p->log2r == 4) return gemv_wide_op<BITS, MODE, TPG, 4, NC>(op, p, warps, stream); \
-  if (cols == 8 * NC && p->log2r == 5) return gemv_wide_op<BITS, MODE, TPG, 5, NC>(op, p, warps, stream);
-    FLOTILLA_WIDE_CASE(2)
-    FLOTILLA_WIDE_CASE(4)
-    FLOTILLA_WIDE_CASE(8)
-#undef FLOTILLA_WIDE_CASE
+    if (cols == 16 && p->log2r == 4) return gemv_wide_op<BITS, MODE, TPG, 4, 2>(op, p, warps, stream);
+    if (cols == 16 && p->log2r == 5) return gemv_wide_op<BITS, MODE, TPG, 5, 2>(op, p, warps, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,13 +1,17 @@
 // The GEMV's wide tensor-core plan for 9..16 batch rows (fp16 activations, GPTQ layouts: zeros
 // constant or uint8; R = 16 or 32 words a block; N a multiple of C = 8 NC): x is the MMA's A operand
 // (its 16 rows are the 16 batch rows), the decoded weights its B operand (8 output columns an MMA),
-// and one warp computes NC such column octets, C = 16, 32 or 64 output columns, so that each x
-// fragment a lane loads feeds NC MMAs.
+// and one warp computes NC such column octets, C = 8 NC output columns, so that each x fragment a lane
+// loads feeds NC MMAs. Instantiated at NC = 2 (16 columns): the only width the registry picks.
 //
 // Why (bench/NOTES-kernels.md, round 13): the M <= 8 plan (gemv_mma.cuh) puts 16 columns on the MMA's
 // rows and the batch rows on its 8 columns; a second tile of 8 batch rows there (round 12's branch
 // gemv16) doubles the x a lane loads per weight byte, 4 bytes of x per byte of weights through L1 at 16
-// rows, and lost to the Triton tiles. Here x per weight byte is 4 M / C: 1 at C = 64.
+// rows, and lost to the Triton tiles. Here x per weight byte is 4 M / C: 1 at C = 64. Measured (H100):
+// ahead of the Triton tiles at 9-16 rows on 4096x4096 only (8.3 against 9.3 µs back to back at 16 rows),
+// behind on the larger llama-3-8b shapes at any width: 16, 32 and 64 columns a warp, and the weights one
+// or two strips ahead, all within ~10% (x's delivery is not the limit; branch wide-deep keeps the widths
+// and the deeper buffer).
 //
 // Fragments (mma.m16n8k16, row.col): lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at k
 // slots (2t, 2t+1) and (2t+8, 2t+9), B column g at the same slots, C rows g, g + 8 at columns 2t, 2t+1.
@@ -32,22 +36,13 @@ namespace flotilla::gemv {
 
 constexpr int WIDE_ROWS = 16;
 
-__host__ __device__ constexpr int gcd_of(int a, int b) { return b == 0 ? a : gcd_of(b, a % b); }
-__host__ __device__ constexpr int lcm_of(int a, int b) { return a / gcd_of(a, b) * b; }
-
 // grid: N / (8 NC) blocks (silu_half: (N / 2) / (4 NC)) of 32 * warps threads
-// D: strips a warp's weight loads run ahead of its decode (D + 1 register buffers of a strip)
-template <int BITS, int MODE, int TPG, int LOG2R, int NC, int D>
+template <int BITS, int MODE, int TPG, int LOG2R, int NC>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvParams p) {
   constexpr int P = 16 / BITS, NG = P / TPG, R = 1 << LOG2R, SPB = R / 16;
   constexpr int BK = 2 * R * P;  // input rows a block
   constexpr int C = 8 * NC;      // output columns a CTA
   static_assert(SPB >= 1 && NG >= 1 && (NC == 2 || NC == 4 || NC == 8), "whole strips and groups; 2, 4 or 8 octets");
-  static_assert(D == 1 || D == 2, "one or two strips ahead");
-  // register buffers; table slots (block i's in slot i % TS: refilled D strips before its block's first
-  // strip, after the last strip of block i - TS); strips an unrolled iteration (every index a constant)
-  constexpr int NB = D + 1, TS = D + 1;
-  constexpr int PERIOD = lcm_of(NB, TS * SPB);
   __shared__ float red[MAX_WARPS][WIDE_ROWS][C + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -70,10 +65,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
   for (int c = 0; c < NC; c++) y[c][0] = y[c][1] = y[c][2] = y[c][3] = 0.f;
 
   // A block's table (its scales and zeros at the CTA's columns, each group's row of C scales then
-  // C zero bytes) rides through a TS-slot ring of the warp in shared memory, copied by the warp's lanes
+  // C zero bytes) rides through a 2-slot ring of the warp in shared memory, copied by the warp's lanes
   // together (4-byte cp.async) with the block's first strip; the weights stream into registers.
   constexpr int TAB = NG * C * (MODE == ZP ? 3 : 2);  // bytes a slot
-  __shared__ __align__(16) char tab_smem[MAX_WARPS][TS][TAB];
+  __shared__ __align__(16) char tab_smem[MAX_WARPS][2][TAB];
   const unsigned tab_s = static_cast<unsigned>(__cvta_generic_to_shared(&tab_smem[warp][0][0]));
   auto load = [&](uint4 (&w)[NC], int slot, int b, int sq) {
 #pragma unroll
@@ -145,29 +140,25 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
     });
   };
 
-  // the warp's strips u = 0, 1, ...: block warp + (u / SPB) * warps, strip u % SPB; PERIOD strips an
-  // iteration (a multiple of NB and of TS blocks), so that every buffer index is a constant: strip k of it
-  // in w[k % NB], its block's table in slot (k / SPB) % TS; strip u + D's loads go out before strip u is
-  // decoded (one cp.async group a strip, empty past the warp's last).
+  // the warp's strips u = 0, 1, ...: block warp + (u / SPB) * warps, strip u % SPB. Two blocks an
+  // iteration, so that every buffer index is a constant: strip k of it in w[k % 2], its block's table
+  // in slot k / SPB; strip u + 1's loads go out before strip u is decoded (one cp.async group a strip).
+  // (Two strips ahead, three register buffers, measured no faster in round 13: branch wide-deep.)
   const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;
   const int units = nb * SPB;
-  uint4 w[NB][NC];
-  static_for<D>([&](auto j_) {
-    constexpr int j = decltype(j_)::value;
-    if (j < units) load(w[j], (j / SPB) % TS, warp + (j / SPB) * warps, j % SPB);
-    else cp_async_commit();
-  });
-  for (int u = 0; u < units; u += PERIOD) {
+  uint4 w[2][NC];
+  if (units > 0) load(w[0], 0, warp, 0);
+  for (int u = 0; u < units; u += 2 * SPB) {
     const int b0 = warp + (u / SPB) * warps;
-    static_for<PERIOD>([&](auto k_) {
-      constexpr int k = decltype(k_)::value, kn = k + D;
+    static_for<2 * SPB>([&](auto k_) {
+      constexpr int k = decltype(k_)::value, k1 = (k + 1) % (2 * SPB);
       if (u + k >= units) return;
-      if (u + kn < units) load(w[kn % NB], (kn / SPB) % TS, b0 + (kn / SPB) * warps, kn % SPB);
+      if (u + k + 1 < units) load(w[k1 % 2], k1 / SPB, b0 + ((k + 1) / SPB) * warps, k1 % SPB);
       else cp_async_commit();  // an empty group: the wait below counts alike every strip
-      cp_async_wait<D>();      // strip u + k's table has landed
+      cp_async_wait<1>();      // strip u + k's table has landed
       __syncwarp();            // with the other lanes' pieces
-      strip(w[k % NB], (k / SPB) % TS, b0 + (k / SPB) * warps, k % SPB);
-      __syncwarp();  // every lane is done with the table slot before a later strip's load may refill it
+      strip(w[k % 2], k / SPB, b0 + (k / SPB) * warps, k % SPB);
+      __syncwarp();  // every lane is done with the table slot before the next strip's load may refill it
     });
   }
 

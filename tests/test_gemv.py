@@ -77,37 +77,41 @@ def test_emulated_bf16_kernel_decodes_q_minus_z_exactly(case):
     np.testing.assert_array_equal(dense[:k].astype(np.float32), ref.astype(np.float32))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] % 16 == 0])
-def test_emulated_tensor_core_plan_is_the_matmul(case):
+def tensor_core_case(case, seed: int):
+    """A CASES weight the tensor-core plans read: (layout, an fp16 x of M rows in layout order -> (x, x @ W))."""
     k, n, bits, group, sym, act = case
-    w = weight(k, n, bits, group, sym, act, seed=3)
+    w = weight(k, n, bits, group, sym, act, seed=seed)
     layout = repack(w)
     if not gemv.geometry(layout, torch.float16).mma:
         pytest.skip("not a tensor-core layout")
-    rng = np.random.default_rng(0)
-    for m in (1, 3, 8):
+    rng = np.random.default_rng(seed)
+    ref_w = reference_rows(w, layout, torch.float32)  # rows in layout order, x likewise
+
+    def sample(m: int):
         x = np.zeros((m, layout.k_padded))
         x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
-        ref = x[:, :k] @ reference_rows(w, layout, torch.float32)[:, :]  # rows in layout order, x likewise
+        return x, x[:, :k] @ ref_w
+
+    return layout, sample
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] % 16 == 0])
+def test_emulated_tensor_core_plan_is_the_matmul(case):
+    layout, sample = tensor_core_case(case, seed=3)
+    for m in (1, 3, 8):
+        x, ref = sample(m)
         y = emulate_mma(layout, x)
         np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] % 16 == 0])
 def test_emulated_wide_plan_is_the_matmul(case):
-    k, n, bits, group, sym, act = case
-    w = weight(k, n, bits, group, sym, act, seed=5)
-    layout = repack(w)
-    if not gemv.geometry(layout, torch.float16).mma:
-        pytest.skip("not a tensor-core layout")
-    rng = np.random.default_rng(1)
-    ref_w = reference_rows(w, layout, torch.float32)
+    layout, sample = tensor_core_case(case, seed=5)
+    n = layout.out_features
     for m, cols in ((16, 16), (9, 32), (13, 16), (1, 16)):
         if n % cols:
             continue
-        x = np.zeros((m, layout.k_padded))
-        x[:, :k] = rng.standard_normal((m, k)).astype(np.float16)
-        ref = x[:, :k] @ ref_w
+        x, ref = sample(m)
         for silu in (False, True) if n % (2 * cols) == 0 else (False,):
             y = emulate_wide(layout, x, cols, silu)
             np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())

@@ -28,7 +28,7 @@ import torch
 ENV = "FLOTILLA_PDL"
 ENABLED = os.environ.get(ENV, "1") != "0"
 MIN_CAPABILITY = (9, 0)
-MAX_ROWS = 8  # the CUDA GEMV's rows (cuda/gemv.py MAX_ROWS)
+MAX_ROWS = 8  # the CUDA GEMV's M <= 8 plans' rows (cuda/gemv.py ROW_TILES; its wide plan launches without PDL)
 
 _capable: dict[int, bool] = {}
 

@@ -9,7 +9,8 @@
 forms: kernels.triton_ggml).
 
 Paths, chosen per call from the number of rows M (`config_for`):
-  * "gemv"  — on CUDA where nvcc built it, up to the measured crossover (the GEMV's max_rows):
+  * "gemv"  — on CUDA where nvcc built it, up to the measured crossover (the GEMV's max_rows) and at
+              the rows its wide plan measured faster (`wide_rows`; `GemvKernel.picks`):
               kernels/cuda/gemv.py, reading this object's own layout tensors;
   * "dot"   — tensor-core tiles (triton_gemm.w_dot_kernel) with split-K (`choose_config`): for
               decode batches this is the split-K GEMV (16-row tile, split until every SM streams

@@ -50,8 +50,7 @@ log = logging.getLogger(__name__)
 
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
 SYM, ZP, OFF = 0, 1, 2  # gemv.cuh Mode
-ROW_TILES = (1, 2, 4, 8)
-MAX_ROWS = ROW_TILES[-1]  # the M <= 8 plans' rows; the wide plan's: WIDE_ROWS
+ROW_TILES = (1, 2, 4, 8)  # the M <= 8 plans' rows a block; the wide plan's: WIDE_ROWS
 MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 # The wide tensor-core plan (gemv_wide.cuh), 9..16 rows: GemvPlan(16, cols, warps), x the MMA's A operand and
 # each warp computing `cols` columns (8 a column octet): 16 (32 and 64 columns a warp, and the weights two strips
@@ -78,8 +77,8 @@ MAX_WARPS = 8
 # 2722.9 with the Triton tiles at 5-8 rows; round 3's chain on an H200 at 8 rows: 4096x6144 7.6 against 9.4 µs, 4096x4096 5.7
 # / 8.5, 14336x4096 14.0 / 14.9, 4096x28672 23.0 / 23.6), but up to 4 on weights of more than MMA_LARGE_WEIGHT
 # weights (8192x28672 at 8 rows: 42.9 against the Triton tiles' 42.5 in the chain, 53.5 / 51.2 with the L2 cleared).
-# Past 8 rows the Triton tiles (round 12: a second tile of 8 batch rows in the plan, branch gemv16, lost a decode
-# step at batch 16 by 10%: 4096x28672 at 16 rows 45.2 against 36.8 µs).
+# Past 8 rows the Triton tiles, but for the wide plan below (round 12: a second tile of 8 batch rows in this plan,
+# branch gemv16, lost a decode step at batch 16 by 10%: 4096x28672 at 16 rows 45.2 against 36.8 µs).
 MMA_MAX_ROWS, MMA_MAX_ROWS_LARGE, MMA_LARGE_WEIGHT = 8, 4, 1 << 27
 # The wide plan from 9 rows up to WIDE_MAX_ROWS, on the layouts the tensor-core plan reads at 4 bits, GPTQ blocks of
 # 32 words, of at most WIDE_MAX_WEIGHT weights: where it beat the Triton tiles in round 13 (bench/NOTES-kernels.md;
@@ -232,7 +231,7 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
     more columns), else 2; two warps up to M = 2, else one."""
     if mma_r and m > ROW_TILES[-1]:
-        return wide_plan(m, n, kw // mma_r, num_sms)
+        return wide_plan(m, n, kw // mma_r)
     if mma_r and bits == 4:
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
@@ -246,7 +245,7 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
 
 
-def wide_plan(m: int, n: int, layout_blocks: int, num_sms: int) -> GemvPlan:
+def wide_plan(m: int, n: int, layout_blocks: int) -> GemvPlan:
     """The wide tensor-core plan for 9..16 rows over N columns of `layout_blocks` blocks each: 16 columns a
     block, 8 warps (or one a layout block), one strip ahead: round 13's fastest on every shape, with the L2
     cleared and back to back alike (wider blocks won only back to back on the 28672-wide shapes, where the

@@ -99,7 +99,8 @@ int gemv_wide_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
     cudaFuncAttributes attr;
     return cudaFuncGetAttributes(&attr, fn);
   }
-  if (warps < 1 || warps > MAX_WARPS || p->M < 1 || p->M > WIDE_ROWS || p->N % (8 * NC) || p->stages != 0)
+  if (warps < 1 || warps > MAX_WARPS || p->M < 1 || p->M > WIDE_ROWS || p->N % (8 * NC) || p->stages != 0 ||
+      p->resid != nullptr || p->n_partials != 0)  // no ring, no residual and norm fusion
     return cudaErrorInvalidValue;
   if (p->silu_half && (2 * p->silu_half != p->N || p->silu_half % (4 * NC))) return cudaErrorInvalidValue;
   fn<<<p->N / (8 * NC), 32 * warps, 0, stream>>>(*p);

@@ -8,7 +8,8 @@
 # (bench/gpu_checks.py), decode (llama-3-8b INT4 with every peer), decode70 (llama-3-70b INT4 at batch 1 with its
 # checks), kernels (the kernel table: 4 shapes x batch 1-2048 with fp16, tinygemm, bitsandbytes), bench
 # (`runtime bench` with the default device: the CLI's own GPU path, which the benchmarks' cuda:0 skip), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
-# bitsandbytes for the kernel table's peers) are installed into /tmp/site first.
+# bitsandbytes for the kernel table's peers) are installed into /tmp/site first. wide: the GEMV's wide plan (its GPU
+# tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -61,5 +62,14 @@ if has kernels; then
   timeout 330 python3 -P bench/kernels.py --graph --skip-cuda --shapes 4096x4096,4096x14336,14336x4096,8192x28672 \
     --batches 1,16,64,256,2048 > "$OUT/kernels.log" 2>&1
   grep -E "^\||FAIL|correctness" "$OUT/kernels.log"
+fi
+if has wide; then  # the GEMV's wide plan at 9-16 rows (round 13): its GPU tests, then the 8B decode with and without it
+  mark "wide: test_gemv"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py 2>&1 | tail -3
+  for E in 0 1 0 1; do
+    mark "wide: gpu_decode FLOTILLA_GEMV_WIDE=$E"
+    FLOTILLA_GEMV_WIDE=$E timeout 90 python3 -P bench/gpu_decode.py --batches 12,16 \
+      --skip eager,profile,hf,nf4,fp16,cuda,sync,nopdl,nofuse,head8,slow-checks,spec-check 2>&1 | grep -E "tok/s|OK|FAIL"
+  done
 fi
 mark done

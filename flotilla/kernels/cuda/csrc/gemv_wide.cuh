@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
   const int half_n = p.silu_half;
   const int n0 = blockIdx.x * (half_n ? C / 2 : C);
   auto col_of = [&](int c) { return half_n ? (c < NC / 2 ? n0 + 8 * c : half_n + n0 + 8 * (c - NC / 2)) : n0 + 8 * c; };
-  // lane (g, t): 16 bytes of strip q of block b of octet c at wc + c_off(c) + b * R / 4 + 4q (uint4 units)
+  // lane (g, t): 16 bytes of strip q of block b of octet c at wc + col_of(c) * KW / 4 + b * R / 4 + 4q (uint4 units)
   const uint4* wc = pinned(reinterpret_cast<const uint4*>(p.words + static_cast<size_t>(g) * p.KW) + t);
   const size_t col_words4 = static_cast<size_t>(p.KW) / 4;  // uint4 a column
   // batch rows g and g + 8 (rows past M repeat the last: their outputs are never stored)
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
       const int m = e / (C / 2), c = e % (C / 2);
       if (m >= p.M) continue;
       float vg = 0.f, vu = 0.f;
-      for (int w = 0; w < warps; w++) vg += red[w][m][c], vu += red[w][m][c + C / 2];  // a fixed order
+      for (int v = 0; v < warps; v++) vg += red[v][m][c], vu += red[v][m][c + C / 2];  // a fixed order
       const float a = __half2float(__float2half_rn(vg)), u = __half2float(__float2half_rn(vu));
       const float silu = __half2float(__float2half_rn(a / (1.f + __expf(-a))));
       static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(silu * u);
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
     const int m = e / C, c = e % C;
     if (m >= p.M) continue;
     float v = 0.f;
-    for (int w = 0; w < warps; w++) v += red[w][m][c];  // a fixed order: deterministic
+    for (int k = 0; k < warps; k++) v += red[k][m][c];  // a fixed order: deterministic
     if (p.bias != nullptr) v += __half2float(static_cast<const half*>(p.bias)[n0 + c]);
     static_cast<half*>(p.y)[static_cast<size_t>(m) * p.ldy + n0 + c] = __float2half_rn(v);
   }

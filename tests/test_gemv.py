@@ -16,8 +16,11 @@ bias, a column slice as `out`, NaN-poisoned outputs, CUDA-graph replays), and th
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -37,7 +40,7 @@ from gemv_emulation import (
 from ggml_helpers import random_weight
 from test_cuda_kernels import weight
 
-from flotilla.kernels.cuda import gemv
+from flotilla.kernels.cuda import build, gemv
 from flotilla.kernels.ggml import GGML_FORMATS
 from flotilla.kernels.reference import dequantize
 from flotilla.kernels.triton_ggml import repack_ggml
@@ -260,6 +263,28 @@ def test_plans():
             assert plan == gemv.GemvPlan(gemv.WIDE_ROWS, 16, warps) and (plan.rows, plan.cols) in gemv.SHAPES
     with pytest.raises(ValueError):
         gemv.choose_plan(17, 4096, 512, 132, 4, mma_r=32)
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc")
+def test_library_builds_for_sm90a_and_the_picked_wide_instances_do_not_spill(tmp_path):
+    """Compile the GEMV as its first use on an H100 / H200 would (no GPU needed): the fp16 W4 unit with
+    ptxas's report, where the wide plan's instances for blocks of 32 words (the ones it is picked for) spill
+    nothing; then the whole library, linked and loaded, its parameter block the size ctypes has."""
+    nvcc = build.find_nvcc()
+    flags = [*build.FLAGS, *build.arch_flags((9, 0))]
+    proc = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-c", str(build.CSRC / "gemv_f16_w4.cu"), "-o",
+                           str(tmp_path / "w4.o")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # per entry: its name, then ptxas's lines up to its spill line
+    entries = re.findall(r"Compiling entry function '(\w+)'[^\n]*\n(?:[^\n]*\n)*?[^\n]*?(\d+) bytes spill stores",
+                         proc.stderr)
+    wide = {name: int(spill) for name, spill in entries if "gemv_wide_kernel" in name and "ELi5ELi2EE" in name}
+    assert len(wide) == 6 and not any(wide.values()), wide  # SYM / ZP x 1, 2, 4 runs a group
+    path = tmp_path / "flotilla_gemv.so"
+    build.compile_library(nvcc, (9, 0), path, build.GEMV)
+    cdll = ctypes.CDLL(str(path))
+    assert cdll.flotilla_gemv_param_size() == ctypes.sizeof(gemv._Params)
+    assert gemv._Library(cdll).cdll is cdll  # the argument types and the size check
 
 
 # ----------------------------------------------------------------------------------------------

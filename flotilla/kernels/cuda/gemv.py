@@ -55,7 +55,7 @@ MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 # The wide tensor-core plan (gemv_wide.cuh), 9..16 rows: GemvPlan(16, cols, warps), x the MMA's A operand and
 # each warp computing `cols` columns (8 a column octet): 16 (32 and 64 columns a warp, and the weights two strips
 # ahead, were measured no faster where it is picked: round 13, branch wide-deep)
-WIDE_ROWS, WIDE_COLS = 16, (16,)
+WIDE_ROWS, WIDE_COLS = 16, 16
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
@@ -67,7 +67,7 @@ RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
 # 8192x28672, 4 on 4096x28672 at M = 4)
 WARPS_PER_SM = 16
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS),
-                    *((WIDE_ROWS, c) for c in WIDE_COLS)})  # gemv_instances.cuh
+                    (WIDE_ROWS, WIDE_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
 # measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
@@ -252,9 +252,7 @@ def wide_plan(m: int, n: int, layout_blocks: int) -> GemvPlan:
     Triton tiles serve)."""
     if not ROW_TILES[-1] < m <= WIDE_ROWS:
         raise ValueError(f"the wide GEMV takes {ROW_TILES[-1] + 1}..{WIDE_ROWS} rows, not {m}")
-    if n % WIDE_COLS[0]:
-        raise ValueError(f"no wide plan divides {n} columns")
-    return GemvPlan(WIDE_ROWS, WIDE_COLS[0], max(1, min(MAX_WARPS, _pow2_floor(layout_blocks))))
+    return GemvPlan(WIDE_ROWS, WIDE_COLS, max(1, min(MAX_WARPS, _pow2_floor(layout_blocks))))
 
 
 def _pow2_floor(v: int) -> int:

@@ -9,8 +9,7 @@
 # checks), kernels (the kernel table: 4 shapes x batch 1-2048 with fp16, tinygemm, bitsandbytes), bench
 # (`runtime bench` with the default device: the CLI's own GPU path, which the benchmarks' cuda:0 skip), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
 # bitsandbytes for the kernel table's peers) are installed into /tmp/site first. wide: the GEMV's wide plan (its GPU
-# tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice). prefetch: the tensor-core GEMVs'
-# L2 prefetch (its GPU tests, bench/gemv_prefetch.py, the 8B decode at batch 1, 4, 16 with FLOTILLA_GEMV_PREFETCH=0, 2, 8).
+# tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -71,17 +70,6 @@ if has wide; then  # the GEMV's wide plan at 9-16 rows (round 13): its GPU tests
     mark "wide: gpu_decode FLOTILLA_GEMV_WIDE=$E"
     FLOTILLA_GEMV_WIDE=$E timeout 90 python3 -P bench/gpu_decode.py --batches 12,16 \
       --skip eager,profile,hf,nf4,fp16,cuda,sync,nopdl,nofuse,head8,slow-checks,spec-check 2>&1 | grep -E "tok/s|OK|FAIL"
-  done
-fi
-if has prefetch; then  # the tensor-core GEMVs' L2 prefetch (round 14): GPU tests, the sweep, the 8B decode at 0 / 2 / 8 ahead
-  mark "prefetch: test_gemv"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py 2>&1 | tail -3
-  mark "prefetch: sweep"
-  timeout 300 python3 -P bench/gemv_prefetch.py 2>&1 | tee "$OUT/gemv_prefetch.log"
-  for A in 0 2 8 0 2 8; do
-    mark "prefetch: gpu_decode FLOTILLA_GEMV_PREFETCH=$A"
-    FLOTILLA_GEMV_PREFETCH=$A timeout 90 python3 -P bench/gpu_decode.py --batches 1,4,16 \
-      --skip eager,profile,hf,nf4,fp16,cuda,sync,nopdl,nofuse,head8,slow-checks,spec-check 2>&1 | grep -E "tok/s|FAIL"
   done
 fi
 mark done

@@ -147,11 +147,12 @@ def chain_time_us(calls) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def floor_chain_us(kern: TritonGPTQKernel, seq) -> float:
-    """The read floor of a chain: a plain kernel reading the words of each call's weight once (16-byte loads),
-    timed as `chain_time_us` times the calls."""
+def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: bool) -> None:
+    """The chain timings of one case: the read floor, Triton, each plan (bench docstring)."""
     import ctypes
 
+    kerns = _copies(kern)
+    seq = [kerns[i % len(kerns)] for i in range(CHAIN_CALLS)]
     lib, out = kern.gemv.lib.cdll, torch.zeros(1, dtype=torch.int32, device="cuda")
     lib.flotilla_gemv_read_floor.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int,
                                              ctypes.c_void_p]
@@ -162,14 +163,7 @@ def floor_chain_us(kern: TritonGPTQKernel, seq) -> float:
         return lambda: lib.flotilla_gemv_read_floor(words.data_ptr(), words.numel() * 4, out.data_ptr(),
                                                     4 * sms, torch.cuda.current_stream().cuda_stream)
 
-    return chain_time_us([floor_call(kc) for kc in seq])
-
-
-def chain_case(kern: TritonGPTQKernel, x: torch.Tensor, plans, m: int, as_json: bool) -> None:
-    """The chain timings of one case: the read floor, Triton, each plan (bench docstring)."""
-    kerns = _copies(kern)
-    seq = [kerns[i % len(kerns)] for i in range(CHAIN_CALLS)]
-    row = {"floor": floor_chain_us(kern, seq),
+    row = {"floor": chain_time_us([floor_call(kc) for kc in seq]),
            "triton": chain_time_us([(lambda kc=kc: kc(x, config=triton_config(kc, m))) for kc in seq])}
     for plan in dict.fromkeys(plans):
         row[label(plan)] = chain_time_us([(lambda kc=kc, plan=plan: kc.gemv(x, plan=plan)) for kc in seq])

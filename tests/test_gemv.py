@@ -372,33 +372,6 @@ def test_kernel_matches_reference_on_every_plan(case, dtype):
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", [(4096, 64, 4, 128, False, False), (1024, 96, 4, 128, True, False),
-                                  (768, 48, 4, 32, False, True)])
-def test_l2_prefetch_changes_no_bit_of_any_tensor_core_plan(case):
-    """GemvPlan.prefetch asks the L2 for blocks ahead (a hint): the same outputs bit for bit, at distances
-    inside and past a warp's blocks (16 blocks of 256 rows at k = 4096), on the register buffer, the ring and
-    the wide plan, with the silu epilogue."""
-    from flotilla.kernels.triton_linear import TritonGPTQKernel
-
-    k, n, bits, group, sym, act = case
-    kern = TritonGPTQKernel(weight(k, n, bits, group, sym, act, seed=5).to("cuda"), torch.float16)
-    assert kern.gemv is not None and kern.gemv.geo.mma
-    for m in (1, 3, 8, 13, 16):
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        for plan in plans(kern.gemv, m):
-            if plan.cols == 16 or plan.rows == gemv.WIDE_ROWS:
-                base = kern.gemv(x, plan=plan)
-                for ahead in (1, 3, gemv.MAX_PREFETCH):
-                    fetched = kern.gemv(x, plan=dataclasses.replace(plan, prefetch=ahead))
-                    assert torch.equal(fetched, base), (m, plan, ahead)
-                if kern.gemv.fuses_silu(m, plan):
-                    assert torch.equal(kern.gemv(x, plan=dataclasses.replace(plan, prefetch=2), silu=True),
-                                       kern.gemv(x, plan=plan, silu=True)), (m, plan)
-    with pytest.raises(ValueError, match="cannot compute"):
-        kern.gemv(x, plan=dataclasses.replace(kern.gemv.plan_for(16), prefetch=gemv.MAX_PREFETCH + 1))
-
-
-@needs_gpu
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0", "Q5_1", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gguf_forms_through_the_gemv(qtype, dtype):

@@ -34,7 +34,6 @@ kernel object picks this GEMV over the Triton kernel (the measured crossover, pe
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import math
 import os
@@ -70,7 +69,6 @@ WARPS_PER_SM = 16
 SHAPES = frozenset({(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, MMA_COLS),
                     (WIDE_ROWS, WIDE_COLS)})  # gemv_instances.cuh
 MAX_WARPS = 8
-MAX_PREFETCH = 16  # GemvPlan.prefetch: blocks ahead, at most
 # Up to this many rows the kernel object runs the GEMV instead of the Triton kernel: the crossovers
 # measured on the H200 (device run 2 of bench/NOTES-kernels.md, "The GEMV over the Triton layout"),
 # on GPTQ g128 layouts (blocks of 32 words). The tensor-core plan at 4 bits; the CUDA-core plans per
@@ -102,7 +100,7 @@ class _Params(ctypes.Structure):  # gemv.cuh GemvParams
                 ("pdl", ctypes.c_int), ("silu_half", ctypes.c_int), ("resid", ctypes.c_void_p),
                 ("y_gamma", ctypes.c_void_p), ("gamma", ctypes.c_void_p), ("partials", ctypes.c_void_p),
                 ("ldr", ctypes.c_int), ("n_partials", ctypes.c_int), ("inv_k", ctypes.c_float),
-                ("eps", ctypes.c_float), ("post_scale", ctypes.c_float), ("prefetch", ctypes.c_int)]
+                ("eps", ctypes.c_float), ("post_scale", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,6 @@ class GemvPlan:
     cols: int  # consecutive output columns a block computes
     warps: int  # warps a block, splitting the input axis
     stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer)
-    prefetch: int = 0  # the tensor-core plans: a warp asks the L2 for its weights this many of its blocks ahead (0: off)
 
 
 @dataclass(frozen=True)
@@ -218,14 +215,6 @@ def wide_rows(geo: Geometry, bits: int, weights: int) -> range:
     if geo.mma and bits == 4 and geo.log2r == 5 and weights <= WIDE_MAX_WEIGHT:
         return range(ROW_TILES[-1] + 1, WIDE_MAX_ROWS + 1)
     return range(0)
-
-
-def prefetch_ahead() -> int:
-    """The tensor-core plans' L2 prefetch distance (GemvPlan.prefetch): FLOTILLA_GEMV_PREFETCH, else 0 (off)."""
-    v = os.environ.get("FLOTILLA_GEMV_PREFETCH", "0")
-    if not v.isdigit() or int(v) > MAX_PREFETCH:
-        raise ValueError(f"FLOTILLA_GEMV_PREFETCH={v!r}: give 0 (off) .. {MAX_PREFETCH} blocks")
-    return int(v)
 
 
 def group_of(run: int, magic: int) -> int:
@@ -345,12 +334,8 @@ class GemvKernel:
         plan = self._plans.get(m)
         if plan is None:
             lay = self.layout
-            plan = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
-                               lay.rows_per_field if self.geo.mma else 0)
-            ahead = prefetch_ahead()
-            if ahead and (plan.cols == MMA_COLS or plan.rows == WIDE_ROWS):
-                plan = dataclasses.replace(plan, prefetch=ahead)
-            self._plans[m] = plan
+            plan = self._plans[m] = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
+                                                lay.rows_per_field if self.geo.mma else 0)
         return plan
 
     def fuses_silu(self, m: int, plan: GemvPlan | None = None) -> bool:
@@ -409,8 +394,7 @@ class GemvKernel:
         wide = plan.rows == WIDE_ROWS
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or ((plan.cols == MMA_COLS or wide) and not self.geo.mma) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)) \
-                or not (plan.prefetch == 0 or ((plan.cols == MMA_COLS or wide) and 0 < plan.prefetch <= MAX_PREFETCH)):
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features
@@ -443,7 +427,7 @@ class GemvKernel:
                     zero_const=lay.zero_const, group_magic=self.geo.group_magic,
                     scale_bf16=int(lay.scales.dtype == torch.bfloat16), stages=plan.stages,
                     pdl=int(plan.cols == MMA_COLS and not wide and norm is None and pdl.enabled(x2, m)),
-                    silu_half=n // 2 if silu else 0, prefetch=plan.prefetch)
+                    silu_half=n // 2 if silu else 0)
         if _producer is not None:
             resid, scaled, gamma, partials = _producer
             p.resid, p.y_gamma, p.gamma, p.partials = (resid.data_ptr(), scaled.data_ptr(), gamma.data_ptr(),

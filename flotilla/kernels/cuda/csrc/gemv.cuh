@@ -78,9 +78,6 @@ struct GemvParams {
   int ldr;
   int n_partials;
   float inv_k, eps, post_scale;
-  int prefetch;             // the tensor-core plans (gemv_mma.cuh, gemv_wide.cuh), 0: off; else a warp asks the L2
-                            // for its weights `prefetch` of its blocks ahead of the block it loads (a
-                            // prefetch.global.L2 a 128-byte line: bytes in flight without registers or shared memory)
 };
 
 // How a group's zero point and offset are given: one zero for all (SYM), uint8 zeros (ZP), the
@@ -97,9 +94,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
-
-// a hint: bring the 128-byte line at p into the L2 (no register, no completion to wait for)
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // a weight strip: streamed once, kept out of L1, first out of L2
 __device__ __forceinline__ uint4 load_stream(const uint4* p, uint64_t policy) {

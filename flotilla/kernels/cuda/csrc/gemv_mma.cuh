@@ -199,24 +199,12 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     }
   };
 
-  // p.prefetch: lanes t = 0 and 1 ask the L2 for the block `prefetch` of this warp's blocks ahead of b
-  // (columns g and g + 8; one 128-byte line a column at R = 32)
-  auto prefetch_ahead = [&](int b) {
-    const int bp = b + p.prefetch * warps;
-    if (p.prefetch > 0 && t < 2 && bp < nblocks) prefetch_l2((t == 0 ? wa : wb) + bp * (R / 4));
-  };
   auto load = [&](uint4 (*dst)[2], int b) {
 #pragma unroll
     for (int q = 0; q < SPB; q++) {
       dst[q][0] = load_stream(wa + b * (R / 4) + 4 * q, policy);
       dst[q][1] = load_stream(wb + b * (R / 4) + 4 * q, policy);
     }
-    prefetch_ahead(b);
-  };
-  // the warp's blocks `loaded` .. prefetch - 1 (its blocks are first, first + warps, ...), asked for up front:
-  // the loads of blocks 0 .. loaded - 1 asked for those from `prefetch` on
-  auto prefetch_prime = [&](int first, int loaded) {
-    for (int j = loaded; j < p.prefetch; j++) prefetch_ahead(first + (j - p.prefetch) * warps);
   };
   // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
   // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
@@ -320,7 +308,6 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         cp_async16(slots_s + base + (q * 2 + 0) * 32 * 16, wa + b * (R / 4) + 4 * q, policy);
         cp_async16(slots_s + base + (q * 2 + 1) * 32 * 16, wb + b * (R / 4) + 4 * q, policy);
       }
-      prefetch_ahead(b);
 #pragma unroll
       for (int q = 0; q < NG; q++) {
         const unsigned row = group_of(b * P + q * TPG, p.group_magic) * static_cast<unsigned>(p.N);
@@ -343,7 +330,6 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     // S groups, some empty: the wait below then counts alike every step. The first S blocks' weights
     // go before the grid dependency wait, into group 0 with block 0's x (so block 0 waits for them all)
     for (int j = 0; j < S && j < nb; j++) issue_weights(j, warp + j * warps);
-    prefetch_prime(warp, S);  // the warp's blocks S .. prefetch - 1 (issue_weights asks for those from S + prefetch on)
     grid_dependency_wait();
     if constexpr (FUSE) fusion_loads();
     for (int j = 0; j < S; j++) {
@@ -372,7 +358,6 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     uint4 buf[2][SPB][2];
     int b = warp;
     if (b < nblocks) load(buf[0], b);  // before the wait: the weights do not depend on it
-    prefetch_prime(b, 1);
     grid_dependency_wait();
     if constexpr (FUSE) {
       fusion_loads();

@@ -26,7 +26,7 @@
 // Work split: a CTA computes C columns (under silu_half: C / 2 of gate and the same C / 2 of up), its
 // warps taking whole blocks of the input axis (blocks warp, warp + warps, ...), the next strip's
 // weights (and, at a block's first strip, its scales and zeros) loaded before the current one is
-// decoded (a register double buffer; p.prefetch: the L2 asked for blocks further ahead); the warps' sums meet in shared memory in a fixed order
+// decoded (a register double buffer); the warps' sums meet in shared memory in a fixed order
 // (deterministic, no workspace). Not here: the ring, PDL and the residual and norm fusion.
 #pragma once
 #include "gemv.cuh"
@@ -70,21 +70,11 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
   constexpr int TAB = NG * C * (MODE == ZP ? 3 : 2);  // bytes a slot
   __shared__ __align__(16) char tab_smem[MAX_WARPS][2][TAB];
   const unsigned tab_s = static_cast<unsigned>(__cvta_generic_to_shared(&tab_smem[warp][0][0]));
-  // p.prefetch: at a block's first strip, lanes t = 0 ask the L2 for the block `prefetch` of this warp's
-  // blocks ahead (column g of each octet; one 128-byte line a column at R = 32)
-  auto prefetch_ahead = [&](int b) {
-    const int bp = b + p.prefetch * warps;
-    if (p.prefetch > 0 && t == 0 && bp < nblocks) {
-#pragma unroll
-      for (int c = 0; c < NC; c++) prefetch_l2(wc + static_cast<size_t>(col_of(c)) * col_words4 + bp * (R / 4));
-    }
-  };
   auto load = [&](uint4 (&w)[NC], int slot, int b, int sq) {
 #pragma unroll
     for (int c = 0; c < NC; c++)
       w[c] = load_stream(wc + static_cast<size_t>(col_of(c)) * col_words4 + b * (R / 4) + 4 * sq, policy);
     if (sq == 0) {
-      prefetch_ahead(b);
       // word j of the slot: group j / (TAB / 4 / NG); within it scales' words (C / 2) then zeros' (C / 4),
       // each half of the columns (C / 2 of them) from col_of(0) and col_of(NC / 2)
       for (int j = lane; j < TAB / 4; j += 32) {
@@ -158,7 +148,6 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_wide_kernel(const GemvPar
   const int units = nb * SPB;
   uint4 w[2][NC];
   if (units > 0) load(w[0], 0, warp, 0);
-  for (int j = 1; j < p.prefetch; j++) prefetch_ahead(warp + (j - p.prefetch) * warps);  // blocks 1 .. prefetch - 1
   for (int u = 0; u < units; u += 2 * SPB) {
     const int b0 = warp + (u / SPB) * warps;
     static_for<2 * SPB>([&](auto k_) {

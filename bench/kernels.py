@@ -10,7 +10,8 @@
     python bench/kernels.py --graph --only-sweeps --tile-sweep      # the CUDA tile GEMM (Hopper) vs both
 
 Weight shapes are in_features x out_features. Per case: microseconds per call (median of
-triton.testing.do_bench, which clears the L2 cache before every call) for
+triton.testing.do_bench, which clears the L2 cache before every call; `--flush read` also reads another
+256 MB after the clearing, so that no dirty line is written back during the call) for
   ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations: the CUDA
   GEMV over the Triton layout (kernels/cuda/gemv.py, batches up to 8; columns "GEMV", with TB/s
   and x fp16), the Triton "dot" path (kernels/triton_linear), the CUDA tile GEMM on Hopper (kernels/cuda/
@@ -68,12 +69,16 @@ def random_gptq(k: int, n: int, bits: int, group: int, sym: bool, act_order: boo
 
 
 GRAPHS = False  # --graph: time CUDA-graph replays of each call (no Python launch cost)
+FLUSH = "write"  # --flush: how the L2 is emptied before each timed call ("write": do_bench's; "read": clean)
+FLUSH_BYTES = 256 << 20
 
 
 def time_us(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median µs of fn (L2 cleared before every call). With --graph the call is captured once in
     a CUDA graph and its replay is timed, as a decode step runs; a call that cannot be captured
-    is timed eagerly."""
+    is timed eagerly. FLUSH "write" (the tables of record): triton.testing.do_bench, which zeroes
+    256 MB before each call, so the call starts with the L2 full of dirty lines that it writes back
+    while it runs; "read": `time_cold_us`."""
     import triton.testing
 
     if GRAPHS:
@@ -86,7 +91,37 @@ def time_us(fn, warmup: int = 25, rep: int = 100) -> float:
             fn = graph.replay
         except Exception:  # noqa: BLE001 - e.g. a library that synchronises inside the call
             torch.cuda.synchronize()
+    if FLUSH == "read":
+        return time_cold_us(fn, warmup, rep)
     return 1000.0 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+_flush_bufs: list[torch.Tensor] = []
+
+
+def time_cold_us(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median µs of fn with its data cold but no dirty line to write back: before each call 256 MB are
+    zeroed (as do_bench does), then 256 MB of another buffer are read, which writes the dirty lines back
+    and leaves the L2 holding clean lines of neither fn's inputs nor outputs (a decode step's GEMV meets
+    its weights so: cold, behind kernels that wrote little)."""
+    if not _flush_bufs:
+        _flush_bufs.extend(torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") for _ in range(2))
+        _flush_bufs[1].fill_(1)
+    dirty, clean = _flush_bufs
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    sink = torch.empty((), dtype=torch.int32, device="cuda")
+    for start, end in zip(starts, ends):
+        dirty.zero_()
+        torch.amax(clean, dim=0, out=sink)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(1000.0 * s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -298,6 +333,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true", help="let each kernel time its candidate configs first")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    ap.add_argument("--flush", choices=("write", "read"), default="write",
+                    help="how the L2 is emptied before each call: do_bench's zeroing (the tables of record; the "
+                         "call writes the dirty lines back), or that and a read of another 256 MB (clean lines)")
     ap.add_argument("--gguf", action="store_true", help="the GGUF forms' table instead (bench/kernels_gguf.py)")
     ap.add_argument("--skip-cuda", action="store_true", help="leave out the Marlin-style CUDA kernels (kernels/cuda)")
     ap.add_argument("--gemv-sweep", action="store_true", help="after the table, time the GEMV's plans (kernels_gemv.py)")
@@ -313,8 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tile-heights", default="", help="the tile sweep's block heights (default: all of BLOCK_ROWS)")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the table: only the sweeps asked for")
     args = ap.parse_args(argv)
-    global GRAPHS
-    GRAPHS = args.graph
+    global GRAPHS, FLUSH
+    GRAPHS, FLUSH = args.graph, args.flush
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
@@ -333,7 +371,7 @@ def main(argv=None) -> int:
     if any(h not in BLOCK_ROWS for h in args.tile_heights):
         ap.error(f"--tile-heights {','.join(map(str, args.tile_heights))}: block heights among {BLOCK_ROWS}")
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, L2 flush: {FLUSH}", flush=True)
     if args.gguf:
         from bench.kernels_gguf import run_gguf
 

@@ -13,7 +13,8 @@ Weight shapes are in_features x out_features. Per case: microseconds per call (m
 triton.testing.do_bench, which clears the L2 cache before every call; `--flush read` also reads another
 256 MB after the clearing, so that no dirty line is written back during the call) for
   ours W4A16 (GPTQ int4, group 128) and W8A16 (GPTQ int8, group 128), fp16 activations: the CUDA
-  GEMV over the Triton layout (kernels/cuda/gemv.py, batches up to 8; columns "GEMV", with TB/s
+  GEMV over the Triton layout (kernels/cuda/gemv.py, batches up to 8, and 9-16 where the registry picks its
+  wide plan; columns "GEMV", with TB/s
   and x fp16), the Triton "dot" path (kernels/triton_linear), the CUDA tile GEMM on Hopper (kernels/cuda/
   tile.py, batches of 64 and more; columns "Tile"), and the Marlin-style CUDA kernels
   (kernels/cuda, columns "CUDA"; --skip-cuda leaves them out); "pick" is what the registry's
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
                     t = row[f"tile_w{bits}_us"] = time_us(lambda: kern.tile(x))
                     row[f"tile_w{bits}_speedup"] = row["fp16_us"] / t
                     row[f"tile_w{bits}_rows"] = kern.tile.rows_for(m)
-                if kern.gemv is not None and m <= 8:
+                if kern.gemv is not None and (m <= 8 or kern.gemv.picks(m)):  # past 8 rows: the wide plan, where picked
                     t = row[f"gemv_w{bits}_us"] = time_us(lambda: kern.gemv(x))
                     row[f"gemv_w{bits}_tbps"] = nbytes / (t * 1e-6) / 1e12
                     row[f"gemv_w{bits}_speedup"] = row["fp16_us"] / t

@@ -104,7 +104,8 @@ def time_cold_us(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median µs of fn with its data cold but no dirty line to write back: before each call 256 MB are
     zeroed (as do_bench does), then 256 MB of another buffer are read, which writes the dirty lines back
     and leaves the L2 holding clean lines of neither fn's inputs nor outputs (a decode step's GEMV meets
-    its weights so: cold, behind kernels that wrote little)."""
+    its weights so: cold, behind kernels that wrote little). `warmup` and `rep` count calls here (do_bench
+    reads the same arguments as milliseconds)."""
     if not _flush_bufs:
         _flush_bufs.extend(torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") for _ in range(2))
         _flush_bufs[1].fill_(1)
@@ -402,7 +403,7 @@ def main(argv=None) -> int:
             for kern in ours.values():
                 kern.tune(args.batches)
         for m in args.batches:
-            row = {"shape": f"{k}x{n}", "batch": m}
+            row = {"shape": f"{k}x{n}", "batch": m, "flush": FLUSH}
             row.update(peers.time(m))
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             for bits, kern in ours.items():

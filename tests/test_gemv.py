@@ -244,10 +244,15 @@ def test_plans():
     assert mma(1, 14336, 4096) == mma(1, 8192, 28672) == (8, gemv.RING_STAGES)  # >= 32 blocks: the ring at M = 1
     assert mma(2, 14336, 4096) == (8, 0) and mma(2, 8192, 28672) == (1, 0) and mma(4, 8192, 28672) == (8, 0)
     assert mma(1, 256, 64) == (1, 0)  # never more warps than the column's blocks
-    from flotilla.kernels.triton_linear import gemv_config
+    from flotilla.kernels.triton_linear import _gemv_plan, gemv_config
 
     ring = gemv.choose_plan(1, 28672, 1024, 132, 4, mma_r=32)
     assert gemv_config(ring).num_stages == ring.stages  # the registry's config keeps the ring depth
+    # every field of a plan survives the registry's config (a field it dropped would never reach the kernel):
+    # each set to a value of its own, none its default
+    odd = gemv.GemvPlan(**{f.name: 2 + i for i, f in enumerate(dataclasses.fields(gemv.GemvPlan))})
+    for plan in (ring, gemv.choose_plan(12, 4096, 512, 132, 4, mma_r=32), odd):
+        assert _gemv_plan(gemv_config(plan)) == plan
     assert gemv.choose_plan(1, 4096, 512, 132, 8, mma_r=32).cols == 2  # 8 bits: the CUDA-core plan
     for m in range(1, 9):
         for n, kw in ((4096, 512), (14336, 512), (4096, 1792), (28672, 1024), (64, 64)):

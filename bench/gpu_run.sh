@@ -9,7 +9,8 @@
 # checks), kernels (the kernel table: 4 shapes x batch 1-2048 with fp16, tinygemm, bitsandbytes), bench
 # (`runtime bench` with the default device: the CLI's own GPU path, which the benchmarks' cuda:0 skip), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
 # bitsandbytes for the kernel table's peers) are installed into /tmp/site first. wide: the GEMV's wide plan (its GPU
-# tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice).
+# tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice). record: the kernel table and the
+# decode without the transformers peers, in one call (round 14's table of record on an H100 ran so).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -71,5 +72,14 @@ if has wide; then  # the GEMV's wide plan at 9-16 rows (round 13): its GPU tests
     FLOTILLA_GEMV_WIDE=$E timeout 90 python3 -P bench/gpu_decode.py --batches 12,16 \
       --skip eager,profile,hf,nf4,fp16,cuda,sync,nopdl,nofuse,head8,slow-checks,spec-check 2>&1 | grep -E "tok/s|OK|FAIL"
   done
+fi
+if has record; then  # the kernel table, then the decode without the slow transformers peers: one call (~300 s on an H100)
+  mark "record: kernels"
+  timeout 330 python3 -P bench/kernels.py --graph --skip-cuda --shapes 4096x4096,4096x14336,14336x4096,8192x28672 \
+    --batches 1,16,64,256,2048 > "$OUT/kernels.log" 2>&1
+  grep -E "^\||FAIL|correctness" "$OUT/kernels.log"
+  mark "record: gpu_decode"
+  timeout 200 python3 -P bench/gpu_decode.py --batches 1,16,64 --skip hf,nf4,eager,nopdl,nofuse,spec-check,slow-checks \
+    2>&1 | grep -v "Writing model shards" | tee "$OUT/gpu_decode.log" | grep -E "tok/s|OK|FAIL|span|GEMV|^\|"
 fi
 mark done

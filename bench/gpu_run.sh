@@ -58,11 +58,14 @@ if has spec; then
   mark gpu_spec
   timeout 170 python3 -P bench/gpu_spec.py 2>&1 | tee "$OUT/gpu_spec.log"
 fi
-if has kernels; then
-  mark kernels
+kernel_table() {  # the kernel table of record (parts kernels and record)
   timeout 330 python3 -P bench/kernels.py --graph --skip-cuda --shapes 4096x4096,4096x14336,14336x4096,8192x28672 \
     --batches 1,16,64,256,2048 > "$OUT/kernels.log" 2>&1
   grep -E "^\||FAIL|correctness" "$OUT/kernels.log"
+}
+if has kernels; then
+  mark kernels
+  kernel_table
 fi
 if has wide; then  # the GEMV's wide plan at 9-16 rows (round 13): its GPU tests, then the 8B decode with and without it
   mark "wide: test_gemv"
@@ -75,9 +78,7 @@ if has wide; then  # the GEMV's wide plan at 9-16 rows (round 13): its GPU tests
 fi
 if has record; then  # the kernel table, then the decode without the slow transformers peers: one call (~300 s on an H100)
   mark "record: kernels"
-  timeout 330 python3 -P bench/kernels.py --graph --skip-cuda --shapes 4096x4096,4096x14336,14336x4096,8192x28672 \
-    --batches 1,16,64,256,2048 > "$OUT/kernels.log" 2>&1
-  grep -E "^\||FAIL|correctness" "$OUT/kernels.log"
+  kernel_table
   mark "record: gpu_decode"
   timeout 200 python3 -P bench/gpu_decode.py --batches 1,16,64 --skip hf,nf4,eager,nopdl,nofuse,spec-check,slow-checks \
     2>&1 | grep -v "Writing model shards" | tee "$OUT/gpu_decode.log" | grep -E "tok/s|OK|FAIL|span|GEMV|^\|"

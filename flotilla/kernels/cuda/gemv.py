@@ -231,7 +231,7 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
     more columns), else 2; two warps up to M = 2, else one."""
     if mma_r and m > ROW_TILES[-1]:
-        return wide_plan(m, n, kw // mma_r)
+        return wide_plan(m, kw // mma_r)
     if mma_r and bits == 4:
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
@@ -245,8 +245,8 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
 
 
-def wide_plan(m: int, n: int, layout_blocks: int) -> GemvPlan:
-    """The wide tensor-core plan for 9..16 rows over N columns of `layout_blocks` blocks each: 16 columns a
+def wide_plan(m: int, layout_blocks: int) -> GemvPlan:
+    """The wide tensor-core plan for 9..16 rows over columns of `layout_blocks` blocks each: 16 columns a
     block, 8 warps (or one a layout block), one strip ahead: round 13's fastest on every shape, with the L2
     cleared and back to back alike (wider blocks won only back to back on the 28672-wide shapes, where the
     Triton tiles serve)."""

@@ -13,6 +13,7 @@ Rows, per batch of concurrent streams (1, 16, 64; aggregate decode tok/s):
                           the default launches the GEMV and the small Triton kernels as dependents)
   flotilla int4, int8 head  the same with the lm_head quantized too (8 bits, `lm_head: true` in the
                           config, as `quantize --lm-head-bits 8` writes it): a separate configuration
+  flotilla int4, int4 head  the same at 4 bits (`--lm-head-bits 4`; only with `--also head4`)
   flotilla int4 CUDA      the same with the CUDA dequant-matmul (FLOTILLA_KERNEL=cuda)
   flotilla int4 eager     the same without CUDA graphs (what the graphs buy)
   flotilla int4 tuned     with each linear's tile config timed on the GPU first (`--tune`)
@@ -30,7 +31,8 @@ reference on CPU in fp32, and the decode graphs' logits against the eager runner
 INT4 model. After: one profile of a batch-1 decode step (GPU time per kernel family against the
 step's wall time), which says where the time goes, with and without overlap: the device's
 timeline split into busy time, the short gaps between kernels inside a step (graph launch
-latency) and the gaps over 20 µs (the device waiting for the host).
+latency) and the gaps over 20 µs (the device waiting for the host). `--profile-batches 16,64`
+profiles those batches' steps too.
 """
 from __future__ import annotations
 
@@ -152,16 +154,17 @@ def kernel_family(name: str) -> str:
 
 @torch.inference_mode()
 def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 16, top: int = 0,
-                   overlap: bool | None = None) -> str:
-    """GPU time per kernel family over `steps` batch-1 decode steps, against their wall time (and
-    the `top` kernels by GPU time); the device timeline's busy time and idle gaps."""
+                   overlap: bool | None = None, batch: int = 1) -> str:
+    """GPU time per kernel family over `steps` decode steps of `batch` streams, against their wall time
+    (and the `top` kernels by GPU time); the device timeline's busy time and idle gaps."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = bench_engine(model, 1, prompt_len + steps + 16, prompt_len, graphs, overlap=overlap)
-    measure(engine, 1, prompt_len, 8, seed=5)  # warm-up
-    engine.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps + 1, temperature=0,
-                                                                          ignore_eos=True))
-    engine.step()  # the prefill
+    engine = bench_engine(model, batch, prompt_len + steps + 16, batch * prompt_len, graphs, overlap=overlap)
+    measure(engine, batch, prompt_len, 8, seed=5)  # warm-up
+    for i in range(batch):
+        engine.add_request(f"p{i}", [1 + (i + j) % 1000 for j in range(prompt_len)],
+                           SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    engine.step()  # the prefill (one step: the scheduler's token budget holds every prompt)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # `steps` decode steps, each launched in the window
         start = time.perf_counter()
@@ -181,7 +184,7 @@ def profile_decode(model, graphs: bool, prompt_len: int, steps: int = 16, top: i
         kernels.append((t / steps, e.count / steps, e.key))
     total = sum(fams.values())
     mode = ("overlap" if engine.overlap else "sync") + ("" if pdl.ENABLED else ", no PDL")
-    lines = [f"profile, batch-1 decode step {'with' if graphs else 'without'} graphs, {mode}: wall {wall * 1e3:.3f} ms, "
+    lines = [f"profile, batch-{batch} decode step {'with' if graphs else 'without'} graphs, {mode}: wall {wall * 1e3:.3f} ms, "
              f"GPU busy {total / 1e3:.3f} ms ({total / 1e3 / (wall * 1e3):.0%})"]
     lines.append("    " + device_timeline(prof, steps))
     for fam, t in sorted(fams.items(), key=lambda p: -p[1]):
@@ -255,6 +258,10 @@ def main(argv=None) -> int:
                                                "without overlap), nopdl (the int4 rows and profile without "
                                                "programmatic dependent launch), nofuse (the int4 rows with the norms the other way: in the GEMVs or as kernels of their own), head8 (the int4 rows with an int8 lm_head), slow-checks (attention, fused ops, "
                                                "engine spec), spec-check (the engine spec check alone)")
+    ap.add_argument("--also", default="", help="comma-separated parts left out unless named: head4 (the int4 "
+                                               "rows with a 4-bit lm_head, `quantize --lm-head-bits 4`)")
+    ap.add_argument("--profile-batches", default="", help="comma-separated batches whose decode step is also "
+                                                          "profiled (graphs, overlap), e.g. 16,64")
     ap.add_argument("--checks-only", action="store_true", help="run the checks on the model, then stop (no rows; "
                                                                "exit status 1 if one failed)")
     ap.add_argument("--json", action="store_true")
@@ -264,6 +271,8 @@ def main(argv=None) -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     skip = set(args.skip.split(","))
+    wanted = set(args.also.split(","))
+    profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
     cfg = shape_config(args.shape, 4)
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     rows: dict[str, dict[int, DecodeRun]] = {}
@@ -358,13 +367,17 @@ def main(argv=None) -> int:
             ours("flotilla int4 CUDA", forced)
         section("flotilla int4 CUDA", cuda_rows)
         torch.cuda.empty_cache()
-    if "head8" not in skip:
-        def head8_rows():
-            headed = build_random_model(args.shape, 4, "cuda", torch.float16, head_bits=8)
-            ours("flotilla int4, int8 head", headed)
+    for head_bits in (8, 4):
+        part = f"head{head_bits}"
+        if part in skip or (head_bits == 4 and part not in wanted):  # the int4 head only when asked for
+            continue
+
+        def head_rows(head_bits=head_bits):
+            headed = build_random_model(args.shape, 4, "cuda", torch.float16, head_bits=head_bits)
+            ours(f"flotilla int4, int{head_bits} head", headed)
             if "profile" not in skip:
                 print(section("profile", lambda: profile_decode(headed, True, args.prompt_len, top=4)), flush=True)
-        section("flotilla int4, int8 head", head8_rows)
+        section(f"flotilla int4, int{head_bits} head", head_rows)
         torch.cuda.empty_cache()
     if "eager" not in skip:
         section("flotilla int4 eager", lambda: ours("flotilla int4 eager", model, graphs=False, bs=[1], tokens=32))
@@ -376,6 +389,9 @@ def main(argv=None) -> int:
         if "nopdl" not in skip:
             with pdl_off():
                 print(section("profile", lambda: profile_decode(model, True, args.prompt_len, top=16)), flush=True)
+    for b in profile_batches:
+        print(section(f"profile b{b}", lambda: profile_decode(model, True, args.prompt_len, top=12, batch=b)),
+              flush=True)
     if "hf" not in skip:
         hf = section("build transformers fp16", lambda: hf_model(args.shape))
         hf_rows("transformers fp16", hf)

@@ -10,7 +10,8 @@
 # (`runtime bench` with the default device: the CLI's own GPU path, which the benchmarks' cuda:0 skip), spec (bench/gpu_spec.py), spec_k (its k = 2 and 8). Wheels in .whl/ (carry it; e.g.
 # bitsandbytes for the kernel table's peers) are installed into /tmp/site first. wide: the GEMV's wide plan (its GPU
 # tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice). record: the kernel table and the
-# decode without the transformers peers, in one call (round 14's table of record on an H100 ran so).
+# decode without the transformers peers, in one call (round 14's table of record on an H100 ran so). steps: the
+# decode with the 4-bit-head rows and the batch-16 / 64 step profiles; sweep64: the Triton tiles' configs at 16 / 64 rows.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -82,5 +83,17 @@ if has record; then  # the kernel table, then the decode without the slow transf
   mark "record: gpu_decode"
   timeout 200 python3 -P bench/gpu_decode.py --batches 1,16,64 --skip hf,nf4,eager,nopdl,nofuse,spec-check,slow-checks \
     2>&1 | grep -v "Writing model shards" | tee "$OUT/gpu_decode.log" | grep -E "tok/s|OK|FAIL|span|GEMV|^\|"
+fi
+if has steps; then  # the decode with the 4-bit head rows and the batch-16 / 64 step profiles (round 15)
+  mark "steps: gpu_decode"
+  timeout 280 python3 -P bench/gpu_decode.py --batches 1,16,64 --also head4 --profile-batches 16,64 \
+    --skip hf,nf4,eager,nopdl,nofuse,sync,cuda,spec-check,slow-checks 2>&1 | grep -v "Writing model shards" \
+    | tee "$OUT/gpu_decode_steps.log" | grep -vE "^\[" | cut -c1-150
+fi
+if has sweep64; then  # the Triton tiles' configs at 16 and 64 rows, W4 g128 (round 15: 256-wide tiles added)
+  mark "sweep64"
+  timeout 400 python3 -P bench/kernels.py --graph --only-sweeps --sweep --skip-check --sweep-bits 4 --sweep-block-k 256 \
+    --sweep-shapes 4096x4096,4096x14336,14336x4096,8192x28672 --sweep-batches 16,64 --json 2>&1 | tee "$OUT/sweep64.log" \
+    | grep -E "^sweep|^ +[0-9.]+us"
 fi
 mark done

@@ -254,6 +254,8 @@ def sweep_configs(m: int, blocks: int, n: int, num_sms: int):
         grid += [(16, 64, w, st, False) for w, st in ((2, 3), (2, 5))] + [(16, 64, 4, 5, False)]
     elif m <= 64:
         grid = [(m, bn, w, st, sw) for bn in (64, 128) for w, st in ((4, 3), (4, 4), (8, 3)) for sw in (False, True)]
+        # 256 out-features a tile: x read from L2 once per 256 columns instead of 64 / 128
+        grid += [(m, 256, w, st, False) for w, st in ((4, 3), (8, 3), (8, 4))]
     else:
         grid = [(bm, bn, w, 3, sw) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for sw in (False, True)
                 if not (bm == 128 and bn == 128 and w == 4)]

@@ -167,6 +167,27 @@ def _layout_kernels(model) -> list:
 
 
 @torch.inference_mode()
+def check_tile_silu(model, rows=(12, 16, 40, 64)) -> str:
+    """The Triton tiles' silu epilogue on the model's first gate_up weight (silu_mul where the registry picks a
+    "dot" config) against its product, then kernels/fused.silu_mul: equal within an fp16 ulp."""
+    from flotilla.kernels.fused import silu_mul
+
+    kern = next(m.kernel for name, m in model.named_modules() if name.endswith("gate_up_proj"))
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    worst, fused = 0.0, []
+    for m in rows:
+        x = torch.randn(m, kern.layout.in_features, device="cuda", dtype=torch.float16, generator=gen)
+        if kern.config_for(m).kind != "dot" or not kern.fuses_silu(m):
+            continue
+        got, want = kern.silu_mul(x), silu_mul(kern(x))
+        worst = max(worst, float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()))
+        fused.append(m)
+    ok = bool(fused) and worst <= 2e-3
+    return (f"tile silu epilogue at rows {fused or 'none picked'} vs the product then silu_mul: max rel diff "
+            f"{worst:.1e} -> {'OK' if ok else 'FAIL'}")
+
+
+@torch.inference_mode()
 def check_prefill(model, batch: int = 5, prompt_len: int = 40) -> str:
     """One prefill of batch x prompt_len rows with the registry's picks (on Hopper the tile GEMM from 128 rows,
     split-K on narrow weights) against the same prefill with the tile GEMM left out (the Triton tiles or

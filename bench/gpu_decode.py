@@ -57,7 +57,7 @@ from flotilla.runtime.bench import DecodeRun, bench_engine, measure, run_batches
 from flotilla.runtime.random_model import build_random_model, shape_config, weight_bytes  # noqa: E402
 from flotilla.runtime.sampling import SamplingParams  # noqa: E402
 from bench.gpu_checks import (check_attention, check_engine_spec, check_fused, check_graphs, check_linears,  # noqa: E402
-                              check_overlap, check_prefill, check_syncs)
+                              check_overlap, check_prefill, check_syncs, check_tile_silu)
 
 
 # ------------------------------------------------------------------------------------- peers
@@ -325,6 +325,7 @@ def main(argv=None) -> int:
     if slow:
         check("fused ops check", lambda: check_fused(model))
     check("prefill check", lambda: check_prefill(model))
+    check("tile silu check", lambda: check_tile_silu(model))
     if "prefill check" in failed:  # which linear call went wrong first
         check("linears check", lambda: check_linears(model))
     check("graph check", lambda: check_graphs(model))

@@ -11,7 +11,8 @@
 # bitsandbytes for the kernel table's peers) are installed into /tmp/site first. wide: the GEMV's wide plan (its GPU
 # tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice). record: the kernel table and the
 # decode without the transformers peers, in one call (round 14's table of record on an H100 ran so). steps: the
-# decode with the 4-bit-head rows and the batch-16 / 64 step profiles; sweep64: the Triton tiles' configs at 16 / 64 rows.
+# decode with the 4-bit-head rows and the batch-16 / 64 step profiles; sweep64: the Triton tiles' configs at 16 / 64 rows;
+# tilesilu: the 8B decode at 16 / 64 with the Triton tiles' silu epilogue off and on.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -89,6 +90,13 @@ if has steps; then  # the decode with the 4-bit head rows and the batch-16 / 64 
   timeout 280 python3 -P bench/gpu_decode.py --batches 1,16,64 --also head4 --profile-batches 16,64 \
     --skip hf,nf4,eager,nopdl,nofuse,sync,cuda,spec-check,slow-checks 2>&1 | grep -v "Writing model shards" \
     | tee "$OUT/gpu_decode_steps.log" | grep -vE "^\[" | cut -c1-150
+fi
+if has tilesilu; then  # the Triton tiles' silu epilogue (round 15) on and off, the 8B decode at 16 and 64, twice
+  for E in 0 1 0 1; do
+    mark "tilesilu: gpu_decode FLOTILLA_TILE_SILU=$E"
+    FLOTILLA_TILE_SILU=$E timeout 100 python3 -P bench/gpu_decode.py --batches 16,64 \
+      --skip eager,profile,hf,nf4,fp16,cuda,sync,nopdl,nofuse,head8,slow-checks,spec-check 2>&1 | grep -E "tok/s|OK|FAIL"
+  done
 fi
 if has sweep64; then  # the Triton tiles' configs at 16 and 64 rows, W4 g128 (round 15: 256-wide tiles added)
   mark "sweep64"

@@ -169,15 +169,50 @@ def test_split_k_counters_return_to_zero_and_repeat_exactly():
     assert rel_err(first, gptq_matmul(x.float(), w)) < 2e-3
 
 
-def test_silu_mul_without_the_gemv_is_silu_mul_of_the_product():
-    """Where the CUDA GEMV's silu epilogue does not serve (here: no GPU), silu_mul of a [gate | up]
-    weight is kernels/fused.silu_mul of the kernel's product: the same values."""
+def _silu_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up rounded as kernels/fused.silu_mul's GPU kernel rounds it: silu's output, then the product."""
+    inter = gate_up.shape[-1] // 2
+    a, b = gate_up[:, :inter].float(), gate_up[:, inter:].float()
+    return ((a / (1 + torch.exp(-a))).to(gate_up.dtype).float() * b).to(gate_up.dtype)
+
+
+@pytest.mark.parametrize("m,cfg", [
+    (2, GemmConfig("dot", block_m=16, block_n=32, split_k=2)),   # split-K: the last split's store
+    (3, GemmConfig("dot", block_m=16, block_n=64)),               # one split; 80 columns: a partial last tile
+    (20, GemmConfig("dot", block_m=16, block_n=32, split_k=2)),  # two row tiles
+    (40, GemmConfig("dot", block_m=32, block_n=64, scale_w=True)),  # the scale on the weight side
+])
+def test_tile_silu_epilogue_is_silu_mul_of_the_product(m, cfg):
+    """The Triton tiles' silu epilogue (a tile of gate columns j and up columns I + j, silu(gate) * up
+    from its last store) gives what the product then kernels/fused.silu_mul give, from any split
+    and row tile, with a partial last tile of columns; it leaves the split-K counters at zero."""
+    w = random_weight(256, 160, 4, 128, False, False, seed=6)
+    kernel = TritonGPTQKernel(w, torch.float16)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).half()
+    kernel._configs[m] = cfg
+    assert kernel.gemv is None and kernel.fuses_silu(m)
+    y = kernel.silu_mul(x)
+    assert y.shape == (m, 80)
+    assert int(kernel._counters.abs().sum()) == 0
+    ref = _silu_ref(kernel(x))
+    # the same values but where the interpreter's exp and torch's differ in the last bit (one fp16 ulp)
+    torch.testing.assert_close(y, ref, rtol=2e-3, atol=1e-4)
+
+
+def test_silu_mul_without_an_epilogue_is_silu_mul_of_the_product(monkeypatch):
+    """Where no epilogue serves (a bias; FLOTILLA_TILE_SILU=0), silu_mul of a [gate | up] weight is
+    kernels/fused.silu_mul of the kernel's product: the same values."""
     from flotilla.kernels.fused import silu_mul
+    from flotilla.kernels.triton_linear import TILE_SILU_ENV
 
     w = random_weight(256, 128, 4, 128, False, False, seed=6)
+    x = torch.randn(2, 256).half()
+    bias = torch.randn(128).half()
+    kernel = TritonGPTQKernel(w, torch.float16)
+    assert torch.equal(kernel.silu_mul(x, bias), silu_mul(kernel(x, bias)))
+    monkeypatch.setenv(TILE_SILU_ENV, "0")
     kernel = TritonGPTQKernel(w, torch.float16)
     assert kernel.gemv is None and not kernel.fuses_silu(1)
-    x = torch.randn(2, 256).half()
     assert torch.equal(kernel.silu_mul(x), silu_mul(kernel(x)))
     assert kernel.silu_mul(x).shape == (2, 64)
 

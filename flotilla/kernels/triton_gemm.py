@@ -164,7 +164,7 @@ def w_dot_kernel(
     ZERO_CONST: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_W: tl.constexpr, SPLIT: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr,
     ASM_ODD: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_OFFSET: tl.constexpr = False,
+    HAS_OFFSET: tl.constexpr = False, SILU: tl.constexpr = False,
 ):
     PAIRS: tl.constexpr = 16 // BITS
     R: tl.constexpr = BLOCK_K * BITS // 32  # words per out-feature per block
@@ -176,10 +176,19 @@ def w_dot_kernel(
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     offs_m = (pid_mn % num_pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid_mn // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU:
+        # a [gate | up] weight (N = 2 I): the tile's first half are gate columns j, its second half the
+        # same j of up (I + j), so that the tile's last store can write silu(gate) * up [M, I]
+        HALF: tl.constexpr = BLOCK_N // 2
+        col = tl.arange(0, BLOCK_N)
+        offs_j = (pid_mn // num_pid_m) * HALF + col % HALF
+        offs_n = offs_j + (col // HALF) * (N // 2)
+        n_ok = offs_j < N // 2
+    else:
+        offs_n = (pid_mn // num_pid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_r = tl.arange(0, R)
     offs_2r = tl.arange(0, 2 * R)
-    n_ok = offs_n < N
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(blocks_per_split):
@@ -208,7 +217,8 @@ def w_dot_kernel(
                 if t % RUNS_PER_GROUP == RUNS_PER_GROUP - 1:  # the group ends: scale its sum once
                     acc += part * s[:, None]
                     part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT)
+    finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, n_ok, M, N, stride_om, HAS_BIAS, SPLIT,
+                SILU)
 
 
 @triton.jit
@@ -222,10 +232,11 @@ def _group_offset(m_ptr, g, offs_n, N, n_ok, s_act, s2, IS_BF16: tl.constexpr, H
 
 
 @triton.jit
-def finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Write one acc [BLOCK_N, BLOCK_M] tile to out [M, N]; under split-K the last split reduces."""
-    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+def finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, n_ok, M, N, stride_om,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU: tl.constexpr = False):
+    """Write one acc [BLOCK_N, BLOCK_M] tile to out [M, N] (SILU: silu(gate) * up to out [M, N / 2]);
+    under split-K the last split reduces."""
+    out_mask = n_ok[:, None] & (offs_m < M)[None, :]
     if SPLIT:
         tile_id = tl.program_id(0)
         splits = tl.num_programs(1)
@@ -237,10 +248,36 @@ def finish_tile(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, s
             acc = tl.zeros_like(acc)
             for p in range(splits):
                 acc += tl.load(ws_ptr + p * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_out(out_ptr, bias_ptr, acc, offs_m, offs_n, out_mask, stride_om, N, HAS_BIAS)
+            _store_final(out_ptr, bias_ptr, acc, offs_m, offs_n, out_mask, stride_om, M, N, HAS_BIAS, SILU)
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
     else:
+        _store_final(out_ptr, bias_ptr, acc, offs_m, offs_n, out_mask, stride_om, M, N, HAS_BIAS, SILU)
+
+
+@triton.jit
+def _store_final(out_ptr, bias_ptr, acc, offs_m, offs_n, out_mask, stride_om, M, N, HAS_BIAS: tl.constexpr,
+                 SILU: tl.constexpr):
+    if SILU:
+        _store_silu(out_ptr, acc, offs_m, stride_om, M, N)
+    else:
         _store_out(out_ptr, bias_ptr, acc, offs_m, offs_n, out_mask, stride_om, N, HAS_BIAS)
+
+
+@triton.jit
+def _store_silu(out_ptr, acc, offs_m, stride_om, M, N):
+    """silu(gate) * up of a SILU tile (rows: HALF gate columns j, then up's I + j) into out [M, I], rounded
+    where kernels/fused.silu_mul rounds (the product's entries, silu's output, the result)."""
+    BLOCK_N: tl.constexpr = acc.shape[0]
+    BLOCK_M: tl.constexpr = acc.shape[1]
+    HALF: tl.constexpr = BLOCK_N // 2
+    dt = out_ptr.dtype.element_ty
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
+    a = gate.to(dt).to(tl.float32)
+    silu = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
+    y = silu * up.to(dt).to(tl.float32)
+    offs_j = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * HALF + tl.arange(0, HALF)  # the tile's gate columns
+    mask = (offs_j < N // 2)[:, None] & (offs_m < M)[None, :]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_j[:, None], y.to(dt), mask=mask)
 
 
 @triton.jit

@@ -64,6 +64,7 @@ class GemmConfig:
 # llama-3-8b / 70b shape, at 256 on the weights of at most DENSE_SMALL_WEIGHT codes (4096x4096,
 # 4096x6144, 14336x4096), whose dequantization is short next to the tile kernel's loss
 DENSE_MIN_ROWS, DENSE_MIN_ROWS_SMALL, DENSE_SMALL_WEIGHT = 512, 256, 64 << 20
+TILE_SILU_ENV = "FLOTILLA_TILE_SILU"
 
 
 def dense_min_rows(layout: TritonLayout) -> int:
@@ -188,6 +189,9 @@ class TritonLayoutKernel:
                         if device.type == "cuda" else 4)
         self._counters = torch.zeros(4096, dtype=torch.int32, device=device)
         self._configs: dict[int, GemmConfig] = {}
+        # the tiles' silu epilogue (`silu_mul` on a "dot" config); FLOTILLA_TILE_SILU=0: the product, then
+        # kernels/fused.silu_mul, as before it (read once, here)
+        self.tile_silu = os.environ.get(TILE_SILU_ENV) != "0"
         self.gemv = self.tile = None
         if device.type == "cuda":
             self.gemv = gemv_for(layout, dtype)  # None: no nvcc, or a layout it does not read
@@ -284,20 +288,32 @@ class TritonLayoutKernel:
         return plan if fuses(m, plan) else None
 
     def fuses_silu(self, m: int) -> bool:
-        """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue)."""
-        return self._epilogue_plan(m) is not None
+        """Whether `silu_mul` at M rows is one launch (the CUDA GEMV's epilogue, or the Triton tiles')."""
+        return self._epilogue_plan(m) is not None or self._tile_silu(m)
+
+    def _tile_silu(self, m: int) -> bool:
+        cfg = self.config_for(m)
+        return (self.tile_silu and cfg.kind == "dot" and self.layout.out_features % 2 == 0
+                and cfg.block_n % 2 == 0)
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] weight's product [..., 2 I] -> [..., I]: one launch where
-        the CUDA GEMV serves these rows and there is no bias (its epilogue pairs gate column j with
-        up column I + j), else the product, then kernels/fused.silu_mul."""
+        the CUDA GEMV or the Triton tiles serve these rows and there is no bias (their epilogues pair
+        gate column j with up column I + j), else the product, then kernels/fused.silu_mul."""
         x2 = x.reshape(-1, x.shape[-1])
-        plan = self._epilogue_plan(x2.shape[0]) if bias is None else None
+        m, half = x2.shape[0], self.layout.out_features // 2
+        plan = self._epilogue_plan(m) if bias is None else None
         if plan is None:
-            return silu_mul(self(x, bias))
+            if bias is not None or not self._tile_silu(m):
+                return silu_mul(self(x, bias))
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            cfg = self.config_for(m)
+            y = matmul_layout(x2, self.layout, weight_side(cfg, self.layout), None, self._counter_buffer(m, cfg),
+                              silu=True)
+            return y.reshape(*x.shape[:-1], half)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        return self.gemv(x2, None, None, plan, silu=True).reshape(*x.shape[:-1], self.layout.out_features // 2)
+        return self.gemv(x2, None, None, plan, silu=True).reshape(*x.shape[:-1], half)
 
     def fuses_norm(self, m: int) -> bool:
         """Whether `add_norm` and `normed` serve M rows (the CUDA GEMV's tensor-core plan)."""
@@ -335,9 +351,10 @@ class TritonGPTQKernel(TritonLayoutKernel):
 
 
 def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias: torch.Tensor | None,
-                  counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                  counters: torch.Tensor, out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """Launch the tensor-core kernel for x2 [M, in]; returns [M, out] in x2's dtype (written into
-    `out`, a [M, out] view with unit column stride, when given)."""
+    `out`, a [M, out] view with unit column stride, when given). `silu` (a [gate | up] weight, no bias):
+    silu(gate) * up [M, out / 2] from the tiles' last store, in one launch."""
     from .triton_gemm import w_dot_kernel
 
     m, k = x2.shape
@@ -349,11 +366,14 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
     has_offset = layout.offsets is not None
     if has_offset and not cfg.scale_w:
         raise ValueError("a layout with float offsets runs with the scale on the weight side (scale_w)")
+    if silu and (bias is not None or n % 2 or cfg.block_n % 2):
+        raise ValueError("the silu epilogue needs a [gate | up] weight of even width, an even tile and no bias")
     blocks = layout.k_padded // layout.block_k
     split = cfg.split_k if blocks % cfg.split_k == 0 else 1
-    out = _output(x2, n, out)
+    out = _output(x2, n // 2 if silu else n, out)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
+    width, tile = (n // 2, cfg.block_n // 2) if silu else (n, cfg.block_n)
+    grid = (-(-m // cfg.block_m) * -(-width // tile), split)
     is_bf16 = x2.dtype == torch.bfloat16
     scale_w = cfg.scale_w
     w_dot_kernel[grid](
@@ -364,8 +384,8 @@ def matmul_layout(x2: torch.Tensor, layout: TritonLayout, cfg: GemmConfig, bias:
         ZERO_CONST=layout.zero_const, HAS_ZEROS=layout.zeros is not None,
         HAS_PERM=layout.perm is not None, HAS_BIAS=bias is not None, SCALE_W=scale_w, SPLIT=split > 1,
         IS_BF16=is_bf16, ASM=_asm(layout.bits, is_bf16, scale_w, offset=has_offset),
-        ASM_ODD=_asm(layout.bits, is_bf16, scale_w, odd=True, offset=has_offset), EVEN_N=n % cfg.block_n == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_OFFSET=has_offset, num_warps=cfg.num_warps,
+        ASM_ODD=_asm(layout.bits, is_bf16, scale_w, odd=True, offset=has_offset), EVEN_N=width % tile == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_OFFSET=has_offset, SILU=silu, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 

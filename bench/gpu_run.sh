@@ -92,7 +92,7 @@ if has steps; then  # the decode with the 4-bit head rows and the batch-16 / 64 
     | tee "$OUT/gpu_decode_steps.log" | grep -vE "^\[" | cut -c1-150
 fi
 if has tilesilu; then  # the Triton tiles' silu epilogue (round 15) on and off, the 8B decode at 16 and 64, twice
-  for E in 0 1 0 1; do
+  for E in ${TILESILU_RUNS:-0 1 0 1}; do
     mark "tilesilu: gpu_decode FLOTILLA_TILE_SILU=$E"
     FLOTILLA_TILE_SILU=$E timeout 100 python3 -P bench/gpu_decode.py --batches 16,64 \
       --skip eager,profile,hf,nf4,fp16,cuda,sync,nopdl,nofuse,head8,slow-checks,spec-check 2>&1 | grep -E "tok/s|OK|FAIL"

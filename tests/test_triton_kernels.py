@@ -179,8 +179,8 @@ def _silu_ref(gate_up: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m,cfg", [
     (2, GemmConfig("dot", block_m=16, block_n=32, split_k=2)),   # split-K: the last split's store
     (3, GemmConfig("dot", block_m=16, block_n=64)),               # one split; 80 columns: a partial last tile
-    (20, GemmConfig("dot", block_m=16, block_n=32, split_k=2)),  # two row tiles
-    (40, GemmConfig("dot", block_m=32, block_n=64, scale_w=True)),  # the scale on the weight side
+    (16, GemmConfig("dot", block_m=8, block_n=32, split_k=2)),  # two row tiles
+    (14, GemmConfig("dot", block_m=16, block_n=64, scale_w=True)),  # the scale on the weight side
 ])
 def test_tile_silu_epilogue_is_silu_mul_of_the_product(m, cfg):
     """The Triton tiles' silu epilogue (a tile of gate columns j and up columns I + j, silu(gate) * up
@@ -200,16 +200,19 @@ def test_tile_silu_epilogue_is_silu_mul_of_the_product(m, cfg):
 
 
 def test_silu_mul_without_an_epilogue_is_silu_mul_of_the_product(monkeypatch):
-    """Where no epilogue serves (a bias; FLOTILLA_TILE_SILU=0), silu_mul of a [gate | up] weight is
-    kernels/fused.silu_mul of the kernel's product: the same values."""
+    """Where no epilogue serves (a bias; past TILE_SILU_MAX_ROWS; FLOTILLA_TILE_SILU=0), silu_mul of a
+    [gate | up] weight is kernels/fused.silu_mul of the kernel's product: the same values."""
     from flotilla.kernels.fused import silu_mul
-    from flotilla.kernels.triton_linear import TILE_SILU_ENV
+    from flotilla.kernels.triton_linear import TILE_SILU_ENV, TILE_SILU_MAX_ROWS
 
     w = random_weight(256, 128, 4, 128, False, False, seed=6)
     x = torch.randn(2, 256).half()
     bias = torch.randn(128).half()
     kernel = TritonGPTQKernel(w, torch.float16)
     assert torch.equal(kernel.silu_mul(x, bias), silu_mul(kernel(x, bias)))
+    wide = torch.randn(TILE_SILU_MAX_ROWS + 1, 256).half()
+    assert kernel.fuses_silu(TILE_SILU_MAX_ROWS) and not kernel.fuses_silu(TILE_SILU_MAX_ROWS + 1)
+    assert torch.equal(kernel.silu_mul(wide), silu_mul(kernel(wide)))
     monkeypatch.setenv(TILE_SILU_ENV, "0")
     kernel = TritonGPTQKernel(w, torch.float16)
     assert kernel.gemv is None and not kernel.fuses_silu(1)

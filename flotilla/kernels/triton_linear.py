@@ -64,7 +64,9 @@ class GemmConfig:
 # llama-3-8b / 70b shape, at 256 on the weights of at most DENSE_SMALL_WEIGHT codes (4096x4096,
 # 4096x6144, 14336x4096), whose dequantization is short next to the tile kernel's loss
 DENSE_MIN_ROWS, DENSE_MIN_ROWS_SMALL, DENSE_SMALL_WEIGHT = 512, 256, 64 << 20
-TILE_SILU_ENV = "FLOTILLA_TILE_SILU"
+# The Triton tiles' silu epilogue up to this many rows: the 8B decode at 16 rows +1.9% with it, at 64 rows -2.3%
+# (H100, bench/NOTES-kernels.md round 15: there the tile's [128, 64] accumulator goes through a layout change)
+TILE_SILU_ENV, TILE_SILU_MAX_ROWS = "FLOTILLA_TILE_SILU", 16
 
 
 def dense_min_rows(layout: TritonLayout) -> int:
@@ -293,7 +295,7 @@ class TritonLayoutKernel:
 
     def _tile_silu(self, m: int) -> bool:
         cfg = self.config_for(m)
-        return (self.tile_silu and cfg.kind == "dot" and self.layout.out_features % 2 == 0
+        return (self.tile_silu and m <= TILE_SILU_MAX_ROWS and cfg.kind == "dot" and self.layout.out_features % 2 == 0
                 and cfg.block_n % 2 == 0)
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

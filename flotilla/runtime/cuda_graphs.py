@@ -44,6 +44,8 @@ with no CUDA: the CPU tests check the buffers and the padding through it.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from typing import Callable
@@ -319,7 +321,24 @@ class DecodeGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with _collector_paused(), torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(inputs)
         self.pool = graph.pool()
         return _Bucket(inputs, self._forward, graph, logits)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cycle collector run first, then held off while a graph is captured. A collection during
+    the capture may free an earlier CUDA graph (one an engine dropped, held in a reference cycle), whose
+    destruction is an operation a capturing stream forbids: the capture fails ("operation not permitted
+    when stream is capturing", measured building a second engine in one process). torch.cuda.graph no
+    longer collects on entry by default."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

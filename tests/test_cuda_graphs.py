@@ -25,6 +25,26 @@ def test_capture_sizes_cover_every_batch_up_to_the_limit():
         capture_sizes(0)
 
 
+def test_a_capture_holds_the_cycle_collector_off():
+    """While a graph is captured no cycle collection may run (it could free an earlier engine's CUDA graph,
+    which a capturing stream forbids): the collector is off inside and as it was after."""
+    import gc
+
+    from flotilla.runtime.cuda_graphs import _collector_paused
+
+    assert gc.isenabled()
+    with _collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError), _collector_paused():
+            raise RuntimeError("a failed capture")
+        assert not gc.isenabled()  # a caller's own choice is kept
+    finally:
+        gc.enable()
+
+
 def test_bucket_is_the_smallest_that_holds_the_batch():
     sizes = (1, 2, 4, 8, 16, 32, 64)
     assert [bucket_for(b, sizes) for b in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]

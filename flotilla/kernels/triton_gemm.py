@@ -28,6 +28,9 @@ arithmetic in fp32.
 Split-K without a second launch: each split stores its fp32 partial tile in a workspace, bumps a
 per-tile counter, and the split that arrives last sums the partials, writes the output and resets
 the counter to zero (so the counters never need clearing between calls).
+
+silu(gate) * up (constexpr SILU, a [gate | up] weight): a tile's first half holds gate columns j, its second
+half up's I + j, and the tile's last store writes silu(gate) * up [M, I] (kernels/fused.silu_mul's roundings).
 """
 from __future__ import annotations
 

@@ -159,7 +159,8 @@ class LayerOps:
     head_dim: int
     intermediate_size: int
     # h -> silu(gate) * up of gate_up(h) [T, intermediate]: the linear's kernel's own where it has one
-    # (frozen ops on the CUDA GEMV: one launch), else kernels/fused.silu_mul of the product
+    # (frozen ops on the CUDA GEMV, or on the Triton tiles up to 16 rows: one launch), else kernels/fused.silu_mul
+    # of the product
     gate_up_act: Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -332,7 +332,7 @@ def _collector_paused():
     """Python's cycle collector run first, then held off while a graph is captured. A collection during
     the capture may free an earlier CUDA graph (one an engine dropped, held in a reference cycle), whose
     destruction is an operation a capturing stream forbids: the capture fails ("operation not permitted
-    when stream is capturing", measured building a second engine in one process). torch.cuda.graph no
+    when stream is capturing", measured building a third engine in one process). torch.cuda.graph no
     longer collects on entry by default."""
     gc.collect()
     enabled = gc.isenabled()

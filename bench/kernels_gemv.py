@@ -121,7 +121,11 @@ def _copies(kern: TritonGPTQKernel) -> list[TritonLayoutKernel]:
     exceed the L2."""
     lay = kern.layout
     count = max(2, min(16, -(-int(CHAIN_BYTES) // lay.nbytes())))
-    return [kern] + [TritonLayoutKernel(dataclasses.replace(lay, words=lay.words.clone(), scales=lay.scales.clone()),
+    def copy(t):
+        return None if t is None else t.clone()
+
+    return [kern] + [TritonLayoutKernel(dataclasses.replace(lay, words=lay.words.clone(), scales=lay.scales.clone(),
+                                                            zeros=copy(lay.zeros), offsets=copy(lay.offsets)),
                                         kern.dtype) for _ in range(count - 1)]
 
 

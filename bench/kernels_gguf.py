@@ -8,6 +8,13 @@ Before timing, every form is checked against its exact dequantized weight (fp32 
 and in bf16, and the embedded default GGUF's logits on CUDA against the CPU's: a FAIL line names
 what is off.
 
+With --gemv-sweep (after the table; --only-sweeps: instead of it): per form, shape and batch up to 8
+(--gemv-rows), the CUDA GEMV's plans (kernels/cuda/gemv.py: the tensor-core plan where the form has
+an integer zero, the CUDA-core plans; 1, 2, 4 and 8 warps) each checked against the dequantized
+weight, then timed next to the Triton path the registry takes for GGUF forms today, and with
+--gemv-chain the best of them back to back as a decode step runs them (kernels_gemv.chain_case):
+the evidence for the GEMV's crossover on these layouts (gemv.crossover).
+
 With --tune (after the table): per form, shape and batch, the default config's time next to the
 fastest of the candidate configs (triton_linear.candidate_configs, with the group scale on either
 side where the form allows), the evidence for the defaults.
@@ -95,16 +102,72 @@ def run_gguf(args, time_us, gptq_kernel) -> int:
     for line in fails:
         print("  " + line, flush=True)
     rows = []
-    for k, n in args.shapes:
+    for k, n in [] if args.only_sweeps else args.shapes:
         rows += shape_rows(k, n, args, time_us, gptq_kernel)
         torch.cuda.empty_cache()
-    if not args.json:
+    if rows and not args.json:
         print(_table(rows), flush=True)
+    if args.gemv_sweep:
+        for k, n in args.shapes:
+            fails += gemv_sweep_shape(k, n, args, time_us)
+            torch.cuda.empty_cache()
     if args.tune:
         for k, n in args.shapes:
             tune_shape(k, n, args, time_us)
             torch.cuda.empty_cache()
     return 1 if fails else 0
+
+
+GEMV_FORMS = ("Q4_0", "Q4_K", "Q5_0", "Q6_K", "Q8_0")  # one of each layout kind (Q4_1 runs as Q4_K, Q5_1 / Q5_K as Q8_0
+# with offsets)
+
+
+def gemv_sweep_shape(k: int, n: int, args, time_us) -> list[str]:
+    """--gemv-sweep: per GGUF form and batch, every GEMV plan (checked, then timed) against the Triton path."""
+    from bench.kernels_gemv import chain_case, label, triton_config
+    from flotilla.kernels.cuda.gemv import MMA_COLS, ROW_TILES
+
+    fails = []
+    for q in GEMV_FORMS:
+        w = random_ggml(q, k, n)
+        dense = w.dequantize()
+        kern = TritonGGMLKernel([w], torch.device("cuda"), torch.float16).runs[0][2]
+        if kern.gemv is None:
+            print(f"gguf gemv {q} {k}x{n}: no GEMV for this layout (see the log)", flush=True)
+            continue
+        geo = kern.gemv.geo
+        for m in [r for r in args.gemv_rows if r <= ROW_TILES[-1]]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            ref = x.float() @ dense.t()
+            timed = []
+            for shape in kern.gemv.plans():
+                if shape.rows > ROW_TILES[-1] or (shape.cols != MMA_COLS and shape.rows != next(
+                        r for r in ROW_TILES if r >= m)) or (shape.cols == MMA_COLS and shape.stages not in (0, 2)):
+                    continue
+                for warps in (1, 2, 4, 8):
+                    plan = dataclasses.replace(shape, warps=warps)
+                    err = ((kern.gemv(x, plan=plan).float() - ref).norm() / ref.norm()).item()
+                    if not err < TOLERANCE[torch.float16]:
+                        fails.append(f"FAIL gguf gemv {q} {k}x{n} m={m} {plan}: relative error {err:.2e}")
+                        print("  " + fails[-1], flush=True)
+                        continue
+                    timed.append((time_us(lambda: kern.gemv(x, plan=plan), warmup=5, rep=20), plan))
+            timed.sort(key=lambda p: p[0])
+            t_triton = time_us(lambda: kern(x, config=triton_config(kern, m)))
+            built = kern.gemv.plan_for(m)
+            t_built = time_us(lambda: kern.gemv(x, plan=built))
+            best = ", ".join(f"{t:.1f} {label(p)}" for t, p in timed[:4])
+            print(f"gguf gemv {q} {k}x{n} m={m} (mode {geo.mode}, {1 << geo.log2r} words a block, mma {geo.mma}): "
+                  f"triton {t_triton:.1f}us, gemv built-in {label(built)} {t_built:.1f}us "
+                  f"({kern.layout.nbytes() / (t_built * 1e-6) / 1e12:.2f} TB/s); best {best}", flush=True)
+            if args.gemv_chain and timed:
+                chain_case(kern, x, [p for _, p in timed[:3]] + [built], m, args.json)
+            if args.json:
+                print(json.dumps({"gguf_gemv": f"{k}x{n}", "form": q, "m": m, "triton_us": t_triton,
+                                  "built_in_us": t_built, "built_in": built.__dict__,
+                                  "plans": [[t, p.__dict__] for t, p in timed]}), flush=True)
+        del dense
+    return fails
 
 
 def tune_shape(k: int, n: int, args, time_us) -> None:

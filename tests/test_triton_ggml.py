@@ -18,7 +18,7 @@ from flotilla.kernels.triton_layout import unpack_layout  # noqa: E402
 from flotilla.kernels.triton_linear import GemmConfig, dequantize_layout  # noqa: E402
 
 from ggml_helpers import random_weight  # noqa: E402
-from test_triton_kernels import _patch_interpreter  # noqa: E402
+from test_triton_kernels import _patch_interpreter, _silu_ref  # noqa: E402
 
 _patch_interpreter()
 
@@ -90,6 +90,32 @@ def test_mixed_parts_bias_and_bf16():
     y = kernel(x, bias)
     assert y.shape == (3, 2, 176)
     assert rel_err(y, x.float() @ dense.t() + bias.float()) < 1.5e-2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])  # a float offset at 4 bits; an integer zero at 8
+def test_gate_up_of_one_form_runs_the_silu_epilogue(qtype):
+    """silu(gate) * up of a GGUF [gate | up] linear: one launch (the Triton tiles' epilogue) where both
+    halves are one form, the product then kernels/fused.silu_mul where the parts are runs of two forms:
+    either way what silu_mul of the product gives; GGUFLinear hands the model that callable."""
+    from flotilla.models.gguf_linear import GGUFLinear
+
+    gate, up = random_weight(qtype, 64, 256, 1, 0.01), random_weight(qtype, 64, 256, 2, 0.01)
+    x = torch.randn(3, 2, 256, generator=torch.Generator().manual_seed(3)).half()
+    one = TritonGGMLKernel([gate, up], CPU, torch.float16)
+    op = one.runs[0][2]
+    assert len(one.runs) == 1 and op.fuses_silu(6)
+    calls = []
+    real = op.silu_mul
+    op.silu_mul = lambda *a, **k: calls.append(1) or real(*a, **k)
+    y = one.silu_mul(x)
+    assert calls and y.shape == (3, 2, 64)
+    torch.testing.assert_close(y, _silu_ref(one(x).view(6, 128)).view(3, 2, 64), rtol=2e-3, atol=1e-4)
+    mixed = TritonGGMLKernel([gate, random_weight("Q6_K", 64, 256, 2, 0.01)], CPU, torch.float16)
+    assert len(mixed.runs) == 2
+    torch.testing.assert_close(mixed.silu_mul(x), _silu_ref(mixed(x).view(6, 128)).view(3, 2, 64))
+    lin = GGUFLinear(256, [64, 64], bias=False)
+    lin.kernel = one
+    assert lin.silu_mul_fn()(x).shape == (3, 2, 64)
 
 
 def test_offset_decode_is_the_scale_decode_with_one_fused_multiply_add():

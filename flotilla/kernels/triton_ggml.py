@@ -34,6 +34,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from .fused import silu_mul
 from .ggml import GGMLWeight, same_type_runs
 from .triton_layout import TritonLayout, default_block_k, interleave_block_rows, pad_rows, unpack_words
 from .triton_linear import TritonLayoutKernel
@@ -127,6 +128,16 @@ class TritonGGMLKernel:
             else:
                 y[:, col:col + n] = F.linear(x2, op, None if b is None else b.to(op.dtype))
         return y.view(*x.shape[:-1], self.out_features)
+
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of a [gate | up] linear [..., 2 I] -> [..., I]: one launch where its parts are
+        one run of one GGUF form (TritonLayoutKernel.silu_mul: the Triton tiles' or the GEMV's epilogue),
+        else the product, then kernels/fused.silu_mul."""
+        op = self.runs[0][2]
+        if len(self.runs) == 1 and isinstance(op, TritonLayoutKernel):
+            x2 = x.reshape(-1, self.in_features)
+            return op.silu_mul(x2, bias).view(*x.shape[:-1], self.out_features // 2)
+        return silu_mul(self(x, bias))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         op = self.runs[0][2]

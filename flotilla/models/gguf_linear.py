@@ -81,6 +81,15 @@ class GGUFLinear(nn.Module, _Shards):
             raise RuntimeError("GGUFLinear.fn() before prepare(): its kernel is not built yet")
         return functools.partial(self.kernel, bias=self.bias)
 
+    def silu_mul_fn(self):
+        """x -> silu(gate) * up of this [gate | up] linear as one callable where the kernel has its own (the
+        Triton forms: one launch where gate and up are one GGUF form); None: the caller applies
+        kernels/fused.silu_mul to the product."""
+        if self.kernel is None:
+            raise RuntimeError("GGUFLinear.silu_mul_fn() before prepare(): its kernel is not built yet")
+        fn = getattr(self.kernel, "silu_mul", None)
+        return None if fn is None else functools.partial(fn, bias=self.bias)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_sizes}, kernel={getattr(self.kernel, 'name', None)}"
 

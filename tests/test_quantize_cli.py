@@ -173,6 +173,33 @@ def test_force_replaces_an_existing_checkpoint(src, tmp_path):
     assert os.access(next(out.glob("model-*.safetensors")), os.R_OK)
 
 
+def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(src, tmp_path, monkeypatch, capsys):
+    """--force replaces an empty directory or a model checkpoint; a directory of other files, one with
+    subdirectories beside a model, the current directory and the source's own directory are refused
+    with one line that says why, and nothing in them is touched."""
+    other = tmp_path / "other"
+    (other / "keep").mkdir(parents=True)
+    (other / "keep" / "data.txt").write_text("precious")
+    hf = tmp_path / "hf"
+    (hf / "notes").mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "x.txt").write_text("x")
+    monkeypatch.chdir(here)
+    for out, words in ((other, ["not a model checkpoint", "keep"]), (hf, ["holds directories", "notes"]),
+                       (Path("."), ["current"]), (src, ["holds the source"])):
+        assert quantize_main([str(src), "-o", str(out), "--quiet", "--method", "rtn", "--force"]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words) and "Traceback" not in err, err
+    assert (other / "keep" / "data.txt").read_text() == "precious" and (hf / "notes").is_dir()
+    assert (here / "x.txt").is_file() and open_source(src).config is not None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert quantize_main([str(src), "-o", str(empty), "--quiet", "--method", "rtn", "--force"]) == 0
+
+
 # ------------------------------------------------------------------------------- no -o: a default
 
 def test_without_out_the_card_form_writes_beside_the_source(tmp_path):

@@ -181,15 +181,27 @@ class CheckpointWriter:
         self.total_bytes = 0
 
     @staticmethod
-    def check_target(out: str | Path, force: bool = False) -> Path:
+    def check_target(out: str | Path, force: bool = False, source: str | Path | None = None) -> Path:
         """Raise unless a checkpoint can be written at `out`; checks by creating (and removing) an
         empty probe directory next to it, since permission bits do not tell the whole story
-        (root, read-only mounts). Returns the absolute path."""
+        (root, read-only mounts). `force` replaces an existing directory only where it is empty or
+        a model checkpoint (`replaceable`), and never one that holds `source`. Returns the absolute
+        path."""
         out = Path(out).expanduser().absolute()
         if out.exists() and not force:
             raise FlotillaError(f"{out}: already exists; pass --force to replace it")
         if out.exists() and not out.is_dir():
             raise FlotillaError(f"{out}: exists and is not a directory")
+        if out.exists():
+            if source is not None:
+                src = Path(source).expanduser().resolve()
+                if src == out.resolve() or out.resolve() in src.parents:
+                    raise FlotillaError(f"{out}: holds the source {src}; write the checkpoint somewhere else "
+                                        "(--force never replaces the model it reads)")
+            why = replaceable(out)
+            if why:
+                raise FlotillaError(f"{out}: {why}; --force replaces only an empty directory or a model "
+                                    "checkpoint: pick another -o, or move that directory away yourself")
         parent = out.parent
         if not parent.is_dir():
             raise FlotillaError(f"{parent}: the output's parent directory does not exist")
@@ -289,6 +301,26 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def replaceable(path: Path) -> str:
+    """Why `quantize --force` must not replace the existing directory `path`, or "" where it may: an empty
+    directory, a flotilla checkpoint (its manifest), or a Hugging Face model directory (a config.json beside
+    safetensors or PyTorch weights) with no subdirectory but dot-directories."""
+    if path.resolve() in (Path.home().resolve(), Path.cwd().resolve()) or path.parent == path:
+        return "is the home, current or root directory"
+    entries = list(path.iterdir())
+    if not entries or (path / MANIFEST_FILE).is_file():
+        return ""
+    names = {p.name for p in entries}
+    weights = any(n.endswith((".safetensors", ".bin")) for n in names)
+    if CONFIG_FILE not in names or not weights:
+        listed = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+        return f"is not a model checkpoint (it holds {listed})"
+    subdirs = sorted(p.name for p in entries if p.is_dir() and not p.name.startswith("."))
+    if subdirs:
+        return f"holds directories ({', '.join(subdirs[:4])}) beside the model"
+    return ""
 
 
 def _umask_mode() -> int:

@@ -66,7 +66,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     cfg = source.config
     check_model(cfg, options, str(src))
     check_tensors(source, cfg)
-    out = CheckpointWriter.check_target(out, options.force)
+    out = CheckpointWriter.check_target(out, options.force, src)
     device = resolve_device(options.device)
     tokenizer = _try_tokenizer(src, cfg)
 

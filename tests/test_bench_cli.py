@@ -41,3 +41,14 @@ def test_bench_table_and_errors():
     assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, tiny"
     bad = runtime("bench", "--random", "tiny", "--batch", "1,x", "--device", "cpu")
     assert bad.returncode == 2 and "--batch '1,x': expected positive integers" in bad.stderr
+
+
+def test_bench_runs_a_gguf_file_and_the_default_model(smollm2_gguf):
+    """`runtime bench` on a GGUF file (the embedded default): the table, with the bytes its kernels read
+    a step (the packed GGUF forms and the tied Q8_0 table), not a traceback."""
+    for args in ((str(smollm2_gguf),), ()):
+        p = runtime("bench", *args, "--batch", "1", "--tokens", "3", "--prompt-len", "2", "--device", "cpu")
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        head = p.stdout.splitlines()[0]
+        assert head.startswith(f"{smollm2_gguf} on cpu (float32), 0.0"), head  # ~90 MB of SmolLM2's forms
+        assert float(head.split(", ")[1].split()[0]) > 0.05

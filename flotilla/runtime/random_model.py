@@ -22,6 +22,7 @@ from flotilla.errors import FlotillaError
 from flotilla.kernels.gptq import pack_rows
 from flotilla.models.checkpoint import CheckpointWriter
 from flotilla.models.config import ModelConfig, QuantConfig
+from flotilla.models.gguf_linear import GGUFLinear, GGUFTable
 from flotilla.models.linear import Linear, QuantLinear
 from flotilla.models.llama import CausalLM, RMSNorm
 from flotilla.models.weights import build_stage
@@ -195,6 +196,20 @@ def weight_bytes(model: CausalLM) -> int:
                              if t is not None)
         elif isinstance(mod, (Linear, RMSNorm)):
             total += sum(p.numel() * p.element_size() for p in mod.parameters())
-    if model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):  # a quantized one: above
-        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        elif isinstance(mod, GGUFLinear):  # a GGUF file's linear: its kernel's form (Triton, CPU packs, torch)
+            total += _kernel_bytes(mod.kernel)
+    head = model.lm_head
+    if head is not None and not isinstance(head, QuantLinear):  # a quantized one: above
+        w = head.weight
+        total += w.nbytes if isinstance(w, GGUFTable) else w.numel() * w.element_size()
     return total
+
+
+def _kernel_bytes(kernel) -> int:
+    """The bytes a GGUF linear's kernel holds: its `nbytes` (the Triton forms, the CPU packs), else its dense
+    weight (torch)."""
+    n = getattr(kernel, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    w = getattr(kernel, "weight", None)
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0

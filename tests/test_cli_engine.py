@@ -44,3 +44,44 @@ def test_the_default_kv_cache_on_a_cpu_comes_from_the_context(smollm2_gguf):
     line = next(ln for ln in p.stderr.splitlines() if ln.startswith("KV cache:"))
     assert line.startswith("KV cache: 129 blocks x 16 tokens = 2064 tokens, 90.7 MiB"), line  # 2048 + the null block
     assert "default on CPU: 2048 tokens for up to 1 sequence of up to 2048" in line
+
+
+def test_chat_drops_the_oldest_turns_to_fit_the_context_and_skips_blank_lines(smollm2_gguf):
+    """A conversation that outgrows the context keeps going: the oldest turns are dropped (said on stderr), a
+    blank line is skipped rather than quitting, and a message too long on its own is refused for that turn."""
+    asks = ["Tell me a long story about a dragon and a knight."] * 4
+    p = runtime("chat", str(smollm2_gguf), "--max-tokens", "60", "--max-model-len", "256", "--kv-cache-memory",
+                "32MiB", stdin="\n".join([asks[0], "", *asks[1:], "word " * 300, "/reset", "What is the capital of France?"]) + "\n")
+    assert p.returncode == 0, p.stderr
+    assert "oldest messages were dropped to fit the context of 256 tokens" in p.stderr
+    assert "that message alone is" in p.stderr and "send a shorter one" in p.stderr
+    assert "Paris" in p.stdout.splitlines()[-1]
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_gguf):
+    """Ctrl-C (SIGINT) during a reply stops that reply between engine steps ("[stopped]"), and the next
+    message is answered; the process exits 0 at the end of its input."""
+    import select
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.runtime.cli", "chat", str(smollm2_gguf), "--max-tokens",
+                             "2000", "--kv-cache-memory", "64MiB"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        proc.stdin.write("Write a 1000-word essay about the history of Rome.\n")  # a reply of many steps
+        proc.stdin.flush()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # the reply has begun
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready and proc.stdout.read(1):
+                break
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate("What is the capital of France?\n", timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "[stopped]" in err and "Traceback" not in err
+    assert "Paris" in out.splitlines()[-1]

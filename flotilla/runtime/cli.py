@@ -5,8 +5,11 @@ User mistakes (bad paths, bad files, bad flags) print one line and exit 2; no tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -83,12 +86,16 @@ def _engine(args: argparse.Namespace):
     return build_engine(lm, engine_args, report=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout):
+def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout, stop=None):
     """Run one request on the engine, writing text deltas as they come; returns (text, tokens,
-    seconds to the first token, seconds for the rest)."""
+    seconds to the first token, seconds for the rest). `stop()`, asked between engine steps: true
+    aborts the request there (its KV blocks freed) and returns what was written so far."""
     engine.add_request(request_id, ids, params)
     start, first, n, parts = time.perf_counter(), None, 0, []
     while engine.has_unfinished():
+        if stop is not None and stop():
+            engine.abort(request_id)
+            break
         for o in engine.step():
             n += len(o.new_token_ids)
             if first is None and n:
@@ -98,6 +105,27 @@ def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out
             out.flush()
     end = time.perf_counter()
     return "".join(parts), n, (first or end) - start, end - (first or end)
+
+
+@contextlib.contextmanager
+def _interrupt_flag():
+    """Within: Ctrl-C (SIGINT) sets the flag (a one-item list) instead of raising, so that a reply stops
+    between engine steps; a second Ctrl-C raises as usual. Outside the main thread: no handler."""
+    flag = [False]
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def on_sigint(signum, frame):
+        if flag[0]:
+            raise KeyboardInterrupt
+        flag[0] = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -152,26 +180,58 @@ def _chat(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     engine = _engine(args)
     tok = engine.tokenizer
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("flotilla chat — empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
+        print("flotilla chat — Ctrl-C stops a reply, Ctrl-D quits, /reset starts over", file=sys.stderr)
     for turn in itertools.count():
         if interactive:
             print("> ", end="", flush=True, file=sys.stderr)
         line = sys.stdin.readline()
-        if not line or not line.strip():
+        if not line:
             return 0
+        if not line.strip():
+            continue
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages = list(system)
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        # earlier turns are usually served from the prefix cache
-        reply, *_ = _stream(engine, f"chat-{turn}", tok.apply_chat_template(messages), params)
+        ids, dropped = _fit_context(tok, messages, len(system), engine.config.context_len, params.max_tokens)
+        if ids is None:
+            messages.pop()
+            print(f"error: that message alone is {dropped} tokens, more than the context of "
+                  f"{engine.config.context_len} holds with room for a reply; send a shorter one", file=sys.stderr)
+            continue
+        if dropped:
+            del messages[len(system):len(system) + dropped]
+            print(f"[the {dropped} oldest messages were dropped to fit the context of {engine.config.context_len} "
+                  "tokens]", file=sys.stderr)
+        with _interrupt_flag() as stopped:  # Ctrl-C stops this reply; what was shown stays in the chat
+            reply, *_ = _stream(engine, f"chat-{turn}", ids, params, stop=lambda: stopped[0])
+        if stopped[0]:
+            print("\n[stopped]", end="", file=sys.stderr)
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _fit_context(tok, messages: list[dict], keep: int, context_len: int, max_tokens: int):
+    """The chat's prompt ids with the oldest turns after the first `keep` messages (the system prompt) dropped
+    until the prompt leaves room for a reply (max_tokens, at most half the context): (ids, messages dropped),
+    or (None, the last message's own tokens) where even it alone does not fit."""
+    room = min(max_tokens, context_len // 2)
+    dropped = 0
+    while True:
+        ids = tok.apply_chat_template(messages[:keep] + messages[keep + dropped:])
+        if len(ids) + room < context_len:
+            return ids, dropped
+        if keep + dropped >= len(messages) - 1:
+            return None, len(ids)
+        dropped += 1
+        if messages[keep + dropped - 1]["role"] == "user" and keep + dropped < len(messages) - 1:
+            dropped += 1  # a user turn goes with its reply
 
 
 COMMANDS: list[Command] = [

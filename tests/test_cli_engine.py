@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,6 +39,31 @@ def test_bad_engine_flags_are_one_line_errors(smollm2_gguf):
     p = runtime("generate", str(smollm2_gguf), "-p", "hi", "--kv-cache-memory", "lots")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: --kv-cache-memory 'lots': expected a size")
+
+
+def test_engine_flags_out_of_range_fail_before_the_model_loads():
+    """Zero, negative or odd engine sizes are one line naming the flag (they were a ZeroDivisionError, a
+    ValueError, or a KV cache of -511 blocks), checked before anything loads."""
+    from flotilla.errors import FlotillaError
+    from flotilla.runtime.engine_args import EngineArgs
+
+    for kwargs, words in (({"block_size": 0}, "--block-size 0: expected an integer of at least 1"),
+                          ({"block_size": 12}, "--block-size 12: expected a power of two"),
+                          ({"max_num_seqs": -1}, "--max-num-seqs -1"), ({"max_num_seqs": 0}, "--max-num-seqs 0"),
+                          ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens 0"),
+                          ({"max_model_len": 0}, "--max-model-len 0"), ({"kv_cache_fraction": 1.5}, "(0, 1]"),
+                          ({"num_speculative_tokens": 0}, "--num-speculative-tokens 0")):
+        with pytest.raises(FlotillaError, match=re.escape(words)):
+            EngineArgs(**kwargs)
+    p = runtime("generate", "/nonexistent/model", "-p", "hi", "--block-size", "0")
+    assert p.returncode == 2 and p.stderr.strip() == "error: --block-size 0: expected an integer of at least 1"
+
+
+def test_a_max_model_len_past_the_model_is_said_and_capped(smollm2_gguf):
+    p = runtime("generate", str(smollm2_gguf), "-p", "Hi", "--max-tokens", "2", "--max-model-len", "100000",
+                "--kv-cache-memory", "32MiB")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("--max-model-len 100000 is past the model's context; serving 8192") == 1
 
 
 def test_the_default_kv_cache_on_a_cpu_comes_from_the_context(smollm2_gguf):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flotilla.errors import FlotillaError
+
 from .cuda_graphs import capture_sizes
 from .engine import EngineConfig, LLMEngine
 from .kv_cache import CPU_SHARED_TOKENS, DEFAULT_FRACTION, KVCache, KVCacheSpec, plan_kv_cache
@@ -18,6 +20,7 @@ from .spec.builder import build_spec_decoder
 from .spec.config import SpeculativeConfig
 
 log = logging.getLogger("flotilla.runtime")
+MAX_BLOCK_SIZE = 1024  # tokens a KV block
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,19 @@ class EngineArgs:
     num_speculative_tokens: int = 4
 
     def __post_init__(self):
-        self.speculative_config  # a bad --speculative fails here, before any model is loaded
+        """Bad values fail here, before any model is loaded, with the flag to fix."""
+        for flag, value, low in (("--block-size", self.block_size, 1), ("--max-num-seqs", self.max_num_seqs, 1),
+                                 ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
+                                 ("--max-model-len", self.max_model_len, 2),
+                                 ("--num-speculative-tokens", self.num_speculative_tokens, 1)):
+            if value is not None and value < low:
+                raise FlotillaError(f"{flag} {value}: expected an integer of at least {low}")
+        if self.block_size & (self.block_size - 1) or self.block_size > MAX_BLOCK_SIZE:
+            raise FlotillaError(f"--block-size {self.block_size}: expected a power of two up to {MAX_BLOCK_SIZE} "
+                                "(e.g. 16)")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
+            raise FlotillaError(f"--kv-cache-fraction {self.kv_cache_fraction}: expected a fraction in (0, 1]")
+        self.speculative_config  # a bad --speculative fails here too
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -88,6 +103,11 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     cfg = lm.config
     spec_config = args.speculative_config
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
+    if args.max_model_len and args.max_model_len > cfg.max_model_len:
+        note = f"--max-model-len {args.max_model_len} is past the model's context; serving {cfg.max_model_len}"
+        log.info("%s", note)
+        if report is not None:
+            report(note)
     # the KV heads this process's layers cache (a share of them under tensor parallelism)
     spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, cfg.head_dim, lm.dtype, args.block_size)
     shares = lm.parallel.memory_shares if lm.parallel else 1  # TP ranks on a CPU share its memory

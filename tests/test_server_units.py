@@ -3,6 +3,7 @@ the Prometheus exposition, admission bounds."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,14 @@ def test_admission_bound_is_exact_and_released_on_errors():
                     pass
             assert e.value.status == 503
     asyncio.run(run())
+
+
+def test_a_model_served_by_a_relative_path_is_named_after_it(tmp_path, monkeypatch):
+    """`runtime serve .` (or `q4/`) names the model after the directory: /v1/models had an empty id."""
+    from flotilla.server.engine_client import _default_name
+
+    (tmp_path / "q4").mkdir()
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path / "q4")
+    assert _default_name(Path(".")) == "q4" and _default_name(Path("../q4/")) == "q4"
+    assert _default_name(Path("../m.gguf")) == "m"

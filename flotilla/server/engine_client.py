@@ -195,4 +195,5 @@ def _default_name(path: Path) -> str:
             return DEFAULT_MODEL_NAME
     except FlotillaError:
         pass
+    path = path.resolve()  # `serve .` is named after the directory, not ""
     return path.stem if path.is_file() else path.name

@@ -210,6 +210,9 @@ def test_queue_bound_gets_429_with_retry_after(smollm2_gguf):
     async def run():
         async with aiohttp.ClientSession() as s:
             body = {**COMPLETION, "max_tokens": 500, "ignore_eos": True, "stream": True}
+            never = await s.post(server.api + "/completions", json={**body, "n": capacity + 1})  # an idle server
+            assert never.status == 400 and "Retry-After" not in never.headers
+            assert (await never.json())["error"]["code"] == "too_many_sequences"
             held = [await s.post(server.api + "/completions", json=body) for _ in range(capacity)]
             assert [r.status for r in held] == [200] * capacity  # admitted: headers came back
             assert server.state.admission.in_flight == capacity

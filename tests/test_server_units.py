@@ -145,6 +145,10 @@ def test_admission_bound_is_exact_and_released_on_errors():
             with a.admit(3):
                 raise RuntimeError("handler failed")
         assert a.in_flight == 0 and await a.wait_idle(0.01)
+        with pytest.raises(ApiError, match="asks for 4 sequences") as e:  # never fits: a 400, not a retry
+            with a.admit(4):
+                pass
+        assert e.value.status == 400 and a.in_flight == 0
         with a.admit(1):
             assert not await a.wait_idle(0.01)
             a.draining = True

@@ -38,6 +38,10 @@ class Admission:
     @contextmanager
     def admit(self, sequences: int) -> Iterator[None]:
         self.check_open()
+        if sequences > self.limit:  # never fits, however idle the server: not a retry
+            raise ApiError(400, f"the request asks for {sequences} sequences (n x prompts) and this server holds at "
+                                f"most {self.limit} at once ({self.capacity} running slots + a queue of "
+                                f"{self.max_queue}); ask for fewer", code="too_many_sequences")
         if self.in_flight + sequences > self.limit:
             raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, "
                                 f"{self.capacity} running slots + a queue of {self.max_queue}); retry after "

@@ -68,6 +68,7 @@ BAD_INPUTS = {
     "keep-narrower": (["--keep", "4:.*"], ["more than --bits 4"]),
     "keep-splits-a-merged-linear": (["--keep", "8:.*q_proj"], ["q_proj but not k_proj, v_proj", "share their bits"]),
     "keep-bad-regex": (["--keep", "8:("], ["not a regular expression"]),
+    "calib-longer-than-the-context": (["--calib-seq-len", "100000"], ["--calib-seq-len 100000", "context"]),
 }
 
 

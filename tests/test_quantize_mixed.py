@@ -148,3 +148,14 @@ def test_sensitivity_of_down_proj_is_what_its_rounding_adds_to_the_residual_stre
     rounded = run()
     want = float((rounded - out).pow(2).sum(-1).mean() / out.pow(2).sum(-1).mean())
     assert errors[unit] == pytest.approx(want, rel=1e-3)
+
+
+def test_keep_patterns_match_anywhere_in_the_name():
+    """`--keep 8:mlp.down_proj` picks every layer's down_proj (the pattern was anchored at the name's start,
+    so it matched nothing)."""
+    cfg = ModelConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=128,
+                                        intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                                        num_key_value_heads=2))
+    chosen = keep_choice(cfg, ((8, "mlp.down_proj"),))
+    assert sorted(u.label for u in chosen) == ["0.down_proj", "1.down_proj", "2.down_proj"]
+    assert sorted(u.label for u in keep_choice(cfg, ((8, r"layers\.1\.mlp"),))) == ["1.down_proj", "1.gate_up_proj"]

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "automatically when needed)")
     p.add_argument("--keep", action="append", default=[], metavar="BITS:PATTERN",
                    help="keep the linears whose checkpoint names (model.layers.0.self_attn.q_proj, ...) match "
-                        "the regex PATTERN at BITS = 8, or 16 (unquantized); repeatable")
+                        "the regex PATTERN anywhere (e.g. 8:mlp.down_proj, 8:layers\\.0\\.) at BITS = 8, or 16 "
+                        "(unquantized); repeatable")
     p.add_argument("--sensitive", type=int, default=0, metavar="N",
                    help="also keep at 8 bits the N linears whose INT4 error, measured on the calibration text, "
                         "is largest (default 0)")

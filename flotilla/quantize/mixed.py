@@ -90,7 +90,7 @@ def keep_choice(cfg: ModelConfig, keep: tuple[tuple[int, str], ...]) -> dict[Uni
     for bits, pattern in keep:
         hits = 0
         for unit in units(cfg):
-            matches = [re.match(pattern, name) is not None for name in unit.names]
+            matches = [re.search(pattern, name) is not None for name in unit.names]  # anywhere in the name, as grep
             if any(matches) and not all(matches):
                 names = ", ".join(p for p, m in zip(unit.projections, matches) if m)
                 rest = ", ".join(p for p, m in zip(unit.projections, matches) if not m)

@@ -149,6 +149,9 @@ def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:
     if cfg.quant is not None:
         raise FlotillaError(f"{where}: already quantized (quantization_config bits={cfg.quant.bits}); "
                             "quantize needs an unquantized model")
+    if options.needs_calibration and options.calib_seq_len > cfg.max_model_len:
+        raise FlotillaError(f"--calib-seq-len {options.calib_seq_len} is longer than the model's context "
+                            f"({cfg.max_model_len} tokens); pass at most that (default {QuantizeOptions.calib_seq_len})")
     if options.lm_head_bits is not None:
         check_head(cfg, options.lm_head_bits, where)
     if options.rotate_tied_head:

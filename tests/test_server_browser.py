@@ -86,3 +86,26 @@ def test_chat_page_streams_stops_and_starts_over(live, page):
     assert page.locator(".msg.assistant .body").inner_text().strip()
     assert page.errors == []
     page.screenshot(path=str(SCREENSHOT)) if SCREENSHOT else None
+
+
+def test_a_refused_message_leaves_the_chat_history(live, page):
+    """A message the server refuses (too long for the context) is marked refused and is not sent again with
+    the next message (it was, so one refusal refused the rest of the chat until "New chat")."""
+    sent = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
+    page.goto(live.url + "/")
+    page.wait_for_function("document.querySelector('#model').textContent === %r" % live.engine.model_name)
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "4")
+    page.dispatch_event("#max-tokens", "change")
+    page.fill("#input", "word " * 9000)  # past SmolLM2's 8192-token context
+    page.press("#input", "Enter")
+    page.wait_for_selector('.msg.assistant[data-finish="error"]', timeout=60_000)
+    page.fill("#input", "Say hello.")
+    page.press("#input", "Enter")
+    page.wait_for_selector('.msg.assistant[data-finish="length"], .msg.assistant[data-finish="stop"]',
+                           timeout=60_000)
+    import json
+
+    chats = [json.loads(f) for f in sent if '"chat"' in f]
+    assert len(chats) == 2 and [m["content"] for m in chats[1]["messages"]] == ["Say hello."]

@@ -136,7 +136,7 @@
     r.el.classList.remove("streaming");
     r.el.dataset.finish = f.finish_reason || "";
     if (r.text) state.history.push({ role: "assistant", content: r.text });
-    else if (f.finish_reason !== "error") state.history.pop();  // nothing came back: forget the question
+    else state.history.pop();  // nothing came back (refused, or stopped at once): later sends leave the question out
     const meta = document.createElement("span");
     meta.className = "meta";
     const tokens = f.usage ? f.usage.completion_tokens : r.deltas;

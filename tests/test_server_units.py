@@ -72,7 +72,7 @@ def test_context_bounds():
         chat(max_tokens=46)
     assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
     assert chat(max_tokens=45).params[0].max_tokens == 45
-    with pytest.raises(ApiError, match="65 tokens but the context holds 64"):
+    with pytest.raises(ApiError, match="65 tokens of prompt, but the context holds 64"):
         parse_completion({"model": "stub", "prompt": "x" * 65}, StubModel(), 8)
 
 

@@ -107,8 +107,9 @@ def parse_messages(f: Fields) -> list[dict]:
         raise bad_request("'messages' is required: an array of {\"role\": ..., \"content\": ...} objects",
                           param="messages")
     if not isinstance(messages, list) or not messages:
+        got = "an empty array" if isinstance(messages, list) else describe(messages)
         raise bad_request(f"'messages' must be a non-empty array of {{\"role\", \"content\"}} objects, "
-                          f"got {describe(messages)}", param="messages")
+                          f"got {got}", param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -190,14 +191,14 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
     context = model.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= context:
-        raise bad_request(f"the {prompt_field} is {longest} tokens but the context holds {context} "
+        raise bad_request(f"{longest} tokens of {prompt_field}, but the context holds {context} tokens "
                           f"(including the reply); shorten the {prompt_field}", param=prompt_field,
                           code="context_length_exceeded")
     room = context - longest
     max_tokens = f.integer(max_tokens_key, None, 1, None)
     if max_tokens is not None and max_tokens > room:
-        raise bad_request(f"'{max_tokens_key}' is {max_tokens} but the {prompt_field} takes {longest} of the "
-                          f"{context}-token context; ask for at most {room}", param=max_tokens_key,
+        raise bad_request(f"'{max_tokens_key}' is {max_tokens} but {longest} of the {context}-token context go to "
+                          f"the {prompt_field}; ask for at most {room}", param=max_tokens_key,
                           code="context_length_exceeded")
     n = f.integer("n", 1, 1, max_n)
     if n * len(prompts) > max_n:

@@ -120,6 +120,9 @@ def test_eval_ppl_command(tiny, tmp_path, capsys):
     expected = perplexity(load_stage(open_source(tiny)), ids, 64, 32).ppl
     assert printed == pytest.approx(expected, rel=1e-4)
     assert runtime_main(["eval-ppl", str(tiny), "--text", str(tmp_path / "missing.txt")]) == 2
+    capsys.readouterr()
+    assert runtime_main(["eval-ppl", str(tiny), "--text", str(text), "--stride", "0"]) == 2  # not the default
+    assert capsys.readouterr().err.strip() == "error: --stride 0 must be at least 1"
 
 
 def test_generation_batch_keeps_the_lockstep_cache_within_its_budget():

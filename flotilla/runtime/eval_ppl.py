@@ -85,10 +85,12 @@ def run(args: argparse.Namespace) -> int:
         raise FlotillaError(f"--text {args.text}: not UTF-8 text ({e})") from None
     if args.ctx < 2:
         raise FlotillaError(f"--ctx {args.ctx} must be at least 2")
+    if args.stride is not None and args.stride < 1:
+        raise FlotillaError(f"--stride {args.stride} must be at least 1")
     with lean_cpu_load(parse_device(args.device)):  # the `runtime eval-ppl` process
         lm = load_model(args.model, args.device, args.dtype)
     ctx = min(args.ctx, lm.config.max_model_len)
-    stride = args.stride or max(1, ctx // 2)
+    stride = args.stride if args.stride is not None else max(1, ctx // 2)
     ids = lm.tokenizer.encode(text)
     result = perplexity(lm.model, ids, ctx, stride)
     print(f"perplexity {result.ppl:.4f}  (nll {result.nll:.4f} nats/token over {result.tokens} tokens, "

@@ -196,9 +196,29 @@ def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(src, tmp_path
         assert all(w in err for w in words) and "Traceback" not in err, err
     assert (other / "keep" / "data.txt").read_text() == "precious" and (hf / "notes").is_dir()
     assert (here / "x.txt").is_file() and open_source(src).config is not None
+    inside = tmp_path / "ckpt"
+    (inside / "sub").mkdir(parents=True)
+    (inside / "flotilla.json").write_text("{}")
+    monkeypatch.chdir(inside / "sub")
+    assert quantize_main([str(src), "-o", "..", "--quiet", "--method", "rtn", "--force"]) == 2  # holds the cwd
+    assert "holds the current directory" in capsys.readouterr().err and (inside / "sub").is_dir()
+    monkeypatch.chdir(here)
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    for name in ("config.json", "firmware.bin", "notes.txt"):
+        (project / name).write_text("x")
+    assert quantize_main([str(src), "-o", str(project), "--quiet", "--method", "rtn", "--force"]) == 2
+    assert "not a model checkpoint" in capsys.readouterr().err and (project / "notes.txt").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / ".DS_Store").write_bytes(b"")
     assert quantize_main([str(src), "-o", str(empty), "--quiet", "--method", "rtn", "--force"]) == 0
+    gptq = tmp_path / "gptq"  # a Hugging Face GPTQ download: its card, git and hub files beside the model
+    (gptq / ".cache" / "huggingface").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "README.md", ".gitattributes"):
+        (gptq / name).write_text("x")
+    assert quantize_main([str(src), "-o", str(gptq), "--quiet", "--method", "rtn", "--force"]) == 0
+    assert (gptq / "flotilla.json").is_file() and not (gptq / "README.md").exists()
 
 
 # ------------------------------------------------------------------------------- no -o: a default

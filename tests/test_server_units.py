@@ -168,3 +168,5 @@ def test_a_model_served_by_a_relative_path_is_named_after_it(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path / "q4")
     assert _default_name(Path(".")) == "q4" and _default_name(Path("../q4/")) == "q4"
     assert _default_name(Path("../m.gguf")) == "m"
+    (tmp_path / "model-q4.gguf").symlink_to(tmp_path / "m.gguf")  # a hub cache's link to a blob keeps its name
+    assert _default_name(Path("../model-q4.gguf")) == "model-q4"

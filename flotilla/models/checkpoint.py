@@ -303,21 +303,30 @@ class CheckpointWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+REPLACEABLE_SUBDIRS = (".cache", ".git", ".huggingface", "original")  # beside a model: a hub's or git's own, Llama's
+
+
 def replaceable(path: Path) -> str:
-    """Why `quantize --force` must not replace the existing directory `path`, or "" where it may: an empty
-    directory, a flotilla checkpoint (its manifest), or a Hugging Face model directory (a config.json beside
-    safetensors or PyTorch weights) with no subdirectory but dot-directories."""
-    if path.resolve() in (Path.home().resolve(), Path.cwd().resolve()) or path.parent == path:
-        return "is the home, current or root directory"
+    """Why `quantize --force` must not replace the existing directory `path`, or "" where it may: one that
+    holds only dotfiles, or a model checkpoint (a flotilla manifest, or a Hugging Face config.json beside
+    safetensors or pytorch_model*.bin weights) whose only subdirectories are REPLACEABLE_SUBDIRS; never the
+    root, nor a directory that holds the home or the current directory."""
+    real = path.resolve()
+    for name, held in (("home", Path.home().resolve()), ("current", Path.cwd().resolve())):
+        if real == held or real in held.parents:
+            return f"holds the {name} directory"
+    if real.parent == real:
+        return "is the root directory"
     entries = list(path.iterdir())
-    if not entries or (path / MANIFEST_FILE).is_file():
+    if all(p.name.startswith(".") and p.is_file() for p in entries):
         return ""
     names = {p.name for p in entries}
-    weights = any(n.endswith((".safetensors", ".bin")) for n in names)
-    if CONFIG_FILE not in names or not weights:
+    weights = any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+                  for n in names)
+    if MANIFEST_FILE not in names and (CONFIG_FILE not in names or not weights):
         listed = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
         return f"is not a model checkpoint (it holds {listed})"
-    subdirs = sorted(p.name for p in entries if p.is_dir() and not p.name.startswith("."))
+    subdirs = sorted(p.name for p in entries if p.is_dir() and p.name not in REPLACEABLE_SUBDIRS)
     if subdirs:
         return f"holds directories ({', '.join(subdirs[:4])}) beside the model"
     return ""

@@ -125,7 +125,7 @@ def _interrupt_flag():
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)  # None: set from C
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -199,17 +199,27 @@ def _chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids, dropped = _fit_context(tok, messages, len(system), engine.config.context_len, params.max_tokens)
         if ids is None:
+            alone = len(tok.apply_chat_template(messages[-1:]))
+            what = (f"that message ({alone} tokens) with the system prompt ({dropped - alone} more)" if system
+                    else f"that message alone ({alone} tokens)")
             messages.pop()
-            print(f"error: that message alone is {dropped} tokens, more than the context of "
-                  f"{engine.config.context_len} holds with room for a reply; send a shorter one", file=sys.stderr)
+            print(f"error: {what} leaves no room for a reply in the context of {engine.config.context_len} "
+                  "tokens; send a shorter one", file=sys.stderr)
             continue
         if dropped:
             del messages[len(system):len(system) + dropped]
             print(f"[the {dropped} oldest messages were dropped to fit the context of {engine.config.context_len} "
                   "tokens]", file=sys.stderr)
+        aborted = []  # whether _stream stopped the reply (a Ctrl-C after its last step stops nothing)
+
+        def stop(flag) -> bool:
+            if flag[0]:
+                aborted.append(True)
+            return flag[0]
+
         with _interrupt_flag() as stopped:  # Ctrl-C stops this reply; what was shown stays in the chat
-            reply, *_ = _stream(engine, f"chat-{turn}", ids, params, stop=lambda: stopped[0])
-        if stopped[0]:
+            reply, *_ = _stream(engine, f"chat-{turn}", ids, params, stop=lambda: stop(stopped))
+        if aborted:
             print("\n[stopped]", end="", file=sys.stderr)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -225,7 +235,7 @@ def _fit_context(tok, messages: list[dict], keep: int, context_len: int, max_tok
     dropped = 0
     while True:
         ids = tok.apply_chat_template(messages[:keep] + messages[keep + dropped:])
-        if len(ids) + room < context_len:
+        if len(ids) + room <= context_len:
             return ids, dropped
         if keep + dropped >= len(messages) - 1:
             return None, len(ids)

@@ -41,8 +41,7 @@ class EngineArgs:
         """Bad values fail here, before any model is loaded, with the flag to fix."""
         for flag, value, low in (("--block-size", self.block_size, 1), ("--max-num-seqs", self.max_num_seqs, 1),
                                  ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
-                                 ("--max-model-len", self.max_model_len, 2),
-                                 ("--num-speculative-tokens", self.num_speculative_tokens, 1)):
+                                 ("--max-model-len", self.max_model_len, 2)):
             if value is not None and value < low:
                 raise FlotillaError(f"{flag} {value}: expected an integer of at least {low}")
         if self.block_size & (self.block_size - 1) or self.block_size > MAX_BLOCK_SIZE:
@@ -50,7 +49,7 @@ class EngineArgs:
                                 "(e.g. 16)")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise FlotillaError(f"--kv-cache-fraction {self.kv_cache_fraction}: expected a fraction in (0, 1]")
-        self.speculative_config  # a bad --speculative fails here too
+        self.speculative_config  # a bad --speculative (or --num-speculative-tokens) fails here too
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:

@@ -201,7 +201,7 @@ def weight_bytes(model: CausalLM) -> int:
     head = model.lm_head
     if head is not None and not isinstance(head, QuantLinear):  # a quantized one: above
         w = head.weight
-        total += w.nbytes if isinstance(w, GGUFTable) else w.numel() * w.element_size()
+        total += _kernel_bytes(w.kernel) if isinstance(w, GGUFTable) else w.numel() * w.element_size()
     return total
 
 

@@ -13,6 +13,7 @@ weights; a lost stage shows in `problems()`, and requests it cannot finish end w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -195,5 +196,5 @@ def _default_name(path: Path) -> str:
             return DEFAULT_MODEL_NAME
     except FlotillaError:
         pass
-    path = path.resolve()  # `serve .` is named after the directory, not ""
+    path = Path(os.path.abspath(path))  # `serve .` is named after the directory, not ""; a link keeps its name
     return path.stem if path.is_file() else path.name

@@ -185,7 +185,17 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert not gemv.wide_rows(g128, 4, 4096 * 4096)  # turned off
     monkeypatch.delenv("FLOTILLA_GEMV_WIDE")
     g32 = gemv.geometry(repack(weight(768, 48, 4, 32, True, False)), torch.float16)
-    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == 0  # blocks of 16 words: not measured
+    assert g32.log2r == 4 and gemv.crossover(g32, 4, torch.float16) == gemv.GROUP_MMA_MAX_ROWS  # as Q4_0 (below)
+    for qtype, rows, plan in (("Q4_0", gemv.GROUP_MMA_MAX_ROWS, gemv.GemvPlan(8, 16, 8, 2)),  # round 16's sweep
+                              ("Q8_0", gemv.GROUP_MMA_MAX_ROWS, gemv.GemvPlan(8, 16, 8, 2)),
+                              ("Q6_K", gemv.GROUP_CORES_MAX_ROWS, gemv.GemvPlan(1, 4, 2))):
+        lay = repack_ggml(random_weight(qtype, 64, 256, seed=1, scale=0.01), torch.float16, "cpu")
+        geo = gemv.geometry(lay, torch.float16)
+        assert geo.mode == gemv.SYM and gemv.crossover(geo, lay.bits, torch.float16) == rows, qtype
+        assert gemv.crossover(geo, lay.bits, torch.bfloat16) == 0  # not measured in bf16
+        got = gemv.choose_plan(1, 64, lay.words.shape[1], 132, lay.bits, lay.rows_per_field if geo.mma else 0,
+                               lay.rows_per_field)
+        assert got == plan, (qtype, got)
     w8 = gemv.geometry(repack(weight(640, 72, 8, 128, True, False)), torch.float16)
     assert gemv.crossover(w8, 8, torch.float16) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
     bf = gemv.geometry(repack(weight(1024, 96, 4, 128, True, False)), torch.bfloat16)
@@ -392,6 +402,29 @@ def test_gguf_forms_through_the_gemv(qtype, dtype):
         poison(m, 96, dtype)
         y = kern.gemv(x)
         assert rel_err(y, x.float() @ ref_w.t()) < (2e-3 if dtype == torch.float16 else 1.2e-2), (qtype, m)
+
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "Q4_K"])
+def test_gguf_forms_run_the_gemv_where_it_measured_faster(qtype):
+    """The registry picks the GEMV for the GGUF forms with an integer zero up to their crossover (Q4_K's float
+    offsets stay on Triton); the product and the [gate | up] silu epilogue match the exact weights there."""
+    from flotilla.kernels.fused import silu_mul
+    from flotilla.kernels.triton_linear import TritonLayoutKernel
+
+    gw = random_weight(qtype, 256, 1024, seed=7, scale=0.01)
+    kern = TritonLayoutKernel(repack_ggml(gw, torch.float16, "cuda"), torch.float16)
+    rows = {"Q4_0": gemv.GROUP_MMA_MAX_ROWS, "Q8_0": gemv.GROUP_MMA_MAX_ROWS, "Q6_K": gemv.GROUP_CORES_MAX_ROWS,
+            "Q4_K": 0}[qtype]
+    assert kern.gemv.max_rows == rows
+    ref_w = gw.dequantize(torch.float32).to("cuda")
+    for m in (1, 3, 4, 8, 9):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
+        assert (kern.config_for(m).kind == "gemv") == (m <= rows), (qtype, m)
+        ref = x.float() @ ref_w.t()
+        assert rel_err(kern(x), ref) < 2e-3, (qtype, m)
+        want = silu_mul(kern(x))
+        torch.testing.assert_close(kern.silu_mul(x), want, rtol=2e-3, atol=1e-3)
 
 
 @needs_gpu

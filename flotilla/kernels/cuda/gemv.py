@@ -29,7 +29,8 @@ activations, symmetric, uint8 zeros or GGUF float offsets, every group size the 
 act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
 64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
 kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind;
-0 for the layouts not measured yet: GGUF forms, group 32 and 16).
+0 for the layouts not measured yet or measured slower: bf16 on group 32 / 16, float offsets, uint8 zeros
+at group 32 / 16).
 """
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ MMA_MAX_ROWS, MMA_MAX_ROWS_LARGE, MMA_LARGE_WEIGHT = 8, 4, 1 << 27
 # 14336x4096 and the 28672-wide shapes: 11.5 / 10.3, 20.5 / 17.0, 36.7 / 25.9 back to back)
 WIDE_MAX_ROWS, WIDE_MAX_WEIGHT = 16, 1 << 24
 CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat16): 0, (8, torch.bfloat16): 2}
+# Group-32 / 16 layouts with an integer zero (GGUF Q4_0, Q5_0, Q8_0: blocks of 16 words; Q6_K: 8; GPTQ g32 sym
+# alike), fp16: round 16's sweep (bench/NOTES-kernels.md; H100, `kernels.py --gguf --gemv-sweep`, µs, GEMV plan
+# against the Triton path they ran before). Blocks of 16 words: the tensor-core ring, 8 warps x 2 blocks, at 1-8
+# rows at either width (Q8_0 4096x14336 m=1 33.5 against 46.4, 8192x28672 m=4 112.2 / 145.3, 14336x4096 m=8
+# 34.7 / 49.5; Q4_0 24.8 / 28.5, 78.7 / 84.4, 26.7 / 32.4). Blocks of 8 words (Q6_K; no tensor-core plan): 4 columns
+# a block to 4 rows (4096x14336 m=1 33.6 against 48.4, 8192x28672 m=4 147.2 / 148.5; 14336x4096 m=8 50.3 / 51.1:
+# a tie, left to Triton). Float offsets (Q4_K, Q4_1, Q5_K, Q5_1) lost: 8192x28672 m=1 102.0 against 89.2.
+GROUP_MMA_MAX_ROWS, GROUP_CORES_MAX_ROWS = 8, 4
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -200,8 +209,12 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) ->
     """Up to how many rows the GEMV beats the Triton kernel on a layout of `weights` weights (in x out),
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
     GGUF float offsets, blocks other than 32 words (group 32 or 16)."""
-    if geo.mode == OFF or geo.log2r != 5:
+    if geo.mode == OFF:
         return 0
+    if geo.log2r != 5:  # group 32 / 16 with an integer zero (GGUF Q4_0, Q5_0, Q8_0, Q6_K; GPTQ g32 sym)
+        if dtype != torch.float16 or geo.mode != SYM:
+            return 0
+        return GROUP_MMA_MAX_ROWS if geo.mma else GROUP_CORES_MAX_ROWS
     if bits == 4 and geo.mma:
         return MMA_MAX_ROWS_LARGE if weights > MMA_LARGE_WEIGHT else MMA_MAX_ROWS
     return CORES_MAX_ROWS[(bits, dtype)]
@@ -222,16 +235,20 @@ def group_of(run: int, magic: int) -> int:
     return ((2 * run) * magic) >> 32
 
 
-def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0) -> GemvPlan:
+def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0, block_words: int = 32) -> GemvPlan:
     """The plan for M rows over N columns of KW words each (the H200 sweeps' rules,
     bench/NOTES-kernels.md). mma_r: the layout's words a block where the tensor-core plan reads it
     (0: it does not); at 4 bits it is the plan, its warps taking whole blocks of the input axis:
     the shared-memory ring of 2 blocks a warp, 8 warps, at M = 1 on columns of >= 32 blocks, else
     the register double buffer with WARPS_PER_SM's warps (the sweeps' fastest back to back, as a
     decode step runs them). CUDA cores: 4 columns a block at 4 bits and M <= 4 (x loads shared by
-    more columns), else 2; two warps up to M = 2, else one."""
+    more columns), else 2; two warps up to M = 2, else one. Blocks of fewer than 32 words (`block_words`,
+    the GGUF forms' group 32 / 16): the tensor-core ring of 2 blocks a warp, 8 warps, at any width and
+    M <= 8, and on the CUDA cores 4 columns a block up to M = 4 at either width (round 16's sweep)."""
     if mma_r and m > ROW_TILES[-1]:
         return wide_plan(m, kw // mma_r)
+    if block_words < 32 and mma_r:
+        return GemvPlan(ROW_TILES[-1], MMA_COLS, MAX_WARPS, RING_STAGES)
     if mma_r and bits == 4:
         tiles, layout_blocks = n // MMA_COLS, kw // mma_r
         if m <= RING_MAX_ROWS and layout_blocks >= RING_MIN_BLOCKS:
@@ -241,7 +258,7 @@ def choose_plan(m: int, n: int, kw: int, num_sms: int, bits: int, mma_r: int = 0
             warps = max(warps, _pow2_floor(max(1, layout_blocks // 4)))
         return GemvPlan(ROW_TILES[-1], MMA_COLS, max(1, min(warps, MAX_WARPS, _pow2_floor(layout_blocks))))
     rows = next(t for t in ROW_TILES if t >= m)
-    cols = 4 if bits == 4 and rows <= 4 and n % 4 == 0 else 2
+    cols = 4 if (bits == 4 or block_words < 32) and rows <= 4 and n % 4 == 0 else 2
     return GemvPlan(rows, cols, 2 if rows <= 2 else 1)
 
 
@@ -335,14 +352,15 @@ class GemvKernel:
         if plan is None:
             lay = self.layout
             plan = self._plans[m] = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
-                                                lay.rows_per_field if self.geo.mma else 0)
+                                                lay.rows_per_field if self.geo.mma else 0, lay.rows_per_field)
         return plan
 
     def fuses_silu(self, m: int, plan: GemvPlan | None = None) -> bool:
         """Whether a call of M rows (by `plan`, or this layout's own) can end in silu(gate) * up (the
         tensor-core plans' epilogue; it pairs column j with out / 2 + j, so out is a multiple of 16, and
-        of the wide plan's columns)."""
-        if not (self.geo.mma and 1 <= m <= self.most_rows):
+        of the wide plan's columns), on blocks of 32 words (GPTQ g128: the group-32 layouts' epilogue has not
+        run on a GPU; they take the product, then silu_mul)."""
+        if not (self.geo.mma and self.geo.log2r == 5 and 1 <= m <= self.most_rows):
             return False
         plan = plan or self.plan_for(m)
         if plan.rows == WIDE_ROWS:
@@ -351,8 +369,9 @@ class GemvKernel:
 
     def fuses_norm(self, m: int, plan: GemvPlan | None = None) -> bool:
         """Whether a call of M rows (by `plan`, or this layout's own) can add the residual and hand on
-        the norm (`add_norm`) or take a NormedResidual (`norm=`): the M <= 8 tensor-core plan's epilogue."""
-        if not (self.geo.mma and 1 <= m <= ROW_TILES[-1]):
+        the norm (`add_norm`) or take a NormedResidual (`norm=`): the M <= 8 tensor-core plan's epilogue, on
+        blocks of 32 words (GPTQ g128; the group-32 layouts' epilogue is not measured)."""
+        if not (self.geo.mma and self.geo.log2r == 5 and 1 <= m <= ROW_TILES[-1]):
             return False
         plan = plan or self.plan_for(m)
         return plan.cols == MMA_COLS and plan.rows == ROW_TILES[-1]

@@ -4,6 +4,7 @@
     y = kernel(x, bias)                          # x [..., in] -> y [..., sum of the parts' rows]
     kernel.name                                  # the form it runs, e.g. "cpu Q4_1" or "torch fp32"
     kernel.part_forms                            # per part, the form it runs in (for the load report)
+    kernel.nbytes                                # bytes its form holds (every backend)
     rows = kernel.rows(ids)                      # weight rows [T, in] in dtype (an embedding lookup)
 
 A part is a GGMLWeight, or a dense fp32 tensor (an unquantized GGUF tensor, or a type flotilla has
@@ -53,6 +54,10 @@ class TorchGGMLKernel:
         self.weight = torch.cat([dequantize_part(p, dtype) for p in parts]).to(device)  # [out, in]
         self.part_forms = [f"{str(dtype)[6:]} (dequantized at load, torch)"] * len(parts)
         self.name = "torch " + "+".join(dict.fromkeys(form_name(p) for p in parts)) + f" -> {str(dtype)[6:]}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)

@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="2GB", metavar="SIZE",
                    help="largest shard, cut on layer boundaries (default 2GB)")
     p.add_argument("--device", default=_DEFAULTS.device, metavar="{cpu,cuda}", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists: only an empty directory or a model checkpoint, never one holding the source")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it exists: only an empty directory or a model checkpoint, never one holding "
+                        "the source")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 

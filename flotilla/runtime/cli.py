@@ -88,13 +88,14 @@ def _engine(args: argparse.Namespace):
 
 def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout, stop=None):
     """Run one request on the engine, writing text deltas as they come; returns (text, tokens,
-    seconds to the first token, seconds for the rest). `stop()`, asked between engine steps: true
-    aborts the request there (its KV blocks freed) and returns what was written so far."""
+    seconds to the first token, seconds for the rest, whether `stop` ended it). `stop()`, asked between
+    engine steps: true aborts the request there (its KV blocks freed) with what was written so far."""
     engine.add_request(request_id, ids, params)
-    start, first, n, parts = time.perf_counter(), None, 0, []
+    start, first, n, parts, stopped = time.perf_counter(), None, 0, [], False
     while engine.has_unfinished():
         if stop is not None and stop():
             engine.abort(request_id)
+            stopped = True
             break
         for o in engine.step():
             n += len(o.new_token_ids)
@@ -104,7 +105,7 @@ def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out
             out.write(o.text)
             out.flush()
     end = time.perf_counter()
-    return "".join(parts), n, (first or end) - start, end - (first or end)
+    return "".join(parts), n, (first or end) - start, end - (first or end), stopped
 
 
 @contextlib.contextmanager
@@ -149,7 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = _engine(args)
     tok = engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    _, n, ttft, rest = _stream(engine, "generate", ids, params)
+    _, n, ttft, rest, _ = _stream(engine, "generate", ids, params)
     sys.stdout.write("\n")
     if args.stats and n:
         decode = (n - 1) / rest if n > 1 and rest > 0 else float("nan")
@@ -210,16 +211,9 @@ def _chat(args: argparse.Namespace) -> int:
             del messages[len(system):len(system) + dropped]
             print(f"[the {dropped} oldest messages were dropped to fit the context of {engine.config.context_len} "
                   "tokens]", file=sys.stderr)
-        aborted = []  # whether _stream stopped the reply (a Ctrl-C after its last step stops nothing)
-
-        def stop(flag) -> bool:
-            if flag[0]:
-                aborted.append(True)
-            return flag[0]
-
-        with _interrupt_flag() as stopped:  # Ctrl-C stops this reply; what was shown stays in the chat
-            reply, *_ = _stream(engine, f"chat-{turn}", ids, params, stop=lambda: stop(stopped))
-        if aborted:
+        with _interrupt_flag() as interrupted:  # Ctrl-C stops this reply; what was shown stays in the chat
+            reply, *_, stopped = _stream(engine, f"chat-{turn}", ids, params, stop=lambda: interrupted[0])
+        if stopped:  # (a Ctrl-C after the reply's last step stops nothing)
             print("\n[stopped]", end="", file=sys.stderr)
         sys.stdout.write("\n")
         sys.stdout.flush()

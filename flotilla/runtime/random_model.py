@@ -197,19 +197,9 @@ def weight_bytes(model: CausalLM) -> int:
         elif isinstance(mod, (Linear, RMSNorm)):
             total += sum(p.numel() * p.element_size() for p in mod.parameters())
         elif isinstance(mod, GGUFLinear):  # a GGUF file's linear: its kernel's form (Triton, CPU packs, torch)
-            total += _kernel_bytes(mod.kernel)
+            total += mod.kernel.nbytes
     head = model.lm_head
     if head is not None and not isinstance(head, QuantLinear):  # a quantized one: above
         w = head.weight
-        total += _kernel_bytes(w.kernel) if isinstance(w, GGUFTable) else w.numel() * w.element_size()
+        total += w.nbytes if isinstance(w, GGUFTable) else w.numel() * w.element_size()
     return total
-
-
-def _kernel_bytes(kernel) -> int:
-    """The bytes a GGUF linear's kernel holds: its `nbytes` (the Triton forms, the CPU packs), else its dense
-    weight (torch)."""
-    n = getattr(kernel, "nbytes", None)
-    if isinstance(n, int):
-        return n
-    w = getattr(kernel, "weight", None)
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0

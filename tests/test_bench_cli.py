@@ -52,3 +52,74 @@ def test_bench_runs_a_gguf_file_and_the_default_model(smollm2_gguf):
         head = p.stdout.splitlines()[0]
         assert head.startswith(f"{smollm2_gguf} on cpu (float32), 0.0"), head  # ~90 MB of SmolLM2's forms
         assert float(head.split(", ")[1].split()[0]) > 0.05
+
+
+def test_gguf_mixes_give_llama_cpp_types():
+    """llama.cpp's Q4_K_M of a 32-layer model, worked by hand: attn_v and ffn_down are Q6_K in layers 0-3 and
+    28-31 (the first and last eighth) and every third layer between (6, 9, ..., 27); the output is Q6_K."""
+    from flotilla.runtime.random_model import gguf_tensor_type
+
+    more = [i for i in range(32) if gguf_tensor_type("Q4_K_M", "ffn_down", i, 32) == "Q6_K"]
+    assert more == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [gguf_tensor_type("Q4_K_M", t, 6, 32) for t in ("attn_q", "attn_v", "ffn_up", "output", "token_embd")] \
+        == ["Q4_K", "Q6_K", "Q4_K", "Q6_K", "Q4_K"]
+    assert gguf_tensor_type("Q5_K_M", "attn_v", 0, 32) == "Q6_K" and gguf_tensor_type("Q5_K_M", "attn_v", 4, 32) == "Q5_K"
+    assert {gguf_tensor_type("Q4_0", t, 0, 32) for t in ("attn_v", "ffn_down")} == {"Q4_0"}
+    assert gguf_tensor_type("Q4_0", "output", 0, 32) == "Q6_K" and gguf_tensor_type("Q8_0", "output", 0, 32) == "Q8_0"
+
+
+def test_random_ggml_weights_are_centred_with_the_asked_spread():
+    import torch
+
+    from flotilla.kernels.ggml import GGML_FORMATS
+    from flotilla.runtime.random_model import random_ggml_weight
+
+    gen = torch.Generator().manual_seed(0)
+    for qtype, fmt in GGML_FORMATS.items():
+        w = random_ggml_weight(qtype, 64, 1024, gen)
+        dense = w.dequantize()
+        assert abs(dense.mean().item()) < 0.05 * 1024 ** -0.5, qtype
+        assert abs(dense.std().item() * 1024 ** 0.5 - 1) < 0.1, qtype
+        assert int(w.codes.min()) >= fmt.code_min and int(w.codes.max()) <= fmt.code_max
+        if fmt.fp16_scales:
+            assert torch.equal(w.scales, w.scales.half().float())
+
+
+def test_random_gguf_model_decodes(monkeypatch):
+    """A random model in a Q4_K_M file's types (a shape whose rows are whole 256-weight blocks) decodes on the
+    CPU's GGUF kernels: every linear, the embedding and the lm_head in GGUF forms, logits finite and of
+    about unit spread, the same bytes for the same seed."""
+    import torch
+
+    from flotilla.models.config import ModelConfig
+    from flotilla.models.gguf_linear import GGUFLinear, GGUFLMHead
+    from flotilla.runtime import random_model
+    from flotilla.runtime.bench import run_batches
+
+    monkeypatch.setitem(random_model.SHAPES, "gguf-test", ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False, eos_token_ids=()))
+    model = random_model.build_random_gguf_model("gguf-test", "Q4_K_M", "cpu", torch.float32, seed=1)
+    assert sum(isinstance(m, GGUFLinear) and m.prepared for m in model.modules()) == 8 * 4
+    assert isinstance(model.lm_head, GGUFLMHead) and model.lm_head.prepared
+    ids = torch.arange(1, 9)
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids)
+    assert hidden.shape == (8, 256) and 0.8 < hidden.std().item() < 1.2
+    again = random_model.build_random_gguf_model("gguf-test", "Q4_K_M", "cpu", torch.float32, seed=1)
+    assert torch.equal(again.model.embed_tokens(ids), hidden)
+    (r,) = run_batches(model, [2], prompt_len=4, tokens=4, graphs=False)
+    assert r.decode_tokens == 2 * 3 and r.tok_s > 0
+
+
+def test_bench_random_gguf_cli():
+    p = runtime("bench", "--random", "tiny", "--gguf", "q8_0", "--batch", "2", "--tokens", "3", "--prompt-len", "2",
+                "--device", "cpu", "--json")
+    assert p.returncode == 0, p.stderr
+    (row,) = [json.loads(line) for line in p.stdout.splitlines()]
+    assert row["model"] == "random tiny (GGUF Q8_0)" and row["batch"] == 2
+    bad = runtime("bench", "--random", "tiny", "--gguf", "Q4_0", "--device", "cpu")  # a Q6_K lm_head of 128-wide rows
+    assert bad.returncode == 2 and "--gguf Q4_0: output would be Q6_K, whose rows are whole 256-weight blocks, but its rows are 128 wide" in bad.stderr
+    bad = runtime("bench", "--gguf", "Q4_0", "--device", "cpu")
+    assert bad.returncode == 2 and "give --random SHAPE too" in bad.stderr

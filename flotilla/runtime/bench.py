@@ -28,7 +28,7 @@ from .cuda_graphs import BUCKETS, bucket_for
 from .engine import EngineConfig, LLMEngine
 from .kv_cache import KVCache, KVCacheSpec
 from .model_runner import ModelRunner
-from .random_model import BITS, SHAPES, build_random_model, weight_bytes
+from .random_model import BITS, GGUF_MIXES, SHAPES, build_random_gguf_model, build_random_model, weight_bytes
 from .sampling import SamplingParams
 from .scheduler import SchedulerConfig
 
@@ -131,6 +131,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=int, default=4, help="with --random: 4 or 8 (GPTQ, group --group-size), "
                                                         "16 for unquantized linears (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="with --random (default 128)")
+    p.add_argument("--gguf", metavar="TYPE", default=None,
+                   help=f"with --random: the model a GGUF file of this llama.cpp type loads into, its blocks random "
+                        f"({', '.join(GGUF_MIXES)}; the _M mixes and the lm_head's Q6_K as llama.cpp's quantizer "
+                        f"makes them); instead of --bits")
     p.add_argument("--layers", type=int, default=None, help="with --random: fewer decoder layers than the shape's")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", help="activation dtype (default: float32 on CPU, float16 on GPU)")
@@ -160,11 +164,17 @@ def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     if args.random is None:
+        if args.gguf is not None:
+            raise FlotillaError(f"--gguf {args.gguf} builds a random model: give --random SHAPE too "
+                                f"(a GGUF file of your own: pass its path instead)")
         with lean_cpu_load(device):  # the `runtime bench` process
             lm = load_model(args.model, device, args.dtype, with_tokenizer=False)
         return lm.model, str(lm.path)
     if args.model is not None:
         raise FlotillaError(f"give a model path or --random, not both (got {args.model!r} and --random {args.random})")
+    if args.gguf is not None:
+        model = build_random_gguf_model(args.random, args.gguf.upper(), device, dtype, num_layers=args.layers)
+        return model, f"random {args.random} (GGUF {args.gguf.upper()})"
     if args.bits not in BITS:
         raise FlotillaError(f"--bits {args.bits}: expected one of {', '.join(map(str, BITS))}")
     model = build_random_model(args.random, args.bits, device, dtype, args.group_size, num_layers=args.layers)

@@ -1,12 +1,16 @@
 """Random-weight models of named shapes, built straight on the device: benchmarks need no checkpoint.
 
     model = build_random_model("llama-3-8b", bits=4, device="cuda", dtype=torch.float16)
+    model = build_random_gguf_model("llama-3-8b", "Q4_K_M", device="cuda", dtype=torch.float16)
     write_random_checkpoint("llama-3-8b", "/tmp/llama8b-int4", device="cuda")   # for pipeline workers
 
 Quantized linears get random GPTQ tensors (uniform codes of mean zero, symmetric zero, one scale per group
 and output) and choose their kernel through the registry exactly as a loaded checkpoint does;
 `bits=16` builds plain fp linears. Scales are sized so that each linear roughly preserves the
 variance of its input, which keeps the activations of a deep random model finite in fp16.
+`build_random_gguf_model` builds the model a GGUF file of one llama.cpp type (or mix) loads into:
+every linear, the embedding and the lm_head in GGUF blocks of random codes, on the kernels a
+loaded file gets.
 `write_random_checkpoint` writes the same kind of weights (generated on the device, one layer at
 a time) as a flotilla checkpoint, for processes that load a path: pipeline workers.
 """
@@ -19,9 +23,10 @@ from pathlib import Path
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight
 from flotilla.kernels.gptq import pack_rows
 from flotilla.models.checkpoint import CheckpointWriter
-from flotilla.models.config import ModelConfig, QuantConfig
+from flotilla.models.config import GGUFQuant, ModelConfig, QuantConfig
 from flotilla.models.gguf_linear import GGUFLinear, GGUFTable
 from flotilla.models.linear import Linear, QuantLinear
 from flotilla.models.llama import CausalLM, RMSNorm
@@ -128,6 +133,98 @@ def _random_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     base = 1.0 / (code_std * math.sqrt(n_in))
     scales.uniform_(0.5 * base, 1.5 * base, generator=gen)
     g_idx.copy_(torch.arange(n_in, device=g_idx.device, dtype=torch.int32) // (n_in if group_size == -1 else group_size))
+
+
+# --------------------------------------------------------------------- random GGUF models
+
+GGUF_MIXES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M")
+
+
+def gguf_tensor_type(mix: str, tensor: str, layer: int, num_layers: int) -> str:
+    """The type llama.cpp's quantizer gives `tensor` ("token_embd", "output", "attn_q", "attn_v",
+    "ffn_down", ...) of decoder layer `layer` in a file of type `mix`: the output (lm_head) is
+    Q6_K unless the file is Q8_0; in the _M mixes attn_v and ffn_down are Q6_K in the first and
+    last eighth of the layers and every third layer between; everything else is the base type."""
+    if mix not in GGUF_MIXES:
+        raise FlotillaError(f"--gguf {mix}: expected one of {', '.join(GGUF_MIXES)}")
+    base = mix.removesuffix("_M")
+    if tensor == "output":
+        return "Q8_0" if base == "Q8_0" else "Q6_K"
+    if mix.endswith("_M") and tensor in ("attn_v", "ffn_down"):
+        eighth = num_layers // 8
+        if layer < eighth or layer >= num_layers - eighth or (layer - eighth) % 3 == 2:
+            return "Q6_K"
+    return base
+
+
+def random_ggml_weight(qtype: str, n_out: int, n_in: int, gen: torch.Generator, std: float | None = None) -> GGMLWeight:
+    """Random blocks of a GGUF type, in its decoded form (GGMLWeight), on the generator's device: codes
+    uniform and centred on zero (a form with a min gets min = -scale * the middle code; one without
+    leaves out its lowest code, so that codes -q .. q remain), scales per group uniform in 0.5-1.5 of a
+    base that makes the weight's standard deviation `std` (default 1 / sqrt(n_in): the linear keeps
+    its input's variance). Scales (and mins) of the fp16-scale types are rounded to fp16."""
+    fmt = GGML_FORMATS[qtype]
+    if n_in % fmt.block:
+        raise ValueError(f"{qtype} rows are whole {fmt.block}-weight blocks; {n_in} is not a multiple")
+    device = gen.device
+    low = fmt.code_min if fmt.has_min else fmt.code_min + 1
+    codes = torch.randint(low, fmt.code_max + 1, (n_out, n_in), generator=gen, device=device, dtype=torch.int8)
+    n_codes = fmt.code_max + 1 - low
+    code_std = math.sqrt((n_codes ** 2 - 1) / 12)
+    base = (n_in ** -0.5 if std is None else std) / code_std
+    scales = torch.empty(n_out, n_in // fmt.group, device=device).uniform_(0.5 * base, 1.5 * base, generator=gen)
+    if fmt.fp16_scales:
+        scales = scales.half().float()
+    mins = None
+    if fmt.has_min:
+        mins = -scales * ((fmt.code_min + fmt.code_max) / 2)
+        if fmt.fp16_scales:
+            mins = mins.half().float()
+    return GGMLWeight(qtype, codes, scales, mins)
+
+
+_GGUF_NAMES = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+@torch.no_grad()
+def build_random_gguf_model(name: str, mix: str = "Q4_K_M", device: torch.device | str = "cpu",
+                            dtype: torch.dtype = torch.float32, seed: int = 0,
+                            num_layers: int | None = None) -> CausalLM:
+    """A whole model of shape `name` as a GGUF file of type `mix` loads (gguf_tensor_type says which
+    tensor gets which type; the embedding is the base type), random blocks built on `device` one
+    tensor at a time and packed for its kernels as the loader packs them."""
+    cfg = shape_config(name, 16, num_layers=num_layers).with_quant(GGUFQuant())
+    gguf_tensor_type(mix, "token_embd", 0, 1)  # the mix is known
+    device = torch.device(device)
+    model = build_stage(cfg, None, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n = cfg.num_hidden_layers
+
+    def weight(tensor: str, layer: int, n_out: int, n_in: int, std: float | None = None) -> GGMLWeight:
+        qtype = gguf_tensor_type(mix, tensor, layer, n)
+        if n_in % GGML_FORMATS[qtype].block:
+            raise FlotillaError(f"--random {name} --gguf {mix}: {tensor} would be {qtype}, whose rows are whole "
+                                f"{GGML_FORMATS[qtype].block}-weight blocks, but its rows are {n_in} wide")
+        return random_ggml_weight(qtype, n_out, n_in, gen, std)
+
+    for key, layer in model.model.layers.items():
+        for path, tensors in _GGUF_NAMES.items():
+            mod = layer.get_submodule(path)
+            for shard, (tensor, n_out) in enumerate(zip(tensors, mod.out_sizes)):
+                mod.load("weight", shard, weight(tensor, int(key), n_out, mod.in_features))
+            mod.prepare(dtype, device)
+    for mod in model.modules():
+        if isinstance(mod, RMSNorm):
+            mod.weight.fill_(1.0)
+    embed, head = model.model.embed_tokens, model.lm_head
+    embed.load("weight", 0, weight("token_embd", 0, cfg.vocab_size, cfg.hidden_size, std=1.0))
+    embed.prepare(dtype, device)
+    if head.weight is not embed.weight:  # untied (every named shape)
+        head.load("weight", 0, weight("output", 0, cfg.vocab_size, cfg.hidden_size))
+        head.prepare(dtype, device)
+    model.build_rope()
+    return model
 
 
 def _projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:

@@ -93,3 +93,17 @@ def test_avx2_and_avx512_ops_agree_bit_for_bit():
     assert torch.equal(a2.rope(r, x[:, None, :64], x[:, None, 64:128]), a5.rope(r, x[:, None, :64], x[:, None, 64:128]))
     q, kc, vc, table, lens = paged_case([17, 40], d=64)
     assert torch.equal(a2.decode_attention(q, kc, vc, table, lens, 0.125), a5.decode_attention(q, kc, vc, table, lens, 0.125))
+
+
+def test_ready_looks_at_the_tensors_before_building(monkeypatch):
+    """A GPU process whose op falls back to torch never compiles the CPU extension (a GGUF model on CUDA
+    built it once, ~25 s, for nothing): tensors that are not fp32 on the CPU answer False first."""
+    from flotilla.kernels.cpu import ops
+
+    def no_build():
+        raise AssertionError("the CPU extension was built")
+
+    monkeypatch.setattr(ops, "_ext", ops._UNDECIDED)
+    monkeypatch.setattr(ops, "extension", no_build)
+    assert not ops.ready(torch.zeros(4, dtype=torch.float16))
+    assert not ops.ready(torch.zeros(4), torch.zeros(4, device="meta"))

@@ -43,8 +43,11 @@ def reset() -> None:
 
 
 def ready(*tensors: torch.Tensor) -> bool:
-    ext = _ext if _ext is not _UNDECIDED else extension()
-    return ext is not None and all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+    """The compiled ops take these tensors (fp32 on the CPU); the tensors are looked at first, so that
+    a GPU process never builds the CPU extension for an op it runs elsewhere."""
+    if not all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
+        return False
+    return (_ext if _ext is not _UNDECIDED else extension()) is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

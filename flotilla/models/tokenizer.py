@@ -8,9 +8,11 @@ touches a model hub.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,6 +56,23 @@ class Tokenizer:
         if piece is None:
             piece = self._pieces[ids[0]] = self.decode(ids)
         return piece
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (special tokens as their text): a token holding part of a multi-byte
+        character, whose decode alone is U+FFFD, gives its own bytes (byte-level BPE's mapped characters,
+        SentencePiece's <0xNN> byte-fallback pieces), so that a client joining them rebuilds the text."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text or self._fast is None:
+            return text.encode("utf-8")
+        piece = self._fast.id_to_token(token_id) or ""
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if type(self._fast.decoder).__name__ == "ByteLevel":
+            table = _byte_level_decoder()
+            if piece and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return text.encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.has_chat_template:
@@ -133,6 +152,21 @@ def _generation_eos(directory: Path) -> tuple[int, ...]:
     except json.JSONDecodeError:
         return ()
     return tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's character -> byte table (GPT-2's: printable bytes as themselves, the others
+    shifted past 255 in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _gguf_tokenizer(path: Path):

@@ -14,10 +14,12 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.decode = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i], skip_special_tokens=False))
+        self.raw = lru_cache(maxsize=65536)(tokenizer.token_bytes)
 
     def entry(self, token_id: int, logprob: float) -> dict:
-        text = self.decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        """A chat logprob: the token's text and its own bytes (a piece of a multi-byte character is
+        "\ufffd" as text, and its raw bytes, which joined with its neighbours' give the character)."""
+        return {"token": self.decode(token_id), "logprob": logprob, "bytes": list(self.raw(token_id))}
 
 
 def chat_logprobs(tt: TokenText, items: list[TokenLogprob]) -> dict:
@@ -33,8 +35,17 @@ def completion_logprobs(tt: TokenText, items: list[TokenLogprob], offset: int = 
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{tt.decode(t): v for t, v in lp.top} for lp in items] if with_top else None,
+            "top_logprobs": [_top_dict(tt, lp.top) for lp in items] if with_top else None,
             "text_offset": offsets}
+
+
+def _top_dict(tt: TokenText, top: list[tuple[int, float]]) -> dict[str, float]:
+    """Completions' top_logprobs: text -> logprob, most likely first; where two tokens share a text
+    (pieces of multi-byte characters all decode to "\ufffd") the likelier one keeps it."""
+    out: dict[str, float] = {}
+    for t, v in top:
+        out.setdefault(tt.decode(t), v)
+    return out
 
 
 class Shapes:

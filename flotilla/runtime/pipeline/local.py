@@ -7,7 +7,10 @@ otherwise they are CPU processes. `--devices` places them by hand, repeats allow
 stages on one GPU (each worker its own CUDA context, under a private MPS daemon where one can be
 started: mps.py), CPU stages beside GPU ones. CPU workers
 split the cores between them (less one core per GPU worker, which drives its GPU). The workers
-exit when the head does.
+exit when the head does. A worker that dies (killed, out of memory) is started again on its
+address, as a user restarts a `runtime worker` by hand, and the head re-prefills its sequences
+once it answers; one that dies RESTART_LIMIT times within RESTART_WINDOW_S is left down, said
+once (the server must then be restarted).
 
 Polling (spin.py): when the ring leaves cores to spare (GPU workers, or CPU workers given a few
 threads on a larger machine), the workers poll for the next step instead of sleeping, and so
@@ -31,6 +34,9 @@ from .mps import MpsChoice, mps_for
 from .spin import DEFAULT_SPIN_US, spare_cores
 
 _LISTENING = re.compile(r"flotilla worker: listening on (\S+):(\d+)")
+RESTART_LIMIT = 5  # restarts of one worker within RESTART_WINDOW_S before it is left down
+RESTART_WINDOW_S = 300.0
+POLL_S = 0.5  # how often the supervisor looks at the workers
 
 
 def local_devices(n: int, tp: int = 1) -> list[str]:
@@ -66,39 +72,59 @@ class LocalWorkers:
         self.spin_us = spin_us
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []
+        self.addresses: list[tuple[str, int]] = []
         self.mps = MpsChoice()  # MPS for the stages that share a GPU (mps.py): set by start
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._supervisor: threading.Thread | None = None
 
     def describe(self) -> str:
         """e.g. 'cuda:0, cuda:0, cpu', and ', each a group of tp 2' under tensor parallelism."""
         return ", ".join(self.devices) + (f", each a group of tp {self.tp}" if self.tp > 1 else "")
 
     def start(self, timeout: float = 600.0) -> list[tuple[str, int]]:
-        env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
-        root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         self.mps = mps_for(self.devices, self.mps_mode, self.log, self.tp)
         try:
-            for device, threads in zip(self.devices, self.threads):
-                cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", "127.0.0.1:0",
-                       "--device", device, "--model", str(self.model), "--exit-with-parent"]
-                if threads:
-                    cmd += ["--threads", str(threads)]
-                if self.tp > 1:
-                    cmd += ["--tp", str(self.tp)]
-                if self.spin_us:
-                    cmd += ["--spin-us", str(self.spin_us)]
-                self.procs.append(subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)},
-                                                   stdout=subprocess.PIPE, text=True, bufsize=1))
-            return [self._address(i, p, time.monotonic() + timeout) for i, p in enumerate(self.procs)]
+            for i in range(self.n):
+                self.procs.append(self._launch(i, "127.0.0.1:0"))
+            deadline = time.monotonic() + timeout
+            self.addresses = [self._address(i, p, deadline) for i, p in enumerate(self.procs)]
         except BaseException:
             self.stop()
             raise
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name="flotilla-local-workers", daemon=True)
+        self._supervisor.start()
+        return list(self.addresses)
+
+    def _launch(self, i: int, listen: str) -> subprocess.Popen:
+        env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
+        root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+        device, threads = self.devices[i], self.threads[i]
+        cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", listen,
+               "--device", device, "--model", str(self.model), "--exit-with-parent"]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        if self.tp > 1:
+            cmd += ["--tp", str(self.tp)]
+        if self.spin_us:
+            cmd += ["--spin-us", str(self.spin_us)]
+        return subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)},
+                                stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def _address(self, i: int, proc: subprocess.Popen, deadline: float) -> tuple[str, int]:
         found: list[tuple[str, int]] = []
         ready = threading.Event()
+        self._pump(i, proc, ready, found)
+        ready.wait(max(0.0, deadline - time.monotonic()))
+        if not found:
+            raise FlotillaError(f"local worker {i} did not start (exit status {proc.poll()}); its log is above")
+        return found[0]
 
-        def pump():  # forward the worker's stdout; the first line says where it listens
+    def _pump(self, i: int, proc: subprocess.Popen, ready: threading.Event, found: list) -> None:
+        """Forward the worker's stdout to the log; its first line says where it listens (`found`)."""
+        def pump():
             for line in proc.stdout:
                 m = _LISTENING.search(line)
                 if m and not found:
@@ -108,12 +134,40 @@ class LocalWorkers:
             ready.set()
 
         threading.Thread(target=pump, name=f"flotilla-worker-{i}-stdout", daemon=True).start()
-        ready.wait(max(0.0, deadline - time.monotonic()))
-        if not found:
-            raise FlotillaError(f"local worker {i} did not start (exit status {proc.poll()}); its log is above")
-        return found[0]
+
+    def _supervise(self) -> None:
+        """Start a worker that died again on its address (the head reconnects to it and re-prefills);
+        one dying too often is left down, said once. Polling also reaps the dead (no zombies)."""
+        restarts: list[list[float]] = [[] for _ in range(self.n)]
+        given_up: set[int] = set()
+        while not self._stopping.wait(POLL_S):
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                for i, proc in enumerate(self.procs):
+                    status = proc.poll()
+                    if status is None or i in given_up:
+                        continue
+                    now = time.monotonic()
+                    restarts[i] = [t for t in restarts[i] if now - t < RESTART_WINDOW_S]
+                    if len(restarts[i]) >= RESTART_LIMIT:
+                        given_up.add(i)
+                        self.log(f"[worker {i}] exited again (status {status}), {RESTART_LIMIT} times in "
+                                 f"{RESTART_WINDOW_S:.0f} s: left down; its stage's requests fail until the "
+                                 f"server is restarted")
+                        continue
+                    restarts[i].append(now)
+                    host, port = self.addresses[i]
+                    self.log(f"[worker {i}] exited (status {status}); starting it again on {host}:{port}")
+                    self.procs[i] = self._launch(i, f"{host}:{port}")
+                    self._pump(i, self.procs[i], threading.Event(), [])
 
     def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:  # a restart under way finishes first; none starts after this
+            pass
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()

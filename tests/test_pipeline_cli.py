@@ -47,6 +47,23 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "--spin-us must be >= 0" in r.stderr
 
 
+def test_a_token_mismatch_is_named_on_both_sides():
+    from pipeline_helpers import ProcessWorker, wait_until
+
+    worker = ProcessWorker(token=b"worker-token-0123456789").wait_listening()
+    try:
+        r = runtime("serve", "--pp", "1", "--hosts", f"127.0.0.1:{worker.port}",
+                    env={"FLOTILLA_TOKEN": "head-token-0123456789ab"})
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert (f"cannot connect to worker 127.0.0.1:{worker.port}: it answered, but with another token than this "
+                "head's; give the head and every worker the same token (FLOTILLA_TOKEN or --token-file)") in r.stderr
+        assert "start `runtime worker" not in r.stderr
+        assert wait_until(lambda: any("its token is likely not this worker's" in line for line in worker.log), 10), \
+            worker.log
+    finally:
+        worker.stop()
+
+
 def test_serve_pp2_starts_local_workers_and_serves(smollm2_int4):
     prompts, _, texts = smollm2_reference(smollm2_int4)
     env = {**os.environ, "PYTHONPATH": str(REPO)}

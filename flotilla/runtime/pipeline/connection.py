@@ -36,6 +36,9 @@ _SEQ = struct.Struct(">Q")  # a frame's sequence number, under its MAC
 DIRECT_MAX_FRAME = 256 << 10  # `write_direct` sends frames up to this size itself (a decode step's are far smaller)
 
 
+TOKEN_MISMATCH = "the peer does not know the token"
+
+
 class AuthError(ProtocolError):
     """The peer failed the handshake (wrong token, replay, wrong protocol version)."""
 
@@ -241,7 +244,7 @@ class ClientHandshake:
             raise AuthError(f"peer speaks protocol version {ch.version}, this flotilla speaks {PROTOCOL_VERSION}")
         if len(ch.nonce) != NONCE_BYTES or not hmac.compare_digest(ch.proof, _mac(self.token, b"server", self.nonce,
                                                                                      ch.nonce)):
-            raise AuthError("the peer does not know the token")
+            raise AuthError(TOKEN_MISMATCH)
         proof = frame(encode(Proof(_mac(self.token, b"client", self.nonce, ch.nonce))))
         return (proof, *_session_keys(self.token, self.nonce, ch.nonce))
 
@@ -281,9 +284,13 @@ async def server_handshake(reader, writer, token: bytes, timeout: float = 10.0,
         nonce_s = os.urandom(NONCE_BYTES)
         writer.write(frame(encode(Challenge(PROTOCOL_VERSION, nonce_s, _mac(token, b"server", hello.nonce, nonce_s)))))
         await writer.drain()
-        proof = await _read_plain(reader, Proof)
+        try:
+            proof = await _read_plain(reader, Proof)
+        except asyncio.IncompleteReadError:  # a client whose token differs leaves once it checked our proof
+            raise AuthError("the client left after this worker's challenge: its token is likely not this "
+                            "worker's (give both the same FLOTILLA_TOKEN or --token-file)") from None
         if not hmac.compare_digest(proof.proof, _mac(token, b"client", hello.nonce, nonce_s)):
-            raise AuthError("the peer does not know the token")
+            raise AuthError(TOKEN_MISMATCH)
         c2s, s2c = _session_keys(token, hello.nonce, nonce_s)
         peer = "%s:%s" % (writer.get_extra_info("peername") or ("?", "?"))[:2]
         return Connection(reader, writer, s2c, c2s, peer, max_frame), hello.name[:64]

@@ -38,7 +38,7 @@ from flotilla.models.llama import Stage
 from .activations import check_wire_dtype
 from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
     WorkerStats
-from .connection import AuthError
+from .connection import TOKEN_MISMATCH, AuthError
 from .partition import (StageBudget, compute_units, describe, shared_without_mps, sharing, split_layers,
                         stages_from_counts)
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
@@ -230,6 +230,10 @@ class Pipeline:
         try:
             await peer.connect()
         except GONE as e:
+            if isinstance(e, AuthError) and str(e) == TOKEN_MISMATCH:
+                raise FlotillaError(f"cannot connect to worker {peer.address}: it answered, but with another token "
+                                    f"than this head's; give the head and every worker the same token "
+                                    f"(FLOTILLA_TOKEN or --token-file)") from None
             raise FlotillaError(f"cannot connect to worker {peer.address}: {_why_unreachable(e, self.settings)}; "
                                 f"start `runtime worker --listen HOST:PORT` there, or fix --hosts") from None
 

@@ -330,3 +330,24 @@ def test_stage_0_prepares_a_held_decode_and_runs_it_as_the_plain_step(tiny):
     filled = fill_tokens(grows, [40, 50])
     assert torch.equal(prepared.run(filled).hidden, plain.run(filled).hidden)
     assert prepared.seqs.tables == plain.seqs.tables
+
+
+def test_probe_times_the_head_as_the_stage_runs_it(tiny, monkeypatch):
+    """The lm_head probe goes through LMHead.logits_fn (on a CPU the compiled kernels in the weight's
+    smallest exact form) over fp16 values, as a checkpoint's head is: timed in fp32 through F.linear it
+    read twice the bytes, and the split left the last stage one layer."""
+    from flotilla.models.config import ModelConfig
+    from flotilla.models.linear import LMHead
+    from flotilla.runtime.pipeline import probe
+
+    seen = []
+    real = LMHead.logits_fn
+
+    def logits_fn(self, device):
+        seen.append(torch.equal(self.weight, self.weight.half().float()))
+        return real(self, device)
+
+    monkeypatch.setattr(LMHead, "logits_fn", logits_fn)
+    config = ModelConfig.from_hf_dict(json.loads((tiny / "config.json").read_text()))
+    assert probe._time_head(config, torch.device("cpu"), torch.float32) > 0
+    assert seen == [True]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from flotilla.models.config import ModelConfig
-from flotilla.models.linear import Linear, QuantLinear
+from flotilla.models.linear import Linear, LMHead, QuantLinear
 from flotilla.models.llama import layer_step
 from flotilla.models.rope import RotaryEmbedding
 from flotilla.models.weights import build_layer
@@ -173,7 +173,13 @@ def _time_layer(layer, config: ModelConfig, device: torch.device, dtype: torch.d
 
 @torch.inference_mode()
 def _time_head(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
+    """The lm_head's time for one token, as the stage will run it (LMHead.logits_fn: on a CPU the
+    compiled kernels in the weight's smallest exact form), on a slice of the vocabulary scaled up.
+    The weights are fp16 values, as a checkpoint stores its head (in fp32 a CPU head reads twice the
+    bytes it will, and the split gave the last stage too few layers)."""
     rows = min(config.vocab_size, 8192)
-    w = torch.randn(rows, config.hidden_size, device=device, dtype=dtype) * 0.02
+    head = LMHead(config.hidden_size, rows).to(device=device, dtype=dtype)
+    head.weight.copy_((torch.randn(rows, config.hidden_size, device=device) * 0.02).half())
+    fn = head.logits_fn(device) or (lambda x: F.linear(x, head.weight))
     x = torch.randn(1, config.hidden_size, device=device, dtype=dtype)
-    return _median_ms(lambda: F.linear(x, w), device) * config.vocab_size / rows
+    return _median_ms(lambda: fn(x), device) * config.vocab_size / rows

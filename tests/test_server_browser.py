@@ -1,14 +1,20 @@
 """The chat page in a real browser (Debian's chromium, headless, driven by Playwright): a message
-streams in and grows, the stop button ends it, new chat clears it, the next message works."""
+streams in and grows, the stop button ends it, new chat clears it, the next message works; on a fake
+engine, a reply failing midway returns the page to ready and a chat past the context drops its
+oldest turns."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import time
 
 import pytest
 
-from server_harness import start_server
+from flotilla.server.engine_client import StepOutput
+from server_harness import LiveServer, start_server
+from test_server_ws_edges import Engine
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = os.environ.get("FLOTILLA_TEST_SCREENSHOT")  # a path: keep a picture of the page
@@ -23,6 +29,49 @@ def live(smollm2_gguf):
     server = start_server(smollm2_gguf)
     yield server
     server.stop()
+
+
+class PageEngine(Engine):
+    """A 256-token context and a letter a millisecond; `fail_next`: the next reply fails after 5 letters."""
+    max_model_len = 256
+
+    def __init__(self):
+        super().__init__()
+        self.fail_next = False
+
+    async def generate(self, request_id, prompt_ids, params):
+        fail, self.fail_next = self.fail_next, False
+        for i in range(params.max_tokens):
+            if fail and i == 5:
+                raise RuntimeError("a bug in the engine")
+            await asyncio.sleep(0.001)
+            yield StepOutput((65 + i % 26,), chr(65 + i % 26), "length" if i == params.max_tokens - 1 else None)
+
+
+@pytest.fixture
+def fake():
+    with LiveServer(PageEngine()) as server:
+        yield server
+
+
+def chat_frames(page) -> list[dict]:
+    """The chat frames the page sends from now on (the list fills as it sends them)."""
+    sent = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
+    return sent
+
+
+def open_page(page, server) -> None:
+    page.goto(server.url + "/")
+    page.wait_for_function("document.querySelector('#model').textContent === %r" % server.engine.model_name)
+
+
+def say(page, text: str, replies: int) -> None:
+    """Send a message and wait until `replies` replies have ended."""
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    page.wait_for_function("document.querySelectorAll('.msg.assistant[data-finish]').length === %d" % replies,
+                           timeout=30_000)
 
 
 @pytest.fixture
@@ -109,3 +158,48 @@ def test_a_refused_message_leaves_the_chat_history(live, page):
 
     chats = [json.loads(f) for f in sent if '"chat"' in f]
     assert len(chats) == 2 and [m["content"] for m in chats[1]["messages"]] == ["Say hello."]
+
+
+def test_a_reply_failing_midway_returns_the_page_to_ready(fake, page):
+    """The server ends a failed reply with an error frame and then "done"; the page ends the reply at the
+    error: the text so far stays with the error under it, Send is back, and the next message works."""
+    sent = chat_frames(page)
+    open_page(page, fake)
+    fake.engine.fail_next = True
+    say(page, "Hello", 1)
+    reply = page.locator(".msg.assistant").last
+    assert reply.get_attribute("data-finish") == "error" and "error" in reply.get_attribute("class")
+    assert reply.locator(".body").inner_text() == "ABCDE"
+    assert "failed: internal server error" in reply.locator(".meta").inner_text()
+    assert "internal server error" in page.inner_text("#banner")
+    assert page.is_visible("#send") and not page.is_visible("#stop")
+    say(page, "Again", 2)
+    assert page.locator(".msg.assistant").last.get_attribute("data-finish") == "length"
+    chats = [json.loads(f) for f in sent if '"chat"' in f]
+    assert [m["content"] for m in chats[1]["messages"]] == ["Hello", "ABCDE", "Again"]
+    assert fake.state.admission.in_flight == 0 and page.errors == []
+
+
+def test_a_chat_past_the_context_drops_its_oldest_turns(fake, page):
+    """With a 256-token context the page asks for 128-token replies (not its default 512, which the server
+    would refuse), and once the conversation outgrows the context the server drops the oldest turns: the
+    page says so, dims them and stops sending them."""
+    sent = chat_frames(page)
+    open_page(page, fake)
+    questions = ["First question", "Second question", "Third question"]
+    for i, text in enumerate(questions):
+        say(page, text, i + 1)
+    finishes = [el.get_attribute("data-finish") for el in page.locator(".msg.assistant").all()]
+    assert finishes == ["length"] * 3
+    chats = [json.loads(f) for f in sent if '"chat"' in f]
+    assert [(c["max_tokens"], c["fit_context"]) for c in chats] == [(128, True)] * 3
+    answer = "".join(chr(65 + i % 26) for i in range(128))
+    assert [[m["content"] for m in c["messages"]] for c in chats] == [
+        questions[:1], [questions[0], answer, questions[1]], [questions[1], answer, questions[2]]]
+    # each turn's 139 tokens of answer leave no room for the next turn's 128: the turn before it goes
+    assert page.locator(".msg.dropped").count() == 4
+    notices = page.locator(".notice").all_inner_texts()
+    assert len(notices) == 2 and all("2 oldest messages" in n and "256-token context" in n for n in notices)
+    assert page.errors == []
+    page.click("#new-chat")
+    assert page.locator(".msg, .notice").count() == 0

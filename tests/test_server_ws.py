@@ -1,5 +1,6 @@
 """Websocket chat: a multi-turn conversation, a cancel mid-stream that frees the request's KV
-blocks at once, and bad frames that get an error frame or a close code with a reason."""
+blocks at once, and bad frames that get an error frame or a close code with a reason (the frame size
+limit, a failing engine and the API key's scheme: test_server_ws_edges.py, on a fake engine)."""
 from __future__ import annotations
 
 import asyncio
@@ -200,18 +201,3 @@ def test_binary_frame_closes_with_1003_and_a_reason(live):
     assert kind == aiohttp.WSMsgType.CLOSE and code == 1003
     assert "binary frames are not supported" in reason and "JSON text" in reason
     assert done["type"] == "done"
-
-
-def test_oversized_frame_closes_with_1009(smollm2_gguf):
-    server = start_server(smollm2_gguf, max_body_bytes=4096)
-    try:
-        async def session():
-            async with aiohttp.ClientSession() as s:
-                ws = await connect(s, server)
-                await ws.send_json({"type": "chat", "messages": [{"role": "user", "content": "x" * 10000}]})
-                msg = await ws.receive()
-                return msg.type, ws.close_code
-        kind, code = run(session())
-        assert kind == aiohttp.WSMsgType.CLOSE and code == 1009
-    finally:
-        server.stop()

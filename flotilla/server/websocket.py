@@ -2,23 +2,31 @@
 
 Client -> server (JSON text frames):
     {"type": "chat", "messages": [...], "max_tokens": 256, "temperature": 0.7, ...}  one reply
+        with "fit_context": true the oldest turns are dropped (never the leading system messages nor the
+        last message) until the prompt leaves room for the reply, as `runtime chat` does (see fit_context)
     {"type": "cancel"}                         stop the reply streaming (ignored when none is)
     {"type": "ping"}                                                                 -> pong
 Server -> client:
     {"type": "ready", "model", "max_model_len"}            once, on connect
-    {"type": "start", "id", "prompt_tokens"}               a reply begins
+    {"type": "start", "id", "prompt_tokens", "dropped_messages"}   a reply begins
     {"type": "delta", "id", "text"}                        streamed text
     {"type": "done", "id", "finish_reason", "usage", "timing"}
-        finish_reason: "stop", "length", "cancelled" (the client's cancel) or "abort" (server shutdown)
-    {"type": "error", "code", "message", "param"}          a bad frame; the socket stays open
-One reply at a time per socket; many turns per socket. Binary frames close the socket with 1003;
-a wrong API key closes it with 1008.
+        finish_reason: "stop", "length", "cancelled" (the client's cancel), "abort" (server shutdown)
+        or "error" (the reply failed; its error frame came just before)
+    {"type": "error", "code", "message", "param"}          a bad or refused frame; the socket stays open
+    {"type": "error", "id", "code", "message", "param"}    a reply that failed after its "start"
+Every "start" is followed by exactly one "done". One reply at a time per socket; many turns per
+socket. Binary frames close the socket with 1003; a wrong API key closes it with 1008; a text frame
+over --max-body-bytes gets a 413 error frame, and one over twice that closes the socket with 1009
+(aiohttp stops buffering it there, so a socket never holds more).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
+from dataclasses import dataclass
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -26,12 +34,15 @@ from flotilla.errors import FlotillaError
 
 from .engine_client import EngineUnavailable
 from .errors import ApiError, bad_request
-from .fields import describe, parse_json_object
+from .fields import Fields, describe, parse_json_object
 from .generation import Generation, new_request_id
-from .protocol import parse_chat
+from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages
 from .state import ServerState
 
+log = logging.getLogger("flotilla.server")
+
 LARGE_FRAME = 32 * 1024  # characters; larger chat frames are tokenized off the event loop
+BUFFERED_FRAME_FACTOR = 2  # frames up to this many times --max-body-bytes are read and refused with 413
 EXAMPLE = '{"type": "chat", "messages": [{"role": "user", "content": "Hi"}]}'
 
 
@@ -47,11 +58,13 @@ class ChatSocket:
         if key is None:
             return True
         header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else request.query.get("api_key", "")
+        # the scheme is case-insensitive (RFC 7235), as the HTTP middleware reads it
+        given = header[7:].strip() if header[:7].lower() == "bearer " else request.query.get("api_key", "")
         return hmac.compare_digest(given.encode(), key.encode())
 
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.state.config.max_body_bytes, heartbeat=30.0)
+        limit = self.state.config.max_body_bytes
+        ws = web.WebSocketResponse(max_msg_size=BUFFERED_FRAME_FACTOR * limit, heartbeat=30.0)
         await ws.prepare(request)
         if not self._authorized(request):
             await ws.close(code=WSCloseCode.POLICY_VIOLATION,
@@ -64,7 +77,13 @@ class ChatSocket:
         try:
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:
-                    await conversation.on_text(msg.data)
+                    size = _utf8_size(msg.data, limit)
+                    if size > limit:
+                        await conversation.error(ApiError(
+                            413, f"the frame is {size} bytes; the limit is {limit} bytes (--max-body-bytes): "
+                                 f"send a shorter message", code="request_too_large"))
+                    else:
+                        await conversation.on_text(msg.data)
                 elif msg.type == WSMsgType.BINARY:
                     await ws.close(code=WSCloseCode.UNSUPPORTED_DATA,
                                    message=b"binary frames are not supported; send JSON text frames")
@@ -73,6 +92,90 @@ class ChatSocket:
             await conversation.stop()
             self.state.websockets.discard(ws)
         return ws
+
+
+def _utf8_size(text: str, limit: int) -> int:
+    """The frame's size in UTF-8 bytes as sent; where it cannot pass `limit` (a character is at most 4
+    bytes), its length in characters stands for it, with no copy."""
+    return len(text) if 4 * len(text) <= limit else len(text.encode("utf-8"))
+
+
+def fit_context(fields: dict, model: ModelInfo) -> tuple[dict, int]:
+    """A chat frame's fields with the oldest turns dropped until the prompt leaves room for the reply,
+    as `runtime chat` does: (fields, messages dropped). The room is max_tokens (the whole context when
+    absent), at most half the context; a larger max_tokens is lowered to what the kept prompt leaves.
+    The leading system messages and the last message always stay, and the kept turns start at a user
+    message (a user turn goes with the replies after it). Where the last message alone leaves no room,
+    the refusal says so."""
+    f = Fields(fields)
+    messages = parse_messages(f)
+    key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    max_tokens = f.integer(key, None, 1, None)
+    context = model.max_model_len
+    room = min(max_tokens or context, context // 2)
+    keep = 0
+    while keep < len(messages) - 1 and messages[keep]["role"] == "system":
+        keep += 1
+    last = len(messages) - 1
+    starts = [keep] + [i for i in range(keep + 1, len(messages)) if i == last or messages[i]["role"] == "user"]
+    lengths: dict[int, int] = {}
+
+    def length(j: int) -> int:  # prompt tokens with the turns before starts[j] dropped
+        if j not in lengths:
+            try:
+                lengths[j] = len(model.tokenizer.apply_chat_template(messages[:keep] + messages[starts[j]:]))
+            except FlotillaError as e:
+                raise bad_request(f"'messages': {e}", param="messages") from None
+        return lengths[j]
+
+    def fits(j: int) -> bool:
+        return length(j) + room <= context
+
+    best = 0
+    if not fits(0):
+        lo, hi = 1, len(starts) - 1  # the prompt shrinks as turns go: the first start that fits
+        if not fits(hi):
+            what = "the last message with the system prompt" if keep else "the last message alone"
+            raise bad_request(f"{what} is {length(hi)} tokens, and with {room} for the reply that passes the "
+                              f"{context}-token context even with every earlier turn dropped; send a shorter "
+                              f"message", param="messages", code="context_length_exceeded")
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        best = lo
+    raw = fields["messages"]
+    fitted = {**fields, "messages": raw[:keep] + raw[starts[best]:]}
+    if max_tokens is not None and max_tokens > context - length(best):
+        fitted[key] = context - length(best)
+    return fitted, starts[best] - keep
+
+
+def parse_frame(fields: dict, model: ModelInfo) -> tuple[GenerationRequest, int]:
+    """A chat frame's request and the number of messages `fit_context` dropped for it."""
+    dropped = 0
+    if Fields(fields).boolean("fit_context", False):
+        fields, dropped = fit_context(fields, model)
+    fields = {k: v for k, v in fields.items() if k != "fit_context"}
+    return parse_chat(fields, model, 1, require_model=False), dropped
+
+
+class _SocketGone(Exception):
+    """The client left: nothing more can be sent."""
+
+
+@dataclass
+class _Reply:
+    id: str
+    arrival: float
+    first: float | None = None  # when its first and last tokens came
+    last: float | None = None
+
+    def done(self, gen: Generation, finish: str | None) -> dict:
+        n = gen.completion_tokens
+        first, last = self.first, self.last
+        timing = {"ttft": round(first - self.arrival, 4) if first else None,
+                  "tokens_per_second": round((n - 1) / (last - first), 2) if n > 1 and last > first else None}
+        return {"type": "done", "id": self.id, "finish_reason": finish, "usage": gen.usage(), "timing": timing}
 
 
 class _Conversation:
@@ -85,9 +188,21 @@ class _Conversation:
         self.generation: Generation | None = None
         self.cancelled = False
 
-    async def error(self, e: ApiError) -> None:
-        if not self.ws.closed:
-            await self.ws.send_json({"type": "error", "code": e.status, "message": e.message, "param": e.param})
+    async def send(self, frame: dict) -> None:
+        if self.ws.closed:
+            raise _SocketGone()
+        try:
+            await self.ws.send_json(frame)
+        except ConnectionResetError:
+            raise _SocketGone() from None
+
+    async def error(self, e: ApiError, reply_id: str | None = None) -> None:
+        frame = {"type": "error", **({"id": reply_id} if reply_id else {}), "code": e.status, "message": e.message,
+                 "param": e.param}
+        try:
+            await self.send(frame)
+        except _SocketGone:
+            pass
 
     async def on_text(self, text: str) -> None:
         try:
@@ -116,15 +231,14 @@ class _Conversation:
             if data.get("stream") is False:
                 raise bad_request("the websocket always streams; leave out 'stream'", param="stream")
             fields = {k: v for k, v in data.items() if k not in ("type", "stream", "stream_options")}
-            args = (fields, self.state.engine, 1)
             if len(text) > LARGE_FRAME:  # tokenizing it would stall every other stream
-                req = await asyncio.to_thread(parse_chat, *args, require_model=False)
+                req, dropped = await asyncio.to_thread(parse_frame, fields, self.state.engine)
             else:
-                req = parse_chat(*args, require_model=False)
+                req, dropped = parse_frame(fields, self.state.engine)
         except ApiError as e:
             return await self.error(e)
         self.cancelled = False
-        self.reply = asyncio.create_task(self.run(req, arrival))
+        self.reply = asyncio.create_task(self.run(req, dropped, arrival))
 
     async def cancel(self) -> None:
         """Stop the reply in flight; with none, nothing to do (a cancel that crosses the reply's
@@ -135,48 +249,62 @@ class _Conversation:
         if self.generation is not None:
             await self.generation.abort()
 
-    async def run(self, req, arrival: float) -> None:
-        rid = new_request_id("chat")
-        ws = self.ws
+    async def run(self, req: GenerationRequest, dropped: int, arrival: float) -> None:
+        """One reply: "start", its deltas and "done"; a failure after "start" is an error frame and then
+        "done" with finish_reason "error", so a client always sees its reply end."""
+        reply = _Reply(new_request_id("chat"), arrival)
+        started: Generation | None = None
         try:
             with self.state.admission.admit(1):
-                async with Generation(self.state.engine, self.state.metrics, req, rid, arrival) as gen:
+                async with Generation(self.state.engine, self.state.metrics, req, reply.id, arrival) as gen:
                     self.generation = gen
-                    await ws.send_json({"type": "start", "id": rid, "prompt_tokens": gen.prompt_tokens})
+                    await self.send({"type": "start", "id": reply.id, "prompt_tokens": gen.prompt_tokens,
+                                     "dropped_messages": dropped})
+                    started = gen
                     # cancelled before reaching the engine: it never gets there. No await between
                     # this check and outputs() adding the request, so a later cancel finds it there.
-                    finish, first, last = ("abort", None, None) if self.cancelled else await self._stream(gen, rid)
+                    finish = "abort" if self.cancelled else await self._stream(gen, reply)
                     if finish == "abort" and self.cancelled:
                         finish = "cancelled"
-                    n = gen.completion_tokens
-                    timing = {"ttft": round(first - arrival, 4) if first else None,
-                              "tokens_per_second": round((n - 1) / (last - first), 2) if n > 1 and last > first
-                              else None}
-                    await ws.send_json({"type": "done", "id": rid, "finish_reason": finish, "usage": gen.usage(),
-                                        "timing": timing})
-        except ApiError as e:
-            await self.error(e)
-        except EngineUnavailable as e:
-            await self.error(ApiError(503, f"the engine cannot serve: {e}", code="engine_unavailable"))
-        except FlotillaError as e:  # a request the engine refuses that validation let through
-            await self.error(bad_request(str(e)))
-        except ConnectionResetError:
+            await self.send(reply.done(started, finish))
+        except _SocketGone:
             pass  # the socket closed; leaving the Generation aborted the request
+        except Exception as e:
+            await self.error(_api_error(e, reply.id), reply.id if started is not None else None)
+            if started is not None:
+                try:
+                    await self.send(reply.done(started, "error"))
+                except _SocketGone:
+                    pass
         finally:
             self.generation = None
 
-    async def _stream(self, gen: Generation, rid: str) -> tuple[str | None, float | None, float | None]:
-        """Send the reply's deltas; (finish_reason, time of the first token, time of the last)."""
-        first = last = finish = None
+    async def _stream(self, gen: Generation, reply: _Reply) -> str | None:
+        """Send the reply's deltas; its finish_reason."""
+        finish = None
         async for _, out in gen.outputs():
             if out.token_ids:
-                first, last = first or time.perf_counter(), time.perf_counter()
+                now = time.perf_counter()
+                reply.first, reply.last = reply.first or now, now
             if out.text:
-                await self.ws.send_json({"type": "delta", "id": rid, "text": out.text})
+                await self.send({"type": "delta", "id": reply.id, "text": out.text})
             finish = out.finish_reason
-        return finish, first, last
+        return finish
 
     async def stop(self) -> None:
         if self.reply is not None and not self.reply.done():
             self.reply.cancel()
             await asyncio.gather(self.reply, return_exceptions=True)
+
+
+def _api_error(e: Exception, reply_id: str) -> ApiError:
+    """What the client is told of a reply's failure (a bug's traceback goes to the log only)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, EngineUnavailable):
+        return ApiError(503, f"the engine cannot serve: {e}", code="engine_unavailable")
+    if isinstance(e, FlotillaError):  # a request the engine refuses that validation let through
+        return bad_request(str(e))
+    log.error("websocket reply %s failed", reply_id, exc_info=e)
+    return ApiError(500, "internal server error (a bug in the server; its log has the traceback)",
+                    code="internal_error")

@@ -9,7 +9,8 @@
     keyRow: $("key-row"), settings: $("settings"), settingsToggle: $("settings-toggle"), newChat: $("new-chat"),
   };
   const store = window.localStorage;
-  const state = { ws: null, history: [], reply: null, retry: 0 };
+  const state = { ws: null, history: [], reply: null, retry: 0, maxModelLen: null };
+  const DEFAULT_MAX_TOKENS = 512;
 
   // ---------------------------------------------------------------------- settings
   for (const [el, key] of [[els.system, "system"], [els.temperature, "temperature"],
@@ -37,6 +38,7 @@
     ws.onclose = (ev) => {
       setStatus("closed");
       if (state.reply) finishReply({ finish_reason: "disconnected" });
+      if (ev.code === 1009) showBanner("The server closed the connection: that message is too large for it.");
       if (ev.code === 1008) {
         els.keyRow.hidden = false;
         els.settings.hidden = false;
@@ -65,14 +67,18 @@
     switch (f.type) {
       case "ready":
         els.model.textContent = f.model;
+        state.maxModelLen = f.max_model_len;
+        els.maxTokens.title = `at most ${replyCap()} here: half of the model's ${f.max_model_len}-token context`;
         setStatus("open");
         showBanner("");
         break;
       case "start":
-        if (state.reply) state.reply.id = f.id;
+        if (!state.reply || state.reply.id) break;
+        state.reply.id = f.id;
+        if (f.dropped_messages > 0 && !state.reply.discard) dropOldest(f.dropped_messages);
         break;
       case "delta":
-        if (!state.reply || state.reply.discard) break;
+        if (!state.reply || state.reply.discard || f.id !== state.reply.id) break;
         if (state.reply.first === null) state.reply.first = performance.now();
         state.reply.text += f.text;
         state.reply.deltas += 1;
@@ -81,15 +87,17 @@
         scrollDown();
         break;
       case "done":
-        finishReply(f);
+        if (state.reply && f.id === state.reply.id) finishReply(f);
         break;
-      case "error":
-        if (state.reply && !state.reply.id) {  // the request itself was refused
-          state.reply.el.classList.add("error");
-          finishReply({ finish_reason: "error" });
+      case "error": {  // the request was refused (no id), or the reply failed (its "done" follows: ignored)
+        const r = state.reply;
+        if (r && (!f.id || f.id === r.id)) {
+          r.el.classList.add("error");
+          finishReply({ finish_reason: "error" }, f.message);
         }
-        showBanner(f.message);
+        if (!r || !r.discard) showBanner(f.message);
         break;
+      }
     }
   }
 
@@ -107,42 +115,60 @@
     return { el, body };
   }
 
+  // The longest reply asked for: half the context, as `runtime chat` keeps; the server drops the oldest
+  // turns ("fit_context") so that the prompt leaves room for it.
+  function replyCap() { return state.maxModelLen ? Math.max(1, Math.floor(state.maxModelLen / 2)) : Infinity; }
+
+  function dropOldest(n) {  // the server left out the n oldest messages: so do later sends
+    const gone = state.history.splice(0, n);
+    for (const m of gone) {
+      m.el.classList.add("dropped");
+      m.el.title = "no longer sent to the model: the conversation outgrew its context";
+    }
+    const note = document.createElement("div");
+    note.className = "notice";
+    note.textContent = `The ${n} oldest message${n === 1 ? "" : "s"} no longer fit the model's ` +
+      `${state.maxModelLen}-token context and ${n === 1 ? "was" : "were"} dropped from the conversation.`;
+    const current = state.history[state.history.length - 1];
+    els.messages.insertBefore(note, current ? current.el : state.reply.el);
+  }
+
   function send(text) {
     if (!text.trim() || state.reply || !isOpen()) return;
     showBanner("");
-    state.history.push({ role: "user", content: text });
-    addMessage("user", text);
+    state.history.push({ role: "user", content: text, el: addMessage("user", text).el });
     const { el, body } = addMessage("assistant", "");
     el.classList.add("streaming");
     state.reply = { id: null, el, body, text: "", deltas: 0, start: performance.now(), first: null };
     const messages = [];
     const system = els.system.value.trim();
     if (system) messages.push({ role: "system", content: system });
-    messages.push(...state.history);
-    const frame = { type: "chat", messages };
+    messages.push(...state.history.map(({ role, content }) => ({ role, content })));
+    const frame = { type: "chat", messages, fit_context: true };
     const t = parseFloat(els.temperature.value);
     if (!Number.isNaN(t)) frame.temperature = t;
     const m = parseInt(els.maxTokens.value, 10);
-    if (!Number.isNaN(m)) frame.max_tokens = m;
+    frame.max_tokens = Math.min(Number.isNaN(m) || m < 1 ? DEFAULT_MAX_TOKENS : m, replyCap());
     state.ws.send(JSON.stringify(frame));
     updateButtons();
   }
 
-  function finishReply(f) {
+  function finishReply(f, error) {
     const r = state.reply;
     if (!r) return;
     state.reply = null;
     if (r.discard) { updateButtons(); return; }
     r.el.classList.remove("streaming");
     r.el.dataset.finish = f.finish_reason || "";
-    if (r.text) state.history.push({ role: "assistant", content: r.text });
+    if (r.text) state.history.push({ role: "assistant", content: r.text, el: r.el });
     else state.history.pop();  // nothing came back (refused, or stopped at once): later sends leave the question out
     const meta = document.createElement("span");
     meta.className = "meta";
     const tokens = f.usage ? f.usage.completion_tokens : r.deltas;
     const rate = f.timing && f.timing.tokens_per_second;
     const label = { stop: "", length: " · hit max tokens", cancelled: " · stopped", abort: " · cancelled by server",
-                    disconnected: " · connection lost", error: " · refused" }[f.finish_reason] ?? "";
+                    disconnected: " · connection lost",
+                    error: r.id ? ` · failed: ${error || "error"}` : " · refused" }[f.finish_reason] ?? "";
     meta.textContent = `${tokens} tokens` + (rate ? ` · ${rate.toFixed(1)} tok/s` : "") + label;
     r.el.appendChild(meta);
     els.stats.textContent = meta.textContent + (f.timing && f.timing.ttft != null
@@ -195,7 +221,7 @@
       if (isOpen()) state.ws.send('{"type":"cancel"}');
     }
     state.history = [];
-    for (const el of [...els.messages.querySelectorAll(".msg")]) el.remove();
+    for (const el of [...els.messages.querySelectorAll(".msg, .notice")]) el.remove();
     els.empty.hidden = false;
     els.stats.textContent = "";
     showBanner("");

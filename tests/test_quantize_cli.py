@@ -63,6 +63,8 @@ BAD_INPUTS = {
     "missing-tensor": (["--src", "{broken}"], ["model.layers.1.mlp.up_proj.weight", "missing"]),
     "out-not-writable": (["--out", "/sys/flotilla-quantize-out"], ["not writable"]),
     "out-exists": (["--out", "{tmp}/exists"], ["already exists", "--force"]),
+    "out-inside-the-source": (["--out", "{src}/out"], ["inside the source model", "outside the source model"]),
+    "out-deep-inside-the-source": (["--out", "{tmp}/link/sub/out"], ["inside the source model"]),  # via a symlink
     "act-order-rtn": (["--method", "rtn", "--act-order"], ["--act-order needs --method gptq"]),
     "keep-no-pattern": (["--keep", "8"], ["expected BITS:PATTERN"]),
     "keep-narrower": (["--keep", "4:.*"], ["more than --bits 4"]),
@@ -77,8 +79,10 @@ def test_bad_input_is_one_line_and_writes_nothing(case, src, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("  \n\n")
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n{"text": "   "}\n')
     (tmp_path / "exists").mkdir()
+    (tmp_path / "link").symlink_to(src)
     args, fragments = BAD_INPUTS[case]
-    subs = {"tmp": tmp_path, "broken": _missing_tensor_source(src, tmp_path) if case == "missing-tensor" else ""}
+    subs = {"tmp": tmp_path, "src": src,
+            "broken": _missing_tensor_source(src, tmp_path) if case == "missing-tensor" else ""}
     args = [a.format(**subs) for a in args]
     source = str(src)
     out = str(tmp_path / "out")
@@ -88,12 +92,13 @@ def test_bad_input_is_one_line_and_writes_nothing(case, src, tmp_path, capsys):
     if "--out" in args:
         out = args[args.index("--out") + 1]
         del args[args.index("--out"):args.index("--out") + 2]
-    before = listing(tmp_path)
+    before, source_files = listing(tmp_path), listing(src)
     capsys.readouterr()  # drop what building the fixtures printed
     code = quantize_main([source, "-o", out, "--quiet", *FAST, *args])
     assert code == 2
     assert_one_line_error(capsys.readouterr().err, *fragments)
     assert listing(tmp_path) == before  # no OUT, no temporary or probe directory
+    assert listing(src) == source_files
     if case == "out-exists":
         assert listing(tmp_path / "exists") == set()
 
@@ -236,6 +241,20 @@ def test_without_out_the_card_form_writes_beside_the_source(tmp_path):
     assert (cfg.quant.bits, cfg.quant.method, cfg.quant.group_size) == (4, "gptq", 128)
     again = quantize_main([str(src), "--quiet", "--method", "rtn", "--bits", "8"])  # method and bits in the name
     assert again == 0 and open_source(tmp_path / "model-rtn-int8").config.quant.bits == 8
+
+
+def test_without_out_a_source_that_is_not_a_model_gets_its_error_alone(tmp_path, capsys):
+    """Where the checkpoint would go is said only once SRC is known to be a model: a missing path, a file
+    that is not a .gguf and a directory without weights each print their one error line, nothing else."""
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for name, words in (("nope", "no such file or directory"), ("notes.txt", "not a model"),
+                        ("empty", "no config.json")):
+        assert quantize_main([str(tmp_path / name), "--quiet", "--method", "rtn"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "", captured.out
+        assert_one_line_error(captured.err, str(tmp_path / name), words)
+    assert listing(tmp_path) == {"notes.txt", "empty"}
 
 
 def test_default_out_of_a_gguf_file_is_its_name_beside_it(tmp_path):

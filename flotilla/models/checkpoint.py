@@ -13,18 +13,23 @@ linears use the GPTQ layout of `flotilla.kernels.gptq`.
 
 Writes are atomic: everything is built in a hidden sibling directory, fsynced, then renamed to
 OUT. A crash leaves no directory at OUT (only a hidden `.OUT.tmp-PID` that the next write of the
-same OUT removes).
+same OUT removes). A failed write (a full disk, a read-only mount, ...) removes the hidden
+directory and raises one FlotillaError naming OUT and the problem.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from flotilla.errors import FlotillaError
@@ -158,27 +163,31 @@ class CheckpointWriter:
             w.commit()
 
     Leaving the block without commit() (an exception) removes the temporary directory; a killed
-    process leaves it hidden (`.OUT.tmp-PID`), and the next writer of OUT removes it.
+    process leaves it hidden (`.OUT.tmp-PID`), and the next writer of OUT removes it. An OS error
+    while writing (ENOSPC, EACCES, EROFS, ... or safetensors' error carrying one) removes it at
+    once and becomes a FlotillaError naming OUT; `size_hint` (the checkpoint's expected bytes, 0:
+    unknown) lets a full disk's message say how much space to free.
     """
 
-    def __init__(self, out: str | Path, config: ModelConfig, shard_size: int = 2 << 30, force: bool = False):
+    def __init__(self, out: str | Path, config: ModelConfig, shard_size: int = 2 << 30, force: bool = False,
+                 size_hint: int = 0):
         self.out = self.check_target(out, force)
         self.config = config
         self.shard_size = shard_size
-        self._remove_stale_temps()
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        try:
-            self.tmp.mkdir()
-        except OSError as e:
-            raise FlotillaError(f"{self.out.parent}: cannot create the output there ({e.strerror})") from None
+        self.size_hint = size_hint
         self._parts: list[Path] = []  # layers spilled to disk, waiting for their shard to be cut
         self._pending_layers: list[str] = []
         self._pending_bytes = 0
         self._written: list[tuple[str, list[str], list[str]]] = []  # (temp file, layers, tensor names)
         self._committed = False
+        self._old: Path | None = None  # the OUT that --force replaces, moved aside during the rename
         self.total_bytes = 0
+        self._remove_stale_temps()
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        with self._write_errors():
+            self.tmp.mkdir()  # last: from here on the caller's `with` (or abort) owns it
 
     @staticmethod
     def check_target(out: str | Path, force: bool = False, source: str | Path | None = None) -> Path:
@@ -188,16 +197,19 @@ class CheckpointWriter:
         a model checkpoint (`replaceable`), and never one that holds `source`. Returns the absolute
         path."""
         out = Path(out).expanduser().absolute()
+        if source is not None:
+            src, real = Path(source).expanduser().resolve(), out.resolve()
+            if src in real.parents:
+                raise FlotillaError(f"{out}: inside the source model {src}; choose a directory outside the "
+                                    "source model for -o")
+            if out.exists() and (src == real or real in src.parents):
+                raise FlotillaError(f"{out}: holds the source {src}; write the checkpoint somewhere else "
+                                    "(--force never replaces the model it reads)")
         if out.exists() and not force:
             raise FlotillaError(f"{out}: already exists; pass --force to replace it")
         if out.exists() and not out.is_dir():
             raise FlotillaError(f"{out}: exists and is not a directory")
         if out.exists():
-            if source is not None:
-                src = Path(source).expanduser().resolve()
-                if src == out.resolve() or out.resolve() in src.parents:
-                    raise FlotillaError(f"{out}: holds the source {src}; write the checkpoint somewhere else "
-                                        "(--force never replaces the model it reads)")
             why = replaceable(out)
             if why:
                 raise FlotillaError(f"{out}: {why}; --force replaces only an empty directory or a model "
@@ -220,6 +232,48 @@ class CheckpointWriter:
         if not self._committed:
             self.abort()
 
+    @contextlib.contextmanager
+    def _write_errors(self):
+        """Within: an OS error, or a safetensors/tokenizers error that carries one ("... (os error 28)"),
+        removes the temporary directory and is raised as one FlotillaError naming OUT."""
+        try:
+            yield
+        except OSError as e:
+            raise self._write_error(e.errno, e.strerror or str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the Rust writers' errors have no OSError type
+            m = _OS_ERROR.search(str(e))
+            if m is None and not isinstance(e, SafetensorError):
+                raise
+            raise self._write_error(int(m.group(1)) if m else None, str(e)) from None
+
+    def _write_error(self, code: int | None, detail: str) -> FlotillaError:
+        if not self._committed:
+            self.abort()  # first: the free space reported is what the user has without the partial write
+        if code is None:
+            return FlotillaError(f"cannot write {self.out}: {detail}; nothing was written")
+        problem = os.strerror(code)
+        problem = problem[:1].lower() + problem[1:]
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            advice = self._space_advice()
+        elif code == errno.EFBIG:
+            advice = "a file-size limit (ulimit -f, or the filesystem's): lower --shard-size or choose another -o"
+        else:
+            advice = "choose another -o"
+        return FlotillaError(f"{problem} writing {self.out}: {advice}")
+
+    def _space_advice(self) -> str:
+        try:
+            free = shutil.disk_usage(self.out.parent).free
+        except OSError:
+            return "free space there or choose another -o"
+        if not self.size_hint:
+            return f"{_size(free)} is free there; free more or choose another -o"
+        need = self.size_hint + min(self.shard_size, self.size_hint)  # the last shard is joined beside its parts
+        took = f"writing it takes about {_size(need)} and {_size(free)} is free there"
+        if need > free:
+            return f"{took}; free {_size(need - free)} or choose another -o"
+        return f"{took} now; free more or choose another -o"
+
     def _remove_stale_temps(self) -> None:
         for p in self.out.parent.glob(f".{self.out.name}.tmp-*"):
             try:
@@ -234,11 +288,12 @@ class CheckpointWriter:
         """Add every tensor of one layer; layers are never split across shards. The layer goes to
         disk at once (a part file), so memory holds one layer whatever the shard size."""
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self._parts and self._pending_bytes + size > self.shard_size:
-            self._flush()
-        part = self.tmp / f"part-{len(self._written):05d}-{len(self._parts):05d}.safetensors"
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, str(part),
-                  metadata={"format": "pt"})
+        with self._write_errors():
+            if self._parts and self._pending_bytes + size > self.shard_size:
+                self._flush()
+            part = self.tmp / f"part-{len(self._written):05d}-{len(self._parts):05d}.safetensors"
+            save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, str(part),
+                      metadata={"format": "pt"})
         self._parts.append(part)
         self._pending_layers.append(key)
         self._pending_bytes += size
@@ -258,17 +313,24 @@ class CheckpointWriter:
     def copy_files(self, src: Path, names=TOKENIZER_FILES) -> None:
         for name in names:
             if (src / name).is_file():
-                shutil.copyfile(src / name, self.tmp / name)
+                with self._write_errors():
+                    shutil.copyfile(src / name, self.tmp / name)
 
     def save_tokenizer(self, tokenizer) -> None:
         """Write a flotilla.models.tokenizer.Tokenizer's files (tokenizer.json, its config and
         chat template) into the checkpoint."""
-        tokenizer.save(self.tmp)
+        with self._write_errors():
+            tokenizer.save(self.tmp)
 
     def write_file(self, name: str, data: bytes | str) -> None:
-        (self.tmp / name).write_bytes(data.encode() if isinstance(data, str) else data)
+        with self._write_errors():
+            (self.tmp / name).write_bytes(data.encode() if isinstance(data, str) else data)
 
     def commit(self) -> Path:
+        with self._write_errors():
+            return self._commit()
+
+    def _commit(self) -> Path:
         self._flush()
         total = len(self._written)
         if total == 0:
@@ -288,19 +350,21 @@ class CheckpointWriter:
         for p in self.tmp.iterdir():
             _fsync_path(p)
         _fsync_path(self.tmp)
-        old = None
         if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-            os.replace(self.out, old)
+            self._old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            os.replace(self.out, self._old)
         os.replace(self.tmp, self.out)
-        _fsync_path(self.out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         self._committed = True
+        _fsync_path(self.out.parent)
+        if self._old is not None:
+            shutil.rmtree(self._old, ignore_errors=True)
         return self.out
 
     def abort(self) -> None:
+        """Remove the temporary directory; put back an OUT that commit() had moved aside."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._old is not None and self._old.exists() and not self.out.exists():
+            os.replace(self._old, self.out)
 
 
 REPLACEABLE_SUBDIRS = (".cache", ".git", ".huggingface", "original")  # beside a model: a hub's or git's own, Llama's
@@ -330,6 +394,16 @@ def replaceable(path: Path) -> str:
     if subdirs:
         return f"holds directories ({', '.join(subdirs[:4])}) beside the model"
     return ""
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error names its errno
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _umask_mode() -> int:

@@ -7,15 +7,19 @@
              [--device cpu|cuda] [--force]
 
 Without -o the checkpoint goes beside the source: `DIR-gptq-int4/` for `DIR/`, `NAME-gptq-int4/`
-for `NAME.gguf` (method and bits as asked). User mistakes print one line (`error: ...`) and exit
-2, with nothing written.
+for `NAME.gguf` (method and bits as asked). User mistakes, and a write that fails (a full disk,
+a read-only mount), print one line (`error: ...`) and exit 2, with nothing written. Ctrl-C (SIGINT)
+and SIGTERM (timeout, systemd, docker stop) remove the partial write and exit 130 and 143.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from flotilla.errors import FlotillaError
@@ -135,24 +139,55 @@ def default_out(src: Path, options: QuantizeOptions) -> Path:
     return src.parent / f"{name}-{options.method}-int{options.bits}"
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that the checkpoint
+    writer unwinds and removes its temporary directory. A BaseException: no `except Exception` takes it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Within: SIGTERM raises Terminated (once: a second one cannot cut the cleanup short). Outside the
+    main thread, where no handler can be set: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)  # None: set from C
+
+
+def _announce_default(out: Path) -> None:
+    print(f"writing the checkpoint to {out} (no -o given)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        from .pipeline import quantize_model
+        with _sigterm_raises():
+            from .pipeline import quantize_model
 
-        options = options_from_args(args)
-        out = args.out
-        if out is None:
-            out = default_out(Path(args.src), options)
-            print(f"writing the checkpoint to {out} (no -o given)", flush=True)
-        report = quantize_model(args.src, out, options, progress=not args.quiet)
+            options = options_from_args(args)
+            out = args.out if args.out is not None else default_out(Path(args.src), options)
+            # said once SRC and OUT are checked: a missing SRC gets its error alone
+            report = quantize_model(args.src, out, options, progress=not args.quiet,
+                                    on_checked=_announce_default if args.out is None else None)
     except FlotillaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return 143
     print("\n".join(report.lines()))
     return 0
 

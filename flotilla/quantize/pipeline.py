@@ -53,9 +53,12 @@ FP16_MAX = torch.finfo(torch.float16).max
 
 
 def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, progress: bool = True,
-                   on_layer: Callable[[int, DecoderLayer, LayerResult], None] | None = None) -> QuantizeReport:
+                   on_layer: Callable[[int, DecoderLayer, LayerResult], None] | None = None,
+                   on_checked: Callable[[Path], None] | None = None) -> QuantizeReport:
     """Quantize `src` into a checkpoint at `out`. `on_layer(index, layer, result)` is called after
-    each layer is quantized (tests use it to see the in-memory result)."""
+    each layer is quantized (tests use it to see the in-memory result); `on_checked(out)` once the
+    source, the options and `out` have passed their checks, before anything slow (the CLI says
+    there where a defaulted OUT goes)."""
     start = time.perf_counter()
     src = Path(src).expanduser()
     source = open_source(src, native_gguf=False)  # a GGUF is read dequantized to fp32
@@ -71,6 +74,8 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     tokenizer = _try_tokenizer(src, cfg)
 
     chosen = keep_choice(cfg, options.keep) if options.keep else {}  # before anything slow: a bad pattern fails at once
+    if on_checked is not None:
+        on_checked(out)
     tokens, calib_from = None, "none"
     if options.needs_calibration:
         if options.calib_file is not None:
@@ -100,7 +105,8 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     out_cfg = dataclasses.replace(cfg, quant=quant, torch_dtype="float16",  # a quantized head is its own tensor
                                   tie_word_embeddings=cfg.tie_word_embeddings and head_bits is None)
     damp_raised, linear_bytes = 0, 0
-    with CheckpointWriter(out, out_cfg, options.shard_size, options.force) as writer:
+    with CheckpointWriter(out, out_cfg, options.shard_size, options.force,
+                          size_hint=checkpoint_bytes(cfg, options)) as writer:
         writer.add_layer("embed", {EMBED: _fp16(EMBED, source.get(EMBED))})
         acts = _activations(source, tokens, cfg, device) if options.uses_activations else None
         # the float model's stream: its own copy of the same starting states (no second embedding read)
@@ -188,6 +194,16 @@ def parameter_count(cfg: ModelConfig) -> int:
         model = CausalLM(cfg)
     model.tie_weights()
     return sum(p.numel() for p in model.parameters())
+
+
+def checkpoint_bytes(cfg: ModelConfig, options: QuantizeOptions) -> int:
+    """About the bytes of the checkpoint's shards: the linears' codes at --bits with a fp16 scale and a
+    zero per group and output, every other parameter in fp16 (linears --keep holds wider, and a
+    quantized lm_head, make it a little off)."""
+    linear = sum(u.weights for u in units(cfg))
+    group = options.group_size if options.group_size > 0 else cfg.hidden_size
+    per_weight = options.bits / 8 + (2 + options.bits / 8) / group
+    return int(linear * per_weight + 2 * (parameter_count(cfg) - linear))
 
 
 def _try_tokenizer(src: Path, cfg: ModelConfig):

@@ -148,6 +148,22 @@ def test_a_refusal_before_start_is_an_error_frame_alone():
     assert pong == {"type": "pong"}
 
 
+def test_logprobs_on_the_websocket_are_refused_not_ignored():
+    async def go(server, s):
+        ws = await connect(server, s)
+        got = []
+        for extra in ({"logprobs": True}, {"top_logprobs": 3}, {"logprobs": False}):
+            await ws.send_json({**CHAT, "max_tokens": 2, **extra})
+            got.append(await recv(ws))
+        return got
+
+    lp, top, off = serve(Engine(), go)
+    assert lp["type"] == "error" and lp["code"] == 400 and lp["param"] == "logprobs"
+    assert "POST /v1/chat/completions" in lp["message"]
+    assert top["type"] == "error" and top["param"] == "top_logprobs"
+    assert off["type"] == "start"  # logprobs: false asks for nothing
+
+
 # --------------------------------------------------------------------------------------- fit_context
 # The stub tokenizer is one token a byte, '<role>content' per message and '<assistant>' after:
 # '<system>S' is 9 tokens, each user turn 10, each assistant turn 15, the closing '<assistant>' 11.

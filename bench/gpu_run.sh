@@ -12,7 +12,9 @@
 # tests and the 8B decode at batch 12 and 16 with FLOTILLA_GEMV_WIDE=0 and 1, twice). record: the kernel table and the
 # decode without the transformers peers, in one call (round 14's table of record on an H100 ran so). steps: the
 # decode with the 4-bit-head rows and the batch-16 / 64 step profiles; sweep64: the Triton tiles' configs at 16 / 64 rows;
-# tilesilu: the 8B decode at 16 / 64 with the Triton tiles' silu epilogue off and on.
+# tilesilu: the 8B decode at 16 / 64 with the Triton tiles' silu epilogue off and on. gguf: `runtime bench` on the 8B
+# shape as GGUF files of four types load, beside the INT4 GPTQ model (round 17); tile48: the tile GEMM against the
+# Triton tiles at 40-64 rows on the widest weights (the 70B shapes; round 17's open question).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -103,5 +105,16 @@ if has sweep64; then  # the Triton tiles' configs at 16 and 64 rows, W4 g128 (ro
   timeout 400 python3 -P bench/kernels.py --graph --only-sweeps --sweep --skip-check --sweep-bits 4 --sweep-block-k 256 \
     --sweep-shapes 4096x4096,4096x14336,14336x4096,8192x28672 --sweep-batches 16,64 --json 2>&1 | tee "$OUT/sweep64.log" \
     | grep -E "^sweep|^ +[0-9.]+us"
+fi
+if has gguf; then
+  for g in "--bits 4" "--gguf Q4_0" "--gguf Q4_K_M" "--gguf Q8_0" "--gguf Q6_K"; do
+    mark "gguf: runtime bench $g"
+    timeout 90 python3 -m flotilla.server.cli bench --random llama-3-8b $g --batch 1,16,64 2>&1 | tee -a "$OUT/gguf.log"
+  done
+fi
+if has tile48; then
+  mark "tile48"
+  timeout 200 python3 -P bench/kernels.py --graph --only-sweeps --skip-check --tile-sweep --tile-rows 40,48,64 \
+    --tile-heights 64 --shapes 8192x28672,8192x57344,28672x8192,4096x28672 2>&1 | tee "$OUT/tile48.log" | grep -v "^\["
 fi
 mark done

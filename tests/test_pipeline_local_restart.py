@@ -37,11 +37,11 @@ def test_a_killed_local_worker_is_started_again_and_the_head_serves_on(smollm2_i
             victim = workers.procs[1]
             victim.send_signal(signal.SIGKILL)
             victim.wait()
-            assert wait_until(lambda: any(f"[worker 1] exited (status -9); starting it again on "
-                                          f"{hosts[1][0]}:{hosts[1][1]}" in line for line in lines), 10), lines
+            addr = f"{hosts[1][0]}:{hosts[1][1]}"
+            assert wait_until(lambda: f"[worker 1] started again on {addr}" in lines, 20), lines
+            assert f"[worker 1] exited (status -9); starting it again on {addr} in 0.5 s" in lines
             assert workers.procs[1] is not victim
-            assert wait_until(lambda: sum(f"listening on {hosts[1][0]}:{hosts[1][1]}" in line
-                                          for line in lines) == 2, 120), lines
+            assert wait_until(lambda: sum(f"listening on {addr}" in line for line in lines) == 2, 120), lines
             assert generate(engine, prompts[2:4], params) == [r[:TOKENS] for r in reference[2:4]]
         finally:
             engine.close()
@@ -49,28 +49,50 @@ def test_a_killed_local_worker_is_started_again_and_the_head_serves_on(smollm2_i
         workers.stop()
 
 
-def test_a_worker_that_keeps_dying_is_left_down_and_reaped(monkeypatch, tmp_path):
+def _fake_workers(monkeypatch, tmp_path, exit_code: int):
+    """LocalWorkers whose workers say where they listen, then exit at once with `exit_code`."""
     monkeypatch.setattr(local, "POLL_S", 0.05)
+    monkeypatch.setattr(local, "RESTART_DELAY_S", 0.01)
     monkeypatch.setattr(local, "RESTART_LIMIT", 2)
     lines: list[str] = []
     launched: list[subprocess.Popen] = []
 
-    def launch(self, i, listen):  # a worker that says where it listens, then dies at once
-        code = "import sys; print('flotilla worker: listening on 127.0.0.1:7999', flush=True); sys.exit(3)"
+    def launch(self, i, listen):
+        code = f"import sys; print('flotilla worker: listening on 127.0.0.1:7999', flush=True); sys.exit({exit_code})"
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         launched.append(proc)
         return proc
 
     monkeypatch.setattr(LocalWorkers, "_launch", launch)
-    workers = LocalWorkers(1, tmp_path, b"t" * 32, ["cpu"], log=lines.append, spin_us=0)
+    return LocalWorkers(1, tmp_path, b"t" * 32, ["cpu"], log=lines.append, spin_us=0), lines, launched
+
+
+def test_a_worker_that_keeps_dying_is_left_down_and_reaped(monkeypatch, tmp_path):
+    workers, lines, launched = _fake_workers(monkeypatch, tmp_path, 3)
     try:
         assert workers.start(timeout=30) == [("127.0.0.1", 7999)]
         assert wait_until(lambda: any("left down" in line for line in lines), 10), lines
-        restarts = [line for line in lines if "starting it again on 127.0.0.1:7999" in line]
-        assert len(restarts) == 2 and restarts[0] == "[worker 0] exited (status 3); starting it again on 127.0.0.1:7999"
+        mine = [line for line in lines if "listening on" not in line]  # the supervisor's own lines
+        assert mine == ["[worker 0] exited (status 3); starting it again on 127.0.0.1:7999 in 0.01 s",
+                        "[worker 0] started again on 127.0.0.1:7999",
+                        "[worker 0] exited (status 3); starting it again on 127.0.0.1:7999 in 0.02 s",
+                        "[worker 0] started again on 127.0.0.1:7999",
+                        "[worker 0] exited (status 3) after 2 restarts within 300 s: left down; its stage's "
+                        "requests fail until the server is restarted"], mine
         assert len(launched) == 3
-        n = len(lines)
-        assert not wait_until(lambda: len(lines) > n, 0.5)  # said once, not restarted again
-        assert all(p.poll() == 3 for p in launched)  # reaped: no zombie left behind
+        assert not wait_until(lambda: len(launched) > 3, 0.5)  # not restarted again
+        assert [p.returncode for p in launched] == [3, 3, 3]  # set by the supervisor's poll: reaped, no zombie
+    finally:
+        workers.stop()
+
+
+def test_a_worker_asked_to_stop_is_not_started_again(monkeypatch, tmp_path):
+    """Exit status 0 (or SIGTERM / SIGINT): a service manager stopping the whole group, not a crash."""
+    workers, lines, launched = _fake_workers(monkeypatch, tmp_path, 0)
+    try:
+        workers.start(timeout=30)
+        assert wait_until(lambda: "[worker 0] stopped (status 0): it was asked to; not starting it again" in lines,
+                          10), lines
+        assert not wait_until(lambda: len(launched) > 1, 0.5)
     finally:
         workers.stop()

@@ -8,9 +8,9 @@ stages on one GPU (each worker its own CUDA context, under a private MPS daemon 
 started: mps.py), CPU stages beside GPU ones. CPU workers
 split the cores between them (less one core per GPU worker, which drives its GPU). The workers
 exit when the head does. A worker that dies (killed, out of memory) is started again on its
-address, as a user restarts a `runtime worker` by hand, and the head re-prefills its sequences
-once it answers; one that dies RESTART_LIMIT times within RESTART_WINDOW_S is left down, said
-once (the server must then be restarted).
+address after a short delay, as a user restarts a `runtime worker` by hand, and the head
+re-prefills its sequences once it answers; one restarted RESTART_LIMIT times within
+RESTART_WINDOW_S is left down at its next death, said once (the server must then be restarted).
 
 Polling (spin.py): when the ring leaves cores to spare (GPU workers, or CPU workers given a few
 threads on a larger machine), the workers poll for the next step instead of sleeping, and so
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -34,8 +35,9 @@ from .mps import MpsChoice, mps_for
 from .spin import DEFAULT_SPIN_US, spare_cores
 
 _LISTENING = re.compile(r"flotilla worker: listening on (\S+):(\d+)")
-RESTART_LIMIT = 5  # restarts of one worker within RESTART_WINDOW_S before it is left down
+RESTART_LIMIT = 5  # restarts of one worker within RESTART_WINDOW_S; at its next death it is left down
 RESTART_WINDOW_S = 300.0
+RESTART_DELAY_S = 0.5  # before a restart, doubled for each restart within the window
 POLL_S = 0.5  # how often the supervisor looks at the workers
 
 
@@ -110,8 +112,10 @@ class LocalWorkers:
             cmd += ["--tp", str(self.tp)]
         if self.spin_us:
             cmd += ["--spin-us", str(self.spin_us)]
+        # a session of its own: a terminal's Ctrl-C reaches the head alone, which stops the workers itself
+        # (--exit-with-parent covers a head that dies)
         return subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)},
-                                stdout=subprocess.PIPE, text=True, bufsize=1)
+                                stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
 
     def _address(self, i: int, proc: subprocess.Popen, deadline: float) -> tuple[str, int]:
         found: list[tuple[str, int]] = []
@@ -136,31 +140,46 @@ class LocalWorkers:
         threading.Thread(target=pump, name=f"flotilla-worker-{i}-stdout", daemon=True).start()
 
     def _supervise(self) -> None:
-        """Start a worker that died again on its address (the head reconnects to it and re-prefills);
-        one dying too often is left down, said once. Polling also reaps the dead (no zombies)."""
-        restarts: list[list[float]] = [[] for _ in range(self.n)]
-        given_up: set[int] = set()
+        """Start a worker that died again on its address (the head reconnects to it and re-prefills),
+        after RESTART_DELAY_S doubling with each recent restart; one restarted RESTART_LIMIT times within
+        RESTART_WINDOW_S is left down at its next death, said once. A worker that was asked to stop (exit
+        status 0, SIGTERM, SIGINT: a service manager stopping the whole group) is not restarted. Polling
+        also reaps the dead (no zombies)."""
+        recent: list[list[float]] = [[] for _ in range(self.n)]  # restart times within the window
+        due: dict[int, float] = {}  # worker -> when it starts again
+        done: set[int] = set()  # left down
         while not self._stopping.wait(POLL_S):
             with self._lock:
                 if self._stopping.is_set():
                     return
                 for i, proc in enumerate(self.procs):
                     status = proc.poll()
-                    if status is None or i in given_up:
+                    if status is None or i in done:
                         continue
-                    now = time.monotonic()
-                    restarts[i] = [t for t in restarts[i] if now - t < RESTART_WINDOW_S]
-                    if len(restarts[i]) >= RESTART_LIMIT:
-                        given_up.add(i)
-                        self.log(f"[worker {i}] exited again (status {status}), {RESTART_LIMIT} times in "
+                    now, (host, port) = time.monotonic(), self.addresses[i]
+                    if i in due:
+                        if now >= due[i]:
+                            del due[i]
+                            recent[i].append(now)
+                            self.procs[i] = self._launch(i, f"{host}:{port}")
+                            self._pump(i, self.procs[i], threading.Event(), [])
+                            self.log(f"[worker {i}] started again on {host}:{port}")
+                        continue
+                    if status in (0, -signal.SIGTERM, -signal.SIGINT):
+                        done.add(i)
+                        self.log(f"[worker {i}] stopped (status {status}): it was asked to; not starting it again")
+                        continue
+                    recent[i] = [t for t in recent[i] if now - t < RESTART_WINDOW_S]
+                    if len(recent[i]) >= RESTART_LIMIT:
+                        done.add(i)
+                        self.log(f"[worker {i}] exited (status {status}) after {RESTART_LIMIT} restarts within "
                                  f"{RESTART_WINDOW_S:.0f} s: left down; its stage's requests fail until the "
                                  f"server is restarted")
                         continue
-                    restarts[i].append(now)
-                    host, port = self.addresses[i]
-                    self.log(f"[worker {i}] exited (status {status}); starting it again on {host}:{port}")
-                    self.procs[i] = self._launch(i, f"{host}:{port}")
-                    self._pump(i, self.procs[i], threading.Event(), [])
+                    delay = RESTART_DELAY_S * 2 ** len(recent[i])
+                    due[i] = now + delay
+                    self.log(f"[worker {i}] exited (status {status}); starting it again on {host}:{port} "
+                             f"in {delay:g} s")
 
     def stop(self) -> None:
         self._stopping.set()

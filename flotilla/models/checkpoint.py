@@ -171,6 +171,7 @@ class CheckpointWriter:
 
     def __init__(self, out: str | Path, config: ModelConfig, shard_size: int = 2 << 30, force: bool = False,
                  size_hint: int = 0):
+        remove_stale_writes(Path(out).expanduser().absolute())  # first: it may put back an OUT
         self.out = self.check_target(out, force)
         self.config = config
         self.shard_size = shard_size
@@ -182,7 +183,6 @@ class CheckpointWriter:
         self._committed = False
         self._old: Path | None = None  # the OUT that --force replaces, moved aside during the rename
         self.total_bytes = 0
-        self._remove_stale_temps()
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
@@ -274,16 +274,6 @@ class CheckpointWriter:
             return f"{took}; free {_size(need - free)} or choose another -o"
         return f"{took} now; free more or choose another -o"
 
-    def _remove_stale_temps(self) -> None:
-        for p in self.out.parent.glob(f".{self.out.name}.tmp-*"):
-            try:
-                pid = int(p.name.rsplit("-", 1)[1])
-                os.kill(pid, 0)  # still running: leave it alone
-            except ProcessLookupError:
-                shutil.rmtree(p, ignore_errors=True)
-            except (ValueError, PermissionError):
-                pass
-
     def add_layer(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Add every tensor of one layer; layers are never split across shards. The layer goes to
         disk at once (a part file), so memory holds one layer whatever the shard size."""
@@ -355,16 +345,50 @@ class CheckpointWriter:
             os.replace(self.out, self._old)
         os.replace(self.tmp, self.out)
         self._committed = True
-        _fsync_path(self.out.parent)
-        if self._old is not None:
-            shutil.rmtree(self._old, ignore_errors=True)
+        self._finish_commit()
         return self.out
+
+    def _finish_commit(self) -> None:
+        """After the rename: fsync OUT's directory and remove the OUT that --force replaced. The
+        checkpoint is in place, so an interrupt meanwhile (Ctrl-C, SIGTERM) is dropped and the step
+        done again: the write has happened, and the caller reports it as written."""
+        def remove_old() -> None:
+            if self._old is not None:
+                shutil.rmtree(self._old, ignore_errors=True)
+                self._old = None
+
+        for step in (lambda: _fsync_path(self.out.parent), remove_old):
+            while True:
+                try:
+                    step()
+                    break
+                except OSError:  # an fsync that fails after the rename: the checkpoint is there
+                    break
+                except BaseException:  # noqa: BLE001 - an interrupt: too late to undo, finish the step
+                    continue
 
     def abort(self) -> None:
         """Remove the temporary directory; put back an OUT that commit() had moved aside."""
         shutil.rmtree(self.tmp, ignore_errors=True)
         if self._old is not None and self._old.exists() and not self.out.exists():
             os.replace(self._old, self.out)
+
+
+def remove_stale_writes(out: Path) -> None:
+    """What writers of `out` that died left: their temporary directories go; an OUT that a --force
+    commit had moved aside (`.OUT.old-PID`) goes back to `out` where `out` is missing (the writer
+    died between its two renames), else it goes too."""
+    for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # still running: leave it alone
+        except ProcessLookupError:
+            if p.name.startswith(f".{out.name}.old-") and not out.exists():
+                os.replace(p, out)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
 
 
 REPLACEABLE_SUBDIRS = (".cache", ".git", ".huggingface", "original")  # beside a model: a hub's or git's own, Llama's

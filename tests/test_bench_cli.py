@@ -66,6 +66,16 @@ def test_gguf_mixes_give_llama_cpp_types():
     assert gguf_tensor_type("Q5_K_M", "attn_v", 0, 32) == "Q6_K" and gguf_tensor_type("Q5_K_M", "attn_v", 4, 32) == "Q5_K"
     assert {gguf_tensor_type("Q4_0", t, 0, 32) for t in ("attn_v", "ffn_down")} == {"Q4_0"}
     assert gguf_tensor_type("Q4_0", "output", 0, 32) == "Q6_K" and gguf_tensor_type("Q8_0", "output", 0, 32) == "Q8_0"
+    # the last eighth is i >= 7 n / 8: layer 24 of 28 (n - n // 8 would start it at 25)
+    assert gguf_tensor_type("Q4_K_M", "attn_v", 24, 28) == "Q6_K" and gguf_tensor_type("Q4_K_M", "attn_v", 22, 28) == "Q4_K"
+    # a 70B model's other attn_v get Q5_K in a Q4_K_M file
+    assert [gguf_tensor_type("Q4_K_M", "attn_v", i, 80, is_70b=True) for i in (0, 10, 11, 12)] == \
+        ["Q6_K", "Q5_K", "Q5_K", "Q6_K"]
+    assert gguf_tensor_type("Q4_K_M", "attn_q", 11, 80, is_70b=True) == "Q4_K"
+    # rows that are not whole 256-weight blocks: llama.cpp's fallbacks
+    assert [gguf_tensor_type("Q4_K_M", t, 0, 32, n_in=576) for t in ("attn_q", "attn_v", "output")] == \
+        ["Q5_0", "Q8_0", "Q8_0"]
+    assert gguf_tensor_type("Q5_K_M", "attn_q", 4, 32, n_in=576) == "Q5_1"
 
 
 def test_random_ggml_weights_are_centred_with_the_asked_spread():
@@ -119,7 +129,10 @@ def test_bench_random_gguf_cli():
     assert p.returncode == 0, p.stderr
     (row,) = [json.loads(line) for line in p.stdout.splitlines()]
     assert row["model"] == "random tiny (GGUF Q8_0)" and row["batch"] == 2
-    bad = runtime("bench", "--random", "tiny", "--gguf", "Q4_0", "--device", "cpu")  # a Q6_K lm_head of 128-wide rows
-    assert bad.returncode == 2 and "--gguf Q4_0: output would be Q6_K, whose rows are whole 256-weight blocks, but its rows are 128 wide" in bad.stderr
+    # rows of 128 are no whole K blocks: llama.cpp's fallbacks (Q5_0, Q8_0) as in its own files
+    p = runtime("bench", "--random", "tiny", "--gguf", "Q4_K", "--tokens", "3", "--prompt-len", "2", "--device", "cpu")
+    assert p.returncode == 0 and p.stdout.startswith("random tiny (GGUF Q4_K_M) on cpu"), p.stderr
+    bad = runtime("bench", "--random", "tiny", "--gguf", "Q3_K", "--device", "cpu")
+    assert bad.returncode == 2 and "--gguf Q3_K: expected one of" in bad.stderr
     bad = runtime("bench", "--gguf", "Q4_0", "--device", "cpu")
     assert bad.returncode == 2 and "give --random SHAPE too" in bad.stderr

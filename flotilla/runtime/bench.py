@@ -28,7 +28,8 @@ from .cuda_graphs import BUCKETS, bucket_for
 from .engine import EngineConfig, LLMEngine
 from .kv_cache import KVCache, KVCacheSpec
 from .model_runner import ModelRunner
-from .random_model import BITS, GGUF_MIXES, SHAPES, build_random_gguf_model, build_random_model, weight_bytes
+from .random_model import (BITS, GGUF_MIXES, SHAPES, build_random_gguf_model, build_random_model, gguf_mix,
+                           weight_bytes)
 from .sampling import SamplingParams
 from .scheduler import SchedulerConfig
 
@@ -133,8 +134,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=128, help="with --random (default 128)")
     p.add_argument("--gguf", metavar="TYPE", default=None,
                    help=f"with --random: the model a GGUF file of this llama.cpp type loads into, its blocks random "
-                        f"({', '.join(GGUF_MIXES)}; the _M mixes and the lm_head's Q6_K as llama.cpp's quantizer "
-                        f"makes them); instead of --bits")
+                        f"({', '.join(GGUF_MIXES)}; Q4_K, Q5_K: the _M mixes, as llama-quantize reads them; each "
+                        f"tensor's type as llama.cpp's quantizer picks it); instead of --bits")
     p.add_argument("--layers", type=int, default=None, help="with --random: fewer decoder layers than the shape's")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", help="activation dtype (default: float32 on CPU, float16 on GPU)")
@@ -173,8 +174,9 @@ def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
     if args.model is not None:
         raise FlotillaError(f"give a model path or --random, not both (got {args.model!r} and --random {args.random})")
     if args.gguf is not None:
-        model = build_random_gguf_model(args.random, args.gguf.upper(), device, dtype, num_layers=args.layers)
-        return model, f"random {args.random} (GGUF {args.gguf.upper()})"
+        mix = gguf_mix(args.gguf)
+        model = build_random_gguf_model(args.random, mix, device, dtype, num_layers=args.layers)
+        return model, f"random {args.random} (GGUF {mix})"
     if args.bits not in BITS:
         raise FlotillaError(f"--bits {args.bits}: expected one of {', '.join(map(str, BITS))}")
     model = build_random_model(args.random, args.bits, device, dtype, args.group_size, num_layers=args.layers)

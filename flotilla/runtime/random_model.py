@@ -137,24 +137,42 @@ def _random_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
 
 # --------------------------------------------------------------------- random GGUF models
 
-GGUF_MIXES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M")
+GGUF_MIXES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K", "Q4_K_M", "Q5_K_M")
+GGUF_ALIASES = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize reads them
+# a tensor whose rows are not whole blocks of its type gets llama.cpp's fallback (llama_tensor_get_type)
+_GGUF_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
-def gguf_tensor_type(mix: str, tensor: str, layer: int, num_layers: int) -> str:
-    """The type llama.cpp's quantizer gives `tensor` ("token_embd", "output", "attn_q", "attn_v",
-    "ffn_down", ...) of decoder layer `layer` in a file of type `mix`: the output (lm_head) is
-    Q6_K unless the file is Q8_0; in the _M mixes attn_v and ffn_down are Q6_K in the first and
-    last eighth of the layers and every third layer between; everything else is the base type."""
+def gguf_mix(name: str) -> str:
+    """A llama.cpp file type as `--gguf` takes it (any case; Q4_K and Q5_K: the _M mixes)."""
+    mix = GGUF_ALIASES.get(name.upper(), name.upper())
     if mix not in GGUF_MIXES:
-        raise FlotillaError(f"--gguf {mix}: expected one of {', '.join(GGUF_MIXES)}")
-    base = mix.removesuffix("_M")
+        raise FlotillaError(f"--gguf {name}: expected one of {', '.join(GGUF_MIXES)} (or Q4_K, Q5_K: the _M mixes)")
+    return mix
+
+
+def gguf_tensor_type(mix: str, tensor: str, layer: int, num_layers: int, n_in: int | None = None,
+                     is_70b: bool = False) -> str:
+    """The type llama.cpp's quantizer (llama_tensor_get_type) gives `tensor` ("token_embd", "output",
+    "attn_q", "attn_v", "ffn_down", ...) of decoder layer `layer` in a file of type `mix`: the output
+    (lm_head) is Q6_K unless the file is Q8_0; in the _M mixes attn_v and ffn_down are Q6_K in the
+    first and last eighth of the layers and every third layer between (use_more_bits), and a 70B
+    model's other attn_v are Q5_K; everything else is the base type. With `n_in` (the row length),
+    rows that are not whole blocks of that type take llama.cpp's fallback (Q4_K -> Q5_0, Q5_K ->
+    Q5_1, Q6_K -> Q8_0; the output Q8_0)."""
+    base = gguf_mix(mix).removesuffix("_M")
+    kind = base
     if tensor == "output":
-        return "Q8_0" if base == "Q8_0" else "Q6_K"
-    if mix.endswith("_M") and tensor in ("attn_v", "ffn_down"):
+        kind = "Q8_0" if base == "Q8_0" else "Q6_K"
+    elif mix.endswith("_M") and tensor in ("attn_v", "ffn_down"):
         eighth = num_layers // 8
-        if layer < eighth or layer >= num_layers - eighth or (layer - eighth) % 3 == 2:
-            return "Q6_K"
-    return base
+        if layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2:
+            kind = "Q6_K"
+        elif tensor == "attn_v" and is_70b and base == "Q4_K":
+            kind = "Q5_K"
+    if n_in is not None and n_in % GGML_FORMATS[kind].block:
+        kind = "Q8_0" if tensor == "output" else _GGUF_FALLBACK.get(kind, kind)
+    return kind
 
 
 def random_ggml_weight(qtype: str, n_out: int, n_in: int, gen: torch.Generator, std: float | None = None) -> GGMLWeight:
@@ -194,15 +212,17 @@ def build_random_gguf_model(name: str, mix: str = "Q4_K_M", device: torch.device
     """A whole model of shape `name` as a GGUF file of type `mix` loads (gguf_tensor_type says which
     tensor gets which type; the embedding is the base type), random blocks built on `device` one
     tensor at a time and packed for its kernels as the loader packs them."""
+    mix = gguf_mix(mix)
     cfg = shape_config(name, 16, num_layers=num_layers).with_quant(GGUFQuant())
-    gguf_tensor_type(mix, "token_embd", 0, 1)  # the mix is known
+    # llama.cpp's 70B type: 80 layers with grouped KV heads (65B: 80 without)
+    is_70b = cfg.num_hidden_layers == 80 and cfg.num_attention_heads != cfg.num_key_value_heads
     device = torch.device(device)
     model = build_stage(cfg, None, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     n = cfg.num_hidden_layers
 
     def weight(tensor: str, layer: int, n_out: int, n_in: int, std: float | None = None) -> GGMLWeight:
-        qtype = gguf_tensor_type(mix, tensor, layer, n)
+        qtype = gguf_tensor_type(mix, tensor, layer, n, n_in, is_70b)
         if n_in % GGML_FORMATS[qtype].block:
             raise FlotillaError(f"--random {name} --gguf {mix}: {tensor} would be {qtype}, whose rows are whole "
                                 f"{GGML_FORMATS[qtype].block}-weight blocks, but its rows are {n_in} wide")

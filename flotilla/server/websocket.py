@@ -235,7 +235,8 @@ class _Conversation:
                     raise bad_request(f"the websocket's frames carry no logprobs; leave out '{name}', or ask "
                                       f"POST /v1/chat/completions for them", param=name)
             fields = {k: v for k, v in data.items() if k not in ("type", "stream", "stream_options")}
-            if len(text) > LARGE_FRAME:  # tokenizing it would stall every other stream
+            # tokenizing a large frame (or fitting one: several tokenizations) would stall every other stream
+            if len(text) > LARGE_FRAME or data.get("fit_context") is True:
                 req, dropped = await asyncio.to_thread(parse_frame, fields, self.state.engine)
             else:
                 req, dropped = parse_frame(fields, self.state.engine)

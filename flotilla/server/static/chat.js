@@ -91,7 +91,7 @@
         break;
       case "error": {  // the request was refused (no id), or the reply failed (its "done" follows: ignored)
         const r = state.reply;
-        if (r && (!f.id || f.id === r.id)) {
+        if (r && ((!f.id && !r.id) || f.id === r.id)) {  // an id-less error ends only a reply not yet started
           r.el.classList.add("error");
           finishReply({ finish_reason: "error" }, f.message);
         }

@@ -43,3 +43,12 @@ def test_completion_top_logprobs_keep_the_likelier_of_two_same_texts(smollm2_ggu
     lp = TokenLogprob(a, -0.1, top=((a, -0.1), (b, -2.0)))
     out = completion_logprobs(TokenText(tok), [lp])
     assert out["top_logprobs"] == [{"\ufffd": -0.1}]
+
+
+def test_byte_level_inside_a_decoder_sequence():
+    from tokenizers import decoders
+
+    from flotilla.models.tokenizer import _byte_level
+
+    assert _byte_level(decoders.ByteLevel()) and _byte_level(decoders.Sequence([decoders.ByteLevel()]))
+    assert not _byte_level(decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])) and not _byte_level(None)

@@ -68,7 +68,7 @@ class Tokenizer:
         fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
         if fallback:
             return bytes([int(fallback.group(1), 16)])
-        if type(self._fast.decoder).__name__ == "ByteLevel":
+        if _byte_level(self._fast.decoder):
             table = _byte_level_decoder()
             if piece and all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
@@ -152,6 +152,15 @@ def _generation_eos(directory: Path) -> tuple[int, ...]:
     except json.JSONDecodeError:
         return ()
     return tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+
+
+def _byte_level(decoder) -> bool:
+    """Whether a tokenizers decoder is byte-level BPE's, alone or inside a Sequence."""
+    try:
+        state = json.loads(decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - no decoder, or one without a JSON state: not byte-level
+        return False
+    return state.get("type") == "ByteLevel" or any(d.get("type") == "ByteLevel" for d in state.get("decoders", ()))
 
 
 @functools.lru_cache(maxsize=1)

@@ -173,12 +173,14 @@ def _time_layer(layer, config: ModelConfig, device: torch.device, dtype: torch.d
 
 @torch.inference_mode()
 def _time_head(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
-    """The lm_head's time for one token, as the stage will run it (LMHead.logits_fn: on a CPU the
-    compiled kernels in the weight's smallest exact form), on a slice of the vocabulary scaled up.
-    The weights are fp16 values, as a checkpoint stores its head (in fp32 a CPU head reads twice the
-    bytes it will, and the split gave the last stage too few layers)."""
+    """The lm_head's time for one token through LMHead.logits_fn (on a CPU the compiled kernels, in
+    the weight's smallest exact form), on a slice of the vocabulary scaled up. The weights are fp16
+    values, as a checkpoint of ours stores an unquantized head (a quantized or GGUF head reads fewer
+    bytes still); timed in fp32 through F.linear, a CPU head read twice the bytes it will, and the
+    split gave the last stage too few layers."""
     rows = min(config.vocab_size, 8192)
-    head = LMHead(config.hidden_size, rows).to(device=device, dtype=dtype)
+    with torch.device(device):  # built where it runs: no fp32 copy of it elsewhere first
+        head = LMHead(config.hidden_size, rows).to(dtype)
     head.weight.copy_((torch.randn(rows, config.hidden_size, device=device) * 0.02).half())
     fn = head.logits_fn(device) or (lambda x: F.linear(x, head.weight))
     x = torch.randn(1, config.hidden_size, device=device, dtype=dtype)

@@ -135,6 +135,26 @@ def test_runtime_generate_tp2_prints_the_tp1_text(models):
     assert per_block[1] == per_block[0] / 2, per_block
 
 
+def test_runtime_generate_tp2_with_ngram_speculation_prints_the_tp1_text(models):
+    """Speculative decoding inside a tensor-parallel group: rank 0 verifies the drafts, the other ranks
+    compute their share of the logits and sample nothing (they crashed on the drafts before)."""
+    from flotilla.runtime.cli import _stream
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+    from flotilla.runtime.sampling import SamplingParams
+
+    path, prompt = models["int4-g32"], "tensor parallel tensor parallel tensor parallel tensor parallel"
+    lm = load_model(path, "cpu")
+    engine = build_engine(lm, EngineArgs(kv_cache_memory="4MiB", max_num_seqs=1))
+    out = io.StringIO()
+    _stream(engine, "tp1", lm.tokenizer.encode(prompt), SamplingParams(max_tokens=16, temperature=0.0), out)
+    proc = subprocess.run([sys.executable, "-m", "flotilla.server.cli", "generate", str(path), "-p", prompt,
+                           "--max-tokens", "16", "--kv-cache-memory", "4MiB", "--tp", "2", "--speculative", "ngram"],
+                          capture_output=True, env=cli_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.decode() == out.getvalue() + "\n" and out.getvalue().strip()
+
+
 def test_smollm2_tp2_is_one_line_naming_the_heads(smollm2_gguf):
     proc = subprocess.run([sys.executable, "-m", "flotilla.server.cli", "generate", str(smollm2_gguf), "-p", "hi",
                            "--tp", "2"], capture_output=True, text=True, env=cli_env(), timeout=300)

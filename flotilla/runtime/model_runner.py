@@ -151,6 +151,8 @@ class ModelRunner:
         if not any(step.sample):  # only partial prefill chunks this step
             return SamplerOutput([])
         logits = out if replay else self.compute_logits(step, out)
+        if step.sampling is None:  # a tensor-parallel rank but 0: its share of the logits went to the gather
+            return self.sampler(logits, None)
         if step.spec_token_ids is not None:
             drafts = [d for d, samples in zip(step.spec_token_ids, step.sample) if samples]
             return self.verifier(logits, step.sampling, drafts, step.draft_probs)

@@ -65,6 +65,31 @@ def test_a_max_model_len_past_the_model_is_said_and_capped(smollm2_gguf):
     assert p.stderr.count("--max-model-len 100000 is past the model's context; serving 8192") == 1
 
 
+def test_generate_says_when_the_context_ends_the_reply(smollm2_gguf):
+    p = runtime("generate", str(smollm2_gguf), "-p", "Once upon a time", "--max-tokens", "100", "--max-model-len", "24",
+                "--temperature", "0")
+    assert p.returncode == 0, p.stderr
+    assert "[stopped after 20 tokens: the prompt's 4 and the reply filled the 24-token context" in p.stderr
+    p = runtime("generate", str(smollm2_gguf), "-p", "Once upon a time", "--max-tokens", "5", "--max-model-len", "24")
+    assert p.returncode == 0 and "stopped after" not in p.stderr  # --max-tokens ended it
+
+
+def test_a_sliding_window_that_caps_the_context_is_said(tmp_path):
+    from conftest import make_hf_model, tiny_config
+
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+
+    path = tmp_path / "mistral-sw"
+    make_hf_model(tiny_config("mistral", sliding_window=32, max_position_embeddings=256)).save_pretrained(path)
+    lines: list[str] = []
+    engine = build_engine(load_model(path, "cpu", with_tokenizer=False), EngineArgs(kv_cache_memory="4MiB"),
+                          report=lines.append)
+    assert lines[0] == ("this model attends over a sliding window of 32 tokens, which flotilla does not implement: "
+                        "its context is capped at 32 of its 256")
+    assert engine.config.context_len == 32
+
+
 def test_the_default_kv_cache_on_a_cpu_comes_from_the_context(smollm2_gguf):
     p = runtime("generate", str(smollm2_gguf), "-p", "Hi", "--max-tokens", "2", "--max-model-len", "2048")
     assert p.returncode == 0, p.stderr

@@ -152,6 +152,10 @@ def _generate(args: argparse.Namespace) -> int:
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     _, n, ttft, rest, _ = _stream(engine, "generate", ids, params)
     sys.stdout.write("\n")
+    context = engine.config.context_len
+    if n < params.max_tokens and len(ids) + n >= context:  # not EOS nor --max-tokens: the context is full
+        print(f"[stopped after {n} tokens: the prompt's {len(ids)} and the reply filled the {context}-token "
+              f"context (--max-model-len, --kv-cache-memory)]", file=sys.stderr)
     if args.stats and n:
         decode = (n - 1) / rest if n > 1 and rest > 0 else float("nan")
         spec = ""

@@ -137,3 +137,13 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_gguf):
     assert proc.returncode == 0, err
     assert "[stopped]" in err and "Traceback" not in err
     assert "Paris" in out.splitlines()[-1]
+
+
+def test_more_bad_flags_are_one_line_errors():
+    for args, message in ((("--device", "mps"), "error: device 'mps': flotilla runs on cpu, cuda or cuda:N"),
+                          (("--device", "meta"), "error: device 'meta': flotilla runs on cpu, cuda or cuda:N"),
+                          (("--num-speculative-tokens", "3"), "error: --num-speculative-tokens 3 without --speculative"),
+                          (("--temperature", "nan"), "error: temperature must be a finite number >= 0"),
+                          (("--temperature", "inf"), "error: temperature must be a finite number >= 0")):
+        p = runtime("generate", "-p", "hi", *args)
+        assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, (args, p.stderr)

@@ -38,7 +38,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="quantize", description="Quantize a model to INT4/INT8 (GPTQ or RTN) into a sharded "
-                "GPTQ-layout checkpoint that flotilla, vLLM and transformers load.")
+                "GPTQ-layout checkpoint that flotilla, transformers and vLLM load (vLLM where the group size "
+                "divides every linear's input: 64 or 32 for SmolLM2's 576).")
     p.add_argument("src", help="a Hugging Face model directory or a .gguf file")
     p.add_argument("-o", "--out", type=Path, default=None,
                    help="the checkpoint directory to create (default: beside SRC, named SRC-METHOD-intBITS)")

@@ -35,14 +35,21 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="keep the likeliest tokens whose probabilities add up to P, in (0, 1] (default 1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (default 0: all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than P x the likeliest's probability, in [0, 1] (default 0: none)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalize tokens already in the prompt or reply by R > 0 (> 1 discourages them; "
+                        "default 1: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract P in [-2, 2] from tokens already in the reply, once (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract F in [-2, 2] times a token's count in the reply (default 0)")
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None,
+                   help="a seed: the same seed, prompt and settings give the same reply (default: random)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -83,17 +83,23 @@ class EngineArgs:
         g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
                             "lower-bit copy of the target, same tokenizer); the output distribution is the target's")
-        g.add_argument("--num-speculative-tokens", type=int, default=cls.num_speculative_tokens,
-                       help="most draft tokens verified per step and sequence (default %(default)s)")
+        g.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help=f"with --speculative: most draft tokens verified per step and sequence "
+                            f"(default {cls.num_speculative_tokens})")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        k = args.num_speculative_tokens
+        if k is not None and not args.speculative:
+            raise FlotillaError(f"--num-speculative-tokens {k} without --speculative: add --speculative ngram "
+                                f"(or draft:PATH), or leave it out")
         return cls(kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                    overlap=args.overlap,
-                   speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+                   speculative=args.speculative,
+                   num_speculative_tokens=cls.num_speculative_tokens if k is None else k)
 
 
 def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) -> LLMEngine:

@@ -55,6 +55,8 @@ def parse_device(name: str | None) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise FlotillaError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):  # torch knows mps, meta, xpu, ...; flotilla's kernels do not
+        raise FlotillaError(f"device {name!r}: flotilla runs on cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlotillaError(f"device {name!r} asked for, but no CUDA GPU is available")
     return with_index(device)

@@ -1,6 +1,7 @@
 """Sampling parameters of one request, validated once at the door."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from flotilla.errors import FlotillaError
@@ -27,11 +28,13 @@ class SamplingParams:
     def __post_init__(self):
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             "temperature must be a finite number >= 0 (0: greedy)"),
             (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty must be a finite number > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),

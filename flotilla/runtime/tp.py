@@ -60,7 +60,8 @@ log = logging.getLogger("flotilla.runtime")
 def add_tp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel size: N processes on this host share every layer "
-                        "(GPUs cuda:0..N-1, or CPU processes splitting the cores; default 1)")
+                        "(GPUs cuda:K..K+N-1 from --device cuda:K, default cuda:0; or CPU processes splitting "
+                        "the cores; default 1)")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "cannot connect to worker 127.0.0.1:1: connection refused" in r.stderr
     r = runtime("worker", "--listen", "nonsense", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "--listen" in r.stderr
+    for listen in ("fd:999", "fd:x"):  # serve --pp's local workers get their parent's socket so
+        r = runtime("worker", "--listen", listen, env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+        assert r.returncode == 2 and f"--listen {listen}: not an inherited listening socket" in r.stderr, r.stderr
     r = runtime("worker", "--listen", "127.0.0.1:0", "--spin-us", "-1", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "--spin-us must be >= 0" in r.stderr
 

@@ -57,7 +57,7 @@ def _fake_workers(monkeypatch, tmp_path, exit_code: int):
     lines: list[str] = []
     launched: list[subprocess.Popen] = []
 
-    def launch(self, i, listen):
+    def launch(self, i):
         code = f"import sys; print('flotilla worker: listening on 127.0.0.1:7999', flush=True); sys.exit({exit_code})"
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         launched.append(proc)

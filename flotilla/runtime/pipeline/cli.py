@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -80,7 +81,8 @@ def _tls(args: argparse.Namespace):
 # ------------------------------------------------------------------------------------- worker
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, help=f"HOST:PORT to listen on, e.g. 0.0.0.0:{DEFAULT_PORT}")
+    p.add_argument("--listen", required=True, help=f"HOST:PORT to listen on, e.g. 0.0.0.0:{DEFAULT_PORT} (or fd:N, a "
+                                                   f"listening socket inherited from the parent process)")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--model", default=None,
                    help="this machine's copy of the model; without it (or if it is another model) the head "
@@ -114,10 +116,17 @@ def run_worker(args: argparse.Namespace) -> int:
         raise FlotillaError(f"--tp must be at least 1, got {args.tp}")
     if args.spin_us < 0:
         raise FlotillaError(f"--spin-us must be >= 0 microseconds, got {args.spin_us}")
-    try:
-        host, port = parse_address(args.listen)
-    except ValueError as e:
-        raise FlotillaError(f"--listen: {e}") from None
+    host = port = sock = None
+    if args.listen.startswith("fd:"):  # a listening socket the parent bound (serve --pp's local workers)
+        try:
+            sock = socket.socket(fileno=int(args.listen[3:]))
+        except (ValueError, OSError) as e:
+            raise FlotillaError(f"--listen {args.listen}: not an inherited listening socket ({e})") from None
+    else:
+        try:
+            host, port = parse_address(args.listen)
+        except ValueError as e:
+            raise FlotillaError(f"--listen: {e}") from None
     model = Path(args.model).expanduser() if args.model else None
     if model is not None and not model.exists():
         raise FlotillaError(f"--model {model}: no such file or directory")
@@ -139,7 +148,7 @@ def run_worker(args: argparse.Namespace) -> int:
         selector.allowed = worker.idle  # no polling while the compute thread needs the GIL
         worker.on_step = selector.arm  # polling follows the steps
         try:
-            bound = await worker.start(host, port)
+            bound = await worker.start(host, port, sock)
         except OSError as e:
             raise FlotillaError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
         tp = f" x tp {args.tp}" if args.tp > 1 else ""

@@ -7,8 +7,9 @@ otherwise they are CPU processes. `--devices` places them by hand, repeats allow
 stages on one GPU (each worker its own CUDA context, under a private MPS daemon where one can be
 started: mps.py), CPU stages beside GPU ones. CPU workers
 split the cores between them (less one core per GPU worker, which drives its GPU). The workers
-exit when the head does. A worker that dies (killed, out of memory) is started again on its
-address after a short delay, as a user restarts a `runtime worker` by hand, and the head
+exit when the head does. The head binds each worker's listening socket and passes it down
+(`--listen fd:N`). A worker that dies (killed, out of memory) is started again on that socket
+after a short delay, as a user restarts a `runtime worker` by hand, and the head
 re-prefills its sequences once it answers; one restarted RESTART_LIMIT times within
 RESTART_WINDOW_S is left down at its next death, said once (the server must then be restarted).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -75,6 +77,7 @@ class LocalWorkers:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[tuple[str, int]] = []
+        self.socks: list[socket.socket] = []  # each worker's listening socket, held here across its restarts
         self.mps = MpsChoice()  # MPS for the stages that share a GPU (mps.py): set by start
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -88,7 +91,12 @@ class LocalWorkers:
         self.mps = mps_for(self.devices, self.mps_mode, self.log, self.tp)
         try:
             for i in range(self.n):
-                self.procs.append(self._launch(i, "127.0.0.1:0"))
+                # the head holds each worker's listening socket, so that a worker started again listens on
+                # the same address: nothing else can take the port meanwhile
+                sock = socket.create_server(("127.0.0.1", 0))
+                sock.set_inheritable(True)
+                self.socks.append(sock)
+                self.procs.append(self._launch(i))
             deadline = time.monotonic() + timeout
             self.addresses = [self._address(i, p, deadline) for i, p in enumerate(self.procs)]
         except BaseException:
@@ -99,12 +107,13 @@ class LocalWorkers:
         self._supervisor.start()
         return list(self.addresses)
 
-    def _launch(self, i: int, listen: str) -> subprocess.Popen:
+    def _launch(self, i: int) -> subprocess.Popen:
         env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
         root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         device, threads = self.devices[i], self.threads[i]
-        cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", listen,
+        fd = self.socks[i].fileno()
+        cmd = [sys.executable, "-m", "flotilla.runtime.cli", "worker", "--listen", f"fd:{fd}",
                "--device", device, "--model", str(self.model), "--exit-with-parent"]
         if threads:
             cmd += ["--threads", str(threads)]
@@ -114,7 +123,7 @@ class LocalWorkers:
             cmd += ["--spin-us", str(self.spin_us)]
         # a session of its own: a terminal's Ctrl-C reaches the head alone, which stops the workers itself
         # (--exit-with-parent covers a head that dies)
-        return subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)},
+        return subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)}, pass_fds=(fd,),
                                 stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
 
     def _address(self, i: int, proc: subprocess.Popen, deadline: float) -> tuple[str, int]:
@@ -161,7 +170,7 @@ class LocalWorkers:
                         if now >= due[i]:
                             del due[i]
                             recent[i].append(now)
-                            self.procs[i] = self._launch(i, f"{host}:{port}")
+                            self.procs[i] = self._launch(i)
                             self._pump(i, self.procs[i], threading.Event(), [])
                             self.log(f"[worker {i}] started again on {host}:{port}")
                         continue
@@ -197,4 +206,7 @@ class LocalWorkers:
                 p.kill()
                 p.wait()
         self.procs = []
+        for sock in self.socks:
+            sock.close()
+        self.socks = []
         self.mps.stop()

@@ -14,6 +14,7 @@ function ends dispatch and resolves the future `dispatch` returned.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from typing import Callable
 
@@ -112,12 +113,16 @@ async def open_connection(host: str, port: int, limit: int, ssl_context: ssl.SSL
     return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
 
-async def start_server(client_connected, host: str, port: int, limit: int,
-                       ssl_context: ssl.SSLContext | None = None) -> asyncio.AbstractServer:
-    """asyncio.start_server with a FrameReader for every connection."""
+async def start_server(client_connected, host: str | None, port: int | None, limit: int,
+                       ssl_context: ssl.SSLContext | None = None, sock: socket.socket | None = None
+                       ) -> asyncio.AbstractServer:
+    """asyncio.start_server with a FrameReader for every connection; on `sock` (a listening socket
+    already bound) instead of host and port where given."""
     loop = asyncio.get_running_loop()
 
     def factory():
         return asyncio.StreamReaderProtocol(FrameReader(limit, loop), client_connected, loop=loop)
 
+    if sock is not None:
+        return await loop.create_server(factory, sock=sock, ssl=ssl_context)
     return await loop.create_server(factory, host, port, ssl=ssl_context)

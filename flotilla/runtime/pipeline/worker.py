@@ -102,12 +102,13 @@ class Worker:
         self.path.on_step = fn
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Listen; returns the bound address (port 0 picks a free one)."""
+    async def start(self, host: str | None, port: int | None, sock=None) -> tuple[str, int]:
+        """Listen (on `sock`, an inherited listening socket, where given); returns the bound address
+        (port 0 picks a free one)."""
         if self.config.device.type == "cuda":
             torch.cuda.set_device(self.config.device)  # decode steps launch from the loop's thread
         self.path.start(asyncio.get_running_loop())
-        self._server = await start_server(self._accept, host, port, STREAM_LIMIT, self.config.ssl_server)
+        self._server = await start_server(self._accept, host, port, STREAM_LIMIT, self.config.ssl_server, sock=sock)
         sock = self._server.sockets[0].getsockname()
         return sock[0], sock[1]
 

@@ -26,8 +26,9 @@ import json
 
 import torch
 
-from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight
+from flotilla.kernels.ggml import GGMLWeight
 from flotilla.kernels.triton_ggml import TRITON_FORMS, TritonGGMLKernel
+from flotilla.runtime.random_model import random_ggml_weight
 
 GGUF_FORMS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")
 TUNE_FORMS = ("Q4_0", "Q4_K", "Q8_0", "Q6_K")  # one of each kernel specialisation (Q4_1 runs as Q4_K)
@@ -35,16 +36,9 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
 def random_ggml(qtype: str, k: int, n: int, device="cuda") -> GGMLWeight:
-    """Random codes, scales and mins of a form, built on the device (scales exact in the form's
-    precision, about the size of a real model's)."""
-    fmt = GGML_FORMATS[qtype]
-    codes = torch.randint(fmt.code_min, fmt.code_max + 1, (n, k), dtype=torch.int8, device=device)
-    scales = torch.rand(n, k // fmt.group, device=device) * 0.002 + 0.0005
-    mins = -torch.rand(n, k // fmt.group, device=device) * 0.01 if fmt.has_min else None
-    if fmt.fp16_scales:
-        scales = scales.half().float()
-        mins = None if mins is None else mins.half().float()
-    return GGMLWeight(qtype, codes, scales, mins)
+    """Random blocks of a form for a [k -> n] weight, built on the device (runtime.random_model's: codes
+    centred on zero, fp16-exact scales where the form stores fp16)."""
+    return random_ggml_weight(qtype, n, k, torch.Generator(device=device).manual_seed(0))
 
 
 def check_forms(k: int = 4096, n: int = 4096) -> list[str]:

@@ -25,6 +25,9 @@ class StubTokenizer:
     def apply_chat_template(self, messages):
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
+    def token_bytes(self, token_id):
+        return bytes([token_id])
+
 
 class StubModel:
     model_name = "stub"

@@ -14,8 +14,7 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.decode = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i], skip_special_tokens=False))
-        raw = getattr(tokenizer, "token_bytes", None)  # a tokenizer without it: the text's bytes
-        self.raw = lru_cache(maxsize=65536)(raw or (lambda i: self.decode(i).encode("utf-8")))
+        self.raw = lru_cache(maxsize=65536)(tokenizer.token_bytes)
 
     def entry(self, token_id: int, logprob: float) -> dict:
         """A chat logprob: the token's text and its own bytes (a piece of a multi-byte character is

@@ -119,6 +119,11 @@ def parse_messages(f: Fields) -> list[dict]:
         if role not in ROLES:
             raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}, got {describe(role)}",
                               param=f"{where}.role")
+        for key in ("tool_calls", "function_call"):
+            if m.get(key):  # the template would drop them and the model would answer a conversation it never saw
+                raise bad_request(f"'{where}.{key}' is not supported: this server has no tools, so a conversation "
+                                  f"with tool calls cannot be rendered; send the call as the message's 'content' "
+                                  f"or leave the message out", param=f"{where}.{key}")
         out.append({"role": "system" if role == "developer" else role, "content": _content(m, where)})
     return out
 

@@ -14,7 +14,8 @@
 # decode with the 4-bit-head rows and the batch-16 / 64 step profiles; sweep64: the Triton tiles' configs at 16 / 64 rows;
 # tilesilu: the 8B decode at 16 / 64 with the Triton tiles' silu epilogue off and on. gguf: `runtime bench` on the 8B
 # shape as GGUF files of four types load, beside the INT4 GPTQ model (round 17); tile48: the tile GEMM against the
-# Triton tiles at 40-64 rows on the widest weights (the 70B shapes; round 17's open question).
+# Triton tiles at 40-64 rows on the widest weights (the 70B shapes; round 17's open question). probe: which fused ops
+# fall back to torch on the GPU in a GGUF model's step (bench/fallback_probe.py).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -116,5 +117,12 @@ if has tile48; then
   mark "tile48"
   timeout 200 python3 -P bench/kernels.py --graph --only-sweeps --skip-check --tile-sweep --tile-rows 40,48,64 \
     --tile-heights 64 --shapes 8192x28672,8192x57344,28672x8192,4096x28672 2>&1 | tee "$OUT/tile48.log" | grep -v "^\["
+fi
+if has probe; then  # which fused ops hand CUDA tensors to a torch fallback in a GGUF model's step (and a GPTQ one's)
+  for g in "--gguf Q4_K_M" "--gguf Q6_K" "--bits 4"; do
+    mark "probe: $g"
+    timeout 120 python3 -P bench/fallback_probe.py --random llama-3-8b $g --layers 4 --batch 1,16 --tokens 32 2>&1 \
+      | tee -a "$OUT/probe.log" | grep -vE "^\[|Writing"
+  done
 fi
 mark done

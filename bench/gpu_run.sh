@@ -15,7 +15,8 @@
 # tilesilu: the 8B decode at 16 / 64 with the Triton tiles' silu epilogue off and on. gguf: `runtime bench` on the 8B
 # shape as GGUF files of four types load, beside the INT4 GPTQ model (round 17); tile48: the tile GEMM against the
 # Triton tiles at 40-64 rows on the widest weights (the 70B shapes; round 17's open question). probe: which fused ops
-# fall back to torch on the GPU in a GGUF model's step (bench/fallback_probe.py).
+# fall back to torch on the GPU in a GGUF model's step (bench/fallback_probe.py). gguftune: the Triton tiles' configs
+# for the GGUF forms at 32 / 64 rows (kernels_gguf --tune).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -117,6 +118,11 @@ if has tile48; then
   mark "tile48"
   timeout 200 python3 -P bench/kernels.py --graph --only-sweeps --skip-check --tile-sweep --tile-rows 40,48,64 \
     --tile-heights 64 --shapes 8192x28672,8192x57344,28672x8192,4096x28672 2>&1 | tee "$OUT/tile48.log" | grep -v "^\["
+fi
+if has gguftune; then  # the Triton tiles' configs for the GGUF forms (group 32) at 32 / 64 rows: never tuned there
+  mark "gguftune"
+  timeout 330 python3 -P bench/kernels.py --gguf --graph --only-sweeps --skip-check --tune \
+    --shapes 4096x14336,14336x4096,8192x28672 --batches 32,64 2>&1 | tee "$OUT/gguftune.log" | grep -E "^tune|FAIL"
 fi
 if has probe; then  # which fused ops hand CUDA tensors to a torch fallback in a GGUF model's step (and a GPTQ one's)
   for g in "--gguf Q4_K_M" "--gguf Q6_K" "--bits 4"; do

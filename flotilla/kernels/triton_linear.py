@@ -163,6 +163,8 @@ def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmCo
     elif m <= 64:
         bm = 32 if m <= 32 else 64
         grid = [(bm, 64, 4, 3, False), (bm, 128, 4, 3, False), (bm, 128, 4, 4, False), (bm, 128, 8, 3, False)]
+        if layout.rows_per_field < 32:  # group-32 layouts: the 256-wide tiles that won at 16 rows (dot_config)
+            grid += [(bm, 256, 4, 3, False), (bm, 256, 8, 3, False)]
     else:
         grid = [(64, 128, 4, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True)]
     out = [GemmConfig("dense")] if m >= 128 else []

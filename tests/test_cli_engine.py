@@ -23,7 +23,7 @@ def test_generate_streams_greedy_text_and_reports_the_kv_cache(smollm2_gguf):
                 "--kv-cache-memory", "32MiB", "--stats")
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout
-    assert "KV cache: 45 blocks x 16 tokens" in p.stderr and "6 tokens" in p.stderr
+    assert "KV cache: 44 blocks x 16 tokens" in p.stderr and "6 tokens" in p.stderr
 
 
 def test_chat_keeps_the_conversation_and_stops_at_a_stop_string(smollm2_gguf):
@@ -94,7 +94,7 @@ def test_the_default_kv_cache_on_a_cpu_comes_from_the_context(smollm2_gguf):
     p = runtime("generate", str(smollm2_gguf), "-p", "Hi", "--max-tokens", "2", "--max-model-len", "2048")
     assert p.returncode == 0, p.stderr
     line = next(ln for ln in p.stderr.splitlines() if ln.startswith("KV cache:"))
-    assert line.startswith("KV cache: 129 blocks x 16 tokens = 2064 tokens, 90.7 MiB"), line  # 2048 + the null block
+    assert line.startswith("KV cache: 128 blocks x 16 tokens = 2048 tokens (+1 padding block), 90.7 MiB"), line
     assert "default on CPU: 2048 tokens for up to 1 sequence of up to 2048" in line
 
 

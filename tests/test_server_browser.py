@@ -203,3 +203,22 @@ def test_a_chat_past_the_context_drops_its_oldest_turns(fake, page):
     assert page.errors == []
     page.click("#new-chat")
     assert page.locator(".msg, .notice").count() == 0
+
+
+def test_a_message_over_the_frame_limit_is_not_sent(page):
+    """The page knows the server's frame limit from "ready" and refuses a larger message itself, with a banner,
+    leaving the text in the box (the server would answer 413, or drop the socket for one past twice the limit)."""
+    from flotilla.server.config import ServerConfig
+
+    with LiveServer(PageEngine(), ServerConfig(port=0, max_body_bytes=4096)) as server:
+        sent = chat_frames(page)
+        open_page(page, server)
+        big = "word " * 2000
+        page.fill("#input", big)
+        page.press("#input", "Enter")
+        page.wait_for_function("!document.querySelector('#banner').hidden")
+        assert "too large for this server" in page.text_content("#banner")
+        assert page.input_value("#input") == big and not page.query_selector_all(".msg.user")
+        say(page, "Hi", 1)
+        assert [json.loads(f)["messages"][-1]["content"] for f in sent if '"chat"' in f] == ["Hi"]
+        assert page.errors == []

@@ -79,7 +79,6 @@ BAD = [  # (path, body, status, param, words in the message)
      "messages[0].content", ["only text content"]),
     ("chat", {**CHAT, "model": "gpt-4o"}, 404, "model", ["'gpt-4o' does not exist", MODEL]),
     ("chat", {**CHAT, "model": 7}, 400, "model", ["must be a string"]),
-    ("chat", {k: v for k, v in CHAT.items() if k != "model"}, 400, "model", ["'model' is required", MODEL]),
     ("chat", {**CHAT, "max_tokens": -5}, 400, "max_tokens", ["integer >= 1", "-5"]),
     ("chat", {**CHAT, "max_tokens": 0}, 400, "max_tokens", ["integer >= 1"]),
     ("chat", {**CHAT, "max_tokens": "10"}, 400, "max_tokens", ["an integer", "a string"]),
@@ -90,7 +89,7 @@ BAD = [  # (path, body, status, param, words in the message)
     ("chat", {**CHAT, "temperature": 3}, 400, "temperature", ["between 0 and 2"]),
     ("chat", {**CHAT, "top_p": 0}, 400, "top_p", ["(0, 1]"]),
     ("chat", {**CHAT, "presence_penalty": 5}, 400, "presence_penalty", ["between -2 and 2"]),
-    ("chat", {**CHAT, "seed": -1}, 400, "seed", ["integer between 0"]),
+    ("chat", {**CHAT, "seed": -2}, 400, "seed", ["integer between 0", "or -1 for a random one"]),
     ("chat", {**CHAT, "stop": 5}, 400, "stop", ["a string or an array"]),
     ("chat", {**CHAT, "stop": ["a", ""]}, 400, "stop", ["non-empty strings"]),
     ("chat", {**CHAT, "n": 0}, 400, "n", ["between 1 and 8"]),
@@ -275,5 +274,86 @@ def test_api_key(smollm2_gguf):
         msg, code, ready = asyncio.run(ws())
         assert msg.type == aiohttp.WSMsgType.CLOSE and code == 1008 and "api_key" in msg.extra
         assert ready["type"] == "ready"
+    finally:
+        server.stop()
+
+
+def test_model_may_be_left_out_and_seed_minus_one_is_random(live):
+    body = {k: v for k, v in CHAT.items() if k != "model"}
+    status, _, data = request(live.url, "POST", "/v1/chat/completions", {**body, "seed": -1})
+    assert status == 200 and data["model"] == MODEL, data
+    status, _, data = request(live.url, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    assert status == 200 and data["model"] == MODEL, data
+
+
+def test_a_body_that_is_not_json_gets_415(live):
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, headers, data = request(live.url, "POST", "/v1/chat/completions", CHAT, {"Content-Type": ctype})
+        assert status == 415, (ctype, data)
+        assert data["error"]["code"] == "unsupported_media_type"
+        assert "Content-Type: application/json" in data["error"]["message"] and ctype in data["error"]["message"]
+    status, _, _ = request(live.url, "POST", "/v1/chat/completions", CHAT,
+                           {"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
+
+
+def test_405_names_the_allowed_methods_in_allow(live):
+    status, headers, data = request(live.url, "POST", "/v1/models")
+    assert status == 405 and set(headers["Allow"].split(",")) == {"GET", "HEAD"}, headers
+    assert data["error"]["code"] == "method_not_allowed"
+
+
+def test_static_files_and_a_missing_one(live):
+    status, headers, body = request(live.url, "GET", "/static/chat.js")
+    assert status == 200 and "websocket" in body.lower()
+    for path in ("/static/nope.js", "/static/", "/static/..%2Fapp.py"):
+        status, headers, data = request(live.url, "GET", path)
+        assert status == 404 and data["error"]["type"] == "not_found_error", (path, data)
+    _, _, metrics = request(live.url, "GET", "/metrics")
+    assert re.search(r'flotilla_requests_total\{endpoint="/static/\{name\}",status="404"\} [1-9]', metrics)
+
+
+def ws_handshake(url: str, origin: str | None, query: str = "") -> tuple[int, str]:
+    async def go():
+        headers = {"Origin": origin} if origin else {}
+        async with aiohttp.ClientSession() as s:
+            try:
+                async with s.ws_connect(url + "/ws" + query, headers=headers) as ws:
+                    return 101, (await ws.receive_json())["type"]
+            except aiohttp.WSServerHandshakeError as e:
+                return e.status, e.message
+    return asyncio.run(go())
+
+
+def test_websocket_refuses_pages_of_other_origins(live):
+    u = urllib.parse.urlparse(live.url)
+    assert ws_handshake(live.url, None) == (101, "ready")  # not a browser
+    assert ws_handshake(live.url, f"http://{u.hostname}:{u.port}") == (101, "ready")  # the chat page
+    status, _ = ws_handshake(live.url, "https://evil.example.com")
+    assert status == 403
+    # the HTTP API: a preflight from another site is refused, and no answer carries Access-Control-Allow-Origin
+    status, headers, data = request(live.url, "OPTIONS", "/v1/chat/completions", None, {
+        "Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"})
+    assert status == 403 and "--allowed-origins https://evil.example.com" in data["error"]["message"]
+    status, headers, _ = request(live.url, "GET", "/v1/models", None, {"Origin": "https://evil.example.com"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_allowed_origins_get_cors_and_the_websocket(smollm2_gguf):
+    server = start_server(smollm2_gguf, allowed_origins=("http://localhost:3000",), api_key="k3y")
+    try:
+        ok = {"Origin": "http://localhost:3000"}
+        status, headers, _ = request(server.url, "OPTIONS", "/v1/chat/completions", None, {
+            **ok, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"})
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+        status, headers, _ = request(server.url, "POST", "/v1/chat/completions", CHAT,
+                                     {**ok, "Authorization": "Bearer k3y"})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        status, headers, _ = request(server.url, "POST", "/v1/chat/completions", CHAT, ok)  # errors say so too
+        assert status == 401 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert ws_handshake(server.url, "http://localhost:3000", "?api_key=k3y") == (101, "ready")
+        assert ws_handshake(server.url, "http://localhost:3001", "?api_key=k3y")[0] == 403
     finally:
         server.stop()

@@ -48,7 +48,8 @@ def run(coro):
 async def connect(session, live):
     ws = await session.ws_connect(live.ws_url)
     ready = await recv(ws)
-    assert ready == {"type": "ready", "model": live.engine.model_name, "max_model_len": live.engine.max_model_len}
+    assert ready == {"type": "ready", "model": live.engine.model_name, "max_model_len": live.engine.max_model_len,
+                     "max_frame_bytes": 2 * 1024 * 1024}
     return ws
 
 

@@ -64,8 +64,10 @@ class KVCacheSpec:
 
     def describe(self, num_blocks: int) -> str:
         mib = num_blocks * self.bytes_per_block / 2**20
-        return (f"KV cache: {num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} tokens, "
-                f"{mib:.1f} MiB ({self.bytes_per_block / 1024:.1f} KiB a block, {len(self.layers)} layers)")
+        usable = num_blocks - 1  # block 0 is the null block (block_pool): padding, never holds a token
+        return (f"KV cache: {usable} blocks x {self.block_size} tokens = {usable * self.block_size} tokens "
+                f"(+1 padding block), {mib:.1f} MiB ({self.bytes_per_block / 1024:.1f} KiB a block, "
+                f"{len(self.layers)} layers)")
 
 
 def plan_num_blocks(spec: KVCacheSpec, device: torch.device, memory: str | int | None = None,

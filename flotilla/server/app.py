@@ -6,8 +6,10 @@ from pathlib import Path
 from aiohttp import WSCloseCode, web
 
 from .metrics import CONTENT_TYPE
+from .errors import ApiError
 from .middleware import make_middlewares
 from .openai_api import OpenAIRoutes
+from .origins import add_cors_headers
 from .state import ServerState
 from .websocket import ChatSocket
 
@@ -22,7 +24,8 @@ def build_app(state: ServerState, manage_engine: bool = True) -> web.Application
     app.router.add_get("/health", _health(state))
     app.router.add_get("/metrics", _metrics(state))
     app.router.add_get("/", _index)
-    app.router.add_static("/static/", STATIC, append_version=False)
+    app.router.add_get("/static/{name}", _static)
+    app.on_response_prepare.append(add_cors_headers(state.config))
 
     async def close_websockets(_app):
         for ws in list(state.websockets):
@@ -43,6 +46,17 @@ def build_app(state: ServerState, manage_engine: bool = True) -> web.Application
 
 async def _index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+STATIC_FILES = {p.name: p for p in STATIC.iterdir() if p.is_file()}  # the chat page's files, read at import
+
+
+async def _static(request: web.Request) -> web.FileResponse:
+    path = STATIC_FILES.get(request.match_info["name"])
+    if path is None:
+        raise ApiError(404, f"no such file {request.path[:200]}; the chat page's files are "
+                            f"{', '.join('/static/' + n for n in sorted(STATIC_FILES))}", code="not_found")
+    return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
 
 
 def _health(state: ServerState):

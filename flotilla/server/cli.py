@@ -14,7 +14,7 @@ from flotilla import envs
 from flotilla.errors import FlotillaError
 from flotilla.runtime.cli import COMMANDS, Command, run
 
-from .config import ServerConfig
+from .config import ServerConfig, parse_origins
 from .engine_client import add_engine_args
 
 
@@ -31,6 +31,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
     g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help=f"largest request body or websocket frame (default {ServerConfig.max_body_bytes})")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
+                        "API and open /ws (CORS); the server's own chat page always may; default: none")
     g.add_argument("--grace-period", type=float, default=ServerConfig.grace_period,
                    help=f"seconds in-flight requests get to finish after SIGTERM (default {ServerConfig.grace_period:g})")
 
@@ -57,7 +60,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .state import ServerState
 
     config = ServerConfig(host=args.host, port=args.port, api_key=resolve_api_key(args), max_queue=args.max_queue,
-                          max_body_bytes=args.max_body_bytes, grace_period=args.grace_period)
+                          max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                          allowed_origins=parse_origins(args.allowed_origins))
     sockets = bind_sockets(config.host, config.port)  # a port in use fails now, before the model loads
     try:
         engine = EngineClient.from_args(args)

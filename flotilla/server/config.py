@@ -16,6 +16,9 @@ class ServerConfig:
     max_n: int = 8  # choices (n x prompts) one request may ask for
     grace_period: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     retry_after: int = 1  # seconds, sent with 429
+    # web origins ("https://app.example.com", or "*") whose pages may call the API and open /ws; the server's own
+    # chat page (same origin) always may, and clients that are not browsers send no Origin
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -26,5 +29,21 @@ class ServerConfig:
             raise FlotillaError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if self.grace_period < 0:
             raise FlotillaError(f"--grace-period must be >= 0 seconds, got {self.grace_period}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not _is_origin(origin):
+                raise FlotillaError(f"--allowed-origins: {origin!r} is not an origin; write scheme://host[:port] "
+                                    f"(e.g. http://localhost:3000) or *")
         if self.api_key is not None and not self.api_key.strip():
             raise FlotillaError("the API key is empty; pass a non-empty --api-key or leave it out")
+
+
+def _is_origin(origin: str) -> bool:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(origin)
+    return u.scheme in ("http", "https") and bool(u.netloc) and not (u.path or u.query or u.fragment)
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins' comma-separated list, trailing slashes dropped."""
+    return tuple(o.strip().rstrip("/") for o in (value or "").split(",") if o.strip())

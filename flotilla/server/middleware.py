@@ -11,6 +11,7 @@ from flotilla.errors import FlotillaError
 
 from .engine_client import EngineUnavailable
 from .errors import ApiError
+from .origins import cors_middleware
 from .state import ServerState
 
 log = logging.getLogger("flotilla.server")
@@ -32,7 +33,7 @@ def _http_error(request: web.Request, e: web.HTTPException, state: ServerState) 
     if e.status == 405:
         allowed = e.headers.get("Allow", "")
         return ApiError(405, f"{request.method} is not allowed on {request.path[:200]}; use {allowed}",
-                        code="method_not_allowed")
+                        code="method_not_allowed", headers={"Allow": allowed})
     if e.status == 413:
         return ApiError(413, f"the request body is too large; the limit is {state.config.max_body_bytes} bytes",
                         code="request_too_large")
@@ -92,4 +93,4 @@ def make_middlewares(state: ServerState) -> list:
                            code="invalid_api_key")
         return await handler(request)
 
-    return [errors, auth]
+    return [errors, cors_middleware(state.config), auth]

@@ -38,6 +38,12 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    # completions: each prompt's length in characters, where its logprobs' text_offset starts (OpenAI and vLLM
+    # count the offsets in the prompt's text followed by the completion's)
+    prompt_chars: tuple[int, ...] = ()
+
+    def text_offset(self, choice: int) -> int:
+        return self.prompt_chars[choice // self.n] if self.prompt_chars else 0
 
     @property
     def num_choices(self) -> int:
@@ -55,9 +61,9 @@ class GenerationRequest:
         return out
 
 
-def parse_chat(data: dict, model: ModelInfo, max_n: int, *, require_model: bool = True) -> GenerationRequest:
+def parse_chat(data: dict, model: ModelInfo, max_n: int) -> GenerationRequest:
     f = Fields(data)
-    check_model(f, model, require_model)
+    check_model(f, model)
     _reject_unsupported(f)
     messages = parse_messages(f)
     try:
@@ -74,7 +80,7 @@ def parse_chat(data: dict, model: ModelInfo, max_n: int, *, require_model: bool 
 
 def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequest:
     f = Fields(data)
-    check_model(f, model, True)
+    check_model(f, model)
     _reject_unsupported(f)
     if f.boolean("echo", False):
         raise bad_request("'echo' is not supported; leave it out or set it to false", param="echo")
@@ -86,14 +92,18 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
     best_of = f.integer("best_of", n, 1, max_n)
     if best_of != n:
         raise bad_request(f"'best_of' is not supported unless it equals 'n' ({n})", param="best_of")
-    return _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
+    req = _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
+    if top is None:
+        return req
+    chars = tuple(len(p) if isinstance(p, str) else len(model.tokenizer.decode(list(p))) for p in _prompt_items(f))
+    return dataclasses.replace(req, prompt_chars=chars)
 
 
-def check_model(f: Fields, model: ModelInfo, required: bool) -> str:
+def check_model(f: Fields, model: ModelInfo) -> str:
+    """'model' may be left out (the server serves one; vLLM and llama.cpp's server take it so); a name given
+    must be the served one."""
     name = f.string("model")
     if name is None:
-        if required:
-            raise bad_request(f"'model' is required; this server serves '{model.model_name}'", param="model")
         return model.model_name
     if name != model.model_name:
         raise ApiError(404, f"the model '{name[:100]}' does not exist here; this server serves "
@@ -146,17 +156,23 @@ def _content(m: dict, where: str) -> str:
                       param=f"{where}.content")
 
 
-def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
+_PROMPT_KINDS = "a string, an array of strings, an array of token ids or an array of token-id arrays"
+
+
+def _prompt_items(f: Fields) -> list:
+    """'prompt' as a list of its prompts (each a string or a list of ids, not yet checked)."""
     prompt = f.raw("prompt")
-    expected = "a string, an array of strings, an array of token ids or an array of token-id arrays"
     if prompt is None:
-        raise bad_request(f"'prompt' is required: {expected}", param="prompt")
+        raise bad_request(f"'prompt' is required: {_PROMPT_KINDS}", param="prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt:
-        items = prompt
-    else:
-        raise bad_request(f"'prompt' must be {expected}, got {describe(prompt)}", param="prompt")
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        return prompt
+    raise bad_request(f"'prompt' must be {_PROMPT_KINDS}, got {describe(prompt)}", param="prompt")
+
+
+def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
+    items = _prompt_items(f)
     vocab = model.tokenizer.vocab_size
     out = []
     for i, item in enumerate(items):
@@ -175,6 +191,13 @@ def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
             raise bad_request("'prompt' is empty; send at least one token of text", param="prompt")
         out.append(ids)
     return out
+
+
+def _seed(f: Fields) -> int | None:
+    """'seed': 0..2^63-1, or -1 (llama.cpp's "a random seed"), or absent."""
+    if f.raw("seed") == -1:
+        return None
+    return f.integer("seed", None, 0, SEED_MAX, hint=" (or -1 for a random one)")
 
 
 def _is_ids(items: list) -> bool:
@@ -222,7 +245,7 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         repetition_penalty=f.number("repetition_penalty", 1.0, 0, 10, lo_open=True),
         presence_penalty=f.number("presence_penalty", 0.0, -2, 2),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2, 2),
-        seed=f.integer("seed", None, 0, SEED_MAX),
+        seed=_seed(f),
         stop=f.string_list("stop", MAX_STOP, MAX_STOP_LEN),
         stop_token_ids=f.int_list("stop_token_ids", 0, model.tokenizer.vocab_size - 1, MAX_STOP),
         ignore_eos=f.boolean("ignore_eos", False),

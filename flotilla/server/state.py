@@ -31,6 +31,7 @@ class ServerState:
         from .fields import parse_json_object
 
         limit = self.config.max_body_bytes
+        check_json_type(request)
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(request.content_length, limit)
         try:
@@ -40,7 +41,20 @@ class ServerState:
         return parse_json_object(raw)
 
 
+def check_json_type(request: web.Request) -> None:
+    """A body's Content-Type is JSON's or absent: a form or text/plain post (what a web page on another site can
+    send without asking, and what `curl -d` sends by default) gets a 415 that says which header to send."""
+    given = request.headers.get("Content-Type")
+    if given is None:
+        return
+    media = given.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"the body must be JSON sent with 'Content-Type: application/json', not "
+                            f"'{given[:100]}' (with curl: -H 'Content-Type: application/json')",
+                       code="unsupported_media_type")
+
+
 def _too_large(size: int | None, limit: int) -> ApiError:
-    got = f"{size} bytes" if size is not None else "more than that"
-    return ApiError(413, f"the request body is {got}; the limit is {limit} bytes (--max-body-bytes): "
-                         f"send a shorter prompt", code="request_too_large")
+    got = f"is {size} bytes; the limit is" if size is not None else "is larger than the limit of"
+    return ApiError(413, f"the request body {got} {limit} bytes (--max-body-bytes): send a shorter prompt",
+                    code="request_too_large")

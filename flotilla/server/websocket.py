@@ -7,7 +7,7 @@ Client -> server (JSON text frames):
     {"type": "cancel"}                         stop the reply streaming (ignored when none is)
     {"type": "ping"}                                                                 -> pong
 Server -> client:
-    {"type": "ready", "model", "max_model_len"}            once, on connect
+    {"type": "ready", "model", "max_model_len", "max_frame_bytes"}   once, on connect
     {"type": "start", "id", "prompt_tokens", "dropped_messages"}   a reply begins
     {"type": "delta", "id", "text"}                        streamed text
     {"type": "done", "id", "finish_reason", "usage", "timing"}
@@ -17,8 +17,10 @@ Server -> client:
     {"type": "error", "id", "code", "message", "param"}    a reply that failed after its "start"
 Every "start" is followed by exactly one "done". One reply at a time per socket; many turns per
 socket. Binary frames close the socket with 1003; a wrong API key closes it with 1008; a text frame
-over --max-body-bytes gets a 413 error frame, and one over twice that closes the socket with 1009
-(aiohttp stops buffering it there, so a socket never holds more).
+over --max-body-bytes (max_frame_bytes) gets a 413 error frame, and one over twice that closes the socket
+with 1009 (aiohttp stops buffering it there, so a socket never holds more; a client still sending the rest
+of such a frame may see the connection reset instead of the close frame). A handshake from a web page
+on another origin than the server's, not named by --allowed-origins, gets a 403 (server/origins.py).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from .engine_client import EngineUnavailable
 from .errors import ApiError, bad_request
 from .fields import Fields, describe, parse_json_object
 from .generation import Generation, new_request_id
+from .origins import check_websocket_origin
 from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages
 from .state import ServerState
 
@@ -64,6 +67,7 @@ class ChatSocket:
 
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
         limit = self.state.config.max_body_bytes
+        check_websocket_origin(request, self.state.config)  # a 403 before the upgrade
         ws = web.WebSocketResponse(max_msg_size=BUFFERED_FRAME_FACTOR * limit, heartbeat=30.0)
         await ws.prepare(request)
         if not self._authorized(request):
@@ -72,7 +76,8 @@ class ChatSocket:
             return ws
         self.state.websockets.add(ws)
         engine = self.state.engine
-        await ws.send_json({"type": "ready", "model": engine.model_name, "max_model_len": engine.max_model_len})
+        await ws.send_json({"type": "ready", "model": engine.model_name, "max_model_len": engine.max_model_len,
+                            "max_frame_bytes": limit})
         conversation = _Conversation(self.state, ws)
         try:
             async for msg in ws:
@@ -156,7 +161,7 @@ def parse_frame(fields: dict, model: ModelInfo) -> tuple[GenerationRequest, int]
     if Fields(fields).boolean("fit_context", False):
         fields, dropped = fit_context(fields, model)
     fields = {k: v for k, v in fields.items() if k != "fit_context"}
-    return parse_chat(fields, model, 1, require_model=False), dropped
+    return parse_chat(fields, model, 1), dropped
 
 
 class _SocketGone(Exception):

@@ -9,7 +9,7 @@
     keyRow: $("key-row"), settings: $("settings"), settingsToggle: $("settings-toggle"), newChat: $("new-chat"),
   };
   const store = window.localStorage;
-  const state = { ws: null, history: [], reply: null, retry: 0, maxModelLen: null };
+  const state = { ws: null, history: [], reply: null, retry: 0, maxModelLen: null, maxFrameBytes: null };
   const DEFAULT_MAX_TOKENS = 512;
 
   // ---------------------------------------------------------------------- settings
@@ -68,6 +68,7 @@
       case "ready":
         els.model.textContent = f.model;
         state.maxModelLen = f.max_model_len;
+        state.maxFrameBytes = f.max_frame_bytes || null;
         els.maxTokens.title = `at most ${replyCap()} here: half of the model's ${f.max_model_len}-token context`;
         setStatus("open");
         showBanner("");
@@ -134,23 +135,31 @@
   }
 
   function send(text) {
-    if (!text.trim() || state.reply || !isOpen()) return;
-    showBanner("");
-    state.history.push({ role: "user", content: text, el: addMessage("user", text).el });
-    const { el, body } = addMessage("assistant", "");
-    el.classList.add("streaming");
-    state.reply = { id: null, el, body, text: "", deltas: 0, start: performance.now(), first: null };
+    if (!text.trim() || state.reply || !isOpen()) return false;
     const messages = [];
     const system = els.system.value.trim();
     if (system) messages.push({ role: "system", content: system });
-    messages.push(...state.history.map(({ role, content }) => ({ role, content })));
+    messages.push(...state.history.map(({ role, content }) => ({ role, content })), { role: "user", content: text });
     const frame = { type: "chat", messages, fit_context: true };
     const t = parseFloat(els.temperature.value);
     if (!Number.isNaN(t)) frame.temperature = t;
     const m = parseInt(els.maxTokens.value, 10);
     frame.max_tokens = Math.min(Number.isNaN(m) || m < 1 ? DEFAULT_MAX_TOKENS : m, replyCap());
-    state.ws.send(JSON.stringify(frame));
+    const data = JSON.stringify(frame);
+    const size = new TextEncoder().encode(data).length;
+    if (state.maxFrameBytes && size > state.maxFrameBytes) {  // the server would refuse it (or drop the socket)
+      showBanner(`That message is too large for this server: the conversation is ${size} bytes and the limit ` +
+                 `is ${state.maxFrameBytes}. Shorten it, or start a new chat.`);
+      return false;
+    }
+    showBanner("");
+    state.history.push({ role: "user", content: text, el: addMessage("user", text).el });
+    const { el, body } = addMessage("assistant", "");
+    el.classList.add("streaming");
+    state.reply = { id: null, el, body, text: "", deltas: 0, start: performance.now(), first: null };
+    state.ws.send(data);
     updateButtons();
+    return true;
   }
 
   function finishReply(f, error) {
@@ -199,9 +208,9 @@
     ev.preventDefault();
     const text = els.input.value;
     if (!text.trim() || state.reply || !isOpen()) return;
+    if (!send(text)) return;  // refused here: the text stays in the box
     els.input.value = "";
     autosize();
-    send(text);
   });
   els.input.addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {

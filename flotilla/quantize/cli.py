@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="quantize", description="Quantize a model to INT4/INT8 (GPTQ or RTN) into a sharded "
+    p = _Parser(prog="quantize", description="Quantize a model to INT4/INT8 (GPTQ, RTN, AWQ or AWQ+GPTQ) into a sharded "
                 "GPTQ-layout checkpoint that flotilla, transformers and vLLM load (vLLM where the group size "
                 "divides every linear's input: 64 or 32 for SmolLM2's 576).")
     p.add_argument("src", help="a Hugging Face model directory or a .gguf file")
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ fits each linear to the float model's output on the float model's own inputs, so it "
                         "also corrects the error the linears quantized before it left in its inputs (GPTAQ-style "
                         "asymmetric calibration); the calibration forward runs twice. On SmolLM2-135M it helped "
-                        "plain GPTQ at group 128 and hurt with --act-order, --rotate and awq+gptq (README)")
+                        "plain GPTQ at group 128 and hurt with --act-order at group 128, --rotate and awq+gptq "
+                        "(README)")
     p.add_argument("--damp-percent", type=float, default=_DEFAULTS.damp_percent, metavar="F",
                    help="GPTQ damping as a fraction of the Hessian's mean diagonal (default 0.01; raised "
                         "automatically when needed)")

@@ -31,6 +31,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
     g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help=f"largest request body or websocket frame (default {ServerConfig.max_body_bytes})")
+    g.add_argument("--max-n", type=int, default=ServerConfig.max_n, metavar="N",
+                   help=f"most choices (prompts x n) one request may ask for (default {ServerConfig.max_n})")
     g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
                         "API and open /ws (CORS); the server's own chat page always may; default: none")
@@ -61,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, api_key=resolve_api_key(args), max_queue=args.max_queue,
                           max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                          allowed_origins=parse_origins(args.allowed_origins))
+                          allowed_origins=parse_origins(args.allowed_origins), max_n=args.max_n)
     sockets = bind_sockets(config.host, config.port)  # a port in use fails now, before the model loads
     try:
         engine = EngineClient.from_args(args)

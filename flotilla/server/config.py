@@ -25,6 +25,8 @@ class ServerConfig:
             raise FlotillaError(f"--port must be in 0..65535, got {self.port}")
         if self.max_queue < 0:
             raise FlotillaError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_n < 1:
+            raise FlotillaError(f"--max-n must be >= 1, got {self.max_n}")
         if self.max_body_bytes < 1024:
             raise FlotillaError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if self.grace_period < 0:

@@ -88,7 +88,7 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
         raise bad_request("'suffix' (insertion) is not supported; leave it out", param="suffix")
     prompts = parse_prompts(f, model)
     top = f.integer("logprobs", None, 0, 20)
-    n = f.integer("n", 1, 1, max_n)
+    n = f.integer("n", 1, 1, max_n, hint=" (the server's --max-n)")
     best_of = f.integer("best_of", n, 1, max_n)
     if best_of != n:
         raise bad_request(f"'best_of' is not supported unless it equals 'n' ({n})", param="best_of")
@@ -228,9 +228,10 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         raise bad_request(f"'{max_tokens_key}' is {max_tokens} but {longest} of the {context}-token context go to "
                           f"the {prompt_field}; ask for at most {room}", param=max_tokens_key,
                           code="context_length_exceeded")
-    n = f.integer("n", 1, 1, max_n)
+    n = f.integer("n", 1, 1, max_n, hint=" (the server's --max-n)")
     if n * len(prompts) > max_n:
-        raise bad_request(f"{len(prompts)} prompts x n={n} is {n * len(prompts)} choices; at most {max_n} per request",
+        raise bad_request(f"{len(prompts)} prompts x n={n} is {n * len(prompts)} choices; at most {max_n} per request "
+                          f"(the server's --max-n)",
                           param="n")
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")

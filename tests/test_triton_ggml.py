@@ -49,6 +49,8 @@ def test_each_form_matches_the_exact_weights(qtype):
         assert rel_err(y, ref) < 2e-3, (qtype, m)
     ids = torch.tensor([79, 0, 41])
     rows = kernel.rows(ids)
+    # contiguous: the step's fused norm (kernels/fused) takes the embedded rows only so; strided rows went to torch
+    assert rows.shape == (3, 256) and rows.is_contiguous()
     if exact_in_fp16(qtype):
         assert torch.equal(rows, dense[ids].half())
     else:  # d * sc and dmin * m rounded to fp16

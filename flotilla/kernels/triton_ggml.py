@@ -77,7 +77,9 @@ def layout_rows(layout: TritonLayout, ids: torch.Tensor, dtype: torch.dtype) -> 
     w = w * layout.scales[:groups].index_select(1, ids).float().unsqueeze(1)
     if layout.offsets is not None:
         w = w + layout.offsets[:groups].index_select(1, ids).float().unsqueeze(1)
-    return w.view(k, -1).t().to(dtype)
+    # contiguous [T, K]: the step's fused norm (kernels/fused) takes the embedded rows only so (the transposed
+    # view went to the torch expression on every step with more than one token)
+    return w.view(k, -1).t().to(dtype, memory_format=torch.contiguous_format)
 
 
 def part_form(layout: TritonLayout) -> str:

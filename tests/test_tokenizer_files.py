@@ -46,6 +46,11 @@ def test_the_default_models_tokenizer_equals_transformers_on_the_same_files(smol
     assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
     assert (tok.vocab_size, tok.hf.eos_token_id, tok.hf.special_tokens) == (len(hf), hf.eos_token_id,
                                                                              hf.special_tokens_map)
+    # the files quantize copies into a checkpoint load in transformers 4 too: its class name, no loading options
+    cfg = json.loads((tok.hf.directory / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and cfg["clean_up_tokenization_spaces"] is False
+    assert not {"backend", "is_local", "local_files_only"} & set(cfg)
+    assert cfg["chat_template"] == (tok.hf.directory / "chat_template.jinja").read_text()
 
 
 def test_templates_render_as_transformers_renders_them(tmp_path):

@@ -178,9 +178,32 @@ def _byte_level_decoder() -> dict[str, int]:
     return chars
 
 
+PORTABLE = 2  # the cache's form: 2 = tokenizer_config.json as portable_config writes it
+LOAD_OPTIONS = ("backend", "is_local", "local_files_only")  # transformers 5 writes how it loaded the files
+
+
+def portable_config(directory: Path) -> None:
+    """tokenizer_config.json as transformers 4 and 5 both load it (quantize copies it into checkpoints that
+    other tools load): the generic class under its transformers-4 name (`TokenizersBackend` does not exist
+    there; transformers 5 reads `PreTrainedTokenizerFast` as the same class), no loading options, no
+    clean-up of spaces on decode (transformers 5 never does it; 4 would by default), and the chat template
+    inside too (transformers 4 before chat_template.jinja files)."""
+    path = directory / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in LOAD_OPTIONS:
+        cfg.pop(key, None)
+    cfg.setdefault("clean_up_tokenization_spaces", False)
+    template = directory / "chat_template.jinja"
+    if "chat_template" not in cfg and template.is_file():
+        cfg["chat_template"] = template.read_text()
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
 def _gguf_tokenizer(path: Path):
     st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{PORTABLE}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").is_file():
         return _from_directory(cached)
@@ -193,6 +216,7 @@ def _gguf_tokenizer(path: Path):
     try:
         tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
         hf.save_pretrained(str(tmp))
+        portable_config(tmp)
         os.replace(tmp, cached)
     except OSError:
         return hf  # a read-only cache only costs the conversion next time

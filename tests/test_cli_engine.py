@@ -147,3 +147,18 @@ def test_more_bad_flags_are_one_line_errors():
                           (("--temperature", "inf"), "error: temperature must be a finite number >= 0")):
         p = runtime("generate", "-p", "hi", *args)
         assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_threads_flag_sets_the_compute_threads(capsys):
+    import torch
+
+    from flotilla.server.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "--random", "tiny", "--tokens", "2", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+        assert main(["bench", "--random", "tiny", "--threads", "0"]) == 2
+        assert "error: --threads must be at least 1, got 0" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

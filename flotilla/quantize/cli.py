@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="2GB", metavar="SIZE",
                    help="largest shard, cut on layer boundaries (default 2GB)")
     p.add_argument("--device", default=_DEFAULTS.device, metavar="{cpu,cuda}", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: one per core); on a machine busy with other work (a server "
+                        "decoding beside it) fewer can be much faster")
     p.add_argument("--force", action="store_true",
                    help="replace OUT if it exists: only an empty directory or a model checkpoint, never one holding "
                         "the source")
@@ -176,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         with _sigterm_raises():
             from .pipeline import quantize_model
 
+            if args.threads is not None:
+                if args.threads < 1:
+                    raise FlotillaError(f"--threads must be at least 1, got {args.threads}")
+                import torch
+
+                torch.set_num_threads(args.threads)
             options = options_from_args(args)
             out = args.out if args.out is not None else default_out(Path(args.src), options)
             # said once SRC and OUT are checked: a missing SRC gets its error alone

@@ -138,6 +138,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"tensor's type as llama.cpp's quantizer picks it); instead of --bits")
     p.add_argument("--layers", type=int, default=None, help="with --random: fewer decoder layers than the shape's")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    from .cli import add_threads_arg  # runtime.cli imports this module
+
+    add_threads_arg(p)
     p.add_argument("--dtype", default="auto", help="activation dtype (default: float32 on CPU, float16 on GPU)")
     p.add_argument("--batch", default="1", help="comma-separated concurrent streams, e.g. 1,16,64 (default 1)")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per stream (default 128)")

@@ -64,12 +64,12 @@ def worker_threads(devices: list[str], cores: int) -> list[int | None]:
 class LocalWorkers:
     def __init__(self, n: int, model: Path, token: bytes, devices: list[str] | None = None,
                  threads: int | None = None, log=None, tp: int = 1, spin_us: int | None = None,
-                 mps: str = "auto"):
+                 mps: str = "auto", cores: int | None = None):
         self.n, self.model, self.token, self.tp, self.mps_mode = n, Path(model), token, tp, mps
         self.devices = devices or local_devices(n, tp)
         if len(self.devices) != n:
             raise ValueError(f"{n} local workers need {n} devices, got {self.devices}")
-        cores = len(os.sched_getaffinity(0))
+        cores = cores or len(os.sched_getaffinity(0))  # `serve --threads`: the threads the workers share
         self.threads = [threads] * n if threads is not None else worker_threads(self.devices, cores)
         if spin_us is None:  # automatic: poll where the ring leaves cores to spare (TP ranks take one each)
             spin_us = DEFAULT_SPIN_US if spare_cores(cores, [(t or 1) * tp for t in self.threads]) else 0

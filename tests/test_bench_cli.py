@@ -41,6 +41,11 @@ def test_bench_table_and_errors():
     assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, tiny"
     bad = runtime("bench", "--random", "tiny", "--batch", "1,x", "--device", "cpu")
     assert bad.returncode == 2 and "--batch '1,x': expected positive integers" in bad.stderr
+    bad = runtime("bench", "some/model", "--bits", "8", "--device", "cpu")  # was ignored: the path ran as it was
+    assert bad.returncode == 2 and bad.stderr.strip() == ("error: --bits: only with --random SHAPE (a random model); "
+                                                          "a model path runs as it was quantized")
+    bad = runtime("bench", "--random", "tiny", "--gguf", "Q4_0", "--group-size", "32", "--device", "cpu")
+    assert bad.returncode == 2 and "leave out --bits and --group-size" in bad.stderr
 
 
 def test_bench_runs_a_gguf_file_and_the_default_model(smollm2_gguf):

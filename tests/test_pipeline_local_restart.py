@@ -1,6 +1,6 @@
 """`runtime serve --pp N` without --hosts: the head's own workers are supervised. One killed is started
-again on its address and the head picks it up (the next requests give pp=1's tokens); one that keeps dying
-is left down, said once, and reaped (no zombies)."""
+again on its address and the head picks it up (the next requests give pp=1's tokens), and so is one that hangs
+(alive, not heard from); one that keeps dying is left down, said once, and reaped (no zombies)."""
 from __future__ import annotations
 
 import secrets
@@ -43,6 +43,17 @@ def test_a_killed_local_worker_is_started_again_and_the_head_serves_on(smollm2_i
             assert workers.procs[1] is not victim
             assert wait_until(lambda: sum(f"listening on {addr}" in line for line in lines) == 2, 120), lines
             assert generate(engine, prompts[2:4], params) == [r[:TOKENS] for r in reference[2:4]]
+            # a hung worker (stopped: alive, silent) is killed once the head has not heard from it for the
+            # timeout, and so started again
+            workers.watch(engine.executor.pipeline.silent_for, 3.0)
+            stuck = workers.procs[0]
+            stuck.send_signal(signal.SIGSTOP)
+            addr0 = f"{hosts[0][0]}:{hosts[0][1]}"
+            assert wait_until(lambda: f"[worker 0] started again on {addr0}" in lines, 30), lines
+            assert any(line.startswith("[worker 0] alive but not heard from for") for line in lines), lines
+            assert stuck.wait(10) == -signal.SIGKILL
+            assert wait_until(lambda: sum(f"listening on {addr0}" in line for line in lines) == 2, 120), lines
+            assert generate(engine, prompts[4:6], params) == [r[:TOKENS] for r in reference[4:6]]
         finally:
             engine.close()
     finally:

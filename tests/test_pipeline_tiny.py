@@ -99,6 +99,20 @@ def test_three_stages_equal_the_local_engine(ring, ckpt):
     assert stats[0].decode_bytes / stats[0].decode_tokens <= 64 * 2 + 256  # hidden_size x 2 + 256 per token
 
 
+
+def test_a_second_head_is_refused_while_the_first_is_heard(ring, ckpt):
+    """A second `runtime serve` pointed at workers that serve a live head gets one clear error, and the
+    first head's pipeline goes on untouched (it used to take the workers over, and the heads fought)."""
+    from flotilla.errors import FlotillaError
+
+    engine, workers, _ = ring
+    with pytest.raises(FlotillaError, match="serves another head .* stop that head first"):
+        pipeline(ckpt, workers)
+    assert engine.executor.pipeline.ready.is_set() and not engine.executor.pipeline.problems()
+    lm = load_model(ckpt, "cpu", "float16", with_tokenizer=False, progress=False)
+    got, want = outputs(engine, PROMPTS[:2], MIXED), outputs(build_engine(lm, ARGS), PROMPTS[:2], MIXED)
+    assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in want]
+
 # ---------------------------------------------------------------------------------- hostile peers
 
 async def _closed(reader: asyncio.StreamReader) -> bool:

@@ -235,7 +235,7 @@ def test_without_out_the_card_form_writes_beside_the_source(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "model-gptq-int4"
     assert f"writing the checkpoint to {out}" in proc.stdout.splitlines()[0]
-    assert "sampling 128 x 128 tokens from the model itself (--calib FILE or --method rtn skip this)" in proc.stderr
+    assert "sampling 128 x 128 tokens from the model itself (--calib FILE skips this; so does --method rtn without --sensitive)" in proc.stderr
     assert listing(tmp_path) == {"model", "model-gptq-int4"}
     cfg = open_source(out).config
     assert (cfg.quant.bits, cfg.quant.method, cfg.quant.group_size) == (4, "gptq", 128)

@@ -81,6 +81,10 @@ def tokens_from_file(path: Path, tokenizer, vocab_size: int, samples: int, seq_l
     return windows
 
 
+# how to skip sampling the calibration text (--sensitive needs it with rtn too)
+SKIP_HINT = "--calib FILE skips this; so does --method rtn without --sensitive"
+
+
 @torch.inference_mode()
 def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch.device,
                     progress: bool = True) -> torch.Tensor:
@@ -92,7 +96,7 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
     total = samples * (seq_len - prompt_len)
     if progress:
         print(f"calibration: sampling {samples} x {seq_len} tokens from the model itself "
-              "(--calib FILE or --method rtn skip this)", file=sys.stderr)
+              f"({SKIP_HINT})", file=sys.stderr)
     with tqdm(total=total, desc="calibration text", unit="tok", disable=not progress, leave=False) as bar:
         tokens = sample_sequences(model, samples, seq_len, seed, on_step=lambda n: _show_expected(bar, n, total))
     del model
@@ -155,7 +159,7 @@ def _show_expected(bar: tqdm, tokens: int, total: int) -> None:
     if bar.disable or bar.n * 16 < total:
         return
     seconds = total * bar.format_dict["elapsed"] / max(bar.n, 1)
-    bar.set_postfix_str(f"about {seconds:.0f} s in all; --calib FILE or --method rtn skip this", refresh=False)
+    bar.set_postfix_str(f"about {seconds:.0f} s in all; {SKIP_HINT}", refresh=False)
 
 
 def sample_top_p(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -129,9 +129,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a model path (default: the embedded SmolLM2-135M-Instruct); or use --random")
     p.add_argument("--random", metavar="SHAPE", default=None,
                    help=f"a random-weight model of a named shape, built on the device: {', '.join(SHAPES)}")
-    p.add_argument("--bits", type=int, default=4, help="with --random: 4 or 8 (GPTQ, group --group-size), "
+    p.add_argument("--bits", type=int, default=None, help="with --random: 4 or 8 (GPTQ, group --group-size), "
                                                         "16 for unquantized linears (default 4)")
-    p.add_argument("--group-size", type=int, default=128, help="with --random (default 128)")
+    p.add_argument("--group-size", type=int, default=None, help="with --random (default 128)")
     p.add_argument("--gguf", metavar="TYPE", default=None,
                    help=f"with --random: the model a GGUF file of this llama.cpp type loads into, its blocks random "
                         f"({', '.join(GGUF_MIXES)}; Q4_K, Q5_K: the _M mixes, as llama-quantize reads them; each "
@@ -171,19 +171,28 @@ def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
         if args.gguf is not None:
             raise FlotillaError(f"--gguf {args.gguf} builds a random model: give --random SHAPE too "
                                 f"(a GGUF file of your own: pass its path instead)")
+        changed = [f for f, value in (("--bits", args.bits), ("--group-size", args.group_size),
+                                      ("--layers", args.layers)) if value is not None]
+        if changed:
+            raise FlotillaError(f"{', '.join(changed)}: only with --random SHAPE (a random model); a model path "
+                                f"runs as it was quantized")
         with lean_cpu_load(device):  # the `runtime bench` process
             lm = load_model(args.model, device, args.dtype, with_tokenizer=False)
         return lm.model, str(lm.path)
     if args.model is not None:
         raise FlotillaError(f"give a model path or --random, not both (got {args.model!r} and --random {args.random})")
     if args.gguf is not None:
+        if args.bits is not None or args.group_size is not None:
+            raise FlotillaError(f"--gguf {args.gguf} gives every tensor its llama.cpp type: leave out --bits and "
+                                f"--group-size")
         mix = gguf_mix(args.gguf)
         model = build_random_gguf_model(args.random, mix, device, dtype, num_layers=args.layers)
         return model, f"random {args.random} (GGUF {mix})"
-    if args.bits not in BITS:
-        raise FlotillaError(f"--bits {args.bits}: expected one of {', '.join(map(str, BITS))}")
-    model = build_random_model(args.random, args.bits, device, dtype, args.group_size, num_layers=args.layers)
-    bits = "fp" if args.bits == 16 else f"int{args.bits} g{args.group_size}"
+    nbits, group = args.bits if args.bits is not None else 4, args.group_size or 128
+    if nbits not in BITS:
+        raise FlotillaError(f"--bits {nbits}: expected one of {', '.join(map(str, BITS))}")
+    model = build_random_model(args.random, nbits, device, dtype, group, num_layers=args.layers)
+    bits = "fp" if nbits == 16 else f"int{nbits} g{group}"
     return model, f"random {args.random} ({bits})"
 
 

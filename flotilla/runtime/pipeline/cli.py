@@ -308,5 +308,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
             local.stop()
         raise
     if local is not None:
-        engine.executor.pipeline.on_close.append(local.stop)
+        pipe = engine.executor.pipeline
+        pipe.on_close.append(local.stop)
+        local.watch(pipe.silent_for, pipe.settings.stage_timeout)  # by then its requests have failed anyway
     return engine

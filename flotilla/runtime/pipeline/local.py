@@ -12,6 +12,9 @@ exit when the head does. The head binds each worker's listening socket and passe
 after a short delay, as a user restarts a `runtime worker` by hand, and the head
 re-prefills its sequences once it answers; one restarted RESTART_LIMIT times within
 RESTART_WINDOW_S is left down at its next death, said once (the server must then be restarted).
+A worker that is alive but not heard from (hung, stopped: the head pings every second) for
+`hang_timeout` seconds once `watch` gave the supervisor the head's view is killed, and so restarted
+the same way.
 
 Polling (spin.py): when the ring leaves cores to spare (GPU workers, or CPU workers given a few
 threads on a larger machine), the workers poll for the next step instead of sleeping, and so
@@ -78,6 +81,9 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[tuple[str, int]] = []
         self.socks: list[socket.socket] = []  # each worker's listening socket, held here across its restarts
+        self._silent_for = None  # watch(): worker i -> seconds since the head last heard from it
+        self._hang_timeout = 0.0
+        self._launched = [0.0] * n  # when each worker was last (re)started
         self.mps = MpsChoice()  # MPS for the stages that share a GPU (mps.py): set by start
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -107,7 +113,13 @@ class LocalWorkers:
         self._supervisor.start()
         return list(self.addresses)
 
+    def watch(self, silent_for, hang_timeout: float) -> None:
+        """From now on, kill (and so restart) a live worker the head has not heard from for `hang_timeout`
+        seconds: `silent_for(i)` says for how long it has not (the pipeline's view of its stages)."""
+        self._silent_for, self._hang_timeout = silent_for, hang_timeout
+
     def _launch(self, i: int) -> subprocess.Popen:
+        self._launched[i] = time.monotonic()
         env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
         root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
@@ -163,6 +175,8 @@ class LocalWorkers:
                     return
                 for i, proc in enumerate(self.procs):
                     status = proc.poll()
+                    if status is None and i not in done:
+                        self._kill_if_hung(i, proc)
                     if status is None or i in done:
                         continue
                     now, (host, port) = time.monotonic(), self.addresses[i]
@@ -189,6 +203,16 @@ class LocalWorkers:
                     due[i] = now + delay
                     self.log(f"[worker {i}] exited (status {status}); starting it again on {host}:{port} "
                              f"in {delay:g} s")
+
+    def _kill_if_hung(self, i: int, proc: subprocess.Popen) -> None:
+        if self._silent_for is None:
+            return
+        # counted from its (re)start too: a restarted worker gets the whole timeout to load and answer
+        silent = min(self._silent_for(i), time.monotonic() - self._launched[i])
+        if silent > self._hang_timeout:
+            self.log(f"[worker {i}] alive but not heard from for {silent:.0f} s (hung or stopped): killing it, "
+                     f"so that it starts again")
+            proc.kill()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -128,6 +128,9 @@ class Pipeline:
     def start(self) -> None:
         try:
             self._run(self._setup(), None)
+        except PeerLost as e:  # a worker that went away while it was being set up: one line, not a traceback
+            self.close()
+            raise FlotillaError(f"setting up the pipeline: {e}") from None
         except BaseException:
             self.close()
             raise
@@ -153,6 +156,10 @@ class Pipeline:
         async def ask():
             return await asyncio.gather(*(p.call(StatsRequest(reset), 30) for p in self.peers))
         return self._run(ask(), 60)
+
+    def silent_for(self, i: int) -> float:
+        """Seconds since stage i's worker last sent anything (it answers the head's pings every second)."""
+        return time.monotonic() - self.peers[i].last_seen
 
     def problems(self) -> list[str]:
         if self.ready.is_set() or self.down_since is None:
@@ -219,7 +226,7 @@ class Pipeline:
             raise FlotillaError(f"a pipeline stage has room for {self.num_blocks} KV blocks; need at least 2 "
                                 "(give the workers more memory or lower --max-num-seqs)")
         for p, r in zip(self.peers, self.loaded):
-            self.report(f"  stage {p.index}: weights from {r.source}; room for {r.capacity} KV blocks")
+            self.report(f"  stage {p.index}: weights {r.source}; room for {r.capacity} KV blocks")
         self.report(f"pipeline KV pool: {self.num_blocks} blocks x {s.block_size} tokens (the smallest stage's); "
                     f"activations on the wire as {s.wire_dtype}; {self.depth} micro-batch(es) in flight")
         await self._configure_all()
@@ -364,7 +371,7 @@ class Pipeline:
                                     f"the pipeline's pool has {self.num_blocks}")
             self.loaded[peer.index] = loaded
             self.missing.pop(peer.index, None)
-            self.report(f"  stage {peer.index} ({peer.address}) is back: weights from {loaded.source}")
+            self.report(f"  stage {peer.index} ({peer.address}) is back: weights {loaded.source}")
         await self._configure_all()
 
     async def _shutdown(self) -> None:

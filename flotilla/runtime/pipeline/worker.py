@@ -14,7 +14,10 @@ says what the peer is:
 
 Anything else — a failed handshake, an oversized frame, malformed msgpack, an unknown or
 unexpected message — closes that one connection; the worker goes on serving its head. A new head
-connection replaces the old one (a restarted head); the loaded stage is kept.
+connection replaces the old one where that head has been silent for HEAD_QUIET seconds (a restarted
+head: a head whose process ended closed its connection already); while the old head is heard (it pings
+every second), the new one is answered Failure, so a second `runtime serve` pointed at busy workers
+says so and leaves the first head's requests alone. The loaded stage is kept.
 
 The asyncio loop does all network I/O and answers heartbeats; the steps themselves (which run
 where, in what order, and where their output goes) are step_path.py's. `Configure` starts a new
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +63,9 @@ def version() -> str:
         return "flotilla (source)"
 
 
+HEAD_QUIET = 5.0  # seconds of silence from the current head (it pings every second) before another may take over
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     token: bytes
@@ -78,6 +85,7 @@ class Worker:
         self.cache = WeightCache(config.cache_dir)
         self.path = StepPath(config.device, self._fault)
         self.head: Outbox | None = None
+        self._head_peer, self._head_heard = "", 0.0  # the current head's address, when it last sent a frame
         self.upstream: Connection | None = None
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
@@ -158,13 +166,22 @@ class Worker:
 
     async def _serve_head(self, conn: Connection, first) -> None:
         if self.head is not None:
-            log.info("a new head connected from %s; dropping the previous one", conn.peer)
+            quiet = time.monotonic() - self._head_heard
+            if quiet < HEAD_QUIET:
+                log.warning("refused a second head from %s: serving the head at %s", conn.peer, self._head_peer)
+                await conn.send(Failure(f"this worker serves another head (at {self._head_peer}, heard from "
+                                        f"{quiet:.1f}s ago); stop that head first, or give this one other workers"))
+                return
+            log.info("a new head connected from %s; dropping the previous one (silent for %.0fs)", conn.peer, quiet)
             self.head.close()
         outbox = self.head = Outbox(conn, self.path.count)
+        self._head_peer, self._head_heard = conn.peer, time.monotonic()
         control: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self._control_loop(outbox, control))
 
         def handle(msg) -> None:  # in the connection's data callback, as each frame arrives
+            if self.head is outbox:
+                self._head_heard = time.monotonic()
             if isinstance(msg, Ping):
                 outbox.put(Pong(msg.nonce))
             elif isinstance(msg, Step):
@@ -263,11 +280,11 @@ class Worker:
             if not req.exact_blocks:  # a new head sizes the pool afresh, from all the free memory
                 self.path.epoch = -1
                 await asyncio.to_thread(on_device, self.config.device, self.path.locked, self.runtime.drop_pool)
-            return StageLoaded(self.runtime.capacity(req), f"already loaded ({self.runtime.source})", 0)
+            return StageLoaded(self.runtime.capacity(req), f"already loaded, {self.runtime.source}", 0)
         self.path.epoch = -1  # drop whatever steps are still queued for the old stage
         received, directory = 0, None
         if self.config.model is not None and await asyncio.to_thread(self._model_fingerprint) == req.fingerprint:
-            directory, source = self.config.model, f"its --model {self.config.model}"
+            directory, source = self.config.model, f"from its --model {self.config.model}"
         else:
             directory, missing = await asyncio.to_thread(self.cache.prepare, req)
             if missing:
@@ -275,7 +292,7 @@ class Worker:
                 received = await self._receive(directory, req, missing, inbox)
                 source = f"pushed by the head ({received / 2**20:.1f} MiB)"
             else:
-                source = f"its cache {directory}"
+                source = f"from its cache {directory}"
         await asyncio.to_thread(self.path.swap, None)  # free the old stage's memory first
         stage = Stage(req.start, req.end, req.num_layers)
         torch.set_num_threads(self._threads)  # a TP group divides them among its ranks at each load

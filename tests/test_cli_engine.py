@@ -143,8 +143,8 @@ def test_more_bad_flags_are_one_line_errors():
     for args, message in ((("--device", "mps"), "error: device 'mps': flotilla runs on cpu, cuda or cuda:N"),
                           (("--device", "meta"), "error: device 'meta': flotilla runs on cpu, cuda or cuda:N"),
                           (("--num-speculative-tokens", "3"), "error: --num-speculative-tokens 3 without --speculative"),
-                          (("--temperature", "nan"), "error: temperature must be a finite number >= 0"),
-                          (("--temperature", "inf"), "error: temperature must be a finite number >= 0")):
+                          (("--temperature", "nan"), "error: --temperature must be a finite number >= 0"),
+                          (("--temperature", "inf"), "error: --temperature must be a finite number >= 0")):
         p = runtime("generate", "-p", "hi", *args)
         assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, (args, p.stderr)
 

@@ -74,10 +74,14 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          stop=tuple(args.stop), seed=args.seed)
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              stop=tuple(args.stop), seed=args.seed)
+    except FlotillaError as e:  # SamplingParams names its fields (the API's); here the user typed flags
+        field, _, rest = str(e).partition(" ")
+        raise FlotillaError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def load_with_progress(args: argparse.Namespace, say: Callable[[str], None]):

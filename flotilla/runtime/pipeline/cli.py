@@ -86,7 +86,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--model", default=None,
                    help="this machine's copy of the model; without it (or if it is another model) the head "
-                        "pushes the stage's shards")
+                        "pushes the stage's shards, where the head serves a flotilla checkpoint (a GGUF file or "
+                        "a Hugging Face directory must be here)")
     p.add_argument("--cache-dir", default=None,
                    help="where pushed shards are kept (default: FLOTILLA_CACHE_DIR/worker)")
     p.add_argument("--threads", type=int, default=None,

@@ -145,7 +145,10 @@ class StagePeer:
         except asyncio.CancelledError:
             raise
         except GONE as e:
-            reason = f"the connection closed ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+            if isinstance(e, asyncio.IncompleteReadError) and not e.partial:  # EOF between frames
+                reason = "the worker closed the connection (it was stopped, or its process ended)"
+            else:
+                reason = f"the connection closed ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
         self.drop(conn, reason)
 
     async def _heartbeat(self, conn: Connection) -> None:

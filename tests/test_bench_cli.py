@@ -43,7 +43,8 @@ def test_bench_table_and_errors():
     assert bad.returncode == 2 and "--batch '1,x': expected positive integers" in bad.stderr
     bad = runtime("bench", "some/model", "--bits", "8", "--device", "cpu")  # was ignored: the path ran as it was
     assert bad.returncode == 2 and bad.stderr.strip() == ("error: --bits: only with --random SHAPE (a random model); "
-                                                          "a model path runs as it was quantized")
+                                                          "a model file or checkpoint (the default one too) runs "
+                                                          "as it was quantized")
     bad = runtime("bench", "--random", "tiny", "--gguf", "Q4_0", "--group-size", "32", "--device", "cpu")
     assert bad.returncode == 2 and "leave out --bits and --group-size" in bad.stderr
 

@@ -313,15 +313,16 @@ def test_static_files_and_a_missing_one(live):
     assert re.search(r'flotilla_requests_total\{endpoint="/static/\{name\}",status="404"\} [1-9]', metrics)
 
 
-def ws_handshake(url: str, origin: str | None, query: str = "") -> tuple[int, str]:
+def ws_handshake(url: str, origin: str | None, query: str = "", headers: dict | None = None) -> tuple[int, str]:
+    """(101, the first frame's type), or (the close code, its reason) where the server closes at once."""
     async def go():
-        headers = {"Origin": origin} if origin else {}
+        h = {**({"Origin": origin} if origin else {}), **(headers or {})}
         async with aiohttp.ClientSession() as s:
-            try:
-                async with s.ws_connect(url + "/ws" + query, headers=headers) as ws:
-                    return 101, (await ws.receive_json())["type"]
-            except aiohttp.WSServerHandshakeError as e:
-                return e.status, e.message
+            async with s.ws_connect(url + "/ws" + query, headers=h) as ws:
+                msg = await ws.receive()
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    return 101, json.loads(msg.data)["type"]
+                return ws.close_code, msg.extra
     return asyncio.run(go())
 
 
@@ -329,18 +330,35 @@ def test_websocket_refuses_pages_of_other_origins(live):
     u = urllib.parse.urlparse(live.url)
     assert ws_handshake(live.url, None) == (101, "ready")  # not a browser
     assert ws_handshake(live.url, f"http://{u.hostname}:{u.port}") == (101, "ready")  # the chat page
-    status, _ = ws_handshake(live.url, "https://evil.example.com")
-    assert status == 403
-    # the HTTP API: a preflight from another site is refused, and no answer carries Access-Control-Allow-Origin
-    status, headers, data = request(live.url, "OPTIONS", "/v1/chat/completions", None, {
-        "Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"})
+    # behind a proxy that passes the Host on: the page's scheme and port are the proxy's
+    assert ws_handshake(live.url, "https://chat.example.com", headers={"Host": "chat.example.com"}) == (101, "ready")
+    assert ws_handshake(live.url, "https://chat.example.com", headers={"X-Forwarded-Host": "chat.example.com"}) \
+        == (101, "ready")
+    code, reason = ws_handshake(live.url, "https://evil.example.com")
+    assert code == 4003 and "--allowed-origins https://evil.example.com" in reason
+    code, reason = ws_handshake(live.url, "null")
+    assert code == 4003 and "no origin" in reason
+    # the HTTP API: a preflight from another site is refused, so is a post that needs none (no Content-Type),
+    # and no answer carries Access-Control-Allow-Origin
+    evil = {"Origin": "https://evil.example.com"}
+    status, headers, data = request(live.url, "OPTIONS", "/v1/chat/completions", None,
+                                    {**evil, "Access-Control-Request-Method": "POST"})
     assert status == 403 and "--allowed-origins https://evil.example.com" in data["error"]["message"]
-    status, headers, _ = request(live.url, "GET", "/v1/models", None, {"Origin": "https://evil.example.com"})
-    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.putrequest("POST", "/v1/completions", skip_accept_encoding=True)
+    body = json.dumps(COMPLETION).encode()
+    for k, v in {**evil, "Content-Length": str(len(body))}.items():
+        conn.putheader(k, v)
+    conn.endheaders(body)
+    r = conn.getresponse()
+    assert r.status == 403 and b"origin_not_allowed" in r.read()
+    conn.close()
+    status, headers, _ = request(live.url, "GET", "/v1/models", None, evil)
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers and headers["Vary"] == "Origin"
 
 
 def test_allowed_origins_get_cors_and_the_websocket(smollm2_gguf):
-    server = start_server(smollm2_gguf, allowed_origins=("http://localhost:3000",), api_key="k3y")
+    server = start_server(smollm2_gguf, allowed_origins=("http://LocalHost:3000/",), api_key="k3y")
     try:
         ok = {"Origin": "http://localhost:3000"}
         status, headers, _ = request(server.url, "OPTIONS", "/v1/chat/completions", None, {
@@ -354,6 +372,16 @@ def test_allowed_origins_get_cors_and_the_websocket(smollm2_gguf):
         status, headers, _ = request(server.url, "POST", "/v1/chat/completions", CHAT, ok)  # errors say so too
         assert status == 401 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
         assert ws_handshake(server.url, "http://localhost:3000", "?api_key=k3y") == (101, "ready")
-        assert ws_handshake(server.url, "http://localhost:3001", "?api_key=k3y")[0] == 403
+        assert ws_handshake(server.url, "http://localhost:3001", "?api_key=k3y")[0] == 4003
     finally:
         server.stop()
+
+
+def test_allowed_origins_are_checked_at_start():
+    from flotilla.errors import FlotillaError
+    from flotilla.server.config import ServerConfig, parse_origins
+
+    assert parse_origins(" http://a.example:3000/ ,*") == ("http://a.example:3000", "*")
+    for bad in ("http://*.example.com", "example.com", "http://u@example.com", "ftp://example.com", "http://x/y"):
+        with pytest.raises(FlotillaError, match="is not an origin"):
+            ServerConfig(allowed_origins=(bad,))

@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight  # noqa: E402
 from flotilla.kernels.triton_gemm import pair_asm  # noqa: E402
-from flotilla.kernels.triton_ggml import TRITON_FORMS, TritonGGMLKernel, repack_ggml, triton_ggml_kernel  # noqa: E402
+from flotilla.kernels.triton_ggml import (TRITON_FORMS, TritonGGMLKernel, layout_rows, repack_ggml,  # noqa: E402
+                                          triton_ggml_kernel)
 from flotilla.kernels.triton_layout import unpack_layout  # noqa: E402
 from flotilla.kernels.triton_linear import GemmConfig, dequantize_layout  # noqa: E402
 
@@ -51,6 +52,7 @@ def test_each_form_matches_the_exact_weights(qtype):
     rows = kernel.rows(ids)
     # contiguous: the step's fused norm (kernels/fused) takes the embedded rows only so; strided rows went to torch
     assert rows.shape == (3, 256) and rows.is_contiguous()
+    assert layout_rows(kernel.runs[0][2].layout, ids, torch.float32).is_contiguous()  # no cast: still contiguous
     if exact_in_fp16(qtype):
         assert torch.equal(rows, dense[ids].half())
     else:  # d * sc and dmin * m rounded to fp16

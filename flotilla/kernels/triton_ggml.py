@@ -79,7 +79,7 @@ def layout_rows(layout: TritonLayout, ids: torch.Tensor, dtype: torch.dtype) -> 
         w = w + layout.offsets[:groups].index_select(1, ids).float().unsqueeze(1)
     # contiguous [T, K]: the step's fused norm (kernels/fused) takes the embedded rows only so (the transposed
     # view went to the torch expression on every step with more than one token)
-    return w.view(k, -1).t().to(dtype, memory_format=torch.contiguous_format)
+    return w.view(k, -1).t().to(dtype).contiguous()  # (to() alone keeps the transposed strides)
 
 
 def part_form(layout: TritonLayout) -> str:

@@ -174,8 +174,8 @@ def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
         changed = [f for f, value in (("--bits", args.bits), ("--group-size", args.group_size),
                                       ("--layers", args.layers)) if value is not None]
         if changed:
-            raise FlotillaError(f"{', '.join(changed)}: only with --random SHAPE (a random model); a model path "
-                                f"runs as it was quantized")
+            raise FlotillaError(f"{', '.join(changed)}: only with --random SHAPE (a random model); a model file "
+                                f"or checkpoint (the default one too) runs as it was quantized")
         with lean_cpu_load(device):  # the `runtime bench` process
             lm = load_model(args.model, device, args.dtype, with_tokenizer=False)
         return lm.model, str(lm.path)
@@ -188,9 +188,12 @@ def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
         mix = gguf_mix(args.gguf)
         model = build_random_gguf_model(args.random, mix, device, dtype, num_layers=args.layers)
         return model, f"random {args.random} (GGUF {mix})"
-    nbits, group = args.bits if args.bits is not None else 4, args.group_size or 128
+    nbits = args.bits if args.bits is not None else 4
+    group = args.group_size if args.group_size is not None else 128
     if nbits not in BITS:
         raise FlotillaError(f"--bits {nbits}: expected one of {', '.join(map(str, BITS))}")
+    if group != -1 and (group < 16 or group % 16):
+        raise FlotillaError(f"--group-size {group}: expected a multiple of 16 (32, 64, 128, ...) or -1")
     model = build_random_model(args.random, nbits, device, dtype, group, num_layers=args.layers)
     bits = "fp" if nbits == 16 else f"int{nbits} g{group}"
     return model, f"random {args.random} ({bits})"

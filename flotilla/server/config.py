@@ -34,7 +34,7 @@ class ServerConfig:
         for origin in self.allowed_origins:
             if origin != "*" and not _is_origin(origin):
                 raise FlotillaError(f"--allowed-origins: {origin!r} is not an origin; write scheme://host[:port] "
-                                    f"(e.g. http://localhost:3000) or *")
+                                    f"(e.g. http://localhost:3000), each in full (no * inside), or * alone")
         if self.api_key is not None and not self.api_key.strip():
             raise FlotillaError("the API key is empty; pass a non-empty --api-key or leave it out")
 
@@ -43,7 +43,12 @@ def _is_origin(origin: str) -> bool:
     from urllib.parse import urlsplit
 
     u = urlsplit(origin)
-    return u.scheme in ("http", "https") and bool(u.netloc) and not (u.path or u.query or u.fragment)
+    try:
+        u.port
+    except ValueError:
+        return False
+    return (u.scheme in ("http", "https") and bool(u.hostname) and "*" not in u.netloc and "@" not in u.netloc
+            and u.path in ("", "/") and not (u.query or u.fragment))
 
 
 def parse_origins(value: str | None) -> tuple[str, ...]:

@@ -90,8 +90,7 @@ class OpenAIRoutes:
             choice.text.append(out.text)
             choice.logprobs.extend(out.logprobs)
         build = Shapes.chat_choice if req.kind == "chat" else Shapes.completion_choice
-        choices = [build(c.index, "".join(c.text), c.finish_reason,
-                         self._logprobs(req, c.logprobs, req.text_offset(c.index)))
+        choices = [build(c.index, "".join(c.text), c.finish_reason, self._logprobs(req, c.logprobs))
                    for c in sorted(gen.choices.values(), key=lambda c: c.index)]
         body = (shapes.chat_response if req.kind == "chat" else shapes.completion_response)(choices, gen.usage())
         return web.json_response(body)
@@ -100,7 +99,7 @@ class OpenAIRoutes:
         stream = EventStream(request)
         await stream.open()
         chat, usage = req.kind == "chat", req.include_usage
-        offsets = {i: req.text_offset(i) for i in gen.choices}
+        offsets = dict.fromkeys(gen.choices, 0)
         try:
             if chat:
                 await stream.send(*(shapes.chat_chunk(i, {"role": "assistant", "content": ""}, usage=usage)

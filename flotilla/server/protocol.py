@@ -38,12 +38,6 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
-    # completions: each prompt's length in characters, where its logprobs' text_offset starts (OpenAI and vLLM
-    # count the offsets in the prompt's text followed by the completion's)
-    prompt_chars: tuple[int, ...] = ()
-
-    def text_offset(self, choice: int) -> int:
-        return self.prompt_chars[choice // self.n] if self.prompt_chars else 0
 
     @property
     def num_choices(self) -> int:
@@ -92,11 +86,7 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
     best_of = f.integer("best_of", n, 1, max_n)
     if best_of != n:
         raise bad_request(f"'best_of' is not supported unless it equals 'n' ({n})", param="best_of")
-    req = _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
-    if top is None:
-        return req
-    chars = tuple(len(p) if isinstance(p, str) else len(model.tokenizer.decode(list(p))) for p in _prompt_items(f))
-    return dataclasses.replace(req, prompt_chars=chars)
+    return _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
 
 
 def check_model(f: Fields, model: ModelInfo) -> str:

@@ -20,7 +20,8 @@ socket. Binary frames close the socket with 1003; a wrong API key closes it with
 over --max-body-bytes (max_frame_bytes) gets a 413 error frame, and one over twice that closes the socket
 with 1009 (aiohttp stops buffering it there, so a socket never holds more; a client still sending the rest
 of such a frame may see the connection reset instead of the close frame). A handshake from a web page
-on another origin than the server's, not named by --allowed-origins, gets a 403 (server/origins.py).
+on another host than the server's, not named by --allowed-origins, is closed with 4003 and the reason
+(server/origins.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .engine_client import EngineUnavailable
 from .errors import ApiError, bad_request
 from .fields import Fields, describe, parse_json_object
 from .generation import Generation, new_request_id
-from .origins import check_websocket_origin
+from .origins import refuse_websocket
 from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages
 from .state import ServerState
 
@@ -67,7 +68,9 @@ class ChatSocket:
 
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
         limit = self.state.config.max_body_bytes
-        check_websocket_origin(request, self.state.config)  # a 403 before the upgrade
+        refused = await refuse_websocket(request, self.state.config)  # another site's page: closed with 4003
+        if refused is not None:
+            return refused
         ws = web.WebSocketResponse(max_msg_size=BUFFERED_FRAME_FACTOR * limit, heartbeat=30.0)
         await ws.prepare(request)
         if not self._authorized(request):

@@ -25,6 +25,7 @@ from .connection import MIN_TOKEN_LENGTH, check_token, parse_address, ssl_contex
 from .spin import SpinSelector
 
 DEFAULT_PORT = 7070
+HANG_MIN_S = 30.0  # local workers silent this long (or --stage-timeout, if longer) are killed and restarted
 
 
 def _add_token_args(p: argparse.ArgumentParser) -> None:
@@ -195,7 +196,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                         "used), else without; on: fail without it; off: never")
     g.add_argument("--layers", default=None, help="layers per stage, e.g. 10,10,12 (default: by free memory and speed)")
     g.add_argument("--stage-timeout", type=float, default=60.0,
-                   help="seconds a lost stage may take to come back before its requests fail (default 60)")
+                   help="seconds a lost stage may take to come back before its requests fail (default 60); a "
+                        "local worker (no --hosts) silent this long, at least 30 s, is killed and started again")
     g.add_argument("--wire-dtype", default="fp16", choices=list(WIRE_DTYPES),
                    help="activations between stages: fp16, bf16, or int8 (per-token scaled; half the bytes)")
     g.add_argument("--spin-us", type=int, default=None, metavar="US",
@@ -311,5 +313,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     if local is not None:
         pipe = engine.executor.pipeline
         pipe.on_close.append(local.stop)
-        local.watch(pipe.silent_for, pipe.settings.stage_timeout)  # by then its requests have failed anyway
+        # by then its requests have failed anyway; at least HANG_MIN_S, so that a short --stage-timeout does not
+        # kill a worker that is only slow (a long step, a swap storm)
+        local.watch(pipe.last_heard, max(pipe.settings.stage_timeout, HANG_MIN_S))
     return engine

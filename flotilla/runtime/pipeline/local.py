@@ -13,8 +13,9 @@ after a short delay, as a user restarts a `runtime worker` by hand, and the head
 re-prefills its sequences once it answers; one restarted RESTART_LIMIT times within
 RESTART_WINDOW_S is left down at its next death, said once (the server must then be restarted).
 A worker that is alive but not heard from (hung, stopped: the head pings every second) for
-`hang_timeout` seconds once `watch` gave the supervisor the head's view is killed, and so restarted
-the same way.
+`hang_timeout` seconds, after the head had heard from it since its (re)start, is killed with its process
+group (its TP ranks), and so restarted the same way; one the head has not reached yet (still loading, or
+waiting for its turn after a restart) is left alone.
 
 Polling (spin.py): when the ring leaves cores to spare (GPU workers, or CPU workers given a few
 threads on a larger machine), the workers poll for the next step instead of sleeping, and so
@@ -81,9 +82,9 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[tuple[str, int]] = []
         self.socks: list[socket.socket] = []  # each worker's listening socket, held here across its restarts
-        self._silent_for = None  # watch(): worker i -> seconds since the head last heard from it
-        self._hang_timeout = 0.0
+        self._watch = None  # watch(): (worker i -> when the head last heard from it, the hang timeout)
         self._launched = [0.0] * n  # when each worker was last (re)started
+        self._killed: set[int] = set()  # killed as hung, not yet started again
         self.mps = MpsChoice()  # MPS for the stages that share a GPU (mps.py): set by start
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -113,13 +114,14 @@ class LocalWorkers:
         self._supervisor.start()
         return list(self.addresses)
 
-    def watch(self, silent_for, hang_timeout: float) -> None:
-        """From now on, kill (and so restart) a live worker the head has not heard from for `hang_timeout`
-        seconds: `silent_for(i)` says for how long it has not (the pipeline's view of its stages)."""
-        self._silent_for, self._hang_timeout = silent_for, hang_timeout
+    def watch(self, last_heard, hang_timeout: float) -> None:
+        """From now on, kill (and so restart) a live worker that the head heard from since its (re)start but not
+        for `hang_timeout` seconds since: `last_heard(i)` is when it last did (time.monotonic())."""
+        self._watch = (last_heard, hang_timeout)
 
     def _launch(self, i: int) -> subprocess.Popen:
         self._launched[i] = time.monotonic()
+        self._killed.discard(i)
         env = dict(os.environ, FLOTILLA_TOKEN=self.token.decode())
         root = Path(__file__).resolve().parents[3]  # run this checkout's flotilla, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
@@ -205,14 +207,21 @@ class LocalWorkers:
                              f"in {delay:g} s")
 
     def _kill_if_hung(self, i: int, proc: subprocess.Popen) -> None:
-        if self._silent_for is None:
+        if self._watch is None or i in self._killed:
             return
-        # counted from its (re)start too: a restarted worker gets the whole timeout to load and answer
-        silent = min(self._silent_for(i), time.monotonic() - self._launched[i])
-        if silent > self._hang_timeout:
+        last_heard, timeout = self._watch
+        heard = last_heard(i)
+        if heard < self._launched[i]:  # not reached since its (re)start: loading, or not its turn yet
+            return
+        silent = time.monotonic() - heard
+        if silent > timeout:
             self.log(f"[worker {i}] alive but not heard from for {silent:.0f} s (hung or stopped): killing it, "
                      f"so that it starts again")
-            proc.kill()
+            self._killed.add(i)  # once: a process stuck in the kernel may take a while to go
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the TP ranks go with it
+            except ProcessLookupError:
+                pass
 
     def stop(self) -> None:
         self._stopping.set()

@@ -157,9 +157,10 @@ class Pipeline:
             return await asyncio.gather(*(p.call(StatsRequest(reset), 30) for p in self.peers))
         return self._run(ask(), 60)
 
-    def silent_for(self, i: int) -> float:
-        """Seconds since stage i's worker last sent anything (it answers the head's pings every second)."""
-        return time.monotonic() - self.peers[i].last_seen
+    def last_heard(self, i: int) -> float:
+        """When (time.monotonic()) stage i's worker last sent anything (it answers the head's pings every
+        second); 0 before the first connection."""
+        return self.peers[i].last_seen
 
     def problems(self) -> list[str]:
         if self.ready.is_set() or self.down_since is None:

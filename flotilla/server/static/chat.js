@@ -39,6 +39,10 @@
       setStatus("closed");
       if (state.reply) finishReply({ finish_reason: "disconnected" });
       if (ev.code === 1009) showBanner("The server closed the connection: that message is too large for it.");
+      if (ev.code === 4003) {  // this page's origin is refused (a proxy that does not pass the Host header on)
+        showBanner(`The server refused this page: ${ev.reason}`);
+        return;
+      }
       if (ev.code === 1008) {
         els.keyRow.hidden = false;
         els.settings.hidden = false;

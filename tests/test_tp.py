@@ -178,3 +178,40 @@ def test_smollm2_int4_tp3_equals_tp1(smollm2_int4, tmp_path):
                           capture_output=True, text=True, env=cli_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])[str(smollm2_int4)] == greedy_tokens(str(smollm2_int4), 1)
+
+
+def test_serve_exits_when_a_rank_dies(models):
+    """A server whose tensor-parallel rank died can never answer again: it says so and exits with status 1 (as
+    vLLM's does), so that a supervisor restarts it and a load balancer sees refused connects, instead of
+    answering 503 for ever while /health said ok."""
+    import os
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.server.cli", "serve", str(models["fp32"]), "--tp", "2",
+                             "--port", "0", "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env())
+    try:
+        url = None
+        for line in proc.stdout:
+            m = re.search(r"OpenAI API at (http://\S+)/v1", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, proc.stderr.read()[-3000:]
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            assert r.status == 200
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ranks = [int(c) for c in children  # the spawned rank (not multiprocessing's resource tracker)
+                 if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(ranks) == 1, children
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        err = proc.stderr.read()
+        assert "the engine cannot serve again (tensor-parallel rank 1 exited" in err, err[-3000:]
+        assert "error: the engine died: tensor-parallel rank 1 exited" in err and "Traceback" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -186,6 +186,11 @@ class TensorParallel:
             if msg[0] != kind:
                 raise RuntimeError(f"tensor-parallel rank {rank} sent {msg[0]!r} where {kind!r} was expected")
 
+    def dead_ranks(self) -> list[str]:
+        """The other ranks that have exited: every step needs them all, so the group cannot serve again."""
+        return [f"tensor-parallel rank {rank} exited (code {proc.exitcode})"
+                for rank, proc in enumerate(self.procs, start=1) if not self._closed and not proc.is_alive()]
+
     def close(self) -> None:
         if self._closed:
             return

@@ -58,7 +58,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     from .engine_client import EngineClient
     from .listen import bind_sockets
-    from .serve import serve
+    from .serve import EngineDied, serve
     from .state import ServerState
 
     config = ServerConfig(host=args.host, port=args.port, api_key=resolve_api_key(args), max_queue=args.max_queue,
@@ -68,6 +68,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine = EngineClient.from_args(args)
         asyncio.run(serve(ServerState(config, engine), sockets=sockets))
+    except EngineDied as e:
+        print(f"error: the engine died: {e}", file=sys.stderr)
+        return 1
     finally:
         for sock in sockets:
             sock.close()

@@ -181,9 +181,20 @@ class EngineClient:
         return EngineStats(s.num_running, s.num_waiting, s.num_total_blocks, s.num_free_blocks,
                            s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_verify_steps_total)
 
-    def problems(self) -> list[str]:
+    def fatal(self) -> list[str]:
+        """What keeps this engine from ever serving again (its loop stopped, a tensor-parallel rank died);
+        empty while it can (a pipeline stage that is down may come back: problems() names it)."""
+        out = []
         if self._engine is not None and not self._engine.is_running:
-            return ["the engine loop has stopped (the server log has the error); restart the server"]
+            out.append("the engine loop has stopped (the server log has the error)")
+        if self._parallel is not None:
+            out += self._parallel.dead_ranks()
+        return out
+
+    def problems(self) -> list[str]:
+        fatal = [f"{p}; restart the server" for p in self.fatal()]
+        if fatal:
+            return fatal
         pipeline_problems = getattr(self._llm, "problems", None)  # e.g. a pipeline stage that is down
         return list(pipeline_problems()) if pipeline_problems is not None else []
 

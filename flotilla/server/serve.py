@@ -80,15 +80,43 @@ async def serve(state: ServerState, announce: Callable[[str], None] | None = Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dead: list[str] = []
+    watcher = asyncio.create_task(_watch_engine(state, stop, dead))
     try:
         await stop.wait()
         await server.stop_accepting()
-        _announce(f"flotilla: shutting down: no new connections; in-flight requests get "
-                  f"{state.config.grace_period:g}s to finish")
+        if not dead:
+            _announce(f"flotilla: shutting down: no new connections; in-flight requests get "
+                      f"{state.config.grace_period:g}s to finish")
         await server.finish()
     finally:
+        watcher.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+    if dead:
+        raise EngineDied("; ".join(dead))
+
+
+class EngineDied(FlotillaError):
+    """The engine can never serve again: the server exits (status 1 from `runtime serve`), as vLLM's does, so
+    that a supervisor restarts it and a load balancer stops sending it requests."""
+
+
+ENGINE_WATCH_S = 1.0  # how often serve() asks whether the engine can still serve
+
+
+async def _watch_engine(state: ServerState, stop: asyncio.Event, dead: list[str]) -> None:
+    fatal = getattr(state.engine, "fatal", None)
+    if fatal is None:
+        return
+    while not stop.is_set():
+        await asyncio.sleep(ENGINE_WATCH_S)
+        found = fatal()
+        if found:
+            dead += found
+            print(f"flotilla: the engine cannot serve again ({'; '.join(found)}): shutting down, so that a "
+                  f"supervisor can restart the server", file=sys.stderr, flush=True)
+            stop.set()
 
 
 def _announce(text: str) -> None:

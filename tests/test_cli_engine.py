@@ -162,3 +162,16 @@ def test_threads_flag_sets_the_compute_threads(capsys):
         assert "error: --threads must be at least 1, got 0" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_kernel_setting_with_a_typo_is_one_line(monkeypatch):
+    """FLOTILLA_KERNEL / FLOTILLA_CPU_ISA with a typo: one error line before anything loads (the first was ignored
+    for a GGUF file and a traceback for a checkpoint; the second fell back to dense fp32, 4x slower)."""
+    for var, value, message in (("FLOTILLA_KERNEL", "bogus", "error: FLOTILLA_KERNEL='bogus' is not a kernel; valid: "),
+                                ("FLOTILLA_CPU_ISA", "avx9", "error: FLOTILLA_CPU_ISA='avx9': expected avx2 or avx512"),
+                                ("GLOO_SOCKET_IFNAME", "nosuch0", "error: GLOO_SOCKET_IFNAME='nosuch0': no interface "
+                                                                  "nosuch0 on this machine")):
+        monkeypatch.setenv(var, value)
+        p = runtime("generate", "-p", "hi", "--max-tokens", "2", *(("--tp", "3") if var.startswith("GLOO") else ()))
+        monkeypatch.delenv(var)
+        assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, p.stderr

@@ -18,6 +18,11 @@ from .reference import DenseKernel, ReferenceKernel
 ENV_KERNEL = "FLOTILLA_KERNEL"
 
 
+class KernelChoiceError(ValueError):
+    """FLOTILLA_KERNEL names no kernel, or one that does not serve this case (a user's setting: the CLI
+    says it in one line)."""
+
+
 @dataclass(frozen=True)
 class KernelEntry:
     name: str
@@ -44,10 +49,12 @@ def select(w: GPTQWeight, device: torch.device, dtype: torch.dtype):
     forced = os.environ.get(ENV_KERNEL, "").strip()
     if forced:
         if forced not in _REGISTRY:
-            raise ValueError(f"{ENV_KERNEL}={forced!r} is not a kernel; valid: {', '.join(sorted(_REGISTRY))}")
+            raise KernelChoiceError(f"{ENV_KERNEL}={forced!r} is not a kernel; valid: {', '.join(sorted(_REGISTRY))} "
+                                    f"(unset it for the fastest)")
         entry = _REGISTRY[forced]
         if not entry.supports(device, w.bits):
-            raise ValueError(f"{ENV_KERNEL}={forced!r} does not support {device.type} at {w.bits} bits")
+            raise KernelChoiceError(f"{ENV_KERNEL}={forced!r} does not support {device.type} at {w.bits} bits "
+                                    f"(unset it for the fastest)")
         return entry.factory(w, dtype)
     candidates = [e for e in _REGISTRY.values() if e.supports(device, w.bits)]
     best = max(candidates, key=lambda e: e.priority)

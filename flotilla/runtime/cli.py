@@ -42,6 +42,27 @@ def apply_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+CPU_ISAS = ("avx2", "avx512")  # FLOTILLA_CPU_ISA's values (kernels/cpu/build.py)
+
+
+def check_kernel_env() -> None:
+    """FLOTILLA_KERNEL and FLOTILLA_CPU_ISA, checked before anything loads: a typo in either is an error here,
+    not a traceback later nor a silent fallback to a slower kernel."""
+    import os
+
+    forced = os.environ.get("FLOTILLA_KERNEL", "").strip()
+    if forced:
+        from flotilla.kernels.registry import kernel_names
+
+        if forced not in (names := kernel_names()):
+            raise FlotillaError(f"FLOTILLA_KERNEL={forced!r} is not a kernel; valid: {', '.join(names)} "
+                                f"(unset it for the fastest)")
+    isa = os.environ.get("FLOTILLA_CPU_ISA", "").strip()
+    if isa and isa not in CPU_ISAS:
+        raise FlotillaError(f"FLOTILLA_CPU_ISA={isa!r}: expected {' or '.join(CPU_ISAS)} (unset it for the widest "
+                            f"this CPU runs)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a flotilla checkpoint, a Hugging Face directory or a .gguf file "
@@ -300,10 +321,13 @@ def build_parser(commands: list[Command]) -> argparse.ArgumentParser:
 def run(argv: list[str] | None, commands: list[Command]) -> int:
     args = build_parser(commands).parse_args(argv)
     handler = {name: fn for name, _, _, fn in commands}[args.command]
+    from flotilla.kernels.registry import KernelChoiceError
+
     try:
+        check_kernel_env()
         apply_threads(getattr(args, "threads", None))
         return handler(args)
-    except FlotillaError as e:
+    except (FlotillaError, KernelChoiceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

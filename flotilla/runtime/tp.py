@@ -123,11 +123,27 @@ class _NoSampler:
 
 # ---------------------------------------------------------------------------------- rank 0
 
+def check_gloo_interface() -> None:
+    """GLOO_SOCKET_IFNAME, where set, names this machine's interfaces (else every rank dies with gloo's
+    traceback)."""
+    value = os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    if not value:
+        return
+    import socket
+
+    here = [name for _, name in socket.if_nameindex()]
+    missing = [n for n in value.split(",") if n.strip() not in here]
+    if missing:
+        raise FlotillaError(f"GLOO_SOCKET_IFNAME={value!r}: no interface {', '.join(missing)} on this machine "
+                            f"(it has {', '.join(here)}); name one of those, or unset it")
+
+
 class TensorParallel:
     """Rank 0's handle on its group: the other ranks' processes and pipes, and the TPGroup that
     layers are built for. `close()` (also at exit) stops the ranks."""
 
     def __init__(self, spec: LaunchSpec):
+        check_gloo_interface()
         self.spec = spec
         self._closed = False
         self._tmp = tempfile.TemporaryDirectory(prefix="flotilla-tp-")

@@ -49,7 +49,9 @@ class EngineArgs:
                                 "(e.g. 16)")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise FlotillaError(f"--kv-cache-fraction {self.kv_cache_fraction}: expected a fraction in (0, 1]")
-        self.speculative_config  # a bad --speculative (or --num-speculative-tokens) fails here too
+        spec = self.speculative_config  # a bad --speculative (or --num-speculative-tokens) fails here too
+        if spec is not None and spec.method == "draft":
+            spec.check_draft_path()  # before the target loads
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -84,7 +86,7 @@ class EngineArgs:
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
                             "lower-bit copy of the target, same tokenizer); the output distribution is the target's")
         g.add_argument("--num-speculative-tokens", type=int, default=None,
-                       help=f"with --speculative: most draft tokens verified per step and sequence "
+                       help=f"with --speculative: most draft tokens verified per step and sequence, 1 to 32 "
                             f"(default {cls.num_speculative_tokens})")
 
     @classmethod

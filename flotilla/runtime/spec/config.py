@@ -43,6 +43,21 @@ class SpeculativeConfig:
         if not 0 <= self.min_acceptance < 1 or not 0 < self.acceptance_weight <= 1:
             raise FlotillaError("min_acceptance must be in [0, 1) and acceptance_weight in (0, 1]")
 
+    def check_draft_path(self) -> None:
+        """The draft is a model file or directory: checked when the flag is read, before the target loads
+        (a typo would otherwise cost the target's load first)."""
+        from pathlib import Path
+
+        path = Path(self.draft_path).expanduser()
+        flag = f"--speculative draft:{self.draft_path}"
+        if not path.exists():
+            raise FlotillaError(f"{flag}: no such file or directory")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise FlotillaError(f"{flag}: a model directory holds config.json (a flotilla checkpoint or a Hugging "
+                                f"Face model), and this one does not")
+        if path.is_file() and path.suffix.lower() != ".gguf":
+            raise FlotillaError(f"{flag}: a model file is a .gguf; give a GGUF file or a model directory")
+
     @classmethod
     def parse(cls, text: str, num_speculative_tokens: int = 4, **options) -> "SpeculativeConfig":
         """'ngram' or 'draft:PATH' (from --speculative) -> a config."""

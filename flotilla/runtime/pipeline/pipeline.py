@@ -98,6 +98,7 @@ class Pipeline:
         self.down_since: float | None = None
         self.down_reason = ""
         self.missing: dict[int, str] = {}
+        self._refused: set[int] = set()  # stages whose worker answered Failure (missing says why)
         self.loaded: list[StageLoaded] = []
         self._results: ResultChannel | None = None  # this epoch's; the engine's thread reads it
         self._retired: list[ResultChannel] = []  # aborted by the I/O thread, closed by the engine's
@@ -317,7 +318,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ faults and repair
     def _on_lost(self, peer: StagePeer, reason: str) -> None:
-        self.missing[peer.index] = reason
+        if peer.index not in self._refused:  # a refusal's reason outlives the close that follows it
+            self.missing[peer.index] = reason
         self._broken(f"stage {peer.index} ({peer.address}): {reason}")
 
     def _broken(self, reason: str) -> None:
@@ -351,6 +353,7 @@ class Pipeline:
             return
         down = time.monotonic() - (self.down_since or time.monotonic())
         self.missing.clear()
+        self._refused.clear()
         self.down_since, self.down_reason = None, ""
         self.ready.set()
         self.report(f"pipeline restored after {down:.1f}s (epoch {self.epoch})")
@@ -363,15 +366,22 @@ class Pipeline:
                 await peer.connect()
             except GONE as e:
                 self.missing[peer.index] = f"cannot connect ({_why(e)})"
+                self._refused.discard(peer.index)
                 raise
-            self.infos[peer.index] = await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False,
-                                                           self.settings.dtype), 120)
+            try:
+                self.infos[peer.index] = await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False,
+                                                               self.settings.dtype), 120)
+            except RemoteFailure as e:  # e.g. it serves another head now: /health says so, not "closed"
+                self.missing[peer.index] = str(e)
+                self._refused.add(peer.index)
+                raise
             loaded = await self._load(peer, self.num_blocks)
             if loaded.capacity < self.num_blocks:
                 raise FlotillaError(f"worker {peer.address} came back with room for {loaded.capacity} KV blocks; "
                                     f"the pipeline's pool has {self.num_blocks}")
             self.loaded[peer.index] = loaded
             self.missing.pop(peer.index, None)
+            self._refused.discard(peer.index)
             self.report(f"  stage {peer.index} ({peer.address}) is back: weights {loaded.source}")
         await self._configure_all()
 

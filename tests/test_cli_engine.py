@@ -168,7 +168,8 @@ def test_a_kernel_setting_with_a_typo_is_one_line(monkeypatch):
     """FLOTILLA_KERNEL / FLOTILLA_CPU_ISA with a typo: one error line before anything loads (the first was ignored
     for a GGUF file and a traceback for a checkpoint; the second fell back to dense fp32, 4x slower)."""
     for var, value, message in (("FLOTILLA_KERNEL", "bogus", "error: FLOTILLA_KERNEL='bogus' is not a kernel; valid: "),
-                                ("FLOTILLA_CPU_ISA", "avx9", "error: FLOTILLA_CPU_ISA='avx9': expected avx2 or avx512"),
+                                ("FLOTILLA_CPU_ISA", "avx9", "error: FLOTILLA_CPU_ISA='avx9' is not an instruction set; valid: "
+                                                          "avx2, avx512"),
                                 ("GLOO_SOCKET_IFNAME", "nosuch0", "error: GLOO_SOCKET_IFNAME='nosuch0': no interface "
                                                                   "nosuch0 on this machine")):
         monkeypatch.setenv(var, value)

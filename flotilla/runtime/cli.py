@@ -42,25 +42,23 @@ def apply_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-CPU_ISAS = ("avx2", "avx512")  # FLOTILLA_CPU_ISA's values (kernels/cpu/build.py)
-
-
 def check_kernel_env() -> None:
-    """FLOTILLA_KERNEL and FLOTILLA_CPU_ISA, checked before anything loads: a typo in either is an error here,
-    not a traceback later nor a silent fallback to a slower kernel."""
+    """FLOTILLA_KERNEL and FLOTILLA_CPU_ISA, checked before anything loads (by the registry's and the CPU
+    build's own rules): a typo in either is an error here, not a traceback later nor a silent fallback to a
+    slower kernel."""
     import os
 
-    forced = os.environ.get("FLOTILLA_KERNEL", "").strip()
-    if forced:
-        from flotilla.kernels.registry import kernel_names
+    from flotilla.kernels.cpu import build
+    from flotilla.kernels.registry import ENV_KERNEL, kernel_names
 
-        if forced not in (names := kernel_names()):
-            raise FlotillaError(f"FLOTILLA_KERNEL={forced!r} is not a kernel; valid: {', '.join(names)} "
-                                f"(unset it for the fastest)")
-    isa = os.environ.get("FLOTILLA_CPU_ISA", "").strip()
-    if isa and isa not in CPU_ISAS:
-        raise FlotillaError(f"FLOTILLA_CPU_ISA={isa!r}: expected {' or '.join(CPU_ISAS)} (unset it for the widest "
-                            f"this CPU runs)")
+    forced = os.environ.get(ENV_KERNEL, "").strip()
+    if forced and forced not in (names := kernel_names()):
+        raise FlotillaError(f"{ENV_KERNEL}={forced!r} is not a kernel; valid: {', '.join(names)} "
+                            f"(unset it for the fastest)")
+    try:
+        build.best_isa()
+    except ValueError as e:
+        raise FlotillaError(f"{e} (unset it for the widest this CPU runs)") from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

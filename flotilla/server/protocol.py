@@ -146,23 +146,17 @@ def _content(m: dict, where: str) -> str:
                       param=f"{where}.content")
 
 
-_PROMPT_KINDS = "a string, an array of strings, an array of token ids or an array of token-id arrays"
-
-
-def _prompt_items(f: Fields) -> list:
-    """'prompt' as a list of its prompts (each a string or a list of ids, not yet checked)."""
-    prompt = f.raw("prompt")
-    if prompt is None:
-        raise bad_request(f"'prompt' is required: {_PROMPT_KINDS}", param="prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        return prompt
-    raise bad_request(f"'prompt' must be {_PROMPT_KINDS}, got {describe(prompt)}", param="prompt")
-
-
 def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
-    items = _prompt_items(f)
+    prompt = f.raw("prompt")
+    expected = "a string, an array of strings, an array of token ids or an array of token-id arrays"
+    if prompt is None:
+        raise bad_request(f"'prompt' is required: {expected}", param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise bad_request(f"'prompt' must be {expected}, got {describe(prompt)}", param="prompt")
     vocab = model.tokenizer.vocab_size
     out = []
     for i, item in enumerate(items):

@@ -46,7 +46,7 @@ def spec_decoder(config: SpeculativeConfig, vocab_size: int, device: str | torch
     cfg = draft.config
     check_compatible(vocab_size, cfg.vocab_size, f"--speculative draft:{config.draft_path}")
     spec = KVCacheSpec(tuple(draft.model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, draft.dtype, block_size)
-    n = num_blocks + max_num_seqs * -(-config.num_speculative_tokens // block_size)
+    n = num_blocks + max_num_seqs * -(-k // block_size)
     cache = KVCache(spec, n, draft.device)
     if report is not None:
         report(f"speculative decoding: draft model {config.draft_path}, up to {k} draft tokens a step")

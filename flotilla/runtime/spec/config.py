@@ -44,19 +44,14 @@ class SpeculativeConfig:
             raise FlotillaError("min_acceptance must be in [0, 1) and acceptance_weight in (0, 1]")
 
     def check_draft_path(self) -> None:
-        """The draft is a model file or directory: checked when the flag is read, before the target loads
-        (a typo would otherwise cost the target's load first)."""
-        from pathlib import Path
+        """The draft opens as a model (the loader's own check, headers only): done when the flag is read,
+        before the target loads (a typo would otherwise cost the target's load first)."""
+        from flotilla.models.sources import open_source
 
-        path = Path(self.draft_path).expanduser()
-        flag = f"--speculative draft:{self.draft_path}"
-        if not path.exists():
-            raise FlotillaError(f"{flag}: no such file or directory")
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise FlotillaError(f"{flag}: a model directory holds config.json (a flotilla checkpoint or a Hugging "
-                                f"Face model), and this one does not")
-        if path.is_file() and path.suffix.lower() != ".gguf":
-            raise FlotillaError(f"{flag}: a model file is a .gguf; give a GGUF file or a model directory")
+        try:
+            open_source(self.draft_path).release()
+        except FlotillaError as e:
+            raise FlotillaError(f"--speculative draft:{self.draft_path}: {e}") from None
 
     @classmethod
     def parse(cls, text: str, num_speculative_tokens: int = 4, **options) -> "SpeculativeConfig":

@@ -113,6 +113,38 @@ def test_a_second_head_is_refused_while_the_first_is_heard(ring, ckpt):
     got, want = outputs(engine, PROMPTS[:2], MIXED), outputs(build_engine(lm, ARGS), PROMPTS[:2], MIXED)
     assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in want]
 
+def test_a_silent_head_is_replaced_and_then_refused(ckpt, tmp_path, monkeypatch):
+    """A head silent for HEAD_QUIET (its host froze, or its link went down) loses its workers to a new
+    head, which serves exactly; when the old head wakes, its repair is refused with the reason, kept
+    in /health's problems, and the new head's pipeline goes on."""
+    from flotilla.runtime.pipeline import worker as worker_module
+
+    workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt, handshake_timeout=1.0) for i in range(2)]
+    old = new = None
+    frozen, release = threading.Event(), threading.Event()
+    try:
+        old = pipeline(ckpt, workers)
+        monkeypatch.setattr(worker_module, "HEAD_QUIET", 0.5)
+        old.executor.pipeline._loop.call_soon_threadsafe(lambda: (frozen.set(), release.wait(60)))
+        assert frozen.wait(10)
+        time.sleep(0.8)  # no pings from the old head: it is now silent for longer than HEAD_QUIET
+        new = pipeline(ckpt, workers)
+        monkeypatch.setattr(worker_module, "HEAD_QUIET", 5.0)  # the new head is heard: it keeps the workers
+        release.set()
+        assert wait_until(lambda: any("serves another head" in p for p in old.executor.pipeline.problems()), 20), \
+            old.executor.pipeline.problems()
+        lm = load_model(ckpt, "cpu", "float16", with_tokenizer=False, progress=False)
+        got, want = outputs(new, PROMPTS[:2], MIXED), outputs(build_engine(lm, ARGS), PROMPTS[:2], MIXED)
+        assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in want]
+        assert new.executor.pipeline.ready.is_set() and not new.executor.pipeline.problems()
+    finally:
+        release.set()
+        for e in (new, old):
+            if e is not None:
+                e.close()
+        for w in workers:
+            w.stop()
+
 # ---------------------------------------------------------------------------------- hostile peers
 
 async def _closed(reader: asyncio.StreamReader) -> bool:

@@ -225,11 +225,12 @@ class Pipeline:
         self.loaded = await self._gather([self._load(p, 0) for p in self.peers])
         self.num_blocks = min(r.capacity for r in self.loaded)
         if self.num_blocks < 2:
-            raise FlotillaError(f"a pipeline stage has room for {self.num_blocks} KV blocks; need at least 2 "
-                                "(give the workers more memory or lower --max-num-seqs)")
+            raise FlotillaError(f"a pipeline stage has room for {self.num_blocks - 1} KV block(s) beside the padding "
+                                "block; need at least 1 (give the workers more memory or lower --max-num-seqs)")
         for p, r in zip(self.peers, self.loaded):
-            self.report(f"  stage {p.index}: weights {r.source}; room for {r.capacity} KV blocks")
-        self.report(f"pipeline KV pool: {self.num_blocks} blocks x {s.block_size} tokens (the smallest stage's); "
+            self.report(f"  stage {p.index}: weights {r.source}; room for {r.capacity - 1} KV blocks")
+        self.report(f"pipeline KV pool: {self.num_blocks - 1} blocks x {s.block_size} tokens (the smallest stage's, "
+                    f"+1 padding block); "
                     f"activations on the wire as {s.wire_dtype}; {self.depth} micro-batch(es) in flight")
         await self._configure_all()
         self._started = True
@@ -377,8 +378,8 @@ class Pipeline:
                 raise
             loaded = await self._load(peer, self.num_blocks)
             if loaded.capacity < self.num_blocks:
-                raise FlotillaError(f"worker {peer.address} came back with room for {loaded.capacity} KV blocks; "
-                                    f"the pipeline's pool has {self.num_blocks}")
+                raise FlotillaError(f"worker {peer.address} came back with room for {loaded.capacity - 1} KV blocks; "
+                                    f"the pipeline's pool has {self.num_blocks - 1}")
             self.loaded[peer.index] = loaded
             self.missing.pop(peer.index, None)
             self._refused.discard(peer.index)

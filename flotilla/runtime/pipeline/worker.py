@@ -302,7 +302,8 @@ class Worker:
         runtime = StageRuntime(lm, req, source)
         capacity = runtime.capacity(req)
         await asyncio.to_thread(self.path.swap, runtime)
-        log.info("loaded layers %d-%d from %s; room for %d KV blocks", req.start, req.end - 1, source, capacity)
+        log.info("loaded layers %d-%d from %s; room for %d KV blocks (+1 padding block)", req.start, req.end - 1,
+                 source, capacity - 1)
         return StageLoaded(capacity, source, received)
 
     async def _receive(self, directory: Path, req: LoadStage, names: list[str], inbox: asyncio.Queue) -> int:

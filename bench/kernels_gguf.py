@@ -49,7 +49,7 @@ def check_forms(k: int = 4096, n: int = 4096) -> list[str]:
         dense = w.dequantize()
         for dtype, tol in TOLERANCE.items():
             kernel = TritonGGMLKernel([w], torch.device("cuda"), dtype)
-            for m in (1, 16, 100):
+            for m in (1, 16, 40, 64, 100):
                 x = torch.randn(m, k, device="cuda").to(dtype)
                 ref = x.float() @ dense.t()
                 err = ((kernel(x).float() - ref).norm() / ref.norm()).item()

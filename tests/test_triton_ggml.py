@@ -42,7 +42,7 @@ def test_each_form_matches_the_exact_weights(qtype):
     dense = w.dequantize()
     gen = torch.Generator().manual_seed(0)
     bias = torch.randn(80, generator=gen).half()
-    for m in (1, 5, 40):  # split-K decode tiles, and one wider tile
+    for m in (1, 5, 40, 64):  # split-K decode tiles, and the 256-wide split tiles of 17-64 rows
         x = torch.randn(m, 256, generator=gen).half()
         y = kernel(x, bias)
         ref = x.float() @ dense.t() + bias.float()

@@ -137,6 +137,7 @@ def run(batch: int, steps: int, mode: str, device: torch.device, hidden_size: in
     pending = None  # the Sampled frame of the step before, on its way to stage 0
     greedy = SamplingBatch([0.0] * batch, [0] * batch, [1.0] * batch, [0.0] * batch, [1.0] * batch, [0.0] * batch,
                            [0.0] * batch, [0] * batch, [0] * batch, [-1] * batch, [[] for _ in range(batch)],
+                           [[] for _ in range(batch)], [[] for _ in range(batch)], [0] * batch,
                            [[] for _ in range(batch)])
     parts = Parts(now)
     start = 100

@@ -100,6 +100,25 @@ def test_three_stages_equal_the_local_engine(ring, ckpt):
 
 
 
+def test_logit_bias_and_min_tokens_cross_the_wire(ring, ckpt):
+    """A request's logit bias and min_tokens (its end tokens masked) reach the last stage: the same
+    tokens as the local engine, and no stop token before min_tokens."""
+    engine, _, _ = ring
+    lm = load_model(ckpt, "cpu", "float16", with_tokenizer=False, progress=False)
+    free = outputs(build_engine(lm, ARGS), PROMPTS[:3], GREEDY)
+    firsts = [seq[0][0] for seq in free]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logit_bias=((firsts[0], -100.0), (7, 5.0))),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=4, ignore_eos=True, min_tokens=6,
+                             stop_token_ids=(firsts[1],)),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, min_tokens=4, stop_token_ids=(firsts[2],))]
+    got, want = outputs(engine, PROMPTS[:3], params), outputs(build_engine(lm, ARGS), PROMPTS[:3], params)
+    assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in want]
+    assert got[0][0][0] != firsts[0]
+    for seq, stop in zip(got[1:], firsts[1:]):
+        tokens = [t for t, _ in seq]
+        assert stop not in tokens[:-1] and (len(tokens) == 10 or (len(tokens) > 4 and tokens[-1] == stop))
+
+
 def test_a_second_head_is_refused_while_the_first_is_heard(ring, ckpt):
     """A second `runtime serve` pointed at workers that serve a live head gets one clear error, and the
     first head's pipeline goes on untouched (it used to take the workers over, and the heads fought)."""

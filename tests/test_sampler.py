@@ -165,3 +165,47 @@ def test_first_max_in_chunks_is_argmax_with_ties_at_the_first(device):
     assert chunked_first_max(x, 256).tolist() == want
     assert first_max(x).tolist() == want == Sampler()(x, SamplingBatch.build([(SamplingParams(temperature=0), 0, [], [])]
                                                                               * 5)).token_ids
+
+
+def test_logit_bias_shifts_the_logits_and_an_extreme_one_decides():
+    logits = torch.stack([logits_row(1), logits_row(1)])
+    top = int(logits[0].argmax())
+    plain = SamplingParams(temperature=0)
+    banned = SamplingParams(temperature=0, logit_bias=((top, -100.0),))
+    forced = SamplingParams(temperature=0, logit_bias=((3, 100.0),))
+    out = Sampler()(logits, batch([(banned, 0, 0, [], []), (forced, 0, 0, [], [])])).token_ids
+    assert out[0] != top and out[0] == int(logits[0].clone().index_fill_(0, torch.tensor([top]), -1e9).argmax())
+    assert out[1] == 3
+    # reported logprobs stay the model's, before the bias (as every processing step)
+    lp = SamplingParams(temperature=0, logit_bias=((3, 100.0),), logprobs=True)
+    got = Sampler()(logits[:1], batch([(lp, 0, 0, [], [])]))
+    assert got.token_ids == [3] and math.isclose(got.logprobs[0], float(torch.log_softmax(logits[0], -1)[3]),
+                                                 rel_tol=1e-5)
+    # a sampled row: the bias changes the distribution exactly as the logits would
+    p = SamplingParams(temperature=1.0, logit_bias=((top, -3.0), (5, 1.5)))
+    shifted = logits[0].clone()
+    shifted[top] -= 3.0
+    shifted[5] += 1.5
+    draws = sample_many(logits[0], p, 4000)
+    assert Sampler()(logits[:1], batch([(plain, 0, 0, [], [])])).token_ids == [top]
+    want = torch.softmax(shifted, -1)
+    freq = torch.bincount(draws, minlength=V).float() / len(draws)
+    assert (freq - want).abs().max() < 0.03
+
+
+def test_min_tokens_masks_the_end_tokens_below_it():
+    logits = torch.full((3, V), -5.0)
+    logits[:, 2] = 10.0  # eos, by far the likeliest
+    logits[:, 9] = 8.0  # a stop token
+    logits[:, 4] = 1.0
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(9,))
+    rows = SamplingBatch.build([(p, 0, [], [])] * 3, steps=[1, 2, 3], eos_token_ids=(2,))
+    assert rows.ends == [[2, 9]] * 3
+    assert Sampler()(logits, rows).token_ids == [4, 4, 2]  # steps 1, 2 are short of 3; step 3 may end
+    ignore = SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)
+    rows = SamplingBatch.build([(ignore, 0, [], [])], steps=[0], eos_token_ids=(2,))
+    assert rows.ends == [[]] and Sampler()(logits[:1], rows).token_ids == [2]  # eos does not end it anyway
+    with pytest.raises(FlotillaError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(FlotillaError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))

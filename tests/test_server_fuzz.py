@@ -67,6 +67,10 @@ FIELDS = {  # then gets a few fields, each with a value a client might send (in 
     "echo": st.booleans(), "suffix": st.text(max_size=5), "user": st.text(max_size=5),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
     "tools": st.lists(JSON, max_size=2), "logit_bias": st.dictionaries(st.text(max_size=3), SMALL_INT, max_size=2),
+    "min_tokens": SMALL_INT, "include_stop_str_in_output": st.booleans(), "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(), "chat_template_kwargs": st.dictionaries(st.text(max_size=9), JSON),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | JSON, "guided_choice": st.lists(st.text()),
+    "skip_special_tokens": st.booleans(),
 }
 
 

@@ -115,6 +115,58 @@ def test_logprobs_chat_and_completion(live, client):
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
+def test_vllm_stop_fields_min_tokens_and_logit_bias(live, client):
+    """stop_reason, include_stop_str_in_output, min_tokens and logit_bias, as vLLM serves them."""
+    full, _, _ = live.engine_text(chat_prompt(live), SamplingParams(max_tokens=24, temperature=0))
+    stop = " " + full.split()[2]
+    kw = dict(model=live.engine.model_name, max_tokens=24, temperature=0,
+              messages=[{"role": "user", "content": QUESTION}])
+    r = client.chat.completions.create(stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw)
+    assert r.choices[0].message.content == full[:full.index(stop) + len(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == stop
+    streamed = list(client.chat.completions.create(stop=[stop], stream=True, **kw))
+    assert [c.choices[0].stop_reason for c in streamed if c.choices[0].finish_reason] == [stop]
+    assert client.chat.completions.create(**kw).choices[0].stop_reason is None  # length
+    # an answer that ends at once (eos) goes on to min_tokens; eos gives stop_reason None, as vLLM
+    short = [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]
+    text, ids, reason = live.engine_text(live.engine.tokenizer.apply_chat_template(short),
+                                         SamplingParams(max_tokens=24, temperature=0))
+    assert reason == "stop" and len(ids) < 8, (text, ids)
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=24, temperature=0, messages=short)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason is None
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=24, temperature=0, messages=short,
+                                       extra_body={"min_tokens": 8})
+    assert r.usage.completion_tokens >= 8 and r.choices[0].message.content.startswith(text)
+    # continue_final_message: the reply continues the assistant's last message, from inside its turn
+    start = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=4, temperature=0, messages=start,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content.startswith(" Paris"), r.choices[0].message.content
+    # logit_bias: the greedy first token, banned, gives way
+    first = live.engine.tokenizer.encode(full, add_special_tokens=False)[0]
+    r = client.chat.completions.create(logit_bias={str(first): -100}, max_completion_tokens=4,
+                                       **{k: v for k, v in kw.items() if k != "max_tokens"})
+    assert not r.choices[0].message.content.startswith(live.engine.tokenizer.decode([first]))
+
+
+def test_completion_text_offset_and_top_logprobs_with_multibyte_text(live, client):
+    """Tokens that are pieces of a character get the character's offset, streamed or not, and each
+    top_logprobs row holds the sampled token (up to logprobs + 1 entries), as vLLM's."""
+    kw = dict(model=live.engine.model_name, prompt="🌳🌲🌴🌵🎄🌳🌲🌴🌵", max_tokens=8, temperature=1.5, seed=3,
+              logprobs=1)
+    c = client.completions.create(**kw)
+    lp, text = c.choices[0].logprobs, c.choices[0].text
+    assert all(0 <= o <= len(text) for o in lp.text_offset) and lp.text_offset == sorted(lp.text_offset)
+    streamed = [o for ch in client.completions.create(stream=True, **kw) if ch.choices[0].logprobs is not None
+                for o in ch.choices[0].logprobs.text_offset]
+    assert streamed == lp.text_offset
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert token in top and 1 <= len(top) <= 2
+    c = client.completions.create(**{**kw, "logprobs": 0})
+    assert all(list(top) == [t] for t, top in zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.top_logprobs))
+
+
 def test_n_choices_and_seeds(live, client):
     kw = dict(model=live.engine.model_name, max_tokens=8, temperature=1.0, seed=1234,
               messages=[{"role": "user", "content": "Write a word."}])

@@ -22,7 +22,7 @@ class StubTokenizer:
     def encode(self, text, add_special_tokens=True):
         return list(text.encode())
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, add_generation_prompt=True, continue_final_message=False, kwargs=None):
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
     def token_bytes(self, token_id):
@@ -58,7 +58,54 @@ def test_defaults_chat_fills_the_context_completions_take_16():
 def test_developer_role_is_system_and_text_parts_join():
     req = chat(messages=[{"role": "developer", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
-    assert bytes(req.prompts[0]) == b"<system>be brief<user>ab<assistant>"
+    assert bytes(req.prompts[0]) == b"<system>be brief<user>a\nb<assistant>"  # joined as vLLM joins them
+
+
+def test_vllm_sampling_fields_and_logit_bias():
+    (p,) = chat(min_tokens=5, max_tokens=9, include_stop_str_in_output=True, logit_bias={"65": -100, "7": 2.5}).params
+    assert (p.min_tokens, p.max_tokens, p.include_stop_str_in_output) == (5, 9, True)
+    assert p.logit_bias == ((65, -100.0), (7, 2.5))
+    (q,) = parse_completion({"prompt": "abc", "min_tokens": 20}, StubModel(), 8).params
+    assert (q.min_tokens, q.max_tokens) == (20, 20)  # the default 16 never undercuts min_tokens
+    for body, param, words in [
+        (dict(min_tokens=10, max_tokens=9), "min_tokens", "between 0 and 9"),
+        (dict(logit_bias={"x": 1}), "logit_bias", "not a token id"),
+        (dict(logit_bias={"300": 1}), "logit_bias", "out of range"),
+        (dict(logit_bias={"3": 101}), "logit_bias", "between -100 and 100"),
+        (dict(logit_bias=[1]), "logit_bias", "an object mapping token ids"),
+        (dict(tool_choice="required"), "tool_choice", "no tools"),
+        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "no tools"),
+        (dict(guided_choice=["yes", "no"]), "guided_choice", "guided decoding"),
+        (dict(structured_outputs={"choice": ["a"]}), "structured_outputs", "structured outputs"),
+        (dict(prompt_logprobs=1), "prompt_logprobs", "prompt logprobs"),
+        (dict(skip_special_tokens=False), "skip_special_tokens", "not supported"),
+        (dict(echo=True), "echo", "not supported for chat"),
+        (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "both be true"),
+        (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "set by the request"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            chat(**body)
+        assert e.value.status == 400 and e.value.param == param and words in e.value.message, (body, e.value.message)
+    assert chat(tool_choice="none", guided_json=None, prompt_logprobs=None, skip_special_tokens=True).params
+
+
+def test_chat_template_flags_reach_the_tokenizer():
+    seen = []
+
+    class Recording(StubTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, continue_final_message=False,
+                                kwargs=None):
+            seen.append((add_generation_prompt, continue_final_message, kwargs))
+            return [1]
+
+    class Model(StubModel):
+        tokenizer = Recording()
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    parse_chat({"messages": messages, "continue_final_message": True}, Model(), 8)
+    parse_chat({"messages": messages[:1], "add_generation_prompt": False,
+                "chat_template_kwargs": {"enable_thinking": False}}, Model(), 8)
+    assert seen == [(False, True, {}), (False, False, {"enable_thinking": False})]
 
 
 def test_n_choices_get_distinct_seeds_and_prompt_batches_fan_out():

@@ -105,7 +105,7 @@ def test_eos_inside_an_accepted_run_ends_the_request_where_plain_decoding_does(s
     while eng.has_unfinished():
         outs += eng.step()
     assert [t for o in outs for t in o.new_token_ids] == want[:stop + 1]
-    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == eos
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason is None  # the model's eos: None, as vLLM
     assert any(len(o.new_token_ids) > 1 for o in outs)  # several tokens a step: drafts were accepted
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
 

@@ -41,8 +41,14 @@ def test_completion_top_logprobs_keep_the_likelier_of_two_same_texts(smollm2_ggu
     tok = load_tokenizer(smollm2_gguf)
     a, b = tok.encode("🎉", add_special_tokens=False)[1:3]  # two pieces, both "\ufffd" alone
     lp = TokenLogprob(a, -0.1, top=((a, -0.1), (b, -2.0)))
-    out = completion_logprobs(TokenText(tok), [lp])
+    out = completion_logprobs(TokenText(tok), [lp], [0])
     assert out["top_logprobs"] == [{"\ufffd": -0.1}]
+    # the sampled token is in its row even when it is not among the top (up to logprobs + 1 entries)
+    out = completion_logprobs(TokenText(tok), [TokenLogprob(b, -2.0, top=((a, -0.1),))], [0])
+    assert out["top_logprobs"] == [{"\ufffd": -0.1}] and out["token_logprobs"] == [-2.0]
+    c = tok.encode(" the", add_special_tokens=False)[0]
+    out = completion_logprobs(TokenText(tok), [TokenLogprob(c, -3.0, top=((a, -0.1),))], [0])
+    assert out["top_logprobs"] == [{"\ufffd": -0.1, " the": -3.0}]
 
 
 def test_byte_level_inside_a_decoder_sequence():

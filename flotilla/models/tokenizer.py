@@ -74,13 +74,28 @@ class Tokenizer:
                 return bytes(table[c] for c in piece)
         return text.encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """The conversation as the model's template renders it, encoded. `continue_final_message`:
+        the text ends inside the last message (an assistant turn the model continues), cut right
+        after its content, as vLLM and transformers do. `template_kwargs`: more variables for the
+        template (e.g. a model's `enable_thinking`)."""
         if not self.has_chat_template:
             raise FlotillaError("this model's tokenizer has no chat template; use plain completions")
+        if continue_final_message and (add_generation_prompt or not messages or not messages[-1]["content"]):
+            raise FlotillaError("continue_final_message needs add_generation_prompt false and a last message "
+                                "with content to continue")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **(template_kwargs or {}))
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise FlotillaError(f"the chat template rejected the messages: {e}") from None
+        if continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final)
+            if end < 0:
+                raise FlotillaError("the chat template changed the last message's text, so it cannot be continued")
+            text = text[:end + len(final)]
         return self.encode(text, add_special_tokens=False)
 
     def save(self, directory: Path) -> None:

@@ -60,12 +60,14 @@ class FileTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **variables) -> str:
+        """`variables`: more names for the template (a request's chat_template_kwargs); they never
+        replace the messages, the generation flag or the special tokens."""
         assert not tokenize, "renders text; Tokenizer.apply_chat_template encodes it"
         if self._template is None:
             self._template = _compile(self.chat_template)
-        return self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return self._template.render({**variables, "messages": messages, "tools": None, "documents": None,
+                                      "add_generation_prompt": add_generation_prompt, **self.special_tokens})
 
     def save_pretrained(self, directory: str) -> None:
         for name in FILES:

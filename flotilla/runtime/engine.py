@@ -237,7 +237,8 @@ class LLMEngine:
             sampling = replace(prev.sampling, steps=[k + 1 for k in prev.sampling.steps])  # one token later
         else:
             sampling = SamplingBatch.build([(seq.params, self.seeds[seq.request_id], [], []) for seq in seqs],
-                                           steps=[seq.num_output_tokens + 1 for seq in seqs])
+                                           steps=[seq.num_output_tokens + 1 for seq in seqs],
+                                           eos_token_ids=self.eos_token_ids)
         return StepInput(
             request_ids=[seq.request_id for seq in seqs],
             token_ids=[0] * n,
@@ -275,7 +276,7 @@ class LLMEngine:
             block_tables=[s.seq.block_table for s in out.scheduled],  # replaced when they grow, never changed in place
             num_decodes=out.num_decodes,
             sample=[s.samples for s in out.scheduled],
-            sampling=SamplingBatch.build(sampling_rows, steps),
+            sampling=SamplingBatch.build(sampling_rows, steps, self.eos_token_ids),
             spec_token_ids=[s.spec_token_ids for s in out.scheduled] if speculating else None,
             draft_probs=self.spec.draft_probs(out.scheduled) if speculating else None,
         )

@@ -1,7 +1,7 @@
 """Per-request outputs: token ids, text deltas from an incremental detokenizer, stop strings.
 
 Stop strings are searched in the generated text; the text is cut before the stop string, which is
-never emitted. While a request has stop strings, the last (longest stop string - 1) characters
+never emitted (unless the request asks for it: vLLM's include_stop_str_in_output). While a request has stop strings, the last (longest stop string - 1) characters
 are held back, so a stop string split across steps is never half streamed.
 """
 from __future__ import annotations
@@ -49,16 +49,21 @@ class TextState:
     def __init__(self, tokenizer: Tokenizer, seq: Sequence):
         self.detok: IncrementalDetokenizer = tokenizer.detokenizer(seq.prompt_token_ids)
         self.stops = tuple(s for s in seq.params.stop if s)
+        self.keep_stop = seq.params.include_stop_str_in_output
+        self.min_tokens = seq.params.min_tokens
+        self.tokens = 0
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # generated text so far (cut at a stop string)
         self.emitted = 0  # characters of self.text already returned
 
     def add(self, token_id: int, is_stop_token: bool) -> tuple[str, str | None]:
-        """Feed one token; returns (text delta, the stop string found or None)."""
+        """Feed one token; returns (text delta, the stop string found or None). Before min_tokens
+        tokens no stop string ends the text (as vLLM)."""
+        self.tokens += 1
         if not is_stop_token:  # a stop token's own text is not part of the output
             start = max(0, len(self.text) - self.hold)
             self.text += self.detok.add(token_id)
-            hit = self._find_stop(start)
+            hit = self._find_stop(start) if self.tokens > self.min_tokens else None
             if hit is not None:
                 return self._emit(final=True), hit
         return self._emit(final=False), None
@@ -75,7 +80,7 @@ class TextState:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.keep_stop else 0)]
         return best[1]
 
     def _emit(self, final: bool) -> str:
@@ -105,10 +110,10 @@ class OutputProcessor:
         if logprob is not None:
             out.logprobs, out.top_logprobs = [logprob], [top or []]
         state = self.states.get(seq.request_id)
-        if reason is FinishReason.STOP:
-            out.stop_reason = token_id
+        if reason is FinishReason.STOP and token_id in seq.params.stop_token_ids:
+            out.stop_reason = token_id  # (None for the model's eos, as vLLM)
         if state is not None:
-            out.text, hit = state.add(token_id, token_id in seq.stop_token_ids)
+            out.text, hit = state.add(token_id, reason is FinishReason.STOP)
             if hit is not None:
                 reason, out.stop_reason = FinishReason.STOP, hit
             elif reason is not None:

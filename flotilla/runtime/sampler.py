@@ -5,8 +5,9 @@ scheduled sequences, small enough to ship to the last pipeline stage) and logits
 token ids (the one host sync) and, where asked, logprobs.
 
 Order of operations per row: penalties (repetition on prompt+output tokens, as transformers
-does; presence and frequency on output tokens, as OpenAI defines them) -> temperature -> top-k ->
-top-p -> min-p -> sample. Greedy rows (temperature 0) take the argmax of the penalised logits.
+does; presence and frequency on output tokens, as OpenAI defines them) -> logit bias -> the end
+tokens masked while the row is short of its min_tokens -> temperature -> top-k -> top-p -> min-p
+-> sample. Greedy rows (temperature 0) take the argmax of the processed logits.
 
 Sampling draws one exponential variate per vocabulary entry, E ~ Exp(1), and picks
 argmax(p / E), which is an exact draw from p. The variates of a row come from a generator seeded
@@ -45,13 +46,17 @@ class SamplingBatch:
     top_logprobs: list[int]  # -1: no logprobs; k >= 0: the sampled token's logprob and the top k
     prompt_ids: list[list[int]]  # filled only for rows with a repetition penalty
     output_ids: list[list[int]]  # filled only for rows with any penalty
+    logit_bias: list[list[tuple[int, float]]]  # (token id, bias) pairs, per row
+    min_tokens: list[int]  # below this step, the row's end tokens (`ends`) cannot be sampled
+    ends: list[list[int]]  # the ids that would end the row (eos, stop tokens); filled only with min_tokens
 
     @classmethod
     def build(cls, rows: list[tuple[SamplingParams, int, list[int], list[int]]],
-              steps: list[int] | None = None) -> "SamplingBatch":
+              steps: list[int] | None = None, eos_token_ids: tuple[int, ...] = ()) -> "SamplingBatch":
         """rows: (params, seed, prompt ids, output ids) per sampling sequence. The ids are read
         only for rows with a penalty, and for each row's step (len(output ids)) unless `steps`
-        gives them: a caller that knows both may pass empty lists for the other rows."""
+        gives them: a caller that knows both may pass empty lists for the other rows.
+        `eos_token_ids`: the model's, masked (with each row's stop tokens) below its min_tokens."""
         ps = [r[0] for r in rows]
         rep = [p.repetition_penalty != 1.0 for p in ps]
         pen = [p.has_penalty for p in ps]
@@ -68,6 +73,9 @@ class SamplingBatch:
             top_logprobs=[p.top_logprobs if p.logprobs else -1 for p in ps],
             prompt_ids=[list(r[2]) if use else [] for r, use in zip(rows, rep)],
             output_ids=[list(r[3]) if use else [] for r, use in zip(rows, pen)],
+            logit_bias=[list(p.logit_bias) for p in ps],
+            min_tokens=[p.min_tokens for p in ps],
+            ends=[end_ids(p, eos_token_ids) if p.min_tokens else [] for p in ps],
         )
 
     def __len__(self) -> int:
@@ -85,6 +93,13 @@ class SamplingBatch:
     def any_penalty(self) -> bool:
         return (any(r != 1.0 for r in self.repetition_penalty) or any(self.presence_penalty)
                 or any(self.frequency_penalty))
+
+    @property
+    def any_processing(self) -> bool:
+        """Whether any row's logits change before sampling: penalties, a logit bias, or end tokens
+        masked below min_tokens."""
+        return (self.any_penalty or any(self.logit_bias)
+                or any(k > s for k, s in zip(self.min_tokens, self.steps)))
 
     @property
     def any_logprobs(self) -> bool:
@@ -122,7 +137,7 @@ class Sampler:
         the device (per-row parameters go over in non-blocking copies). `out`: an int64 [B]
         tensor on that device to write them into (returned); a greedy batch's kernel writes there."""
         logits = logits.float()
-        if batch.any_penalty:
+        if batch.any_processing:
             logits = self.apply_penalties(logits, batch)
         if batch.all_greedy:
             return first_max(logits, out)
@@ -131,19 +146,32 @@ class Sampler:
 
     # ------------------------------------------------------------------ penalties
     def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits [B, V] fp32 with each row's repetition, presence and frequency penalties."""
+        """logits [B, V] fp32 with each row's repetition, presence and frequency penalties, its
+        logit bias, and its end tokens at -inf while it is short of its min_tokens (a new tensor)."""
         B, V = logits.shape
         dev = logits.device
-        out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
         logits = logits.clone()
-        if any(r != 1.0 for r in batch.repetition_penalty):  # decided on the host: no device sync
-            rep = _on(batch.repetition_penalty, torch.float32, dev)
-            seen = (_counts(batch.prompt_ids, B, V, dev) + out_counts) > 0
-            penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
-            logits = torch.where(seen, penalised, logits)
-        presence = _on(batch.presence_penalty, torch.float32, dev)[:, None]
-        frequency = _on(batch.frequency_penalty, torch.float32, dev)[:, None]
-        return logits - presence * (out_counts > 0) - frequency * out_counts
+        if batch.any_penalty:
+            out_counts = _counts(batch.output_ids, B, V, dev)  # [B, V]
+            if any(r != 1.0 for r in batch.repetition_penalty):  # decided on the host: no device sync
+                rep = _on(batch.repetition_penalty, torch.float32, dev)
+                seen = (_counts(batch.prompt_ids, B, V, dev) + out_counts) > 0
+                penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+                logits = torch.where(seen, penalised, logits)
+            presence = _on(batch.presence_penalty, torch.float32, dev)[:, None]
+            frequency = _on(batch.frequency_penalty, torch.float32, dev)[:, None]
+            logits = logits - presence * (out_counts > 0) - frequency * out_counts
+        bias = [(r, t, b) for r, pairs in enumerate(batch.logit_bias) for t, b in pairs if 0 <= t < V]
+        if bias:
+            rows, ids, values = zip(*bias)
+            logits.index_put_((_on(list(rows), torch.int64, dev), _on(list(ids), torch.int64, dev)),
+                              _on(list(values), torch.float32, dev), accumulate=True)
+        ends = [(r, t) for r, (k, s, ts) in enumerate(zip(batch.min_tokens, batch.steps, batch.ends)) if s < k
+                for t in ts if 0 <= t < V]
+        if ends:
+            rows, ids = zip(*ends)
+            logits[_on(list(rows), torch.int64, dev), _on(list(ids), torch.int64, dev)] = float("-inf")
+        return logits
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -202,6 +230,13 @@ class Sampler:
             lps.append(chosen[i] if want >= 0 else None)
             tops.append(list(zip(top_ids[i][:want], top_vals[i][:want])) if want > 0 else [])
         return SamplerOutput(token_ids, lps, tops)
+
+
+def end_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """The ids that end a request of these params (as Sequence.stop_token_ids): its stop tokens,
+    and the model's eos unless it ignores them."""
+    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return sorted(ids)
 
 
 def first_max(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0  # no eos / stop token / stop string ends the request before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM's option)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -38,6 +41,10 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"),
+            (all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

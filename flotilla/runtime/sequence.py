@@ -98,7 +98,7 @@ class Sequence:
     def check_stop(self, token_id: int) -> FinishReason | None:
         """The finish reason that the token just appended causes, if any (stop strings are
         checked by the output processor, which owns the text)."""
-        if token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids and self.num_output_tokens > self.params.min_tokens:
             return FinishReason.STOP
         if self.num_output_tokens >= self.params.max_tokens:
             return FinishReason.LENGTH

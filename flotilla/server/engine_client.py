@@ -52,6 +52,7 @@ class StepOutput:
     text: str  # the text delta (never splits a UTF-8 character; stop strings cut out)
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     logprobs: tuple[TokenLogprob, ...] = ()
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def _convert(out: RequestOutput) -> StepOutput:
     if out.logprobs is not None:
         tops = out.top_logprobs or [[] for _ in out.logprobs]
         logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in zip(out.new_token_ids, out.logprobs, tops))
-    return StepOutput(tuple(out.new_token_ids), out.text, out.finish_reason if out.finished else None, logprobs)
+    return StepOutput(tuple(out.new_token_ids), out.text, out.finish_reason if out.finished else None, logprobs,
+                      out.stop_reason if out.finished else None)
 
 
 class EngineClient:

@@ -23,8 +23,11 @@ class Choice:
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # completions' text_offset per token
+    chars: int = 0  # characters of text so far
     last_time: float | None = None
 
 
@@ -101,7 +104,7 @@ class Generation:
             choice.completion_tokens += k
             self.metrics.generation_tokens.inc(k)
         if out.finish_reason is not None:
-            choice.finish_reason = out.finish_reason
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             self.metrics.e2e.observe(now - self.arrival)
         return choice
 

@@ -76,21 +76,24 @@ class OpenAIRoutes:
                     return await self._stream(request, req, gen, shapes)
                 return await self._collect(req, gen, shapes)
 
-    def _logprobs(self, req: GenerationRequest, items, offset: int = 0) -> dict | None:
+    def _logprobs(self, req: GenerationRequest, items, offsets: list[int]) -> dict | None:
         if not req.params[0].logprobs:
             return None
         if req.kind == "chat":
             return chat_logprobs(self.token_text, items)
-        return completion_logprobs(self.token_text, items, offset)
+        return completion_logprobs(self.token_text, items, offsets)
 
     async def _collect(self, req: GenerationRequest, gen: Generation, shapes: Shapes) -> web.Response:
         async for choice, out in gen.outputs():
             if out.finish_reason == "abort":
                 raise ApiError(503, CANCELLED, code="cancelled")
+            choice.offsets.extend([choice.chars] * len(out.logprobs))  # as the stream gives them
+            choice.chars += len(out.text)
             choice.text.append(out.text)
             choice.logprobs.extend(out.logprobs)
         build = Shapes.chat_choice if req.kind == "chat" else Shapes.completion_choice
-        choices = [build(c.index, "".join(c.text), c.finish_reason, self._logprobs(req, c.logprobs))
+        choices = [build(c.index, "".join(c.text), c.finish_reason, self._logprobs(req, c.logprobs, c.offsets),
+                         c.stop_reason)
                    for c in sorted(gen.choices.values(), key=lambda c: c.index)]
         body = (shapes.chat_response if req.kind == "chat" else shapes.completion_response)(choices, gen.usage())
         return web.json_response(body)
@@ -111,13 +114,15 @@ class OpenAIRoutes:
                     return stream.response
                 chunks = []
                 if out.text or out.logprobs:
-                    lp = self._logprobs(req, out.logprobs, offsets[choice.index])
+                    lp = self._logprobs(req, out.logprobs, [offsets[choice.index]] * len(out.logprobs))
                     offsets[choice.index] += len(out.text)
                     chunks.append(shapes.chat_chunk(choice.index, {"content": out.text}, None, lp, usage) if chat
                                   else shapes.completion_chunk(choice.index, out.text, None, lp, usage))
                 if out.finish_reason is not None:
-                    chunks.append(shapes.chat_chunk(choice.index, {}, out.finish_reason, usage=usage) if chat
-                                  else shapes.completion_chunk(choice.index, "", out.finish_reason, usage=usage))
+                    stop = out.stop_reason
+                    chunks.append(shapes.chat_chunk(choice.index, {}, out.finish_reason, usage=usage, stop_reason=stop)
+                                  if chat else shapes.completion_chunk(choice.index, "", out.finish_reason, usage=usage,
+                                                                       stop_reason=stop))
                 if chunks:
                     await stream.send(*chunks)
             if usage:

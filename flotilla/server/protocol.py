@@ -19,7 +19,17 @@ from .fields import Fields, describe, text
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
 MAX_STOP_LEN = 256
+MAX_LOGIT_BIAS = 1024
 SEED_MAX = 2**63 - 1
+# vLLM's request fields that constrain or reshape what is generated: refused with a 400 rather than
+# ignored, so that a client never takes free text for constrained output
+UNSUPPORTED = {
+    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding", "guided_whitespace_pattern": "guided decoding",
+    "guided_decoding_backend": "guided decoding", "structured_outputs": "structured outputs",
+    "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search",
+}
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
 
 
 class ModelInfo(Protocol):
@@ -59,9 +69,17 @@ def parse_chat(data: dict, model: ModelInfo, max_n: int) -> GenerationRequest:
     f = Fields(data)
     check_model(f, model)
     _reject_unsupported(f)
+    if f.boolean("echo", False):
+        raise bad_request("'echo' is not supported for chat; leave it out or set it to false", param="echo")
     messages = parse_messages(f)
+    continue_final = f.boolean("continue_final_message", False)
+    add_generation_prompt = f.boolean("add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the reply "
+                          "either continues the last message or starts a new one", param="continue_final_message")
     try:
-        prompt = model.tokenizer.apply_chat_template(messages)
+        prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final,
+                                                     _template_kwargs(f))
     except FlotillaError as e:
         raise bad_request(f"'messages': {e}", param="messages") from None
     logprobs = f.boolean("logprobs", False)
@@ -141,7 +159,7 @@ def _content(m: dict, where: str) -> str:
                 raise bad_request(f"'{where}.content[{j}]' must be {{\"type\": \"text\", \"text\": ...}}; "
                                   f"only text content is supported", param=f"{where}.content")
             parts.append(text(part["text"], f"{where}.content"))
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins text parts
     raise bad_request(f"'{where}.content' must be a string or an array of text parts, got {describe(content)}",
                       param=f"{where}.content")
 
@@ -188,10 +206,58 @@ def _is_ids(items: list) -> bool:
     return bool(items) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
 
 
+def _template_kwargs(f: Fields) -> dict:
+    """'chat_template_kwargs': more variables for the chat template (vLLM's; e.g. enable_thinking)."""
+    extra = f.raw("chat_template_kwargs", {})
+    if not isinstance(extra, dict):
+        raise bad_request(f"'chat_template_kwargs' must be an object, got {describe(extra)}",
+                          param="chat_template_kwargs")
+    taken = [k for k in extra if k in TEMPLATE_NAMES]
+    if taken:
+        raise bad_request(f"'chat_template_kwargs.{taken[0]}' is set by the request itself, not here",
+                          param="chat_template_kwargs")
+    return extra
+
+
+def _logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
+    """'logit_bias': {"token id": bias in -100..100}, as OpenAI's."""
+    bias = f.raw("logit_bias", {})
+    expected = (f"an object mapping token ids (as strings) to numbers between -100 and 100, at most "
+                f"{MAX_LOGIT_BIAS} of them")
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' must be {expected}", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"'logit_bias' key {describe(key)} is not a token id; {expected}",
+                              param="logit_bias") from None
+        if not 0 <= token < vocab:
+            raise bad_request(f"'logit_bias' token id {token} is out of range; ids must be in 0..{vocab - 1}",
+                              param="logit_bias")
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+                or not -100 <= value <= 100):
+            raise bad_request(f"'logit_bias[\"{key}\"]' must be a number between -100 and 100, got "
+                              f"{describe(value)}", param="logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
 def _reject_unsupported(f: Fields) -> None:
-    for key in ("tools", "functions", "logit_bias"):
+    for key in ("tools", "functions"):
         if f.raw(key):
             raise bad_request(f"'{key}' is not supported by this server; leave it out", param=key)
+    choice = f.raw("tool_choice", "none")
+    if choice not in ("none", "auto"):
+        raise bad_request(f"'tool_choice' {describe(choice)} asks for a tool call, but this server has no tools "
+                          f"(and the request gives none); leave it out", param="tool_choice")
+    for key, what in UNSUPPORTED.items():
+        if f.raw(key, False) is not False:
+            raise bad_request(f"'{key}' is not supported: this server has no {what}; leave it out", param=key)
+    if f.raw("skip_special_tokens", True) is not True:
+        raise bad_request("'skip_special_tokens': false is not supported; the text never holds special tokens "
+                          "(logprobs name them)", param="skip_special_tokens")
     fmt = f.obj("response_format")
     if fmt is not None and fmt.raw("type", "text") != "text":
         raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
@@ -208,6 +274,7 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
                           code="context_length_exceeded")
     room = context - longest
     max_tokens = f.integer(max_tokens_key, None, 1, None)
+    min_tokens = f.integer("min_tokens", 0, 0, max_tokens if max_tokens is not None else room)
     if max_tokens is not None and max_tokens > room:
         raise bad_request(f"'{max_tokens_key}' is {max_tokens} but {longest} of the {context}-token context go to "
                           f"the {prompt_field}; ask for at most {room}", param=max_tokens_key,
@@ -236,12 +303,15 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         ignore_eos=f.boolean("ignore_eos", False),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logit_bias=_logit_bias(f, model.tokenizer.vocab_size),
+        include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
     )
     params = []
     for p in prompts:
         limit = max_tokens if max_tokens is not None else min(default_max_tokens or context, context - len(p))
+        limit = max(limit, min(min_tokens, context - len(p)))  # the default max_tokens never undercuts min_tokens
         try:
-            params.append(SamplingParams(max_tokens=limit, **common))
+            params.append(SamplingParams(max_tokens=limit, min_tokens=min(min_tokens, limit), **common))
         except FlotillaError as e:
             raise bad_request(str(e)) from None
     return GenerationRequest(kind, model.model_name, tuple(tuple(p) for p in prompts), tuple(params), n,

@@ -27,24 +27,22 @@ def chat_logprobs(tt: TokenText, items: list[TokenLogprob]) -> dict:
                         for lp in items]}
 
 
-def completion_logprobs(tt: TokenText, items: list[TokenLogprob], offset: int = 0, with_top: bool = True) -> dict:
-    tokens, offsets = [], []
-    for lp in items:
-        text = tt.decode(lp.token_id)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [_top_dict(tt, lp.top) for lp in items] if with_top else None,
-            "text_offset": offsets}
+def completion_logprobs(tt: TokenText, items: list[TokenLogprob], offsets: list[int]) -> dict:
+    """Completions' logprobs. `offsets`: each token's text_offset, where the text it completed
+    starts in the choice's text (streamed or not alike: a piece of a multi-byte character, which
+    adds no text, has the offset of the character it ends up in)."""
+    return {"tokens": [tt.decode(lp.token_id) for lp in items], "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [_top_dict(tt, lp) for lp in items], "text_offset": offsets}
 
 
-def _top_dict(tt: TokenText, top: list[tuple[int, float]]) -> dict[str, float]:
-    """Completions' top_logprobs: text -> logprob, most likely first; where two tokens share a text
-    (pieces of multi-byte characters all decode to "\ufffd") the likelier one keeps it."""
+def _top_dict(tt: TokenText, lp: TokenLogprob) -> dict[str, float]:
+    """Completions' top_logprobs: text -> logprob, most likely first, and the sampled token's own
+    (so up to logprobs + 1 entries, as OpenAI's legacy API and vLLM give); where two tokens share
+    a text (pieces of multi-byte characters all decode to "\ufffd") the likelier one keeps it."""
     out: dict[str, float] = {}
-    for t, v in top:
+    for t, v in lp.top:
         out.setdefault(tt.decode(t), v)
+    out.setdefault(tt.decode(lp.token_id), lp.logprob)
     return out
 
 
@@ -63,9 +61,10 @@ class Shapes:
 
     # ------------------------------------------------------------------------------- chat
     def chat_chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
-                   usage: bool = False) -> dict:
+                   usage: bool = False, stop_reason: str | int | None = None) -> dict:
         body = self._base("chat.completion.chunk")
-        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                            "stop_reason": stop_reason}]
         if usage:
             body["usage"] = None
         return body
@@ -77,15 +76,17 @@ class Shapes:
         return body
 
     @staticmethod
-    def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None,
+                    stop_reason: str | int | None = None) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     # ------------------------------------------------------------------------- completions
     def completion_chunk(self, index: int, text: str, finish_reason: str | None = None,
-                         logprobs: dict | None = None, usage: bool = False) -> dict:
+                         logprobs: dict | None = None, usage: bool = False, stop_reason: str | int | None = None) -> dict:
         body = self._base("text_completion")
-        body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                            "stop_reason": stop_reason}]
         if usage:
             body["usage"] = None
         return body
@@ -97,8 +98,10 @@ class Shapes:
         return body
 
     @staticmethod
-    def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None,
+                          stop_reason: str | int | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     # ------------------------------------------------------------------------------- both
     def usage_chunk(self, usage: dict) -> dict:

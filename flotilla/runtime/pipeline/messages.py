@@ -194,6 +194,10 @@ class SeqSampling:
     num_prompt_tokens: int
     prompt_ids: list[int]  # only with a repetition penalty
     output_ids: list[int]  # only with any penalty: the tokens generated so far
+    bias_ids: list[int]  # logit_bias: the token ids
+    bias_values: list[float]  # and what is added to their logits
+    min_tokens: int  # below this output index, `ends` cannot be sampled
+    ends: list[int]  # eos and stop tokens (only with min_tokens)
 
 
 @message("step")

@@ -134,7 +134,9 @@ def _sampling_row(handle: int, step: StepInput, b: int, row: int, num_spec: int)
     num_prompt = step.starts[b] + step.query_lens[b] - num_spec - s.steps[row]
     return SeqSampling(handle, s.temperature[row], s.top_k[row], s.top_p[row], s.min_p[row],
                        s.repetition_penalty[row], s.presence_penalty[row], s.frequency_penalty[row], s.seeds[row],
-                       s.top_logprobs[row], num_prompt, list(s.prompt_ids[row]), list(s.output_ids[row]))
+                       s.top_logprobs[row], num_prompt, list(s.prompt_ids[row]), list(s.output_ids[row]),
+                       [t for t, _ in s.logit_bias[row]], [float(b) for _, b in s.logit_bias[row]],
+                       s.min_tokens[row], list(s.ends[row]))
 
 
 def fill_tokens(msg: Step, sampled: list[int]) -> Step:
@@ -245,6 +247,8 @@ class StageSequences:
             seeds=[p.seed for p in ps], steps=[end - p.num_prompt_tokens for (_, end, _), p in zip(rows, ps)],
             top_logprobs=[p.top_logprobs for p in ps], prompt_ids=[p.prompt_ids for p in ps],
             output_ids=[out for _, _, out in rows],
+            logit_bias=[list(zip(p.bias_ids, p.bias_values)) for p in ps], min_tokens=[p.min_tokens for p in ps],
+            ends=[p.ends for p in ps],
         )
 
     def _draft_probs(self, msg: Step) -> torch.Tensor | None:

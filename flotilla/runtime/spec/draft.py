@@ -151,7 +151,7 @@ class DraftProposer:
         """Draft tokens, and for a batch with sampled rows the normalized distributions [B, V]
         they were drawn from (greedy rows: a point mass on the argmax)."""
         sampler = self.runner.sampler
-        logits = sampler.apply_penalties(logits.float(), batch) if batch.any_penalty else logits.float()
+        logits = sampler.apply_penalties(logits.float(), batch) if batch.any_processing else logits.float()
         ids = logits.max(dim=-1).indices
         if batch.all_greedy:
             return ids.tolist(), None

@@ -77,3 +77,28 @@ def test_a_dead_writers_moved_aside_out_is_put_back_or_removed(tmp_path):
     aside.mkdir()  # a leftover beside an OUT that exists: removed
     write(out, 4.0, force=True)
     assert stored(out) == 4.0 and leftovers(out) == []
+
+
+def test_an_out_that_appears_during_the_run_is_never_replaced(tmp_path):
+    """OUT made by someone else while a run writes (a user, a second run to the same -o) stays as it
+    is; the finished checkpoint goes beside it, named in the error, so neither is lost."""
+    from flotilla.errors import FlotillaError
+
+    out = tmp_path / "out"
+    with CheckpointWriter(out, shape_config("tiny", 16)) as w:
+        w.add_layer("embed", {"model.embed_tokens.weight": torch.full((4, 4), 1.0)})
+        out.mkdir()
+        (out / "notes.txt").write_text("precious")
+        with pytest.raises(FlotillaError, match="appeared during the run and was left as it is .*written to .*out.new"):
+            w.commit()
+    assert (out / "notes.txt").read_text() == "precious" and stored(tmp_path / "out.new") == 1.0
+    # --force checks the directory again at the end: one that stopped being a checkpoint is kept too
+    write(out2 := tmp_path / "out2", 2.0)
+    with CheckpointWriter(out2, shape_config("tiny", 16), force=True) as w:
+        w.add_layer("embed", {"model.embed_tokens.weight": torch.full((4, 4), 3.0)})
+        (out2 / "notes.txt").write_text("precious")
+        (out2 / "photos").mkdir()
+        with pytest.raises(FlotillaError, match="holds directories .*written to .*out2.new"):
+            w.commit()
+    assert (out2 / "notes.txt").exists() and stored(tmp_path / "out2.new") == 3.0
+    assert leftovers(out) == [] and leftovers(out2) == []

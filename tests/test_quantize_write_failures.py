@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from safetensors.torch import save_file
 from safetensors import SafetensorError
 
 from flotilla.models import checkpoint
@@ -85,16 +86,30 @@ def test_a_full_disk_says_how_much_to_free(src, tmp_path, monkeypatch, capsys):
     estimate = checkpoint_bytes(open_source(src).config, QuantizeOptions(bits=8, method="rtn"))
     assert abs(estimate - written) < 0.1 * written, (estimate, written)
 
-    monkeypatch.setattr(checkpoint, "save_file",
-                        failing_on(2, checkpoint.save_file, OSError(errno.ENOSPC, "No space left on device")))
+    # too little space from the start: refused before any layer is quantized, not after the work
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10 << 30, used=10 << 30, free=500))
     out = tmp_path / "out"
+    saves = []
+    monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: saves.append(a))
+    assert quantize_main([str(src), "-o", str(out), *RTN8]) == 2
+    line = capsys.readouterr().err.strip()
+    m = re.fullmatch(rf"error: not enough space for {re.escape(str(out))}: writing it takes about "
+                     r"([\d.]+) KB and 500 bytes is free there; free ([\d.]+) KB or choose another -o", line)
+    assert m, line
+    assert abs(float(m.group(1)) * 1e3 - estimate) <= 100 and abs(float(m.group(2)) * 1e3 - (estimate - 500)) <= 100
+    assert not saves and listing(tmp_path) == {"done"}
+
+    # the space went while writing (another writer took it): the same advice, and nothing left behind
+    frees = iter([10 << 30])
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=10 << 30, used=10 << 30, free=next(frees, 500)))
+    monkeypatch.setattr(checkpoint, "save_file",
+                        failing_on(2, save_file, OSError(errno.ENOSPC, "No space left on device")))
     assert quantize_main([str(src), "-o", str(out), *RTN8]) == 2
     line = capsys.readouterr().err.strip()
     m = re.fullmatch(rf"error: no space left on device writing {re.escape(str(out))}: writing it takes about "
                      r"([\d.]+) KB and 500 bytes is free there; free ([\d.]+) KB or choose another -o", line)
     assert m, line
-    assert abs(float(m.group(1)) * 1e3 - estimate) <= 100 and abs(float(m.group(2)) * 1e3 - (estimate - 500)) <= 100
     assert listing(tmp_path) == {"done"}
 
 

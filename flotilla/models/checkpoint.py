@@ -173,9 +173,11 @@ class CheckpointWriter:
                  size_hint: int = 0):
         remove_stale_writes(Path(out).expanduser().absolute())  # first: it may put back an OUT
         self.out = self.check_target(out, force)
+        self.force = force
         self.config = config
         self.shard_size = shard_size
         self.size_hint = size_hint
+        self._check_space()
         self._parts: list[Path] = []  # layers spilled to disk, waiting for their shard to be cut
         self._pending_layers: list[str] = []
         self._pending_bytes = 0
@@ -261,6 +263,22 @@ class CheckpointWriter:
             advice = "choose another -o"
         return FlotillaError(f"{problem} writing {self.out}: {advice}")
 
+    def _space_needed(self) -> int:
+        """Bytes the write takes at its peak (0: unknown): the checkpoint, and the last shard joined
+        beside its parts."""
+        return self.size_hint + min(self.shard_size, self.size_hint) if self.size_hint else 0
+
+    def _check_space(self) -> None:
+        """Refuse at the start, not after the work, a write that cannot fit where OUT goes."""
+        need = self._space_needed()
+        try:
+            free = shutil.disk_usage(self.out.parent).free
+        except OSError:
+            return
+        if need > free:
+            raise FlotillaError(f"not enough space for {self.out}: writing it takes about {_size(need)} and "
+                                f"{_size(free)} is free there; free {_size(need - free)} or choose another -o")
+
     def _space_advice(self) -> str:
         try:
             free = shutil.disk_usage(self.out.parent).free
@@ -268,7 +286,7 @@ class CheckpointWriter:
             return "free space there or choose another -o"
         if not self.size_hint:
             return f"{_size(free)} is free there; free more or choose another -o"
-        need = self.size_hint + min(self.shard_size, self.size_hint)  # the last shard is joined beside its parts
+        need = self._space_needed()
         took = f"writing it takes about {_size(need)} and {_size(free)} is free there"
         if need > free:
             return f"{took}; free {_size(need - free)} or choose another -o"
@@ -340,7 +358,15 @@ class CheckpointWriter:
         for p in self.tmp.iterdir():
             _fsync_path(p)
         _fsync_path(self.tmp)
-        if self.out.exists():
+        if self.out.exists() or self.out.is_symlink():
+            why = ("it was not there when the run began" if not self.force
+                   else "it is no longer a directory" if not self.out.is_dir() else replaceable(self.out))
+            if why:  # another run or a user made it meanwhile: never replaced without --force's checks
+                aside = _free_name(self.out.parent, f"{self.out.name}.new")
+                os.replace(self.tmp, aside)
+                self._committed = True
+                raise FlotillaError(f"{self.out} appeared during the run and was left as it is ({why}); the "
+                                    f"checkpoint was written to {aside} instead")
             self._old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
             os.replace(self.out, self._old)
         os.replace(self.tmp, self.out)
@@ -372,6 +398,15 @@ class CheckpointWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         if self._old is not None and self._old.exists() and not self.out.exists():
             os.replace(self._old, self.out)
+
+
+def _free_name(parent: Path, name: str) -> Path:
+    """`parent / name`, or with -2, -3, ... appended: the first that does not exist."""
+    path, i = parent / name, 1
+    while path.exists() or path.is_symlink():
+        i += 1
+        path = parent / f"{name}-{i}"
+    return path
 
 
 def remove_stale_writes(out: Path) -> None:

@@ -114,8 +114,9 @@ SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content']
                         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def write_llama_gguf(hf_model, path: Path, qtype: str = "F32") -> Path:
-    """Write a transformers Llama model as a llama.cpp-style GGUF (q/k permuted, names mapped)."""
+def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | None = None) -> Path:
+    """Write a transformers Llama model as a llama.cpp-style GGUF (q/k permuted, names mapped);
+    `uint32s`: more metadata keys."""
     import gguf
     import numpy as np
 
@@ -131,6 +132,8 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32") -> Path:
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(2)
+    for key, value in (uint32s or {}).items():
+        w.add_uint32(key, value)
 
     def permute(t, n_head):
         return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)

@@ -68,3 +68,15 @@ def test_a_gguf_of_unquantized_tensors_loads_either_way(native, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
     assert (our_logits(model, ids) - ref).abs().max().item() < 0.05
+
+
+def test_a_mixture_of_experts_gguf_is_named_as_such(tmp_path):
+    """A Mixtral-style file says "llama" as its architecture: its expert count, not its first expert
+    tensor, gives the error."""
+    from flotilla.errors import FlotillaError
+
+    hf = make_hf_model(tiny_config("llama"))
+    path = write_llama_gguf(hf, tmp_path / "moe.gguf", uint32s={"llama.expert_count": 8})
+    with pytest.raises(FlotillaError, match="a mixture-of-experts model \\(8 experts a layer, as Mixtral\\); "
+                                            "flotilla runs dense models only"):
+        open_source(path)

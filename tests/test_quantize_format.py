@@ -126,6 +126,8 @@ def test_checkpoint_layout(tiny_src, tmp_path):
     assert config["quantization_config"] == {
         "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False, "damp_percent": 0.01,
         "checkpoint_format": "gptq", "true_sequential": True, "lm_head": False, "flotilla_method": "gptq"}
+    # AutoGPTQ reads a local directory's quantization from quantize_config.json only
+    assert json.loads((out / "quantize_config.json").read_text()) == config["quantization_config"]
     assert config["torch_dtype"] == "float16"
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).is_file(), name

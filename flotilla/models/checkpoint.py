@@ -43,6 +43,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "flotilla.json"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+QUANTIZE_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ reads a local model's quantization from this file
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -353,7 +354,10 @@ class CheckpointWriter:
         self.total_bytes = sum(s.size for s in shards)
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         self.write_file(INDEX_FILE, json.dumps(index, indent=2))
-        self.write_file(CONFIG_FILE, json.dumps(self.config.to_hf_dict(), indent=2))
+        hf = self.config.to_hf_dict()
+        self.write_file(CONFIG_FILE, json.dumps(hf, indent=2))
+        if "quantization_config" in hf:  # the same settings (GPTQModel and transformers read config.json's)
+            self.write_file(QUANTIZE_CONFIG_FILE, json.dumps(hf["quantization_config"], indent=2))
         self.write_file(MANIFEST_FILE, json.dumps(Manifest(FORMAT_VERSION, tuple(shards)).to_json(), indent=2))
         for p in self.tmp.iterdir():
             _fsync_path(p)

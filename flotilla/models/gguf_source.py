@@ -63,6 +63,10 @@ class GGUFSource:
         self.arch = self._field("general.architecture")
         if self.arch not in _GGUF_ARCHS:
             raise FlotillaError(f"{self.path}: unsupported GGUF architecture {self.arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
+        experts = self._field(f"{self.arch}.expert_count", 0)
+        if experts:  # Mixtral-style files say "llama" too; their expert tensors would be an unexplained name
+            raise FlotillaError(f"{self.path}: a mixture-of-experts model ({experts} experts a layer, as Mixtral); "
+                                "flotilla runs dense models only")
         self._tensors = {self._hf_name(t.name): t for t in self.file.tensors.values()}
         self.native = native
         config = self._config()

@@ -205,3 +205,18 @@ def test_quant_linear_releases_its_gptq_tensors_once_the_kernel_has_its_own(tmp_
     monkeypatch.setenv(registry.ENV_KERNEL, "reference")
     ref = load_stage(open_source(out))
     assert all(m.released_bytes == 0 and m.qweight.numel() > 0 for m in ref.modules() if isinstance(m, QuantLinear))
+
+
+def test_a_group_size_that_leaves_a_short_group_is_noted():
+    """SmolLM2's shape (576 wide) at the default 128: a note names the inputs and what divides them all."""
+    from types import SimpleNamespace
+
+    from flotilla.quantize.pipeline import _partial_group_note
+
+    smol = SimpleNamespace(hidden_size=576, q_size=576, intermediate_size=1536)
+    assert _partial_group_note(smol, 128) == (
+        "note: group size 128 leaves a short last group on the 576-wide inputs; flotilla and transformers run "
+        "it, vLLM refuses it (--group-size 64 divides every input)")
+    assert _partial_group_note(smol, 64) is None and _partial_group_note(smol, -1) is None
+    odd = SimpleNamespace(hidden_size=600, q_size=600, intermediate_size=1600)
+    assert "--group-size -1 (per channel) loads there" in _partial_group_note(odd, 128)

@@ -15,8 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from safetensors.torch import save_file
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from flotilla.models import checkpoint
 from flotilla.models.sources import open_source
@@ -174,3 +174,13 @@ def test_a_signal_mid_write_removes_the_temporary_directory(sig, status, message
     assert proc.returncode == status, err
     assert err.strip() == message
     assert listing(tmp_path) == set()
+
+
+def test_a_source_without_a_tokenizer_is_said_before_the_work(tmp_path, capsys):
+    """Weights only: quantizing works (no calibration text needed), and a warning says at the start that
+    `runtime` will need the tokenizer files copied in."""
+    bare = tiny_model_dir(tmp_path / "bare", tokenizer=False)
+    assert quantize_main([str(bare), "-o", str(tmp_path / "out"), *RTN8]) == 0
+    err = capsys.readouterr().err
+    assert "warning: no tokenizer with bare" in err and "copy the model's tokenizer.json" in err
+    assert not (tmp_path / "out" / "tokenizer.json").exists()

@@ -70,6 +70,9 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     check_model(cfg, options, str(src))
     check_tensors(source, cfg)
     out = CheckpointWriter.check_target(out, options.force, src)
+    note = _partial_group_note(cfg, options.group_size)
+    if note:
+        print(note, file=sys.stderr)
     device = resolve_device(options.device)
     tokenizer = _try_tokenizer(src, cfg)
 
@@ -206,11 +209,27 @@ def checkpoint_bytes(cfg: ModelConfig, options: QuantizeOptions) -> int:
     return int(linear * per_weight + 2 * (parameter_count(cfg) - linear))
 
 
+def _partial_group_note(cfg: ModelConfig, group_size: int) -> str | None:
+    """Where the group size leaves a short last group on some linear's input: which, and what divides
+    them all (vLLM's GPTQ kernels refuse such checkpoints; flotilla and transformers run them)."""
+    widths = sorted({cfg.hidden_size, cfg.q_size, cfg.intermediate_size})
+    short = [w for w in widths if group_size > 0 and w % group_size]
+    if not short:
+        return None
+    fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
+    hint = f"--group-size {fits[0]} divides every input" if fits else "--group-size -1 (per channel) loads there"
+    return (f"note: group size {group_size} leaves a short last group on the {', '.join(map(str, short))}-wide "
+            f"inputs; flotilla and transformers run it, vLLM refuses it ({hint})")
+
+
 def _try_tokenizer(src: Path, cfg: ModelConfig):
     try:
         return load_tokenizer(src, cfg.eos_token_ids)
-    except FlotillaError:
-        return None  # a weights-only directory: quantizing still works, calibration text cannot
+    except FlotillaError as e:  # a weights-only source: quantizing still works, calibration text cannot
+        print(f"warning: no tokenizer with {src.name} ({e}); the checkpoint is written without one, and "
+              f"`runtime` needs it: copy the model's tokenizer.json and tokenizer_config.json into the output",
+              file=sys.stderr)
+        return None
 
 
 def _head_tensors(source, cfg: ModelConfig, options: QuantizeOptions, device: torch.device) -> dict[str, torch.Tensor]:

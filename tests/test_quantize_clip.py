@@ -135,3 +135,18 @@ def test_output_grid_needs_calibration_inputs():
     with pytest.raises(FlotillaError, match="--grid output"):
         QuantizeOptions(method="rtn", grid="output")
     assert QuantizeOptions(method="gptq", grid="output").grid == "output"
+
+
+def test_a_group_wider_than_the_input_is_the_per_channel_grid():
+    """A group at least as wide as the input is one group: the same codes and scales as -1 (and no
+    padding to the group's width, which made a 4096-wide group on 576 inputs ~5x slower)."""
+    import torch
+
+    from flotilla.kernels.gptq import group_width
+    from flotilla.quantize.grid import GridSpec, rtn_quantize
+
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(1))
+    for spec in (GridSpec(4, True), GridSpec(4, False, "mse")):
+        wide, per_channel = rtn_quantize(w, spec, 4096), rtn_quantize(w, spec, -1)
+        assert torch.equal(wide.codes, per_channel.codes) and torch.equal(wide.scales, per_channel.scales)
+    assert (group_width(576, 4096), group_width(576, -1), group_width(576, 128)) == (576, 576, 128)

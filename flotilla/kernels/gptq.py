@@ -84,6 +84,13 @@ def num_groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-in_features // group_size)
 
 
+def group_width(in_features: int, group_size: int) -> int:
+    """The inputs a group spans where they are padded to whole groups: the group size, or the input
+    itself where one group covers it (-1, or a group at least as wide: padding to it would only add
+    zeros, up to 7x the work for a 4096-wide group on a 576-wide input)."""
+    return in_features if group_size == -1 or group_size >= in_features else group_size
+
+
 @dataclass
 class GPTQWeight:
     """The four GPTQ tensors of one linear, plus what is needed to read them."""

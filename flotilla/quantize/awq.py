@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.fused import silu_mul
+from flotilla.kernels.gptq import group_width
 from flotilla.models.linear import Linear
 from flotilla.models.llama import DecoderLayer, RMSNorm
 
@@ -126,7 +127,7 @@ class InputStats:
 def weight_magnitude(W: torch.Tensor, group_size: int) -> torch.Tensor:
     """Mean over output channels of |w| / max |w| of its group, per input channel [in]."""
     out_f, in_f = W.shape
-    gs = in_f if group_size == -1 else group_size
+    gs = group_width(in_f, group_size)
     groups = -(-in_f // gs)
     w = F.pad(W.abs(), (0, groups * gs - in_f)).view(out_f, groups, gs)  # a partial last group padded with 0
     w = w / (w.amax(dim=2, keepdim=True) + 1e-6)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flotilla.kernels.gptq import num_groups
+from flotilla.kernels.gptq import group_width, num_groups
 
 from .grid import GridSpec, dequantize_codes, quantize_codes, range_params
 
@@ -36,7 +36,7 @@ def output_clip_params(w: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_s
     """Scales and zeros [groups, out] of w [out, in] whose shrink of each group's range has the least
     δ H_gg δᵀ (module docstring). H [in, in]: the Hessian (any positive multiple) of w's input."""
     out_f, in_f = w.shape
-    gs = in_f if group_size == -1 else group_size
+    gs = group_width(in_f, group_size)
     groups = num_groups(in_f, group_size)
     pad = groups * gs - in_f  # a partial last group: zero weights and zero H rows add nothing
     wg = F.pad(w.float(), (0, pad)).view(out_f, groups, gs).transpose(0, 1)  # [groups, out, gs]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flotilla.kernels.gptq import group_width
+
 from .clip import gptq_group_params, output_clip_params
 from .grid import GridSpec, QuantizedWeight, dequantize_codes, grid_params, quantize_codes
 
@@ -83,7 +85,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GridSpec, group_size: 
     W = W.detach().to(torch.float32).clone()
     H = H.to(device=W.device, dtype=torch.float32).clone()
     out_f, in_f = W.shape
-    gs = in_f if group_size == -1 else group_size
+    gs = group_width(in_f, group_size)
     if group_size != -1:  # a block holds whole groups: a group's grid is chosen from its updated columns
         block_size = gs * max(1, round(block_size / gs))
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flotilla.kernels.gptq import GPTQWeight, default_g_idx, num_groups
+from flotilla.kernels.gptq import GPTQWeight, default_g_idx, group_width, num_groups
 
 FP16_TINY = torch.finfo(torch.float16).tiny
 FP16_MAX = torch.finfo(torch.float16).max
@@ -170,7 +170,7 @@ def fake_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Ten
     """rtn_quantize(w, spec, group_size).dequantize() on the min/max grid, without the codes: the
     fast inner step of searches that try many candidate weights (AWQ's scales)."""
     out_f, in_f = w.shape
-    gs = in_f if group_size == -1 else group_size
+    gs = group_width(in_f, group_size)
     groups = num_groups(in_f, group_size)
     w = w.float() if groups * gs == in_f else F.pad(w.float(), (0, groups * gs - in_f))  # zeros pad a partial group
     wg = w.view(out_f, groups, gs)
@@ -185,7 +185,7 @@ def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int,
     """Round-to-nearest of w [out, in] with one grid per output channel and input group: `params`
     (scales and zeros [groups, out]) where given, else grid_params of each group."""
     out_f, in_f = w.shape
-    gs = in_f if group_size == -1 else group_size
+    gs = group_width(in_f, group_size)
     groups = num_groups(in_f, group_size)
     # a partial last group is padded with zeros: every grid holds 0 exactly (its range always
     # includes 0 and the zero point is an integer), so the padding changes neither grid nor error

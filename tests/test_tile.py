@@ -177,6 +177,12 @@ def test_served_exactly_where_it_measured_faster():
         assert tile.serves(m, bits), (n, bits, m)
     for n, bits, m in lost:
         assert not tile.serves(m, bits), (n, bits, m)
+    # round 19 (H100): from 40 rows on the widest weights (gate_up of the 8B, the 70B's), where the 64-row blocks beat
+    # the Triton tiles at 40, 48 and 64 rows at both widths; not on 14336x4096 nor 4096x14336 (tied or lost at 64)
+    for k, n in ((4096, 28672), (8192, 28672), (28672, 8192), (8192, 57344)):
+        for bits in (4, 8):
+            assert tile.serves(40, bits, k * n) and tile.serves(64, bits, k * n) and not tile.serves(39, bits, k * n)
+    assert not tile.serves(64, 4, 14336 * 4096) and not tile.serves(64, 4, 4096 * 14336)
 
 
 def test_the_environment_switch(monkeypatch):

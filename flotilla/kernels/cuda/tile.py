@@ -49,6 +49,13 @@ CAPABILITY = (9, 0)
 # 164.6 (two 64-row tiles there), 23.2 / 44.2 / 46.1 / 140.4 W8 against 33.3 / 58.8 / 90.8 / 196.4; at 32-64 rows
 # the Triton tiles keep the batch (ahead by up to 37% at 32, within 11% either way at 48-64).
 MIN_ROWS, MAX_ROWS = 65, {4: 2048, 8: 2048}
+# ... and from WIDE_MIN_ROWS on the weights of at least WIDE_WEIGHTS (in x out): at 40-64 rows the tile GEMM in
+# 64-row blocks beat the Triton tiles on every such weight measured (H100, bench/NOTES-kernels.md round 19, W4 /
+# W8 µs at 40-64 rows): 4096x28672 (the 8B's gate_up) 49.5-50.5 / 60.7-61.4 against 53.8-57.0 / 62.5-62.9,
+# 8192x28672 84.5-88.4 / 103.5-105.3 against 91.1-95.6 / 109.4-110.3, 28672x8192 (split 4) 84.0-86.2 /
+# 104.3-105.6 against 84.0-96.2 / 121.8-123.4, 8192x57344 167.4-172.2 / 197.0-202.2 against 168.6-175.4 /
+# 201.5-204.2; on the narrower llama shapes at 64 rows it lost or tied (4096x4096 20.0 against 18.2 µs W4)
+WIDE_MIN_ROWS, WIDE_WEIGHTS = 40, 4096 * 28672
 # split-K: the grid kept within one wave of the SMs (more splits measured slower where they only tied it: a second
 # wave, a longer reduction), at most MAX_SPLITS ranges of at least MIN_SPLIT_BLOCKS layout blocks each; from FILL of
 # the SMs, no split. Two waves only where the modelled time (waves x a split's share of the input axis) drops by more
@@ -155,9 +162,11 @@ def split_k(m: int, n: int, rows: int, k_blocks: int, num_sms: int) -> int:
     return best
 
 
-def serves(m: int, bits: int) -> bool:
-    """Whether M rows of a weight at `bits` go to the tile GEMM (MIN_ROWS to MAX_ROWS[bits])."""
-    return MIN_ROWS <= m <= MAX_ROWS[bits]
+def serves(m: int, bits: int, weights: int = 0) -> bool:
+    """Whether M rows of a weight at `bits` of `weights` (in x out) go to the tile GEMM (MIN_ROWS to
+    MAX_ROWS[bits]; from WIDE_MIN_ROWS on weights of at least WIDE_WEIGHTS)."""
+    low = WIDE_MIN_ROWS if weights >= WIDE_WEIGHTS else MIN_ROWS
+    return low <= m <= MAX_ROWS[bits]
 
 
 class _Library:
@@ -235,7 +244,7 @@ class TileKernel:
 
     def serves(self, m: int) -> bool:
         """Whether the kernel object should run M rows here (where it measured faster than its other paths)."""
-        return serves(m, self.layout.bits)
+        return serves(m, self.layout.bits, self.layout.in_features * self.layout.out_features)
 
     def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  rows: int | None = None, splits: int | None = None) -> torch.Tensor:

@@ -102,6 +102,11 @@ class GGUFSource:
         eos = self._field("tokenizer.ggml.eos_token_id")
         eot = self._field("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        bad = [i for i in eos_ids if not 0 <= i < int(vocab)]
+        if bad:
+            raise FlotillaError(f"{self.path}: GGUF end-of-text token id {bad[0]} is outside the {int(vocab)}-token "
+                                "vocabulary; the file's tokenizer metadata is corrupt")
+        window = self._field(f"{a}.attention.sliding_window")  # as llama.cpp writes Mistral's (served up to it)
         return ModelConfig(
             architecture=_GGUF_ARCHS[a],
             vocab_size=int(vocab),
@@ -120,6 +125,7 @@ class GGUFSource:
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype="float32",
+            sliding_window=int(window) if window else None,
         )
 
     def _rope_scaling(self, head_dim: int) -> RopeScaling | None:

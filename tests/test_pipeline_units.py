@@ -102,16 +102,19 @@ def test_fp16_bf16_and_int8_on_the_wire():
 
 # -------------------------------------------------------------------------------- messages
 
-def step_message(hidden=None) -> m.Step:
-    sampling = m.SeqSampling(7, 0.7, 40, 0.9, 0.0, 1.1, 0.0, 0.5, 2**62 + 5, 3, 12, [1, 2, 3], [4])
+def step_message(hidden=None, processed: bool = False) -> m.Step:
+    """processed: the sampling row has a logit bias and min_tokens with its end tokens (protocol 10)."""
+    extra = ([9, 17], [-100.0, 2.5], 3, [2, 5]) if processed else ([], [], 0, [])
+    sampling = m.SeqSampling(7, 0.7, 40, 0.9, 0.0, 1.1, 0.0, 0.5, 2**62 + 5, 3, 12, [1, 2, 3], [4], *extra)
     return m.Step(3, 9, [7, 8], [12, 40], [1, 1], 2, [True, True], [[], [5]], [sampling], [2], [11, 22],
                   hidden, None)
 
 
 def test_step_round_trip_with_nested_sampling_and_a_tensor():
-    msg = step_message(torch.randn(2, 16).half())
+    msg = step_message(torch.randn(2, 16).half(), processed=True)
     back = decode(encode(msg))
     assert back.sampling == msg.sampling and back.blocks == [[], [5]] and back.dropped == [2]
+    assert (back.sampling[0].bias_values, back.sampling[0].min_tokens) == ([-100.0, 2.5], 3)
     assert torch.equal(back.hidden, msg.hidden) and back.scales is None
 
 

@@ -208,7 +208,7 @@ def test_read_frame_limits():
 def _step():
     from flotilla.runtime.pipeline.messages import SeqSampling, Step
 
-    sampling = SeqSampling(4, 0.7, 40, 0.9, 0.0, 1.1, 0.0, 0.0, 7, -1, 12, [1, 2], [3])
+    sampling = SeqSampling(4, 0.7, 40, 0.9, 0.0, 1.1, 0.0, 0.0, 7, -1, 12, [1, 2], [3], [], [], 0, [])
     return Step(2, 9, [4, 5], [12, 30], [1, 1], 2, [True, False], [[7], []], [sampling], [3], None,
                 torch.randn(2, 8).half(), None, [[11], []], None, [[5, 2]])
 

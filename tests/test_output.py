@@ -57,3 +57,31 @@ def test_a_stop_token_ends_the_request_without_its_text(tok):
     assert [t for o in outs for t in o.new_token_ids] == script[:3]
     assert "".join(o.text for o in outs) == tok.decode(script[:2])
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop_id
+
+
+def test_text_offsets_hold_each_tokens_place_even_while_a_stop_string_holds_text_back(tok):
+    """Each token's offset is where the text it completed starts in the output: held text (a stop string's
+    look-behind) does not move it, and a token inside a character gets that character's offset."""
+    text = "Grüße! 🚀 and more"
+    _, plain = run(tok, text)
+    _, held = run(tok, text, stop=("XXXXXXXX",))
+    assert all(len(out.new_token_ids) == 1 for out in plain)
+    want = [sum(len(out.text) for out in plain[:i]) for i in range(len(plain))]  # the text before each delta
+    assert want[5:8] == [6, 6, 6]  # " 🚀": its pieces (no text yet) and the token that completes it
+    offsets = [o for out in plain for o in out.text_offsets]
+    assert offsets == [o for out in held for o in out.text_offsets] == want
+
+
+def test_include_stop_str_in_output_keeps_stop_strings_and_stop_tokens(tok):
+    _, outs = run(tok, "The answer is 42. END of the story.", stop=("END",), include_stop_str_in_output=True)
+    assert "".join(o.text for o in outs) == "The answer is 42. END" and outs[-1].stop_reason == "END"
+    text = "One two three four five"
+    script = tok.encode(text, add_special_tokens=False)
+    _, outs = run(tok, text, stop_token_ids=(script[2],), include_stop_str_in_output=True)
+    assert "".join(o.text for o in outs) == tok.decode(script[:3]) and outs[-1].stop_reason == script[2]
+
+
+def test_min_tokens_lets_no_stop_string_end_the_text_before_it(tok):
+    script, outs = run(tok, "END one two END three four", stop=("END",), min_tokens=3)
+    text = "".join(o.text for o in outs)
+    assert text.startswith("END one") and outs[-1].stop_reason == "END" and not text.endswith("END")

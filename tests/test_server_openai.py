@@ -139,7 +139,7 @@ def test_vllm_stop_fields_min_tokens_and_logit_bias(live, client):
     assert r.usage.completion_tokens >= 8 and r.choices[0].message.content.startswith(text)
     # continue_final_message: the reply continues the assistant's last message, from inside its turn
     start = [{"role": "user", "content": "What is the capital of France?"},
-             {"role": "assistant", "content": "The capital of France is"}]
+             {"role": "assistant", "content": "The capital of France is "}]  # cut as transformers cuts
     r = client.chat.completions.create(model=live.engine.model_name, max_tokens=4, temperature=0, messages=start,
                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert r.choices[0].message.content.startswith(" Paris"), r.choices[0].message.content

@@ -81,12 +81,23 @@ def test_vllm_sampling_fields_and_logit_bias():
         (dict(skip_special_tokens=False), "skip_special_tokens", "not supported"),
         (dict(echo=True), "echo", "not supported for chat"),
         (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "both be true"),
-        (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "set by the request"),
+        (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "set by the request or the model"),
+        (dict(chat_template_kwargs={"chat_template": "{{ 1 }}"}), "chat_template_kwargs", "set by the request"),
+        (dict(chat_template_kwargs={"eos_token": "x"}), "chat_template_kwargs", "set by the request or the model"),
+        (dict(chat_template_kwargs={str(i): i for i in range(17)}), "chat_template_kwargs", "at most 16 names"),
+        (dict(chat_template_kwargs={"a": "x" * 5000}), "chat_template_kwargs", "4096 bytes"),
+        (dict(chat_template="{{ messages }}"), "chat_template", "uses the model's"),
+        (dict(allowed_token_ids=[1, 2]), "allowed_token_ids", "token allow-lists"),
+        (dict(logit_bias={"12": 1, "012": 2}), "logit_bias", "names token 12 twice"),
+        (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "at most 300"),
     ]:
         with pytest.raises(ApiError) as e:
             chat(**body)
         assert e.value.status == 400 and e.value.param == param and words in e.value.message, (body, e.value.message)
     assert chat(tool_choice="none", guided_json=None, prompt_logprobs=None, skip_special_tokens=True).params
+    # truncate_prompt_tokens (vLLM's): the prompt's last tokens only
+    req = parse_completion({"prompt": "abcdefgh", "truncate_prompt_tokens": 3}, StubModel(), 8)
+    assert req.prompts == (tuple(b"fgh"),)
 
 
 def test_chat_template_flags_reach_the_tokenizer():

@@ -103,7 +103,7 @@ def exact_next_two(lm, prompt: list[int], params: SamplingParams) -> dict[tuple[
         cache.begin(len(ids))
         logits = lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1:])
         batch = SamplingBatch.build([(params, 0, prompt, output)])
-        logits = sampler.apply_penalties(logits, batch) if batch.any_penalty else logits
+        logits = sampler.process_logits(logits, batch) if batch.any_penalty else logits
         p = sampler.processed_probs(logits, batch)[0].double()
         return p / p.sum()
 

@@ -81,7 +81,7 @@ def first_tokens(params: SamplingParams, draft: str, n: int = 4000, k: int = 3):
     output = [3, 3, 8]
     sampler = Sampler(V)
     row0 = SamplingBatch.build([(params, 0, [1, 2, 3], output)])
-    p0 = sampler.processed_probs(sampler.apply_penalties(target[:1].clone(), row0) if row0.any_penalty
+    p0 = sampler.processed_probs(sampler.process_logits(target[:1].clone(), row0) if row0.any_penalty
                                  else target[:1].clone(), row0)[0]
     p0 = p0 / p0.sum()
     if draft == "model":  # a draft distribution unlike the target's, and drafts drawn from it

@@ -183,6 +183,8 @@ def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmCo
     else:
         grid = [(64, 128, 4, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True)]
     out = [GemmConfig("dense")] if m >= 128 else []
+    if m < DENSE_MIN_ROWS:  # the rule's own pick, which the grid below may not hold (group-32 layouts at 17-64 rows)
+        out.append(weight_side(dot_config(m, layout, num_sms), layout))
     if dense_chunk(m, n):
         out.append(GemmConfig("dense", chunk=dense_chunk(m, n)))
     for bm, bn, warps, stages, sw in grid:

@@ -178,7 +178,7 @@ class CheckpointWriter:
         self.config = config
         self.shard_size = shard_size
         self.size_hint = size_hint
-        self._check_space()
+        self.check_space(self.out, size_hint, shard_size)
         self._parts: list[Path] = []  # layers spilled to disk, waiting for their shard to be cut
         self._pending_layers: list[str] = []
         self._pending_bytes = 0
@@ -264,20 +264,22 @@ class CheckpointWriter:
             advice = "choose another -o"
         return FlotillaError(f"{problem} writing {self.out}: {advice}")
 
-    def _space_needed(self) -> int:
-        """Bytes the write takes at its peak (0: unknown): the checkpoint, and the last shard joined
-        beside its parts."""
-        return self.size_hint + min(self.shard_size, self.size_hint) if self.size_hint else 0
+    @staticmethod
+    def space_needed(size_hint: int, shard_size: int) -> int:
+        """Bytes a write of `size_hint` takes at its peak (0: unknown): the checkpoint, and the last shard
+        joined beside its parts."""
+        return size_hint + min(shard_size, size_hint) if size_hint else 0
 
-    def _check_space(self) -> None:
-        """Refuse at the start, not after the work, a write that cannot fit where OUT goes."""
-        need = self._space_needed()
+    @staticmethod
+    def check_space(out: Path, size_hint: int, shard_size: int) -> None:
+        """Refuse, before the work rather than after it, a write that cannot fit where `out` goes."""
+        need = CheckpointWriter.space_needed(size_hint, shard_size)
         try:
-            free = shutil.disk_usage(self.out.parent).free
+            free = shutil.disk_usage(out.parent).free
         except OSError:
             return
         if need > free:
-            raise FlotillaError(f"not enough space for {self.out}: writing it takes about {_size(need)} and "
+            raise FlotillaError(f"not enough space for {out}: writing it takes about {_size(need)} and "
                                 f"{_size(free)} is free there; free {_size(need - free)} or choose another -o")
 
     def _space_advice(self) -> str:
@@ -287,7 +289,7 @@ class CheckpointWriter:
             return "free space there or choose another -o"
         if not self.size_hint:
             return f"{_size(free)} is free there; free more or choose another -o"
-        need = self._space_needed()
+        need = self.space_needed(self.size_hint, self.shard_size)
         took = f"writing it takes about {_size(need)} and {_size(free)} is free there"
         if need > free:
             return f"{took}; free {_size(need - free)} or choose another -o"

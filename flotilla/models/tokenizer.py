@@ -82,16 +82,19 @@ class Tokenizer:
         template (e.g. a model's `enable_thinking`)."""
         if not self.has_chat_template:
             raise FlotillaError("this model's tokenizer has no chat template; use plain completions")
-        if continue_final_message and (add_generation_prompt or not messages or not messages[-1]["content"]):
+        final = messages[-1]["content"].strip() if messages else ""
+        if continue_final_message and (add_generation_prompt or not final):
             raise FlotillaError("continue_final_message needs add_generation_prompt false and a last message "
                                 "with content to continue")
+        named = [k for k in template_kwargs or {} if k in _named_parameters(self.hf.apply_chat_template)]
+        if named:  # the renderer's own options (a template of the request's, say): never the request's to set
+            raise FlotillaError(f"{named[0]!r} is an option of the renderer, not a template variable")
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                **(template_kwargs or {}))
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise FlotillaError(f"the chat template rejected the messages: {e}") from None
-        if continue_final_message:
-            final = messages[-1]["content"]
+        if continue_final_message:  # the content stripped, as transformers cuts it (templates that trim it)
             end = text.rfind(final)
             if end < 0:
                 raise FlotillaError("the chat template changed the last message's text, so it cannot be continued")
@@ -103,6 +106,17 @@ class Tokenizer:
 
     def detokenizer(self, prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids or [])
+
+
+def _named_parameters(function) -> frozenset[str]:
+    """The parameters a callable names (its **kwargs aside)."""
+    import inspect
+
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 class IncrementalDetokenizer:

@@ -70,6 +70,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     check_model(cfg, options, str(src))
     check_tensors(source, cfg)
     out = CheckpointWriter.check_target(out, options.force, src)
+    CheckpointWriter.check_space(out, checkpoint_bytes(cfg, options), options.shard_size)  # before any work
     note = _partial_group_note(cfg, options.group_size)
     if note:
         print(note, file=sys.stderr)
@@ -218,8 +219,9 @@ def _partial_group_note(cfg: ModelConfig, group_size: int) -> str | None:
         return None
     fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
     hint = f"--group-size {fits[0]} divides every input" if fits else "--group-size -1 (per channel) loads there"
-    return (f"note: group size {group_size} leaves a short last group on the {', '.join(map(str, short))}-wide "
-            f"inputs; flotilla and transformers run it, vLLM refuses it ({hint})")
+    what = ("is wider than" if all(group_size > w for w in short) else "leaves a short last group on")
+    return (f"note: group size {group_size} {what} the {', '.join(map(str, short))}-wide inputs; flotilla and "
+            f"transformers run it, vLLM refuses it ({hint})")
 
 
 def _try_tokenizer(src: Path, cfg: ModelConfig):

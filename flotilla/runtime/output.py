@@ -1,8 +1,9 @@
 """Per-request outputs: token ids, text deltas from an incremental detokenizer, stop strings.
 
 Stop strings are searched in the generated text; the text is cut before the stop string, which is
-never emitted (unless the request asks for it: vLLM's include_stop_str_in_output). While a request has stop strings, the last (longest stop string - 1) characters
-are held back, so a stop string split across steps is never half streamed.
+never emitted (unless the request asks for it: vLLM's include_stop_str_in_output). While a request
+has stop strings, the last (longest stop string - 1) characters are held back, so a stop string
+split across steps is never half streamed.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[float] | None = None  # per new token, when asked for
+    text_offsets: list[int] | None = None  # per new token: where the text it completed starts in the output
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -35,6 +37,8 @@ class RequestOutput:
         yields several tokens): one output with both's tokens and text, and the later's state."""
         self.new_token_ids += later.new_token_ids
         self.text += later.text
+        if later.text_offsets is not None:
+            self.text_offsets = (self.text_offsets or []) + later.text_offsets
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
             self.top_logprobs = (self.top_logprobs or []) + (later.top_logprobs or [])
@@ -55,16 +59,19 @@ class TextState:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # generated text so far (cut at a stop string)
         self.emitted = 0  # characters of self.text already returned
+        self.offset = 0  # where the last token's text starts in self.text (a piece of a character: where it will)
 
     def add(self, token_id: int, is_stop_token: bool) -> tuple[str, str | None]:
         """Feed one token; returns (text delta, the stop string found or None). Before min_tokens
         tokens no stop string ends the text (as vLLM)."""
         self.tokens += 1
+        self.offset = len(self.text)
         if not is_stop_token:  # a stop token's own text is not part of the output
             start = max(0, len(self.text) - self.hold)
             self.text += self.detok.add(token_id)
             hit = self._find_stop(start) if self.tokens > self.min_tokens else None
             if hit is not None:
+                self.offset = min(self.offset, len(self.text))  # the cut may fall before this token's text
                 return self._emit(final=True), hit
         return self._emit(final=False), None
 
@@ -110,10 +117,13 @@ class OutputProcessor:
         if logprob is not None:
             out.logprobs, out.top_logprobs = [logprob], [top or []]
         state = self.states.get(seq.request_id)
-        if reason is FinishReason.STOP and token_id in seq.params.stop_token_ids:
-            out.stop_reason = token_id  # (None for the model's eos, as vLLM)
+        if reason is FinishReason.STOP and token_id not in seq.eos_token_ids:
+            out.stop_reason = token_id  # a stop token's id; None for the model's eos (checked first, as vLLM)
         if state is not None:
-            out.text, hit = state.add(token_id, reason is FinishReason.STOP)
+            # a stop token's text is left out, unless the request keeps its stop strings (vLLM's option)
+            out.text, hit = state.add(token_id, reason is FinishReason.STOP
+                                      and not (seq.params.include_stop_str_in_output and out.stop_reason is not None))
+            out.text_offsets = [state.offset]
             if hit is not None:
                 reason, out.stop_reason = FinishReason.STOP, hit
             elif reason is not None:

@@ -46,7 +46,7 @@ class SamplingBatch:
     top_logprobs: list[int]  # -1: no logprobs; k >= 0: the sampled token's logprob and the top k
     prompt_ids: list[list[int]]  # filled only for rows with a repetition penalty
     output_ids: list[list[int]]  # filled only for rows with any penalty
-    logit_bias: list[list[tuple[int, float]]]  # (token id, bias) pairs, per row
+    logit_bias: list[tuple[tuple[int, float], ...]]  # (token id, bias) pairs, per row (its params' own tuple)
     min_tokens: list[int]  # below this step, the row's end tokens (`ends`) cannot be sampled
     ends: list[list[int]]  # the ids that would end the row (eos, stop tokens); filled only with min_tokens
 
@@ -73,7 +73,7 @@ class SamplingBatch:
             top_logprobs=[p.top_logprobs if p.logprobs else -1 for p in ps],
             prompt_ids=[list(r[2]) if use else [] for r, use in zip(rows, rep)],
             output_ids=[list(r[3]) if use else [] for r, use in zip(rows, pen)],
-            logit_bias=[list(p.logit_bias) for p in ps],
+            logit_bias=[p.logit_bias for p in ps],
             min_tokens=[p.min_tokens for p in ps],
             ends=[end_ids(p, eos_token_ids) if p.min_tokens else [] for p in ps],
         )
@@ -120,6 +120,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self._noise: torch.Tensor | None = None  # reused [rows, vocab] buffer
         self._gen: dict[torch.device, torch.Generator] = {}
+        self._bias: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # a request's bias as tensors, built once
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -138,14 +139,14 @@ class Sampler:
         tensor on that device to write them into (returned); a greedy batch's kernel writes there."""
         logits = logits.float()
         if batch.any_processing:
-            logits = self.apply_penalties(logits, batch)
+            logits = self.process_logits(logits, batch)
         if batch.all_greedy:
             return first_max(logits, out)
         ids = self._sample(logits, first_max(logits), batch)
         return ids if out is None else out.copy_(ids)
 
     # ------------------------------------------------------------------ penalties
-    def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] fp32 with each row's repetition, presence and frequency penalties, its
         logit bias, and its end tokens at -inf while it is short of its min_tokens (a new tensor)."""
         B, V = logits.shape
@@ -161,11 +162,10 @@ class Sampler:
             presence = _on(batch.presence_penalty, torch.float32, dev)[:, None]
             frequency = _on(batch.frequency_penalty, torch.float32, dev)[:, None]
             logits = logits - presence * (out_counts > 0) - frequency * out_counts
-        bias = [(r, t, b) for r, pairs in enumerate(batch.logit_bias) for t, b in pairs if 0 <= t < V]
-        if bias:
-            rows, ids, values = zip(*bias)
-            logits.index_put_((_on(list(rows), torch.int64, dev), _on(list(ids), torch.int64, dev)),
-                              _on(list(values), torch.float32, dev), accumulate=True)
+        for r, pairs in enumerate(batch.logit_bias):  # a Python step per row with a bias, none per token
+            if pairs:
+                ids, values = self._bias_tensors(pairs, V, dev)
+                logits[r].index_add_(0, ids, values)
         ends = [(r, t) for r, (k, s, ts) in enumerate(zip(batch.min_tokens, batch.steps, batch.ends)) if s < k
                 for t in ts if 0 <= t < V]
         if ends:
@@ -194,6 +194,19 @@ class Sampler:
             min_p = _on(batch.min_p, torch.float32, dev)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
+
+    def _bias_tensors(self, pairs: tuple, vocab: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A logit bias's ids and values on `dev` (ids outside the vocabulary dropped), kept for the
+        steps after (keyed by the request's own tuple; the oldest go past 256 biases)."""
+        key = (pairs, vocab, dev)
+        got = self._bias.get(key)
+        if got is None:
+            kept = [(t, b) for t, b in pairs if 0 <= t < vocab] or [(0, 0.0)]
+            got = self._bias[key] = (_on([t for t, _ in kept], torch.int64, dev),
+                                     _on([b for _, b in kept], torch.float32, dev))
+            while len(self._bias) > 256:
+                del self._bias[next(iter(self._bias))]
+        return got
 
     def exponentials(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Exp(1) variates [B, V] for the rows of `logits`, each row from its (seed, step)

@@ -49,10 +49,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, grown lazily
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (runtime/spec)
         self.num_preemptions = 0
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= set(eos_token_ids)
-        self.stop_token_ids = frozenset(stops)
+        self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)  # ending it, as stop tokens do
+        self.stop_token_ids = frozenset(params.stop_token_ids) | self.eos_token_ids
         self.max_model_len = max_model_len
 
     def __repr__(self) -> str:

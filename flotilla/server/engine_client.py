@@ -53,6 +53,7 @@ class StepOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's field)
+    text_offsets: tuple[int, ...] = ()  # per token: where the text it completed starts in the output
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _convert(out: RequestOutput) -> StepOutput:
         tops = out.top_logprobs or [[] for _ in out.logprobs]
         logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in zip(out.new_token_ids, out.logprobs, tops))
     return StepOutput(tuple(out.new_token_ids), out.text, out.finish_reason if out.finished else None, logprobs,
-                      out.stop_reason if out.finished else None)
+                      out.stop_reason if out.finished else None, tuple(out.text_offsets or ()))
 
 
 class EngineClient:

@@ -27,7 +27,6 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # completions' text_offset per token
-    chars: int = 0  # characters of text so far
     last_time: float | None = None
 
 

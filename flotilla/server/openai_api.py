@@ -87,8 +87,7 @@ class OpenAIRoutes:
         async for choice, out in gen.outputs():
             if out.finish_reason == "abort":
                 raise ApiError(503, CANCELLED, code="cancelled")
-            choice.offsets.extend([choice.chars] * len(out.logprobs))  # as the stream gives them
-            choice.chars += len(out.text)
+            choice.offsets.extend(out.text_offsets[:len(out.logprobs)])
             choice.text.append(out.text)
             choice.logprobs.extend(out.logprobs)
         build = Shapes.chat_choice if req.kind == "chat" else Shapes.completion_choice
@@ -102,7 +101,6 @@ class OpenAIRoutes:
         stream = EventStream(request)
         await stream.open()
         chat, usage = req.kind == "chat", req.include_usage
-        offsets = dict.fromkeys(gen.choices, 0)
         try:
             if chat:
                 await stream.send(*(shapes.chat_chunk(i, {"role": "assistant", "content": ""}, usage=usage)
@@ -114,8 +112,7 @@ class OpenAIRoutes:
                     return stream.response
                 chunks = []
                 if out.text or out.logprobs:
-                    lp = self._logprobs(req, out.logprobs, [offsets[choice.index]] * len(out.logprobs))
-                    offsets[choice.index] += len(out.text)
+                    lp = self._logprobs(req, out.logprobs, list(out.text_offsets[:len(out.logprobs)]))
                     chunks.append(shapes.chat_chunk(choice.index, {"content": out.text}, None, lp, usage) if chat
                                   else shapes.completion_chunk(choice.index, out.text, None, lp, usage))
                 if out.finish_reason is not None:

@@ -7,6 +7,7 @@ against what is left of it. Each mistake is a 4xx `ApiError` whose message says 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +20,8 @@ from .fields import Fields, describe, text
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
 MAX_STOP_LEN = 256
-MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS = 300
+MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_KWARGS_BYTES = 16, 4096
 SEED_MAX = 2**63 - 1
 # vLLM's request fields that constrain or reshape what is generated: refused with a 400 rather than
 # ignored, so that a client never takes free text for constrained output
@@ -28,8 +30,14 @@ UNSUPPORTED = {
     "guided_grammar": "guided decoding", "guided_whitespace_pattern": "guided decoding",
     "guided_decoding_backend": "guided decoding", "structured_outputs": "structured outputs",
     "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search",
+    "allowed_token_ids": "token allow-lists", "bad_words": "banned words", "logits_processors": "logits processors",
+    "chat_template": "request-supplied chat templates (it uses the model's)", "documents": "document templates",
 }
-TEMPLATE_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
+# chat_template_kwargs may not set what the request or the tokenizer sets (the conversation, the flags, the
+# template itself, the special tokens): a client-sent template is code run by the server
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template",
+                  "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                  "return_assistant_tokens_mask", "tokenizer_kwargs", "conversation", "sanitize_control_tokens")
 
 
 class ModelInfo(Protocol):
@@ -71,17 +79,7 @@ def parse_chat(data: dict, model: ModelInfo, max_n: int) -> GenerationRequest:
     _reject_unsupported(f)
     if f.boolean("echo", False):
         raise bad_request("'echo' is not supported for chat; leave it out or set it to false", param="echo")
-    messages = parse_messages(f)
-    continue_final = f.boolean("continue_final_message", False)
-    add_generation_prompt = f.boolean("add_generation_prompt", not continue_final)
-    if continue_final and add_generation_prompt:
-        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the reply "
-                          "either continues the last message or starts a new one", param="continue_final_message")
-    try:
-        prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final,
-                                                     _template_kwargs(f))
-    except FlotillaError as e:
-        raise bad_request(f"'messages': {e}", param="messages") from None
+    prompt = render_chat(f, parse_messages(f), model)
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", 0, 0, 20)
     if top and not logprobs:
@@ -105,6 +103,21 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
     if best_of != n:
         raise bad_request(f"'best_of' is not supported unless it equals 'n' ({n})", param="best_of")
     return _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
+
+
+def render_chat(f: Fields, messages: list[dict], model: ModelInfo) -> list[int]:
+    """The prompt ids of `messages` as the request asks them rendered: add_generation_prompt,
+    continue_final_message and chat_template_kwargs (vLLM's fields)."""
+    continue_final = f.boolean("continue_final_message", False)
+    add_generation_prompt = f.boolean("add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the reply "
+                          "either continues the last message or starts a new one", param="continue_final_message")
+    try:
+        return model.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final,
+                                                   _template_kwargs(f))
+    except FlotillaError as e:
+        raise bad_request(f"'messages': {e}", param="messages") from None
 
 
 def check_model(f: Fields, model: ModelInfo) -> str:
@@ -209,12 +222,14 @@ def _is_ids(items: list) -> bool:
 def _template_kwargs(f: Fields) -> dict:
     """'chat_template_kwargs': more variables for the chat template (vLLM's; e.g. enable_thinking)."""
     extra = f.raw("chat_template_kwargs", {})
-    if not isinstance(extra, dict):
-        raise bad_request(f"'chat_template_kwargs' must be an object, got {describe(extra)}",
+    if (not isinstance(extra, dict) or len(extra) > MAX_TEMPLATE_KWARGS
+            or len(json.dumps(extra)) > MAX_TEMPLATE_KWARGS_BYTES):
+        raise bad_request(f"'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_KWARGS} names and "
+                          f"{MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON, got {describe(extra)}",
                           param="chat_template_kwargs")
-    taken = [k for k in extra if k in TEMPLATE_NAMES]
+    taken = [k for k in extra if k in TEMPLATE_NAMES or k.endswith("_token")]
     if taken:
-        raise bad_request(f"'chat_template_kwargs.{taken[0]}' is set by the request itself, not here",
+        raise bad_request(f"'chat_template_kwargs.{taken[0]}' is set by the request or the model, not here",
                           param="chat_template_kwargs")
     return extra
 
@@ -226,7 +241,7 @@ def _logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
                 f"{MAX_LOGIT_BIAS} of them")
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
         raise bad_request(f"'logit_bias' must be {expected}", param="logit_bias")
-    out = []
+    out: dict[int, float] = {}
     for key, value in bias.items():
         try:
             token = int(key)
@@ -240,8 +255,10 @@ def _logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
                 or not -100 <= value <= 100):
             raise bad_request(f"'logit_bias[\"{key}\"]' must be a number between -100 and 100, got "
                               f"{describe(value)}", param="logit_bias")
-        out.append((token, float(value)))
-    return tuple(out)
+        if token in out:
+            raise bad_request(f"'logit_bias' names token {token} twice", param="logit_bias")
+        out[token] = float(value)
+    return tuple(out.items())
 
 
 def _reject_unsupported(f: Fields) -> None:
@@ -267,6 +284,9 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
             max_tokens_key: str, default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
             max_n: int) -> GenerationRequest:
     context = model.max_model_len
+    keep = f.integer("truncate_prompt_tokens", None, 1, None)
+    if keep is not None:  # vLLM's: only the prompt's last `keep` tokens
+        prompts = [p[-keep:] for p in prompts]
     longest = max(len(p) for p in prompts)
     if longest >= context:
         raise bad_request(f"{longest} tokens of {prompt_field}, but the context holds {context} tokens "

@@ -40,7 +40,7 @@ from .errors import ApiError, bad_request
 from .fields import Fields, describe, parse_json_object
 from .generation import Generation, new_request_id
 from .origins import refuse_websocket
-from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages
+from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages, render_chat
 from .state import ServerState
 
 log = logging.getLogger("flotilla.server")
@@ -130,10 +130,7 @@ def fit_context(fields: dict, model: ModelInfo) -> tuple[dict, int]:
 
     def length(j: int) -> int:  # prompt tokens with the turns before starts[j] dropped
         if j not in lengths:
-            try:
-                lengths[j] = len(model.tokenizer.apply_chat_template(messages[:keep] + messages[starts[j]:]))
-            except FlotillaError as e:
-                raise bad_request(f"'messages': {e}", param="messages") from None
+            lengths[j] = len(render_chat(f, messages[:keep] + messages[starts[j]:], model))  # as parse_chat will
         return lengths[j]
 
     def fits(j: int) -> bool:
@@ -155,6 +152,8 @@ def fit_context(fields: dict, model: ModelInfo) -> tuple[dict, int]:
     fitted = {**fields, "messages": raw[:keep] + raw[starts[best]:]}
     if max_tokens is not None and max_tokens > context - length(best):
         fitted[key] = context - length(best)
+        if f.integer("min_tokens", 0, 0, None) > fitted[key]:  # lowered with it, not left to refuse the frame
+            fitted["min_tokens"] = fitted[key]
     return fitted, starts[best] - keep
 
 

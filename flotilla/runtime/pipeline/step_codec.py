@@ -183,6 +183,7 @@ def step_result(epoch: int, mb: int, out: SamplerOutput) -> StepResult:
 class _Sampling:
     params: SeqSampling
     output_ids: list[int]  # kept only when a penalty needs them
+    bias: tuple[tuple[int, float], ...] = ()  # the logit bias as the sampler keys it: one tuple for every step
 
     @property
     def penalised(self) -> bool:
@@ -206,7 +207,7 @@ class StageSequences:
             self.tables.pop(h, None)
             self.sampling.pop(h, None)
         for p in msg.sampling:
-            self.sampling[p.handle] = _Sampling(p, list(p.output_ids))
+            self.sampling[p.handle] = _Sampling(p, list(p.output_ids), tuple(zip(p.bias_ids, p.bias_values)))
         for trim in msg.trims or ():
             if len(trim) != 2 or trim[0] not in self.tables or not 0 < trim[1] <= len(self.tables[trim[0]]):
                 raise ValueError(f"step {msg.mb}: a bad table trim {trim}")
@@ -240,6 +241,7 @@ class StageSequences:
         rows = [(r, end + i, r.output_ids + d[:i] if r.penalised else [])
                 for r, end, d in self._rows(msg) for i in range(len(d) + 1)]
         ps = [r.params for r, _, _ in rows]
+        bias = [r.bias for r, _, _ in rows]
         return SamplingBatch(
             temperature=[p.temperature for p in ps], top_k=[p.top_k for p in ps], top_p=[p.top_p for p in ps],
             min_p=[p.min_p for p in ps], repetition_penalty=[p.repetition_penalty for p in ps],
@@ -247,7 +249,7 @@ class StageSequences:
             seeds=[p.seed for p in ps], steps=[end - p.num_prompt_tokens for (_, end, _), p in zip(rows, ps)],
             top_logprobs=[p.top_logprobs for p in ps], prompt_ids=[p.prompt_ids for p in ps],
             output_ids=[out for _, _, out in rows],
-            logit_bias=[list(zip(p.bias_ids, p.bias_values)) for p in ps], min_tokens=[p.min_tokens for p in ps],
+            logit_bias=bias, min_tokens=[p.min_tokens for p in ps],
             ends=[p.ends for p in ps],
         )
 

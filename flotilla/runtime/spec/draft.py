@@ -135,7 +135,8 @@ class DraftProposer:
         logits = self.runner.logits(inp)
         rows = [(s.params, seeds[s.request_id] ^ _DRAFT_STREAM, s.prompt_token_ids,
                  s.output_token_ids + drafts[s.request_id]) for s in kept.seqs]
-        tokens, q = self._sample(logits, SamplingBatch.build(rows))
+        eos = tuple(set().union(*(s.eos_token_ids for s in kept.seqs)))  # masked below a row's min_tokens
+        tokens, q = self._sample(logits, SamplingBatch.build(rows, eos_token_ids=eos))
         for b, (seq, state, fed) in enumerate(zip(kept.seqs, kept.states, kept.tokens)):
             if state.num_computed_tokens < seq.num_tokens:  # the first pass: catching up
                 state.base, state.fed = seq.num_tokens, []
@@ -151,7 +152,7 @@ class DraftProposer:
         """Draft tokens, and for a batch with sampled rows the normalized distributions [B, V]
         they were drawn from (greedy rows: a point mass on the argmax)."""
         sampler = self.runner.sampler
-        logits = sampler.apply_penalties(logits.float(), batch) if batch.any_processing else logits.float()
+        logits = sampler.process_logits(logits.float(), batch) if batch.any_processing else logits.float()
         ids = logits.max(dim=-1).indices
         if batch.all_greedy:
             return ids.tolist(), None

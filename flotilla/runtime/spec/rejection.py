@@ -52,7 +52,7 @@ class RejectionSampler:
         the accepted drafts (`accepted`) and the one token after them (`token_ids`)."""
         sampler, dev = self.sampler, logits.device
         raw = logits.float()
-        logits = sampler.apply_penalties(raw, batch) if batch.any_processing else raw
+        logits = sampler.process_logits(raw, batch) if batch.any_processing else raw
         greedy_ids = logits.max(dim=-1).indices  # [R]
         ks = [len(d) for d in drafts]
         offsets = [0, *itertools.accumulate(ks)][:-1]  # first draft of each sequence

@@ -39,6 +39,11 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "needs a shared token" in r.stderr
     r = runtime("serve", "--pp", "3", "--hosts", "a,b", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "names 2 workers, but --pp is 3" in r.stderr
+    r = runtime("serve", "--hosts", "127.0.0.1:1,127.0.0.1:1", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "--hosts names 127.0.0.1:1 twice" in r.stderr
+    # --pp left out: one stage per worker named (here: both refuse, so the second is reached only by count)
+    r = runtime("serve", "--hosts", "127.0.0.1:1,127.0.0.1:2", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "cannot connect to worker 127.0.0.1:1: connection refused" in r.stderr
     r = runtime("serve", "--pp", "2", "--hosts", "127.0.0.1:1,127.0.0.1:2", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "cannot connect to worker 127.0.0.1:1: connection refused" in r.stderr
     r = runtime("worker", "--listen", "nonsense", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
@@ -122,9 +127,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_pp3_with_workers_that_never_answer_or_are_not_workers_is_one_line_in_bounded_time():
-    silent = socket.socket()  # the kernel completes the TCP handshake; nothing ever answers
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
+    silent = [socket.socket() for _ in range(3)]  # the kernel completes the TCP handshake; nothing ever answers
+    for s in silent:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
     web = socket.socket()  # something else: answers every connection with an HTTP response
     web.bind(("127.0.0.1", 0))
     web.listen(8)
@@ -141,16 +147,16 @@ def test_pp3_with_workers_that_never_answer_or_are_not_workers_is_one_line_in_bo
     threading.Thread(target=answer_http, daemon=True).start()
     token = {"FLOTILLA_TOKEN": "0123456789abcdef-env"}
     try:
-        hosts = ",".join(f"127.0.0.1:{silent.getsockname()[1]}" for _ in range(3))
+        hosts = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
         r = runtime("serve", "--port", "0", "--pp", "3", "--hosts", hosts, env=token)  # bounded: 120 s at most
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert "no answer within 10 s" in lines[0] and "runtime worker --listen" in lines[0]
-        hosts = ",".join(f"127.0.0.1:{web.getsockname()[1]}" for _ in range(3))
-        r = runtime("serve", "--port", "0", "--pp", "3", "--hosts", hosts, env=token)
+        hosts = f"127.0.0.1:{web.getsockname()[1]},127.0.0.1:{silent[0].getsockname()[1]}"  # the first answers
+        r = runtime("serve", "--port", "0", "--hosts", hosts, env=token)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert "something answered, but not a flotilla worker" in lines[0]
     finally:
-        silent.close()
-        web.close()
+        for s in [*silent, web]:
+            s.close()

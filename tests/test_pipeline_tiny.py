@@ -55,8 +55,9 @@ def local(ckpt):
 
 
 def pipeline(ckpt, workers, layers=None, report=None, **kw):
-    settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN, kw.pop("ssl", None)),
-                                tuple(layers) if layers else None, dtype="float16", **kw)
+    link = LinkSettings(TOKEN, kw.pop("ssl", None), kw.pop("connect_timeout", 10.0))
+    settings = PipelineSettings(tuple(w.address for w in workers), link, tuple(layers) if layers else None,
+                                dtype="float16", **kw)
     return build_pipeline_engine(ckpt, ARGS, settings, report or (lambda line: None), with_tokenizer=False)
 
 
@@ -359,16 +360,35 @@ def test_tls_between_every_hop(ckpt, local, tmp_path):
     if files is None:
         pytest.skip("the openssl command is not installed; it makes the test certificates")
     server, client = ssl_contexts(*map(str, files))
+    from flotilla.errors import FlotillaError
+
     workers = [ThreadWorker(tmp_path / f"c{i}", ckpt, ssl_server=server, ssl_client=client) for i in range(2)]
+    plain = ThreadWorker(tmp_path / "plain", ckpt)
     try:
-        with pytest.raises(Exception):  # a plain-TCP head cannot talk to a TLS worker
+        # one side with TLS, the other without: a line that says so, not a bare exception name
+        with pytest.raises(FlotillaError, match="closed the connection without a word: a worker with TLS"):
             pipeline(ckpt, workers, layers=(2, 2), connect_timeout=3)
+        with pytest.raises(FlotillaError, match="the TLS handshake failed .*a worker without TLS"):
+            pipeline(ckpt, [plain, workers[1]], layers=(2, 2), ssl=client, connect_timeout=3)
         engine = pipeline(ckpt, workers, layers=(2, 2), ssl=client)
         assert generate(engine, PROMPTS, GREEDY) == local(PROMPTS, GREEDY)
         engine.close()
     finally:
-        for w in workers:
+        for w in [*workers, plain]:
             w.stop()
+
+
+def test_a_tls_client_at_a_plain_port_is_named_in_the_frame_error():
+    from flotilla.runtime.pipeline.wire import ProtocolError, read_frame
+
+    async def first_frame(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader, 4096)
+
+    with pytest.raises(ProtocolError, match="a TLS handshake arrived on a plain connection"):
+        asyncio.run(first_frame(bytes([0x16, 0x03, 0x01, 0x02, 0x00]) + b"x" * 10))
 
 
 def test_nothing_listens_on_a_closed_worker_port(tmp_path, ckpt):

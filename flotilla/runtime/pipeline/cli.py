@@ -183,8 +183,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (several stages: processes on this machine, or workers on others)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: the model runs in this process)")
     g.add_argument("--hosts", default=None,
-                   help=f"the workers, one per stage in order: host[:port],… (default port {DEFAULT_PORT}); "
-                        "without it, --pp N starts N workers on this machine")
+                   help=f"the workers, one per stage in order: host[:port],… (default port {DEFAULT_PORT}; "
+                        "--pp defaults to their number); without it, --pp N starts N workers on this machine")
     g.add_argument("--devices", default=None, metavar="D,D,…",
                    help="where the local workers run, one device per stage in order, repeats allowed: e.g. "
                         "cuda:0,cuda:0,cpu (two stages on one GPU and one on the CPU); gives --pp. Default: one "
@@ -276,8 +276,13 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
             hosts = [parse_address(h, DEFAULT_PORT) for h in args.hosts.split(",")]
         except ValueError as e:
             raise FlotillaError(f"--hosts: {e}") from None
-        if len(hosts) != pp:
+        twice = next((h for i, h in enumerate(hosts) if h in hosts[:i]), None)
+        if twice is not None:
+            raise FlotillaError(f"--hosts names {twice[0]}:{twice[1]} twice; each stage needs a worker of its own "
+                                f"(a second `runtime worker --listen HOST:PORT` on another port of that host)")
+        if len(hosts) != pp and pp != 1:
             raise FlotillaError(f"--hosts names {len(hosts)} workers, but --pp is {pp}")
+        pp = len(hosts)  # --pp may be left out: one stage per worker, as --devices counts its list
         if tp > 1:
             raise FlotillaError("--tp with --hosts: each worker's stage is as tensor-parallel as its own "
                                 "`runtime worker --tp M` makes it")

@@ -257,6 +257,9 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int = DEFAULT_MAX_
     header = await reader.readexactly(FRAME_HEADER.size)
     (n,) = FRAME_HEADER.unpack(header)
     if n > max_frame:
+        if header[0] == 0x16 and header[1] == 0x03:  # a TLS record (a ClientHello) where a frame should start
+            raise ProtocolError("a TLS handshake arrived on a plain connection: the other side uses TLS and this "
+                                "one does not; give both the same --tls-cert/--tls-key/--tls-ca, or neither")
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame}")
     return await reader.readexactly(n)
 

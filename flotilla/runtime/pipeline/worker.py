@@ -302,7 +302,7 @@ class Worker:
         runtime = StageRuntime(lm, req, source)
         capacity = runtime.capacity(req)
         await asyncio.to_thread(self.path.swap, runtime)
-        log.info("loaded layers %d-%d from %s; room for %d KV blocks (+1 padding block)", req.start, req.end - 1,
+        log.info("loaded layers %d-%d, %s; room for %d KV blocks (+1 padding block)", req.start, req.end - 1,
                  source, capacity - 1)
         return StageLoaded(capacity, source, received)
 

@@ -251,6 +251,7 @@ def test_past_the_stage_timeout_requests_end_with_an_error_and_later_ones_succee
     eng.add_request("while-down", [9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     (o,) = eng.step()
     assert o.finished and o.error  # still down: an answer at once, no wait
+    assert "the pipeline has been down for" in o.error and "the request was refused" in o.error  # not "stopped"
     eng.executor.recover()
     eng.add_request("after", [9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     out = run(eng)

@@ -286,6 +286,9 @@ class Worker:
         if self.config.model is not None and await asyncio.to_thread(self._model_fingerprint) == req.fingerprint:
             directory, source = self.config.model, f"from its --model {self.config.model}"
         else:
+            if self.config.model is not None:
+                log.info("its --model %s is another model than the head's; the stage comes from the cache or "
+                         "the head instead", self.config.model)
             directory, missing = await asyncio.to_thread(self.cache.prepare, req)
             if missing:
                 outbox.put(NeedFiles(missing))

@@ -39,6 +39,8 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "needs a shared token" in r.stderr
     r = runtime("serve", "--pp", "3", "--hosts", "a,b", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "names 2 workers, but --pp is 3" in r.stderr
+    r = runtime("serve", "--pp", "1", "--hosts", "a,b", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "names 2 workers, but --pp is 1" in r.stderr  # given, not the default
     r = runtime("serve", "--hosts", "127.0.0.1:1,127.0.0.1:1", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "--hosts names 127.0.0.1:1 twice" in r.stderr
     # --pp left out: one stage per worker named (here: both refuse, so the second is reached only by count)

@@ -397,3 +397,27 @@ def test_nothing_listens_on_a_closed_worker_port(tmp_path, ckpt):
     w.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_a_head_of_another_protocol_version_is_told_the_workers(ckpt, tmp_path):
+    """A worker answers a Hello of another version with its own version (in a challenge no proof can
+    answer), so the head says "peer speaks protocol version N" instead of guessing at TLS."""
+    from flotilla.runtime.pipeline.connection import Challenge, Hello
+    from flotilla.runtime.pipeline.wire import PROTOCOL_VERSION, decode, encode, read_frame
+
+    w = ThreadWorker(tmp_path, ckpt)
+
+    async def hello_from_the_past():
+        reader, writer = await asyncio.open_connection(*w.address)
+        writer.write(frame(encode(Hello(PROTOCOL_VERSION - 1, b"n" * 32, "old head"))))
+        await writer.drain()
+        reply = decode(await asyncio.wait_for(read_frame(reader, 4096), 5))
+        writer.close()
+        return reply
+
+    try:
+        reply = asyncio.run(hello_from_the_past())
+        assert isinstance(reply, Challenge) and reply.version == PROTOCOL_VERSION and reply.proof == b""
+        assert wait_until(lambda: w.worker.rejected == 1, 5)
+    finally:
+        w.stop()

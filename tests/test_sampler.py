@@ -209,3 +209,8 @@ def test_min_tokens_masks_the_end_tokens_below_it():
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(FlotillaError, match="logit_bias"):
         SamplingParams(logit_bias=((1, 101.0),))
+    # a list or a dict from Python callers: kept as a tuple, as the sampler keys its tensors by it
+    for given in ([(3, 100.0)], {3: 100.0}):
+        p = SamplingParams(temperature=0, logit_bias=given)
+        assert p.logit_bias == ((3, 100.0),)
+        assert Sampler()(torch.zeros(1, V), SamplingBatch.build([(p, 0, [], [])])).token_ids == [3]

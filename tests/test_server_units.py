@@ -98,6 +98,10 @@ def test_vllm_sampling_fields_and_logit_bias():
     # truncate_prompt_tokens (vLLM's): the prompt's last tokens only
     req = parse_completion({"prompt": "abcdefgh", "truncate_prompt_tokens": 3}, StubModel(), 8)
     assert req.prompts == (tuple(b"fgh"),)
+    req = parse_completion({"prompt": "x" * 100, "truncate_prompt_tokens": -1}, StubModel(), 8)  # the context's
+    assert len(req.prompts[0]) == 63 and req.params[0].max_tokens == 1
+    # empty values of the refused fields mean their defaults (vLLM's request model sends bad_words: [])
+    assert chat(bad_words=[], allowed_token_ids=[], chat_template="", structured_outputs={}).params
 
 
 def test_chat_template_flags_reach_the_tokenizer():

@@ -162,10 +162,11 @@ class Sampler:
             presence = _on(batch.presence_penalty, torch.float32, dev)[:, None]
             frequency = _on(batch.frequency_penalty, torch.float32, dev)[:, None]
             logits = logits - presence * (out_counts > 0) - frequency * out_counts
-        for r, pairs in enumerate(batch.logit_bias):  # a Python step per row with a bias, none per token
-            if pairs:
-                ids, values = self._bias_tensors(pairs, V, dev)
-                logits[r].index_add_(0, ids, values)
+        biased = [(r, *self._bias_tensors(pairs, V, dev)) for r, pairs in enumerate(batch.logit_bias) if pairs]
+        if biased:  # one add for the batch; a Python step per biased row, none per token
+            rows = torch.cat([torch.full_like(ids, r) for r, ids, _ in biased])
+            logits.index_put_((rows, torch.cat([ids for _, ids, _ in biased])),
+                              torch.cat([values for _, _, values in biased]), accumulate=True)
         ends = [(r, t) for r, (k, s, ts) in enumerate(zip(batch.min_tokens, batch.steps, batch.ends)) if s < k
                 for t in ts if 0 <= t < V]
         if ends:

@@ -29,6 +29,8 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))  # hashable, as keyed
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (math.isfinite(self.temperature) and self.temperature >= 0,

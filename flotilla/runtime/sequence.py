@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 from .sampling import SamplingParams
 
@@ -38,6 +39,7 @@ class Sequence:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
         self.arrival = next(_arrivals)  # FCFS order
+        self.arrival_time = time.monotonic()
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -270,7 +270,7 @@ def _reject_unsupported(f: Fields) -> None:
         raise bad_request(f"'tool_choice' {describe(choice)} asks for a tool call, but this server has no tools "
                           f"(and the request gives none); leave it out", param="tool_choice")
     for key, what in UNSUPPORTED.items():
-        if f.raw(key, False) is not False:
+        if f.raw(key, False) not in (False, [], {}, ""):  # an empty value means the field's default, as absent
             raise bad_request(f"'{key}' is not supported: this server has no {what}; leave it out", param=key)
     if f.raw("skip_special_tokens", True) is not True:
         raise bad_request("'skip_special_tokens': false is not supported; the text never holds special tokens "
@@ -284,9 +284,12 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
             max_tokens_key: str, default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
             max_n: int) -> GenerationRequest:
     context = model.max_model_len
-    keep = f.integer("truncate_prompt_tokens", None, 1, None)
-    if keep is not None:  # vLLM's: only the prompt's last `keep` tokens
-        prompts = [p[-keep:] for p in prompts]
+    keep = f.integer("truncate_prompt_tokens", None, -1, None, hint=" (-1: the context)")
+    if keep == 0:
+        raise bad_request("'truncate_prompt_tokens' must be at least 1, or -1 for the context",
+                          param="truncate_prompt_tokens")
+    if keep is not None:  # vLLM's: only the prompt's last `keep` tokens (-1: as many as the context holds)
+        prompts = [p[-(context - 1 if keep == -1 else keep):] for p in prompts]
     longest = max(len(p) for p in prompts)
     if longest >= context:
         raise bad_request(f"{longest} tokens of {prompt_field}, but the context holds {context} tokens "

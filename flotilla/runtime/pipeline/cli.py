@@ -21,7 +21,7 @@ from flotilla import envs
 from flotilla.errors import FlotillaError
 
 from .activations import WIRE_DTYPES
-from .connection import MIN_TOKEN_LENGTH, check_token, parse_address, ssl_contexts
+from .connection import MIN_TOKEN_LENGTH, check_token, format_address, parse_address, ssl_contexts
 from .spin import SpinSelector
 
 DEFAULT_PORT = 7070
@@ -181,7 +181,9 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (several stages: processes on this machine, or workers on others)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: the model runs in this process)")
+    g.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (default: one per --hosts or --devices entry, else 1: the model runs in "
+                        "this process)")
     g.add_argument("--hosts", default=None,
                    help=f"the workers, one per stage in order: host[:port],… (default port {DEFAULT_PORT}; "
                         "--pp defaults to their number); without it, --pp N starts N workers on this machine")
@@ -209,7 +211,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def is_pipeline(args: argparse.Namespace) -> bool:
-    return (getattr(args, "pp", 1) > 1 or getattr(args, "hosts", None) is not None
+    return ((getattr(args, "pp", None) or 1) > 1 or getattr(args, "hosts", None) is not None
             or getattr(args, "devices", None) is not None)
 
 
@@ -256,7 +258,8 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     from .pipeline import PipelineSettings
 
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
-    pp, tp = args.pp, getattr(args, "tp", 1)
+    given = args.pp is not None  # else one stage per --hosts / --devices entry
+    pp, tp = args.pp or 1, getattr(args, "tp", 1)
     if pp < 1 or tp < 1:
         raise FlotillaError(f"--pp and --tp must be at least 1, got --pp {pp} --tp {tp}")
     spin_us = getattr(args, "spin_us", None)
@@ -278,9 +281,9 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
             raise FlotillaError(f"--hosts: {e}") from None
         twice = next((h for i, h in enumerate(hosts) if h in hosts[:i]), None)
         if twice is not None:
-            raise FlotillaError(f"--hosts names {twice[0]}:{twice[1]} twice; each stage needs a worker of its own "
+            raise FlotillaError(f"--hosts names {format_address(*twice)} twice; each stage needs a worker of its own "
                                 f"(a second `runtime worker --listen HOST:PORT` on another port of that host)")
-        if len(hosts) != pp and pp != 1:
+        if given and len(hosts) != pp:
             raise FlotillaError(f"--hosts names {len(hosts)} workers, but --pp is {pp}")
         pp = len(hosts)  # --pp may be left out: one stage per worker, as --devices counts its list
         if tp > 1:

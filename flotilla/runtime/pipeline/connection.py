@@ -277,7 +277,9 @@ async def server_handshake(reader, writer, token: bytes, timeout: float = 10.0,
     """Authenticate an incoming connection; returns it and the client's name."""
     async def run():
         hello = await _read_plain(reader, Hello)
-        if hello.version != PROTOCOL_VERSION:
+        if hello.version != PROTOCOL_VERSION:  # our version in a challenge no proof can answer: the client says why
+            writer.write(frame(encode(Challenge(PROTOCOL_VERSION, os.urandom(NONCE_BYTES), b""))))
+            await writer.drain()
             raise AuthError(f"peer speaks protocol version {hello.version}, this flotilla speaks {PROTOCOL_VERSION}")
         if len(hello.nonce) != NONCE_BYTES:
             raise AuthError("bad nonce")
@@ -307,10 +309,20 @@ async def _closing_on_failure(writer: asyncio.StreamWriter, handshake):
         raise
 
 
+class TLSHandshakeError(ConnectionError):
+    """The TLS handshake itself failed (before any flotilla frame): a peer without TLS, or certificates
+    that do not match."""
+
+
 async def connect(host: str, port: int, token: bytes, name: str, ssl_context: ssl.SSLContext | None = None,
                   timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
     """Open a TCP (or TLS) connection and authenticate as a client."""
-    reader, writer = await asyncio.wait_for(open_connection(host, port, STREAM_LIMIT, ssl_context), timeout)
+    try:
+        reader, writer = await asyncio.wait_for(open_connection(host, port, STREAM_LIMIT, ssl_context), timeout)
+    except (ssl.SSLError, ConnectionResetError, asyncio.IncompleteReadError) as e:
+        if ssl_context is None:
+            raise
+        raise TLSHandshakeError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
     return await client_handshake(reader, writer, token, name, timeout, max_frame)
 
 

@@ -185,14 +185,14 @@ class PipelineEngine(LLMEngine):
     def _fail_all(self, reason: str) -> list[RequestOutput]:
         outputs = []
         since = self.executor.down_since
-        down = f"{time.monotonic() - since:.0f}s" if since is not None else "longer than --stage-timeout"
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             out = self.outputs.aborted(seq)
-            if seq.num_output_tokens or seq.num_preemptions:  # it ran before the fault
+            if since is not None and seq.arrival_time >= since:  # it came while the pipeline was down
+                out.error = (f"{reason}; the pipeline has been down for {time.monotonic() - since:.1f}s, so the "
+                             f"request was refused")
+            else:
                 out.error = (f"{reason}; the request was stopped after {seq.num_output_tokens} generated tokens "
                              f"(the stage did not come back within --stage-timeout {self.stage_timeout:g}s)")
-            else:  # it never ran: it came while the pipeline was down (refused, not stopped midway)
-                out.error = f"{reason}; the pipeline has been down for {down}, so the request was refused"
             self._finish(seq, FinishReason.ABORT)
             outputs.append(out)
         return outputs

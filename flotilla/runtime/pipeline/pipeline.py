@@ -25,7 +25,6 @@ import asyncio
 import json
 import logging
 import socket
-import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from flotilla.models.llama import Stage
 from .activations import check_wire_dtype
 from .messages import Configure, Configured, Fault, Probe, StageLoaded, StatsRequest, Step, StepResult, WorkerInfo, \
     WorkerStats
-from .connection import TOKEN_MISMATCH, AuthError
+from .connection import TOKEN_MISMATCH, AuthError, TLSHandshakeError
 from .partition import (StageBudget, compute_units, describe, shared_without_mps, sharing, split_layers,
                         stages_from_counts)
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
@@ -246,7 +245,8 @@ class Pipeline:
                                     f"than this head's; give the head and every worker the same token "
                                     f"(FLOTILLA_TOKEN or --token-file)") from None
             why = _why_unreachable(e, self.settings)
-            hint = "" if "TLS" in why else "; start `runtime worker --listen HOST:PORT` there, or fix --hosts"
+            hint = "" if isinstance(e, TLSHandshakeError) else "; start `runtime worker --listen HOST:PORT` there, " \
+                "or fix --hosts"
             raise FlotillaError(f"cannot connect to worker {peer.address}: {why}{hint}") from None
 
     async def _load(self, peer: StagePeer, exact_blocks: int) -> StageLoaded:
@@ -404,13 +404,12 @@ def _why_unreachable(e: BaseException, s: PipelineSettings) -> str:
         return f"no answer within {s.link.connect_timeout:g} s"
     if isinstance(e, ProtocolError) and not isinstance(e, AuthError):
         return f"something answered, but not a flotilla worker ({e})"
-    tls = s.link.ssl is not None
-    if not tls and isinstance(e, asyncio.IncompleteReadError) and not e.partial:
+    if isinstance(e, TLSHandshakeError):
+        return (f"the TLS handshake failed ({e}): a worker without TLS (then start it with --tls-cert/"
+                f"--tls-key/--tls-ca too, or leave them out here), or certificates that do not match")
+    if s.link.ssl is None and isinstance(e, asyncio.IncompleteReadError) and not e.partial:
         return ("it closed the connection without a word: a worker with TLS (then give this head the same "
                 "--tls-cert/--tls-key/--tls-ca), or another program on that port")
-    if tls and isinstance(e, (ssl.SSLError, ConnectionResetError, asyncio.IncompleteReadError)):
-        return (f"the TLS handshake failed ({_why(e)}): a worker without TLS (then start it with --tls-cert/"
-                f"--tls-key/--tls-ca too, or leave them out here), or certificates that do not match")
     return _why(e)
 
 

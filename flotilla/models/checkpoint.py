@@ -178,7 +178,6 @@ class CheckpointWriter:
         self.config = config
         self.shard_size = shard_size
         self.size_hint = size_hint
-        self.check_space(self.out, size_hint, shard_size)
         self._parts: list[Path] = []  # layers spilled to disk, waiting for their shard to be cut
         self._pending_layers: list[str] = []
         self._pending_bytes = 0
@@ -272,7 +271,8 @@ class CheckpointWriter:
 
     @staticmethod
     def check_space(out: Path, size_hint: int, shard_size: int) -> None:
-        """Refuse, before the work rather than after it, a write that cannot fit where `out` goes."""
+        """Refuse, before the work rather than after it, a write that cannot fit where `out` goes (quantize
+        calls it before calibrating; the writer itself only advises once a write fails)."""
         need = CheckpointWriter.space_needed(size_hint, shard_size)
         try:
             free = shutil.disk_usage(out.parent).free

@@ -54,22 +54,19 @@ class TextState:
         self.detok: IncrementalDetokenizer = tokenizer.detokenizer(seq.prompt_token_ids)
         self.stops = tuple(s for s in seq.params.stop if s)
         self.keep_stop = seq.params.include_stop_str_in_output
-        self.min_tokens = seq.params.min_tokens
-        self.tokens = 0
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # generated text so far (cut at a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.offset = 0  # where the last token's text starts in self.text (a piece of a character: where it will)
 
-    def add(self, token_id: int, is_stop_token: bool) -> tuple[str, str | None]:
-        """Feed one token; returns (text delta, the stop string found or None). Before min_tokens
-        tokens no stop string ends the text (as vLLM)."""
-        self.tokens += 1
+    def add(self, token_id: int, is_stop_token: bool, may_stop: bool = True) -> tuple[str, str | None]:
+        """Feed one token; returns (text delta, the stop string found or None). `may_stop` false (the
+        request is short of its min_tokens, as vLLM counts them): no stop string ends the text."""
         self.offset = len(self.text)
         if not is_stop_token:  # a stop token's own text is not part of the output
             start = max(0, len(self.text) - self.hold)
             self.text += self.detok.add(token_id)
-            hit = self._find_stop(start) if self.tokens > self.min_tokens else None
+            hit = self._find_stop(start) if may_stop else None
             if hit is not None:
                 self.offset = min(self.offset, len(self.text))  # the cut may fall before this token's text
                 return self._emit(final=True), hit
@@ -122,7 +119,8 @@ class OutputProcessor:
         if state is not None:
             # a stop token's text is left out, unless the request keeps its stop strings (vLLM's option)
             out.text, hit = state.add(token_id, reason is FinishReason.STOP
-                                      and not (seq.params.include_stop_str_in_output and out.stop_reason is not None))
+                                      and not (seq.params.include_stop_str_in_output and out.stop_reason is not None),
+                                      seq.num_output_tokens > seq.params.min_tokens)
             out.text_offsets = [state.offset]
             if hit is not None:
                 reason, out.stop_reason = FinishReason.STOP, hit

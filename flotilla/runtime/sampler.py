@@ -75,7 +75,7 @@ class SamplingBatch:
             output_ids=[list(r[3]) if use else [] for r, use in zip(rows, pen)],
             logit_bias=[p.logit_bias for p in ps],
             min_tokens=[p.min_tokens for p in ps],
-            ends=[end_ids(p, eos_token_ids) if p.min_tokens else [] for p in ps],
+            ends=[sorted(p.end_token_ids(eos_token_ids)) if p.min_tokens else [] for p in ps],
         )
 
     def __len__(self) -> int:
@@ -244,13 +244,6 @@ class Sampler:
             lps.append(chosen[i] if want >= 0 else None)
             tops.append(list(zip(top_ids[i][:want], top_vals[i][:want])) if want > 0 else [])
         return SamplerOutput(token_ids, lps, tops)
-
-
-def end_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
-    """The ids that end a request of these params (as Sequence.stop_token_ids): its stop tokens,
-    and the model's eos unless it ignores them."""
-    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    return sorted(ids)
 
 
 def first_max(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

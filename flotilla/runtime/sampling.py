@@ -52,6 +52,11 @@ class SamplingParams:
             if not ok:
                 raise FlotillaError(message)
 
+    def end_token_ids(self, eos_token_ids) -> frozenset[int]:
+        """The ids that end a request of these params: its stop tokens, and the model's eos unless it
+        ignores them."""
+        return frozenset(self.stop_token_ids) | frozenset(() if self.ignore_eos else eos_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1

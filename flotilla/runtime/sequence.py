@@ -52,7 +52,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (runtime/spec)
         self.num_preemptions = 0
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)  # ending it, as stop tokens do
-        self.stop_token_ids = frozenset(params.stop_token_ids) | self.eos_token_ids
+        self.stop_token_ids = params.end_token_ids(eos_token_ids)
         self.max_model_len = max_model_len
 
     def __repr__(self) -> str:

@@ -113,6 +113,9 @@ class PipelineExecutor:
     def problems(self) -> list[str]:
         return self.pipeline.problems()
 
+    def stage_status(self) -> list[tuple[int, str, str, bool]]:
+        return self.pipeline.stage_status()
+
     def describe_down(self) -> str:
         return self.pipeline.describe_down()
 

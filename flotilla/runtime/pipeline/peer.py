@@ -165,6 +165,16 @@ class StagePeer:
             except GONE:
                 pass  # the reader sees the end
 
+    def ping(self) -> None:
+        """A Ping now, out of the heartbeat's turn (the pipeline asks who is alive after a fault);
+        the Pong moves `last_seen`."""
+        conn = self.conn
+        if conn is not None and not conn.writer.is_closing():
+            try:
+                conn.write(Ping(0))
+            except GONE:
+                pass  # the reader sees the end
+
     def drop(self, conn: Connection | None = None, reason: str = "closed by the head") -> None:
         """Close the connection (if `conn` is still the current one) and report the loss."""
         conn = conn or self.conn

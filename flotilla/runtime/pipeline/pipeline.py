@@ -11,7 +11,9 @@ StepResults on the same thread from the result connection to the last stage (res
 at each configuration.
 
 Faults: a lost worker (closed connection, silent past the heartbeat timeout) or a stage reporting
-a broken link bumps `generation` and clears `ready`; everything in flight is lost. A repair task
+a broken link bumps `generation` and clears `ready`; everything in flight is lost. A stage's report
+is hearsay (its neighbour may be the one that died): the head pings every worker and says the
+fault once it knows which one went down, or that all answer (`_settle`), the report as detail. A repair task
 reconnects with exponential backoff; a returning worker reloads its stage (from its cache, with
 no transfer, after a push) with exactly the pool size it had, then every stage is configured for
 a new epoch and `ready` is set again. The engine (engine.py) pauses and re-prefills meanwhile.
@@ -104,6 +106,9 @@ class Pipeline:
         self._retired: list[ResultChannel] = []  # aborted by the I/O thread, closed by the engine's
         self._fingerprint = ""
         self._repair: asyncio.Task | None = None
+        self._noticed = ""  # a stage's report of a broken link, not yet said (_settle): 'stage i (address)'
+        self._noticed_what = ""  # and what it reported
+        self._settling: asyncio.Task | None = None
         self._started = False  # faults before this are errors of start()
         self._closing = False
         self._loop = asyncio.new_event_loop()
@@ -171,6 +176,13 @@ class Pipeline:
             return [f"the pipeline is being repaired: {self.down_reason} ({down})"]
         return [f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {reason} ({down})"
                 for i, reason in sorted(self.missing.items())]
+
+    def stage_status(self) -> list[tuple[int, str, str, bool]]:
+        """(index, worker address, device, up) per stage: up while its worker is connected and not
+        missing (a stage the repair has not brought back yet is down)."""
+        devices = [i.device for i in self.infos] + [""] * (len(self.peers) - len(self.infos))
+        return [(p.index, p.address, devices[p.index], p.connected and p.index not in self.missing)
+                for p in self.peers]
 
     def describe_down(self) -> str:
         if self.missing:
@@ -301,7 +313,8 @@ class Pipeline:
         if msg.epoch != self.epoch or not self.ready.is_set():
             return
         if isinstance(msg, Fault):
-            self._broken(f"stage {peer.index} ({peer.address}) reports: {msg.message}")
+            self._noticed_what = msg.message
+            self._broken(f"stage {peer.index} ({peer.address})", hearsay=True)
 
     def _retire(self) -> None:
         """Abort this epoch's result connection (the engine's thread, if it waits on it, returns)
@@ -325,7 +338,9 @@ class Pipeline:
             self.missing[peer.index] = reason
         self._broken(f"stage {peer.index} ({peer.address}): {reason}")
 
-    def _broken(self, reason: str) -> None:
+    def _broken(self, reason: str, hearsay: bool = False) -> None:
+        """`hearsay`: `reason` names a stage that reports a broken link (_noticed_what); which side of it
+        went down is said once known."""
         if self._closing or not self._started:
             return
         if self.ready.is_set():
@@ -333,11 +348,43 @@ class Pipeline:
             self._retire()
             self.generation += 1
             self.down_since = time.monotonic()
-            self.down_reason = reason
-            self.report(f"pipeline down: {reason}; repairing (requests pause, and fail after "
-                        f"--stage-timeout {self.settings.stage_timeout:g}s)")
+            self.down_reason = f"{reason} reports: {self._noticed_what}" if hearsay else reason
+            if hearsay:
+                self._noticed = reason
+                self._settling = asyncio.get_running_loop().create_task(self._settle(self.down_since))
+            else:
+                self._report_down(reason)
+        elif self._noticed and not hearsay:  # a worker lost after a neighbour's report: the one that went down
+            self._report_down(f"{reason}; {self._noticed_first()}")
         if self._repair is None or self._repair.done():
             self._repair = asyncio.get_running_loop().create_task(self._repair_loop())
+
+    def _noticed_first(self) -> str:
+        return f"{self._noticed} noticed first: {self._noticed_what}"
+
+    def _report_down(self, reason: str) -> None:
+        self._noticed = ""
+        self.down_reason = reason
+        self.report(f"pipeline down: {reason}; repairing (requests pause, and fail after "
+                    f"--stage-timeout {self.settings.stage_timeout:g}s)")
+
+    async def _settle(self, since: float) -> None:
+        """After a stage's report: ping every worker; one that is lost meanwhile is the fault's
+        cause (_broken says it); one silent for two heartbeats is named; all answering: a broken
+        link between live workers, the report alone."""
+        for p in self.peers:
+            p.ping()
+        deadline = since + 2 * self.settings.link.heartbeat_interval
+        silent = self.peers
+        while self._noticed and time.monotonic() < deadline:
+            silent = [p for p in self.peers if p.connected and p.last_seen < since]
+            if not silent:
+                break
+            await asyncio.sleep(0.02)
+        if self._noticed:
+            names = ", ".join(f"stage {p.index} ({p.address})" for p in silent)
+            self._report_down(f"{names} not heard from since; {self._noticed_first()}" if silent
+                              else f"{self._noticed} reports: {self._noticed_what}")
 
     async def _repair_loop(self) -> None:
         delay = 0.1
@@ -349,11 +396,14 @@ class Pipeline:
                 if self._closing:
                     return
                 self.down_reason = _why(e)
-                log.info("pipeline repair failed (%s); retrying in %.1fs", self.down_reason, delay)
+                log.info("pipeline repair failed (%s); retrying in %.1fs",
+                         self.describe_down() if self.missing else self.down_reason, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF)
         if self._closing:
             return
+        if self._noticed:  # back before the fault was said
+            self._report_down(f"{self._noticed} reports: {self._noticed_what}")
         down = time.monotonic() - (self.down_since or time.monotonic())
         self.missing.clear()
         self._refused.clear()
@@ -389,8 +439,9 @@ class Pipeline:
         await self._configure_all()
 
     async def _shutdown(self) -> None:
-        if self._repair is not None:
-            self._repair.cancel()
+        for task in (self._repair, self._settling):
+            if task is not None:
+                task.cancel()
         self._retire()
         for p in self.peers:
             p.close()

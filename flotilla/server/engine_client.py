@@ -30,8 +30,8 @@ from flotilla.runtime.output import RequestOutput
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.runtime.tp import add_tp_args
 
-__all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StepOutput", "TokenLogprob",
-           "add_engine_args"]
+__all__ = ["EngineClient", "EngineStats", "EngineUnavailable", "SamplingParams", "StageState", "StepOutput",
+           "TokenLogprob", "add_engine_args"]
 
 
 class EngineUnavailable(Exception):
@@ -57,6 +57,15 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class StageState:
+    """One pipeline stage (serve --pp), for /metrics."""
+    index: int
+    host: str  # its worker's address, host:port
+    device: str  # e.g. cuda:0 or cpu, as the worker said ("" before it did)
+    up: bool
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -65,6 +74,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since the start
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verify_steps: int = 0  # sequence-steps that verified drafts
+    stages: tuple[StageState, ...] = ()  # a pipeline's stages; empty in one process
 
     @property
     def kv_usage(self) -> float:
@@ -181,8 +191,11 @@ class EngineClient:
 
     def stats(self) -> EngineStats:
         s = self._engine.stats() if self._engine is not None else self._llm.stats()
+        stage_status = getattr(getattr(self._llm, "executor", None), "stage_status", None)  # a pipeline's
+        stages = tuple(StageState(*st) for st in stage_status()) if stage_status is not None else ()
         return EngineStats(s.num_running, s.num_waiting, s.num_total_blocks, s.num_free_blocks,
-                           s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_verify_steps_total)
+                           s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_verify_steps_total,
+                           stages)
 
     def fatal(self) -> list[str]:
         """What keeps this engine from ever serving again (its loop stopped, a tensor-parallel rank died);

@@ -1,7 +1,12 @@
 """Prometheus metrics in the text exposition format (version 0.0.4), written here, no dependency.
 
 Counters and histograms are updated by the request handlers; the engine's gauges (queue depth,
-running sequences, KV usage) are read from `EngineStats` when /metrics is scraped.
+running sequences, KV usage, and each pipeline stage's state) are read from `EngineStats` when
+/metrics is scraped.
+
+Dashboards built for vLLM read its names (`vllm:num_requests_running`, ...; labelled with
+`model_name`): `Alias` renders some of ours under them as well, from the same values, so nothing
+is counted twice.
 """
 from __future__ import annotations
 
@@ -44,6 +49,10 @@ class Metric:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
 
     def render(self) -> list[str]:
+        return self.header() + self.samples(self.name)
+
+    def samples(self, name: str, extra: str = "") -> list[str]:
+        """The sample lines under `name`, each with the label pair `extra` (e.g. 'model_name="m"') too."""
         raise NotImplementedError
 
 
@@ -64,23 +73,33 @@ class Counter(Metric):
         """Mirror a running total kept elsewhere (the engine's counters)."""
         self.values[labels] = value
 
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}"
-                                for k, v in sorted(self.values.items())]
+    def samples(self, name: str, extra: str = "") -> list[str]:
+        return [f"{name}{_labels(self.labelnames, k, extra)} {_num(v)}" for k, v in sorted(self.values.items())]
 
 
 class Gauge(Metric):
     kind = "gauge"
 
-    def __init__(self, name: str, help_text: str):
-        super().__init__(name, help_text)
-        self.value = 0.0
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()):
+        super().__init__(name, help_text, labelnames)
+        self.values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
 
-    def set(self, value: float) -> None:
-        self.value = value
+    @property
+    def value(self) -> float:
+        return self.values.get((), 0.0)
+
+    def set(self, value: float, *labels: str) -> None:
+        self.values[labels] = value
+
+    def clear(self) -> None:
+        """Forget every labelled value (before setting the current ones: a label set may be gone)."""
+        self.values = {} if self.labelnames else {(): 0.0}
 
     def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_num(self.value)}"]
+        return super().render() if self.values else []  # a labelled gauge with nothing to say is left out
+
+    def samples(self, name: str, extra: str = "") -> list[str]:
+        return [f"{name}{_labels(self.labelnames, k, extra)} {_num(v)}" for k, v in sorted(self.values.items())]
 
 
 class Histogram(Metric):
@@ -98,12 +117,27 @@ class Histogram(Metric):
         self.sum += value * times
         self.count += times
 
-    def render(self) -> list[str]:
-        lines, total = self.header(), 0
+    def samples(self, name: str, extra: str = "") -> list[str]:
+        lines, total = [], 0
         for bound, c in zip(self.bounds + (math.inf,), self.counts):
             total += c
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {total}')
-        return lines + [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
+            lines.append(f"{name}_bucket{_labels(('le',), (_num(bound),), extra)} {total}")
+        return lines + [f"{name}_sum{_labels((), (), extra)} {_num(self.sum)}",
+                        f"{name}_count{_labels((), (), extra)} {self.count}"]
+
+
+class Alias(Metric):
+    """Another metric's values under a peer server's name, with constant labels (vLLM's `model_name`)."""
+
+    def __init__(self, name: str, help_text: str, of: Metric, labels: dict[str, str] | None = None):
+        super().__init__(name, help_text)
+        self.kind = of.kind
+        self.of = of
+        self.labels = labels or {}
+
+    def samples(self, name: str, extra: str = "") -> list[str]:
+        pairs = ",".join(f'{k}="{_escape(str(v))}"' for k, v in self.labels.items())
+        return self.of.samples(name, ",".join(p for p in (pairs, extra) if p))
 
 
 class ServerMetrics:
@@ -135,11 +169,38 @@ class ServerMetrics:
         self.spec_per_step = Gauge("flotilla_spec_accepted_tokens_per_step",
                                    "Speculative decoding: draft tokens accepted per verifying sequence-step "
                                    "(each also yields one token of the target's own)")
+        self.stage_up = Gauge("flotilla_pipeline_stage_up",
+                              "Pipeline stages (serve --pp): 1 while the stage's worker is connected and serving, "
+                              "0 while it is down", ("stage", "host", "device"))
+        self.vllm: list[Alias] = []
+
+    def name_model(self, model_name: str) -> None:
+        """Offer vLLM's names for our metrics, labelled with the served model's name as vLLM's are."""
+        m = {"model_name": model_name}
+        self.vllm = [
+            Alias("vllm:num_requests_running", "Number of requests in model execution batches "
+                  "(flotilla_running_sequences)", self.running, m),
+            Alias("vllm:num_requests_waiting", "Number of requests waiting to be processed (flotilla_queue_depth)",
+                  self.queue_depth, m),
+            Alias("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent (flotilla_kv_cache_usage_ratio)",
+                  self.kv_usage, m),
+            Alias("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 means 100 percent (vLLM's older name of "
+                  "vllm:kv_cache_usage_perc; on any device)", self.kv_usage, m),
+            Alias("vllm:prompt_tokens_total", "Number of prefill tokens processed (flotilla_prompt_tokens_total)",
+                  self.prompt_tokens, m),
+            Alias("vllm:generation_tokens_total", "Number of generation tokens processed "
+                  "(flotilla_generation_tokens_total)", self.generation_tokens, m),
+            Alias("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds "
+                  "(flotilla_time_to_first_token_seconds)", self.ttft, m),
+            Alias("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds "
+                  "(flotilla_request_duration_seconds)", self.e2e, m),
+        ]
 
     def all(self) -> list[Metric]:
         return [self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
                 self.queue_depth, self.running, self.kv_usage, self.kv_free, self.kv_total, self.ttft, self.itl,
-                self.e2e, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step]
+                self.e2e, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step,
+                self.stage_up, *self.vllm]
 
     def update_engine(self, stats, in_flight: int) -> None:
         self.queue_depth.set(stats.num_waiting)
@@ -153,6 +214,9 @@ class ServerMetrics:
         self.spec_steps.set_total(stats.spec_verify_steps)
         self.spec_rate.set(round(stats.spec_acceptance_rate, 6))
         self.spec_per_step.set(round(stats.spec_accepted_tokens_per_step, 6))
+        self.stage_up.clear()
+        for st in stats.stages:
+            self.stage_up.set(1 if st.up else 0, str(st.index), st.host, st.device)
 
     def render(self) -> str:
         return "\n".join(line for m in self.all() for line in m.render()) + "\n"

@@ -26,6 +26,7 @@ class ServerState:
     def __post_init__(self):
         if self.admission is None:
             self.admission = Admission(self.engine.max_num_seqs, self.config.max_queue, self.config.retry_after)
+        self.metrics.name_model(self.engine.model_name)  # vLLM's metric names carry it
 
     async def read_json(self, request: web.Request) -> dict:
         from .fields import parse_json_object

@@ -1,5 +1,8 @@
 """Run the server until SIGTERM/SIGINT, then drain: stop accepting, give in-flight requests the
-grace period to finish, cancel what is left, close the websockets, stop the engine."""
+grace period to finish, cancel what is left, close the websockets, stop the engine.
+
+The grace period ends early where waiting cannot help: while the engine reports a problem (a
+pipeline stage is down: the requests would only wait for it), or at a second signal."""
 from __future__ import annotations
 
 import asyncio
@@ -61,13 +64,32 @@ class Server:
         for site in list(self.runner.sites):
             await site.stop()  # closes the listening socket: no new connections
 
-    async def finish(self) -> None:
-        """In-flight requests get the grace period; then the rest are cancelled and all is closed."""
+    async def finish(self, cut_short: asyncio.Event | None = None) -> None:
+        """In-flight requests get the grace period, less while the engine has a problem (they could
+        not finish) or once `cut_short` is set; then the rest are cancelled and all is closed."""
         admission = self.state.admission
-        if not await admission.wait_idle(self.state.config.grace_period):
+        if not await self._wait_idle(self.state.config.grace_period, cut_short):
             await self.state.engine.abort_all()
             await admission.wait_idle(5.0)
         await self.runner.cleanup()
+
+    async def _wait_idle(self, timeout: float, cut_short: asyncio.Event | None) -> bool:
+        admission, engine = self.state.admission, self.state.engine
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if await admission.wait_idle(max(0.0, min(left, GRACE_POLL_S))):
+                return True
+            if left <= GRACE_POLL_S:
+                return False
+            if cut_short is not None and cut_short.is_set():
+                _announce("flotilla: second signal: cancelling the in-flight requests now")
+                return False
+            problems = engine.problems()
+            if problems:
+                _announce(f"flotilla: cancelling the {admission.in_flight} in-flight requests now, not after the "
+                          f"grace period: they cannot finish ({'; '.join(problems)})")
+                return False
 
 
 async def serve(state: ServerState, announce: Callable[[str], None] | None = None,
@@ -77,18 +99,21 @@ async def serve(state: ServerState, announce: Callable[[str], None] | None = Non
     (announce or _announce)(f"flotilla: serving '{state.engine.model_name}' — OpenAI API at {server.url}/v1\n"
                             f"flotilla: chat page: {server.url}/")
     stop = stop or asyncio.Event()
+    again = asyncio.Event()  # a second signal: no more grace
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: again.set() if stop.is_set() else stop.set())
     dead: list[str] = []
     watcher = asyncio.create_task(_watch_engine(state, stop, dead))
     try:
         await stop.wait()
         await server.stop_accepting()
-        if not dead:
+        if not dead and state.admission.in_flight:
             _announce(f"flotilla: shutting down: no new connections; in-flight requests get "
-                      f"{state.config.grace_period:g}s to finish")
-        await server.finish()
+                      f"{state.config.grace_period:g}s to finish (a second Ctrl-C cancels them now)")
+        elif not dead:
+            _announce("flotilla: shutting down")
+        await server.finish(again)
     finally:
         watcher.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -102,6 +127,7 @@ class EngineDied(FlotillaError):
     that a supervisor restarts it and a load balancer stops sending it requests."""
 
 
+GRACE_POLL_S = 0.25  # how often the grace period asks whether waiting can still help
 ENGINE_WATCH_S = 1.0  # how often serve() asks whether the engine can still serve
 
 

@@ -141,7 +141,7 @@ def run_worker(args: argparse.Namespace) -> int:
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else envs.cache_dir() / "worker"
     device = parse_device(args.device)
     check_devices([device], args.tp, "--device")
-    config = WorkerConfig(token, device, cache, model, server_ssl, client_ssl, tp=args.tp)
+    config = WorkerConfig(token, device, cache, model, server_ssl, client_ssl, tp=args.tp, local=args.exit_with_parent)
 
     selector = SpinSelector(args.spin_us / 1e6)
 

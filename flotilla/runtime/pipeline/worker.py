@@ -77,6 +77,7 @@ class WorkerConfig:
     max_frame: int = DEFAULT_MAX_FRAME
     handshake_timeout: float = 10.0
     tp: int = 1  # tensor-parallel ranks of the stage (this process is rank 0; `runtime worker --tp`)
+    local: bool = False  # started by its head (serve --pp's local workers): the head's leaving is no news
 
 
 class Worker:
@@ -92,6 +93,7 @@ class Worker:
         self._fingerprint: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._threads = torch.get_num_threads()  # the stage's CPU threads (`--threads`)
+        self._closing = False
 
     @property
     def runtime(self) -> StageRuntime | None:
@@ -121,6 +123,7 @@ class Worker:
         return sock[0], sock[1]
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
         path = self.path
@@ -148,6 +151,7 @@ class Worker:
             log.warning("refused a connection from %s: the handshake did not complete (%s)", peer,
                         type(e).__name__)
             return
+        first = None
         try:
             first = await conn.recv()
             if isinstance(first, Upstream):
@@ -160,7 +164,11 @@ class Worker:
             self.rejected += 1
             log.warning("closing the connection from %s: %s", peer, e)
         except _GONE:
-            log.info("the connection from %s closed", peer)
+            # a ring link's end is a fault (said by _fault); the head's leaving is said, unless this worker's own
+            # head started it (it stops the worker next) or this worker stops
+            head = first is not None and not isinstance(first, (Upstream, ResultsLink))
+            quiet = self._closing or self.config.local or not head
+            log.log(logging.DEBUG if quiet else logging.INFO, "the connection from %s closed", peer)
         finally:
             conn.close()
 
@@ -375,8 +383,11 @@ class Worker:
             self.path.drop_downstream()
 
     def _fault(self, epoch: int, message: str) -> None:
+        if self.head is None or self._closing:  # the head left, or this worker stops: the ring is being taken down
+            log.debug("%s (no head is running the pipeline)", message)
+            return
         log.warning("%s", message)
-        if self.head is not None and epoch == self.path.epoch:
+        if epoch == self.path.epoch:
             self.head.put(Fault(epoch, message))
 
     def _model_fingerprint(self) -> str:

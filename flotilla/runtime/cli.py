@@ -128,13 +128,16 @@ def _say_on_terminal(line: str) -> None:
 
 
 def _engine(args: argparse.Namespace):
-    """Load the model and build the engine; progress (at a terminal) and the KV cache report go
-    to stderr."""
+    """Load the model and build the engine (over a pipeline of stages with --pp/--hosts/--devices, where
+    the command takes them); progress (at a terminal) and the KV cache report go to stderr."""
     from .engine_args import EngineArgs, build_engine
 
     engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
+    report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if pipeline_cli.is_pipeline(args):
+        return pipeline_cli.pipeline_engine_from_args(args, report)
     lm = load_with_progress(args, _say_on_terminal)
-    return build_engine(lm, engine_args, report=lambda line: print(line, file=sys.stderr, flush=True))
+    return build_engine(lm, engine_args, report=report)
 
 
 def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout, stop=None):
@@ -230,11 +233,21 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p, max_tokens=512)
     EngineArgs.add_args(p)
     p.set_defaults(max_num_seqs=1)
+    pipeline_cli.add_pipeline_args(p)  # as `runtime serve`'s: the chat's model over a pipeline of stages
 
 
 def _chat(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     engine = _engine(args)
+    try:
+        return _chat_loop(engine, args, params)
+    finally:
+        close = getattr(engine, "close", None)  # a pipeline: its connections and local workers
+        if close is not None:
+            close()
+
+
+def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
     tok = engine.tokenizer
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)

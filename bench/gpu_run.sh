@@ -16,7 +16,8 @@
 # shape as GGUF files of four types load, beside the INT4 GPTQ model (round 17); tile48: the tile GEMM against the
 # Triton tiles at 40-64 rows on the widest weights (the 70B shapes; round 17's open question). probe: which fused ops
 # fall back to torch on the GPU in a GGUF model's step (bench/fallback_probe.py). gguftune: the Triton tiles' configs
-# for the GGUF forms at 32 / 64 rows (kernels_gguf --tune).
+# for the GGUF forms at 32 / 64 rows (kernels_gguf --tune). ggufrule: round 19's group-32
+# rule end to end (the GGUF kernels at 16-64 rows, then `runtime bench` as gguf's part without Q8_0).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -123,6 +124,17 @@ if has gguftune; then  # the Triton tiles' configs for the GGUF forms (group 32)
   mark "gguftune"
   timeout 330 python3 -P bench/kernels.py --gguf --graph --only-sweeps --skip-check --tune \
     --shapes 4096x14336,14336x4096,8192x28672 --batches 32,64 2>&1 | tee "$OUT/gguftune.log" | grep -E "^tune|FAIL"
+fi
+if has ggufrule; then  # round 19's group-32 rule end to end: the GGUF kernels at 16-64 rows, then the 8B decode as GGUF
+  mark "ggufrule: kernels --gguf"
+  timeout 150 python3 -P bench/kernels.py --gguf --graph --shapes 4096x14336,14336x4096,8192x28672 --batches 16,32,64 \
+    > "$OUT/ggufrule_kernels.log" 2>&1
+  grep -E "^\||FAIL|correct" "$OUT/ggufrule_kernels.log"
+  for g in "--bits 4" "--gguf Q4_0" "--gguf Q4_K_M" "--gguf Q6_K"; do
+    mark "ggufrule: runtime bench $g"
+    timeout 90 python3 -m flotilla.server.cli bench --random llama-3-8b $g --batch 1,16,64 2>&1 | tee -a "$OUT/ggufrule.log" \
+      | grep -vE "^\[|Writing"
+  done
 fi
 if has probe; then  # which fused ops hand CUDA tensors to a torch fallback in a GGUF model's step (and a GPTQ one's)
   for g in "--gguf Q4_K_M" "--gguf Q6_K" "--bits 4"; do

@@ -99,23 +99,22 @@ def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
     as rules. Decode tiles are narrow (64 out-features) and split until ~4 programs per SM, except
     over layouts with short blocks (group 32), whose decode tiles are 256 wide."""
     n, blocks = layout.out_features, layout.k_padded // layout.block_k
-    if m <= 16 and layout.rows_per_field < 32:
-        # Fewer than 32 words per column per block (group-32 layouts: the GGUF forms, GPTQ g32): a
-        # 64-wide tile leaves each step too little work (one short wgmma chain); 256 wide, split to
-        # ~2 programs per SM, ran 1.3-1.9x faster on the H200 (bench/NOTES-kernels.md, GGUF forms).
-        tiles = -(-n // 256)
-        return GemmConfig("dot", 16, 256, split_for(tiles, blocks, 2 * num_sms), num_warps=4, num_stages=3)
+    if m <= 64 and layout.rows_per_field < 32:
+        # Fewer than 32 words per column per block (group-32 layouts: the GGUF forms, GPTQ g32): a 64-wide
+        # tile leaves each step too little work (one short wgmma chain), so the tiles are 256 wide (1.3-1.9x
+        # faster at 16 rows on the H200), split until the programs first fill ~0.8 of the SMs, at least 2
+        # ways; twice that over blocks of 32 rows (group 16: Q6_K), whose programs each hold half the work
+        # a block. The group scale goes on the weights from 17 rows. The GGUF forms' tunes on an H100
+        # (bench/NOTES-kernels.md rounds 19-20) at 16-64 rows: within 2% of the tuned winner in 32 of 36
+        # cells, 6.4% at worst; the 16-row rule before (~2 programs per SM) was 6-16% slower on 14336x4096.
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        tiles = -(-m // block_m) * -(-n // 256)
+        reach = (4 * num_sms) // 5 * (2 if layout.block_k <= 32 else 1)
+        return GemmConfig("dot", block_m, 256, split_reaching(tiles, blocks, reach),
+                          num_warps=4, num_stages=3, scale_w=m > 16)
     if m <= 16:
         tiles = -(-n // 64)
         return GemmConfig("dot", 16, 64, split_for(tiles, blocks, 4 * num_sms), num_warps=4, num_stages=3)
-    if m <= 64 and layout.rows_per_field < 32:
-        # Group-32 layouts at 17-64 rows: 256-wide tiles as at 16 rows, split until the programs first fill
-        # ~0.8 of the SMs (at least 2 ways), the group scale on the weights. The GGUF forms' tune on an H100
-        # (bench/NOTES-kernels.md round 19): 1.1-2.1x faster than the 64/128-wide GPTQ g128 rule below.
-        block_m = 32 if m <= 32 else 64
-        tiles = -(-m // block_m) * -(-n // 256)
-        return GemmConfig("dot", block_m, 256, split_reaching(tiles, blocks, (4 * num_sms) // 5),
-                          num_warps=4, num_stages=3, scale_w=True)
     if m <= 64:
         block_m = 32 if m <= 32 else 64
         wide = -(-m // block_m) * -(-n // 128) >= num_sms
@@ -183,7 +182,7 @@ def candidate_configs(m: int, layout: TritonLayout, num_sms: int) -> list[GemmCo
     else:
         grid = [(64, 128, 4, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True)]
     out = [GemmConfig("dense")] if m >= 128 else []
-    if m < DENSE_MIN_ROWS:  # the rule's own pick, which the grid below may not hold (group-32 layouts at 17-64 rows)
+    if m < DENSE_MIN_ROWS:  # the rule's own pick, which the grid below may not hold (group-32 layouts at 16-64 rows)
         out.append(weight_side(dot_config(m, layout, num_sms), layout))
     if dense_chunk(m, n):
         out.append(GemmConfig("dense", chunk=dense_chunk(m, n)))

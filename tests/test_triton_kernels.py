@@ -132,7 +132,8 @@ def test_group32_layouts_take_the_tuned_256_wide_tiles_at_16_to_64_rows():
     """dot_config's rule for group-32 layouts (the GGUF forms, GPTQ g32) at 16-64 rows gives the winners of
     the H100 tunes (bench/NOTES-kernels.md rounds 19-20): 256-wide tiles, split 2 ways on 4096x14336 and
     8192x28672 (56 and 112 tiles), 8 on 14336x4096 (16 tiles), the scale on the weights from 17 rows; over
-    32-row blocks (Q6_K) twice the programs: 4 ways on 4096x14336, 16 on 14336x4096; g128 keeps its rule."""
+    32-row blocks (Q6_K) up to 32 rows twice the programs: 4 ways on 4096x14336, 16 on 14336x4096; g128 keeps
+    its rule."""
     from flotilla.kernels.triton_linear import dot_config
 
     def layout(k, n, rows, block_k=128):
@@ -145,7 +146,9 @@ def test_group32_layouts_take_the_tuned_256_wide_tiles_at_16_to_64_rows():
                 block_m, 256, split, 4, m > 16)
         assert dot_config(64, layout(k, n, 32), 132).block_n in (64, 128)  # g128: the 64/128-wide rule
     for (k, n), split in {(4096, 14336): 4, (8192, 28672): 2, (14336, 4096): 16}.items():
-        assert dot_config(32, layout(k, n, 8, block_k=32), 132).split_k == split  # Q6_K: 8-bit, group 16
+        for m in (16, 32):  # Q6_K: 8-bit, group 16; at 64 rows the 0.8-of-the-SMs split as the others
+            assert dot_config(m, layout(k, n, 8, block_k=32), 132).split_k == split
+    assert [dot_config(64, layout(k, n, 8, block_k=32), 132).split_k for k, n in ((4096, 14336), (14336, 4096))] == [2, 8]
     assert dot_config(40, layout(1536, 576, 16), 132).split_k == 4  # 12 blocks: the largest power of two
 
 

@@ -103,13 +103,14 @@ def dot_config(m: int, layout: TritonLayout, num_sms: int) -> GemmConfig:
         # Fewer than 32 words per column per block (group-32 layouts: the GGUF forms, GPTQ g32): a 64-wide
         # tile leaves each step too little work (one short wgmma chain), so the tiles are 256 wide (1.3-1.9x
         # faster at 16 rows on the H200), split until the programs first fill ~0.8 of the SMs, at least 2
-        # ways; twice that over blocks of 32 rows (group 16: Q6_K), whose programs each hold half the work
-        # a block. The group scale goes on the weights from 17 rows. The GGUF forms' tunes on an H100
-        # (bench/NOTES-kernels.md rounds 19-20) at 16-64 rows: within 2% of the tuned winner in 32 of 36
-        # cells, 6.4% at worst; the 16-row rule before (~2 programs per SM) was 6-16% slower on 14336x4096.
+        # ways; up to 32 rows twice that over blocks of 32 rows (group 16: Q6_K), whose programs each hold
+        # half the work a block (5-14% faster there; at 64 rows the doubled split cost Q6_K's decode 12%).
+        # The group scale goes on the weights from 17 rows. The GGUF forms' tunes on an H100
+        # (bench/NOTES-kernels.md rounds 19-20) at 16-64 rows: within 2% of the tuned winner in 31 of 36
+        # cells, 5.0% at worst; the 16-row rule before (~2 programs per SM) was 6-16% slower on 14336x4096.
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         tiles = -(-m // block_m) * -(-n // 256)
-        reach = (4 * num_sms) // 5 * (2 if layout.block_k <= 32 else 1)
+        reach = (4 * num_sms) // 5 * (2 if layout.block_k <= 32 and m <= 32 else 1)
         return GemmConfig("dot", block_m, 256, split_reaching(tiles, blocks, reach),
                           num_warps=4, num_stages=3, scale_w=m > 16)
     if m <= 16:

@@ -142,8 +142,8 @@ def test_logprobs_are_the_models_log_softmax():
 
 
 def test_sampling_params_are_validated():
-    for bad in [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0),
-                dict(repetition_penalty=0), dict(presence_penalty=3), dict(top_logprobs=21)]:
+    for bad in [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=-1),
+                dict(prompt_logprobs=21), dict(repetition_penalty=0), dict(presence_penalty=3), dict(top_logprobs=21)]:
         with pytest.raises(FlotillaError):
             SamplingParams(**bad)
 

@@ -25,7 +25,7 @@ from flotilla.runtime.model_runner import logits_kernel
 
 from conftest import REPO, make_hf_model, save_hf_model, tiny_config
 from quantize_helpers import cli_env, tiny_model_dir
-from tp_helpers import greedy_tokens, logits_of, rank_logits, token_batch, write_int4
+from tp_helpers import PROMPTS, greedy_tokens, logits_of, prompt_logprobs, rank_logits, token_batch, write_int4
 
 ATOL = 1e-4
 
@@ -94,6 +94,22 @@ def test_tp2_greedy_tokens_through_the_engine_equal_tp1(models):
         tp1 = greedy_tokens(d, 1)
         assert all(len(t) == 12 for t in tp1)
         assert tp2[d] == tp1, f"{d}: greedy tokens differ"
+
+
+def test_tp2_prompt_logprobs_equal_tp1(models):
+    """Prompt logprobs under TP=2 (every rank computes its share of the prompt rows' logits for the gather):
+    the TP=1 values, ranks and top tokens."""
+    path = str(models["int4-g32"])
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "prompt", path, "2"],
+                          capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = json.loads(proc.stdout.strip().splitlines()[-1])
+    tp1 = json.loads(json.dumps(prompt_logprobs(path, 1)))  # tuples as JSON lists, as tp2's
+    assert [len(a) for a in tp2] == [len(b) for b in tp1] == [len(p) for p in PROMPTS]
+    for a, b in zip(tp2, tp1):
+        assert a[0] is None and b[0] is None
+        for (lp2, rank2, top2), (lp1, rank1, top1) in zip(a[1:], b[1:]):
+            assert abs(lp2 - lp1) < ATOL and rank2 == rank1 and [t for t, _ in top2] == [t for t, _ in top1]
 
 
 def test_a_tp2_pipeline_stage_fed_hidden_states_gives_the_tp1_tokens(models):

@@ -146,6 +146,29 @@ def greedy_tokens(model_dir: str, tp: int, max_tokens: int = 12) -> list[list[in
             lm.parallel.close()
 
 
+def prompt_logprobs(model_dir: str, tp: int) -> list[list]:
+    """The prompt logprobs of PROMPTS (top 3) through the engine, 16-token prefill chunks: per prompt,
+    [None, (logprob, rank, [[id, logprob], ...]), ...]."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.sampling import SamplingParams
+    from flotilla.runtime.tp import load_model_parallel
+
+    lm = load_model_parallel(model_dir, "cpu", None, tp=tp)
+    try:
+        engine = build_engine(lm, EngineArgs(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=16))
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3))
+        got = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    got[out.request_id] = out.prompt_logprobs
+        return [got[str(i)] for i in range(len(PROMPTS))]
+    finally:
+        if lm.parallel is not None:
+            lm.parallel.close()
+
+
 def staged_greedy_tokens(model_dir: str, max_tokens: int = 12) -> list[list[int]]:
     """Greedy decoding through two pipeline stages in this process: layer 0 on one device, the
     rest a TP=2 group whose executor receives stage 0's hidden states (broadcast to rank 1)."""
@@ -209,6 +232,8 @@ def kill_a_rank_mid_run(model_dir: str) -> dict:
 if __name__ == "__main__":  # python tp_helpers.py TP MODEL_DIR...: greedy tokens per model as JSON
     if sys.argv[1] == "kill":
         print(json.dumps(kill_a_rank_mid_run(sys.argv[2])))
+    elif sys.argv[1] == "prompt":
+        print(json.dumps(prompt_logprobs(sys.argv[2], int(sys.argv[3]))))
     elif sys.argv[1] == "stages":
         print(json.dumps(staged_greedy_tokens(sys.argv[2])))
     else:

@@ -76,7 +76,7 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> tuple[KVBlocks, int]:
         """The longest cached prefix of a sequence that holds no blocks yet, and its length in
         tokens. At least one token is always left to compute (its logits are needed)."""
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or seq.needs_prompt_logprobs:  # a cached block gives no logits
             return KVBlocks(), 0
         hits = []
         for h in self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size):

@@ -144,6 +144,9 @@ class LLMEngine:
             raise FlotillaError(f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise FlotillaError("stop strings need a tokenizer; this engine has none")
+        if params.prompt_logprobs is not None and not getattr(self.executor, "computes_prompt_logprobs", False):
+            raise FlotillaError("prompt logprobs (echo with logprobs, prompt_logprobs) are not computed by this "
+                                "engine's executor (a pipeline of stages); leave them out")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -268,6 +271,7 @@ class LLMEngine:
                     sampling_rows.append((params, seed, prompt, output + s.spec_token_ids[:i] if pen else []))
                     steps.append(seq.num_output_tokens + i)
         speculating = any(s.num_spec for s in out.scheduled)
+        prompt = [_prompt_targets(s) for s in out.scheduled]
         return StepInput(
             request_ids=[s.seq.request_id for s in out.scheduled],
             token_ids=token_ids,
@@ -279,16 +283,24 @@ class LLMEngine:
             sampling=SamplingBatch.build(sampling_rows, steps, self.eos_token_ids),
             spec_token_ids=[s.spec_token_ids for s in out.scheduled] if speculating else None,
             draft_probs=self.spec.draft_probs(out.scheduled) if speculating else None,
+            prompt_logprobs=prompt if any(ids for _, ids in prompt) else None,
         )
 
     def _postprocess(self, out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
         self._counters["steps"] += 1
         outputs, row = [], 0
         sampled = [s.seq for s in out.scheduled if s.samples]  # before the appends below change `samples`
-        for s in out.scheduled:
+        for b, s in enumerate(out.scheduled):
             seq = s.seq
             self._counters["prompt"] += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
+            if result.prompt_logprobs is not None and result.prompt_logprobs[b]:
+                got = result.prompt_logprobs[b]
+                seq.prompt_logprobs[s.start + 1:s.start + 1 + len(got)] = got
             if not s.samples:
+                continue
+            if seq.params.max_tokens == 0:  # the prompt only: the sampled token is not kept
+                row += 1
+                outputs.append(self._prompt_only(seq))
                 continue
             accepted = result.accepted[row] if result.accepted else []
             logprob = result.logprobs[row] if result.logprobs else None
@@ -310,11 +322,21 @@ class LLMEngine:
             seq.append_token(token)
             self._counters["generation"] += 1
             output, reason = self.outputs.token(seq, token, seq.check_stop(token), logprob, top)
+            if not seq.prompt_logprobs_done:  # the first output after the prompt carries its logprobs
+                output.prompt_logprobs, seq.prompt_logprobs_done = seq.prompt_logprobs, True
             merged = output if merged is None else merged.extend(output)
             if reason is not None:
                 self._finish(seq, reason)
                 break
         return merged
+
+    def _prompt_only(self, seq: Sequence) -> RequestOutput:
+        """A request for no tokens (max_tokens 0, as echo does to score a prompt) ends once its prompt is
+        computed: its output holds no token, and the prompt's logprobs where asked for."""
+        output = self.outputs.prompt_only(seq)
+        output.prompt_logprobs, seq.prompt_logprobs_done = seq.prompt_logprobs, True
+        self._finish(seq, FinishReason.LENGTH)
+        return output
 
     def _roll_back(self, s, num_accepted: int) -> None:
         """Forget the KV slots of a speculative step's rejected drafts: the computed tokens end
@@ -354,6 +376,16 @@ class LLMEngine:
         self.block_manager.check_integrity()
         if self.spec is not None:
             self.spec.check_integrity()
+
+
+def _prompt_targets(s) -> tuple[int, list[int]]:
+    """A scheduled sequence's StepInput.prompt_logprobs entry: its k, and the prompt tokens its rows
+    predict (the row at position p predicts the token at p + 1, up to the prompt's last)."""
+    seq = s.seq
+    if not seq.needs_prompt_logprobs or s.start >= seq.num_prompt_tokens - 1:
+        return 0, []
+    end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+    return seq.params.prompt_logprobs, seq.token_ids[s.start + 1:end + 1]
 
 
 def _live(out: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:

@@ -7,6 +7,7 @@ rows and samples them.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ class StepInput:
     # decodes launched before the previous launched step's ids were read (LLMEngine's overlap):
     # per sequence, the row of that step whose sampled id is its token (token_ids holds 0), or -1
     prev_rows: list[int] | None = None
+    # prompt logprobs (SamplingParams.prompt_logprobs), per sequence: (how many likeliest tokens, the prompt
+    # tokens that its first rows predict: those after start, up to the prompt's last); None: none this step
+    prompt_logprobs: list[tuple[int, list[int]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +55,12 @@ class StepInput:
         return len(self.starts)
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits are computed at a time (fp32 [rows, vocab])
+
+
 class ModelRunner:
+    computes_prompt_logprobs = True  # StepInput.prompt_logprobs (LLMEngine.validate asks)
+
     def __init__(self, model: CausalLM, cache: KVCache, sampler: Sampler | None = None,
                  graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None, graph_query_len: int = 1):
         """`graph_sizes`: on CUDA, steps of up to max(graph_sizes) new tokens in which every
@@ -137,7 +146,7 @@ class ModelRunner:
         """Run the stage: returns sampled tokens on the last stage, else hidden states [T, H].
         `hidden` may be in pinned host memory (a replay copies it in). `staged`: the step went
         to `stage` before; only its token ids go to the device now."""
-        replay = staged or self._replays(step)  # decodes (drafts to verify, short chunks): the captured graph
+        replay = staged or (self._replays(step) and step.prompt_logprobs is None)  # the captured graph's rows
         if staged:
             out = self._replay(step, staged=True)
         elif replay:
@@ -148,15 +157,47 @@ class ModelRunner:
             out = self._forward(step, hidden)
         if not self.model.stage.is_last:
             return out  # hidden states [T, H]
+        prompt = self.prompt_logprobs(step, out) if step.prompt_logprobs is not None else None
         if not any(step.sample):  # only partial prefill chunks this step
-            return SamplerOutput([])
+            return SamplerOutput([], prompt_logprobs=prompt)
         logits = out if replay else self.compute_logits(step, out)
         if step.sampling is None:  # a tensor-parallel rank but 0: its share of the logits went to the gather
             return self.sampler(logits, None)
         if step.spec_token_ids is not None:
             drafts = [d for d, samples in zip(step.spec_token_ids, step.sample) if samples]
-            return self.verifier(logits, step.sampling, drafts, step.draft_probs)
-        return self.sampler(logits, step.sampling)
+            result = self.verifier(logits, step.sampling, drafts, step.draft_probs)
+        else:
+            result = self.sampler(logits, step.sampling)
+        return result if prompt is None else dataclasses.replace(result, prompt_logprobs=prompt)
+
+    def prompt_logprobs(self, step: StepInput, hidden: torch.Tensor) -> list[list] | None:
+        """Per sequence of the step, the logprobs of the prompt tokens its rows predict (StepInput.
+        prompt_logprobs): a list of (logprob, rank, [(token id, logprob) of the k likeliest]), rank 1 for
+        the likeliest token. The logits are computed PROMPT_LOGPROB_ROWS rows at a time (a prompt's
+        [T, vocab] at once would be gigabytes). None on a tensor-parallel rank but 0 (no logits there)."""
+        rows, targets, where = [], [], []  # hidden rows, their target ids, (sequence, k) per row
+        first = 0
+        for b, (qlen, (k, ids)) in enumerate(zip(step.query_lens, step.prompt_logprobs)):
+            rows += range(first, first + len(ids))
+            targets += ids
+            where += [(b, k)] * len(ids)
+            first += qlen
+        out: list[list] = [[] for _ in step.query_lens]
+        k_max = max((k for k, _ in step.prompt_logprobs), default=0)
+        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            idx = torch.tensor(rows[i:i + PROMPT_LOGPROB_ROWS], dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))  # a gather under TP: every rank
+            if logits.shape[-1] == 0:
+                continue
+            lp = torch.log_softmax(logits, dim=-1)
+            tgt = torch.tensor(targets[i:i + PROMPT_LOGPROB_ROWS], dtype=torch.long, device=lp.device)
+            chosen = lp.gather(1, tgt[:, None])
+            ranks = (lp > chosen).sum(dim=1) + 1
+            top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
+            for (b, k), v, rank, tv, ti in zip(where[i:], chosen[:, 0].tolist(), ranks.tolist(), top_v.tolist(),
+                                               top_i.tolist()):
+                out[b].append((v, rank, list(zip(ti[:k], tv[:k]))))
+        return out if any(out) or not rows else None
 
     @torch.inference_mode()
     def logits(self, step: StepInput) -> torch.Tensor:

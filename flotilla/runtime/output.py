@@ -31,6 +31,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     error: str | None = None  # why the engine had to end the request (e.g. a pipeline stage stayed down)
+    # on the first output after the prompt, when asked for (SamplingParams.prompt_logprobs): per prompt
+    # position, None at 0, then (logprob, rank, [(token id, logprob) of the likeliest]) of the token there
+    prompt_logprobs: list | None = None
 
     def extend(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by a later one of the same request and step (a speculative step
@@ -129,6 +132,13 @@ class OutputProcessor:
         if reason is not None:
             self._finish(out, reason)
         return out, reason
+
+    def prompt_only(self, seq: Sequence) -> RequestOutput:
+        """The output of a request for no tokens (max_tokens 0), finished once its prompt is computed."""
+        out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=0,
+                            num_cached_tokens=seq.num_cached_tokens)
+        self._finish(out, FinishReason.LENGTH)
+        return out
 
     def aborted(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,

@@ -113,6 +113,8 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
     # speculative steps: the draft tokens accepted before token_ids[i], per row (see runtime/spec)
     accepted: list[list[int]] | None = None
+    # per sequence of the step (not per row): its prompt tokens' (logprob, rank, top) (ModelRunner.prompt_logprobs)
+    prompt_logprobs: list[list] | None = None
 
 
 class Sampler:

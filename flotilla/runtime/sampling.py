@@ -26,13 +26,17 @@ class SamplingParams:
     min_tokens: int = 0  # no eos / stop token / stop string ends the request before this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM's option)
+    # each prompt token's logprob (given the tokens before it) and the `prompt_logprobs` likeliest there, as
+    # vLLM's prompt_logprobs (and what echo with logprobs shows); None: not computed. The prefix cache is
+    # not read for such a request until its prompt is computed (a cached block has no logits).
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))  # hashable, as keyed
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.max_tokens >= 0, "max_tokens must be at least 0 (0: the prompt is computed, no token generated)"),
             (math.isfinite(self.temperature) and self.temperature >= 0,
              "temperature must be a finite number >= 0 (0: greedy)"),
             (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
@@ -43,6 +47,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"),
             (all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias),

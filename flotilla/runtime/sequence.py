@@ -54,6 +54,15 @@ class Sequence:
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)  # ending it, as stop tokens do
         self.stop_token_ids = params.end_token_ids(eos_token_ids)
         self.max_model_len = max_model_len
+        # per prompt position (None at 0): (logprob, rank, [(token id, logprob) of the likeliest]) of the
+        # prompt token there, filled as the prompt's chunks are computed; None when not asked for
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
+        self.prompt_logprobs_done = params.prompt_logprobs is None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the prompt's logprobs are still to compute (then the prefix cache is not read)."""
+        return not self.prompt_logprobs_done
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

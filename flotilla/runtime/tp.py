@@ -231,6 +231,8 @@ class TensorParallel:
 class TPExecutor:
     """The engine's executor on rank 0: each step goes to the other ranks, then runs here."""
 
+    computes_prompt_logprobs = True  # every rank computes its share of the prompt rows' logits (the gather)
+
     def __init__(self, runner: ModelRunner, tp: TensorParallel):
         self.runner, self.tp = runner, tp
         tp.send(_pack("setup", runner.cache.num_blocks, runner.block_size))  # the same pool on every rank

@@ -89,4 +89,6 @@ def start_server(model_path: Path, engine: dict | None = None, **config) -> Live
     options = {**ENGINE_DEFAULTS, **(engine or {})}
     engine = EngineClient.from_loaded(loaded_model(model_path), **options)
     config.setdefault("port", 0)
-    return LiveServer(engine, ServerConfig(**config)).__enter__()
+    server = LiveServer(engine, ServerConfig(**config))
+    server.model_path = model_path  # loaded_model(server.model_path): the same weights, for an oracle
+    return server.__enter__()

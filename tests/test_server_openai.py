@@ -237,3 +237,76 @@ def test_client_disconnect_aborts_a_non_streaming_request(live):
     stats = asyncio.run(run())
     assert stats is not None and stats.kv_blocks_free == stats.kv_blocks_total
     assert live.state.metrics.requests.get("/v1/completions", "499") >= 1
+
+
+def dense_logprobs(live, ids: list[int]):
+    """The oracle for prompt logprobs: the model over the whole prompt with dense causal attention (not the
+    paged cache), log-softmax per position: row p is the distribution of the token at p + 1."""
+    import torch
+
+    from flotilla.models.attention import DenseCausalAttention
+    from server_harness import loaded_model
+
+    model = loaded_model(live.model_path).model
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        return torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(live, client):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1, temperature 0): the
+    prompt's token_logprobs equal the dense forward's, the first null; top_logprobs hold the token and the
+    likeliest (lm-eval's is_greedy); max_tokens 0 scores the prompt alone; a stream gives the same."""
+    ids = live.engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. The capital of France is Paris.")
+    want = dense_logprobs(live, ids)
+    c = client.completions.create(model=live.engine.model_name, prompt=ids, echo=True, logprobs=1, max_tokens=1,
+                                  temperature=0)
+    choice = c.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and c.usage.completion_tokens == 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p, (v, top) in enumerate(zip(lp.token_logprobs[1:len(ids)], lp.top_logprobs[1:len(ids)])):
+        row = want[p]
+        assert v == pytest.approx(row[ids[p + 1]].item(), abs=2e-3)
+        assert (v == max(top.values())) == (int(row.argmax()) == ids[p + 1])  # lm-eval's is_greedy
+        assert lp.tokens[p + 1] in top and len(top) <= 2
+    prompt_text = live.engine.tokenizer.decode(ids)
+    assert choice.text.startswith(prompt_text) and lp.text_offset[len(ids)] == len(prompt_text)
+    assert lp.text_offset[:len(ids)] == sorted(lp.text_offset[:len(ids)])
+    # max_tokens 0: the prompt alone, its text as sent
+    text = "Once upon a time, there was a robot."
+    c = client.completions.create(model=live.engine.model_name, prompt=text, echo=True, logprobs=0, max_tokens=0)
+    n = len(live.engine.tokenizer.encode(text))
+    assert c.choices[0].text == text and c.usage.completion_tokens == 0 and c.choices[0].finish_reason == "length"
+    assert len(c.choices[0].logprobs.tokens) == n and c.choices[0].logprobs.token_logprobs[0] is None
+    # streamed: the prompt in the first chunk, the same text and offsets
+    kw = dict(model=live.engine.model_name, prompt=text, echo=True, logprobs=2, max_tokens=4, temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kw)]
+    assert "".join(ch.text for ch in chunks) == whole.text and whole.text.startswith(text)
+    assert [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset] == whole.logprobs.text_offset
+    assert client.completions.create(model=live.engine.model_name, prompt=text, echo=True,
+                                     max_tokens=2).choices[0].text.startswith(text)  # echo without logprobs
+
+
+def test_vllm_prompt_logprobs_and_their_refusals(live, client):
+    ids = live.engine.tokenizer.encode("Paris is the capital of France.")
+    want = dense_logprobs(live, ids)
+    c = client.completions.create(model=live.engine.model_name, prompt=ids, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    pl = c.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for p, row in enumerate(pl[1:]):
+        token = str(ids[p + 1])
+        assert row[token]["logprob"] == pytest.approx(want[p][ids[p + 1]].item(), abs=2e-3)
+        assert row[token]["rank"] == int((want[p] > want[p][ids[p + 1]]).sum()) + 1
+        assert {e["rank"] for t, e in row.items() if t != token} <= {1, 2} and 2 <= len(row) <= 3
+    chat = [{"role": "user", "content": QUESTION}]
+    r = client.chat.completions.create(model=live.engine.model_name, max_tokens=1, messages=chat,
+                                       extra_body={"prompt_logprobs": 0})
+    assert len(r.model_extra["prompt_logprobs"]) == r.usage.prompt_tokens
+    for bad in (dict(extra_body={"prompt_logprobs": 1}, stream=True), dict(extra_body={"echo": True})):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=live.engine.model_name, max_tokens=1, messages=chat, **bad)
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=live.engine.model_name, prompt="Hi", max_tokens=0)

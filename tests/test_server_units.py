@@ -77,7 +77,7 @@ def test_vllm_sampling_fields_and_logit_bias():
         (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "no tools"),
         (dict(guided_choice=["yes", "no"]), "guided_choice", "guided decoding"),
         (dict(structured_outputs={"choice": ["a"]}), "structured_outputs", "structured outputs"),
-        (dict(prompt_logprobs=1), "prompt_logprobs", "prompt logprobs"),
+        (dict(prompt_logprobs=1, stream=True), "prompt_logprobs", "not available with 'stream'"),
         (dict(skip_special_tokens=False), "skip_special_tokens", "not supported"),
         (dict(echo=True), "echo", "not supported for chat"),
         (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "both be true"),
@@ -235,3 +235,27 @@ def test_a_model_served_by_a_relative_path_is_named_after_it(tmp_path, monkeypat
     assert _default_name(Path("../m.gguf")) == "m"
     (tmp_path / "model-q4.gguf").symlink_to(tmp_path / "m.gguf")  # a hub cache's link to a blob keeps its name
     assert _default_name(Path("../model-q4.gguf")) == "model-q4"
+
+
+def test_echo_and_prompt_logprobs_map_to_the_engine_request():
+    """echo with logprobs k asks the engine for the prompt's logprobs with k likeliest (vLLM's prompt_logprobs
+    too, the larger wins); max_tokens 0 only with echo; a pipeline (no prompt logprobs) refuses them."""
+    req = parse_completion({"prompt": "abcd", "echo": True, "logprobs": 2, "max_tokens": 0}, StubModel(), 8)
+    assert req.echo and req.prompt_texts == ("abcd",) and req.params[0].prompt_logprobs == 2
+    assert req.params[0].max_tokens == 0 and req.prompt_logprobs is None
+    req = parse_completion({"prompt": [5, 6, 7], "echo": True, "logprobs": 1, "prompt_logprobs": 4}, StubModel(), 8)
+    assert req.prompt_texts == (None,) and req.params[0].prompt_logprobs == 4 and req.prompt_logprobs == 4
+    assert parse_completion({"prompt": "abcd", "echo": True}, StubModel(), 8).params[0].prompt_logprobs is None
+    req = parse_completion({"prompt": "abcdefgh", "echo": True, "truncate_prompt_tokens": 3}, StubModel(), 8)
+    assert req.prompt_texts == (None,)  # the kept tokens are echoed, decoded
+    with pytest.raises(ApiError, match="0 only with echo"):
+        parse_completion({"prompt": "abcd", "max_tokens": 0}, StubModel(), 8)
+    with pytest.raises(ApiError, match="not available with 'stream'"):
+        parse_completion({"prompt": "abcd", "prompt_logprobs": 1, "stream": True}, StubModel(), 8)
+
+    class Pipeline(StubModel):
+        computes_prompt_logprobs = False
+
+    with pytest.raises(ApiError, match="pipeline"):
+        parse_completion({"prompt": "abcd", "echo": True, "logprobs": 1}, Pipeline(), 8)
+    assert parse_completion({"prompt": "abcd", "echo": True}, Pipeline(), 8).echo  # no logprobs: nothing to compute

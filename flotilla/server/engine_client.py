@@ -54,6 +54,8 @@ class StepOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's field)
     text_offsets: tuple[int, ...] = ()  # per token: where the text it completed starts in the output
+    # on the first output, when asked for: per prompt position, None at 0, then (logprob, rank, top) of its token
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ def _convert(out: RequestOutput) -> StepOutput:
         tops = out.top_logprobs or [[] for _ in out.logprobs]
         logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in zip(out.new_token_ids, out.logprobs, tops))
     return StepOutput(tuple(out.new_token_ids), out.text, out.finish_reason if out.finished else None, logprobs,
-                      out.stop_reason if out.finished else None, tuple(out.text_offsets or ()))
+                      out.stop_reason if out.finished else None, tuple(out.text_offsets or ()),
+                      tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None)
 
 
 class EngineClient:
@@ -115,6 +118,8 @@ class EngineClient:
         self._parallel = parallel  # a TensorParallel group to close with the engine
         self.max_model_len = self._llm.config.context_len
         self.max_num_seqs = self._llm.config.scheduler.max_num_seqs
+        # whether the engine computes prompt logprobs (not over a pipeline of stages): protocol's check
+        self.computes_prompt_logprobs = getattr(llm.executor, "computes_prompt_logprobs", False)
         self._engine: AsyncEngine | None = None
         self._active: set[str] = set()
 

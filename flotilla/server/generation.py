@@ -27,6 +27,8 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # completions' text_offset per token
+    prompt_logprobs: tuple | None = None  # the engine's, from the choice's first output (when asked for)
+    echoed: int | None = None  # echo: the prompt text's length, once it went out (a stream's first chunk)
     last_time: float | None = None
 
 
@@ -91,6 +93,8 @@ class Generation:
 
     def _record(self, choice: Choice, out: StepOutput) -> Choice:
         now = time.perf_counter()
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         k = len(out.token_ids)
         if k:
             if choice.last_time is None:

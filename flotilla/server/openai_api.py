@@ -11,7 +11,8 @@ from .engine_client import EngineUnavailable
 from .errors import ApiError
 from .generation import Generation, new_request_id
 from .protocol import GenerationRequest, parse_chat, parse_completion
-from .responses import Shapes, TokenText, chat_logprobs, completion_logprobs
+from .responses import (EchoedPrompt, Shapes, TokenText, chat_logprobs, completion_logprobs, join_logprobs,
+                        vllm_prompt_logprobs)
 from .sse import EventStream
 from .state import ServerState
 
@@ -83,6 +84,28 @@ class OpenAIRoutes:
             return chat_logprobs(self.token_text, items)
         return completion_logprobs(self.token_text, items, offsets)
 
+    def _echo(self, req: GenerationRequest, index: int) -> EchoedPrompt:
+        p = index // req.n
+        return EchoedPrompt(self.token_text, self.state.engine.tokenizer, req.prompts[p],
+                            req.prompt_texts[p] if req.prompt_texts else None)
+
+    def _echoed(self, req: GenerationRequest, choice, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
+        """A completions choice's text and logprobs (from its first output on) with its prompt before them;
+        sets choice.echoed to the prompt text's length (the shift of the later offsets)."""
+        echo = self._echo(req, choice.index)
+        if logprobs is not None:
+            logprobs = join_logprobs(echo.logprobs(choice.prompt_logprobs, req.params[0].top_logprobs), logprobs,
+                                     len(echo.text))
+        choice.echoed = len(echo.text)
+        return echo.text + text, logprobs
+
+    def _prompt_logprobs(self, req: GenerationRequest, choice) -> list | None:
+        """vLLM's prompt_logprobs of a choice's prompt, when the request asked for them."""
+        if req.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.token_text, req.prompts[choice.index // req.n], choice.prompt_logprobs,
+                                    req.prompt_logprobs)
+
     async def _collect(self, req: GenerationRequest, gen: Generation, shapes: Shapes) -> web.Response:
         async for choice, out in gen.outputs():
             if out.finish_reason == "abort":
@@ -90,11 +113,23 @@ class OpenAIRoutes:
             choice.offsets.extend(out.text_offsets[:len(out.logprobs)])
             choice.text.append(out.text)
             choice.logprobs.extend(out.logprobs)
-        build = Shapes.chat_choice if req.kind == "chat" else Shapes.completion_choice
-        choices = [build(c.index, "".join(c.text), c.finish_reason, self._logprobs(req, c.logprobs, c.offsets),
-                         c.stop_reason)
-                   for c in sorted(gen.choices.values(), key=lambda c: c.index)]
-        body = (shapes.chat_response if req.kind == "chat" else shapes.completion_response)(choices, gen.usage())
+        choices = []
+        for c in sorted(gen.choices.values(), key=lambda c: c.index):
+            text, logprobs = "".join(c.text), self._logprobs(req, c.logprobs, c.offsets)
+            if req.kind == "chat":
+                choices.append(Shapes.chat_choice(c.index, text, c.finish_reason, logprobs, c.stop_reason))
+                continue
+            if req.echo:
+                text, logprobs = self._echoed(req, c, text, logprobs)
+            choices.append(Shapes.completion_choice(c.index, text, c.finish_reason, logprobs, c.stop_reason))
+            if req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(req, c)
+        if req.kind == "chat":
+            body = shapes.chat_response(choices, gen.usage())
+            if req.prompt_logprobs is not None:  # vLLM's: one prompt, at the top of a chat response
+                body["prompt_logprobs"] = self._prompt_logprobs(req, gen.choices[0])
+        else:
+            body = shapes.completion_response(choices, gen.usage())
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes):
@@ -111,10 +146,15 @@ class OpenAIRoutes:
                     await stream.done()
                     return stream.response
                 chunks = []
-                if out.text or out.logprobs:
-                    lp = self._logprobs(req, out.logprobs, list(out.text_offsets[:len(out.logprobs)]))
-                    chunks.append(shapes.chat_chunk(choice.index, {"content": out.text}, None, lp, usage) if chat
-                                  else shapes.completion_chunk(choice.index, out.text, None, lp, usage))
+                echo = req.echo and choice.echoed is None  # the prompt goes out in the choice's first chunk
+                if out.text or out.logprobs or echo:
+                    text, lp = out.text, self._logprobs(req, out.logprobs, list(out.text_offsets[:len(out.logprobs)]))
+                    if echo:
+                        text, lp = self._echoed(req, choice, text, lp)
+                    elif req.echo and lp is not None:  # offsets count from the start of the echoed prompt
+                        lp["text_offset"] = [o + choice.echoed for o in lp["text_offset"]]
+                    chunks.append(shapes.chat_chunk(choice.index, {"content": text}, None, lp, usage) if chat
+                                  else shapes.completion_chunk(choice.index, text, None, lp, usage))
                 if out.finish_reason is not None:
                     stop = out.stop_reason
                     chunks.append(shapes.chat_chunk(choice.index, {}, out.finish_reason, usage=usage, stop_reason=stop)

@@ -29,7 +29,7 @@ UNSUPPORTED = {
     "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
     "guided_grammar": "guided decoding", "guided_whitespace_pattern": "guided decoding",
     "guided_decoding_backend": "guided decoding", "structured_outputs": "structured outputs",
-    "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search",
+    "use_beam_search": "beam search",
     "allowed_token_ids": "token allow-lists", "bad_words": "banned words", "logits_processors": "logits processors",
     "chat_template": "request-supplied chat templates (it uses the model's)", "documents": "document templates",
 }
@@ -56,6 +56,9 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # completions: each choice's text starts with its prompt (and its logprobs with the prompt's)
+    prompt_texts: tuple[str | None, ...] = ()  # echo: the prompts as sent (None: token ids, or truncated)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs and this many likeliest
 
     @property
     def num_choices(self) -> int:
@@ -78,7 +81,8 @@ def parse_chat(data: dict, model: ModelInfo, max_n: int) -> GenerationRequest:
     check_model(f, model)
     _reject_unsupported(f)
     if f.boolean("echo", False):
-        raise bad_request("'echo' is not supported for chat; leave it out or set it to false", param="echo")
+        raise bad_request("'echo' is not supported for chat; leave it out or set it to false (the completions "
+                          "API's echo is)", param="echo")
     prompt = render_chat(f, parse_messages(f), model)
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", 0, 0, 20)
@@ -92,8 +96,6 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
     f = Fields(data)
     check_model(f, model)
     _reject_unsupported(f)
-    if f.boolean("echo", False):
-        raise bad_request("'echo' is not supported; leave it out or set it to false", param="echo")
     if f.string("suffix"):
         raise bad_request("'suffix' (insertion) is not supported; leave it out", param="suffix")
     prompts = parse_prompts(f, model)
@@ -102,7 +104,9 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
     best_of = f.integer("best_of", n, 1, max_n)
     if best_of != n:
         raise bad_request(f"'best_of' is not supported unless it equals 'n' ({n})", param="best_of")
-    return _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n)
+    echo = f.boolean("echo", False)
+    return _finish(f, "completion", model, prompts, "prompt", "max_tokens", 16, top is not None, top or 0, max_n,
+                   echo=echo, prompt_texts=tuple(_prompt_items(f)) if echo else ())
 
 
 def render_chat(f: Fields, messages: list[dict], model: ModelInfo) -> list[int]:
@@ -177,17 +181,21 @@ def _content(m: dict, where: str) -> str:
                       param=f"{where}.content")
 
 
-def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
+def _prompt_items(f: Fields) -> list:
+    """The prompts of a completions request: strings or token-id arrays."""
     prompt = f.raw("prompt")
     expected = "a string, an array of strings, an array of token ids or an array of token-id arrays"
     if prompt is None:
         raise bad_request(f"'prompt' is required: {expected}", param="prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt:
-        items = prompt
-    else:
-        raise bad_request(f"'prompt' must be {expected}, got {describe(prompt)}", param="prompt")
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        return prompt
+    raise bad_request(f"'prompt' must be {expected}, got {describe(prompt)}", param="prompt")
+
+
+def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
+    items = _prompt_items(f)
     vocab = model.tokenizer.vocab_size
     out = []
     for i, item in enumerate(items):
@@ -282,7 +290,7 @@ def _reject_unsupported(f: Fields) -> None:
 
 def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], prompt_field: str,
             max_tokens_key: str, default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
-            max_n: int) -> GenerationRequest:
+            max_n: int, echo: bool = False, prompt_texts: tuple = ()) -> GenerationRequest:
     context = model.max_model_len
     keep = f.integer("truncate_prompt_tokens", None, -1, None, hint=" (-1: the context)")
     if keep == 0:
@@ -290,13 +298,15 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
                           param="truncate_prompt_tokens")
     if keep is not None:  # vLLM's: only the prompt's last `keep` tokens (-1: as many as the context holds)
         prompts = [p[-(context - 1 if keep == -1 else keep):] for p in prompts]
+        prompt_texts = tuple(None for _ in prompt_texts)  # echo shows the tokens kept
     longest = max(len(p) for p in prompts)
     if longest >= context:
         raise bad_request(f"{longest} tokens of {prompt_field}, but the context holds {context} tokens "
                           f"(including the reply); shorten the {prompt_field}", param=prompt_field,
                           code="context_length_exceeded")
     room = context - longest
-    max_tokens = f.integer(max_tokens_key, None, 1, None)
+    # max_tokens 0 with echo: the prompt scored, nothing generated (OpenAI's legacy API, vLLM)
+    max_tokens = f.integer(max_tokens_key, None, 0 if echo else 1, None, hint=" (0 only with echo)" if kind == "completion" and not echo else "")
     min_tokens = f.integer("min_tokens", 0, 0, max_tokens if max_tokens is not None else room)
     if max_tokens is not None and max_tokens > room:
         raise bad_request(f"'{max_tokens_key}' is {max_tokens} but {longest} of the {context}-token context go to "
@@ -312,6 +322,15 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
     if options is not None and not stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
     include_usage = options.boolean("include_usage", False) if options else False
+    prompt_logprobs = f.integer("prompt_logprobs", None, 0, 20)  # vLLM's
+    if prompt_logprobs is not None and stream:
+        raise bad_request("'prompt_logprobs' is not available with 'stream': true (as in vLLM); the completions "
+                          "API's echo with logprobs streams the prompt's logprobs", param="prompt_logprobs")
+    wanted = [k for k in (prompt_logprobs, top_logprobs if echo and logprobs else None) if k is not None]
+    if wanted and not getattr(model, "computes_prompt_logprobs", True):
+        raise bad_request("prompt logprobs (echo with logprobs, prompt_logprobs) are not computed over a pipeline "
+                          "of stages; leave them out", param="prompt_logprobs" if prompt_logprobs is not None
+                          else "echo")
     common = dict(
         temperature=f.number("temperature", 1.0, 0, 2),
         top_p=f.number("top_p", 1.0, 0, 1, lo_open=True),
@@ -328,6 +347,7 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         top_logprobs=top_logprobs,
         logit_bias=_logit_bias(f, model.tokenizer.vocab_size),
         include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
+        prompt_logprobs=max(wanted) if wanted else None,
     )
     params = []
     for p in prompts:
@@ -338,4 +358,5 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         except FlotillaError as e:
             raise bad_request(str(e)) from None
     return GenerationRequest(kind, model.model_name, tuple(tuple(p) for p in prompts), tuple(params), n,
-                             stream, include_usage)
+                             stream, include_usage, echo, tuple(t if isinstance(t, str) else None for t in prompt_texts),
+                             prompt_logprobs)

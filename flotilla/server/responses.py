@@ -35,6 +35,51 @@ def completion_logprobs(tt: TokenText, items: list[TokenLogprob], offsets: list[
             "top_logprobs": [_top_dict(tt, lp) for lp in items], "text_offset": offsets}
 
 
+class EchoedPrompt:
+    """A completions choice's prompt as echo shows it: its text (as sent, or decoded from its ids), each
+    token's text_offset in that text, and its logprobs in completions' form when it has them."""
+
+    def __init__(self, tt: TokenText, tokenizer, ids: tuple[int, ...], sent: str | None):
+        detok, decoded, self.offsets = tokenizer.detokenizer([]), "", []
+        for t in ids:
+            self.offsets.append(len(decoded))
+            decoded += detok.add(t)
+        decoded += detok.flush()
+        self.text = sent if sent is not None else decoded
+        self.tt, self.ids = tt, ids
+
+    def logprobs(self, entries, k: int) -> dict:
+        """Completions' logprobs of the prompt (`entries`: the engine's prompt logprobs, None at 0):
+        token_logprobs and top_logprobs are null for the first token, as OpenAI's and vLLM's."""
+        tt, lps, tops = self.tt, [None], [None]
+        for t, entry in zip(self.ids[1:], (entries or ())[1:]):
+            lp, _, top = entry
+            lps.append(lp)
+            tops.append(_top_dict(tt, TokenLogprob(t, lp, tuple(top[:k]))))
+        lps += [None] * (len(self.ids) - len(lps))  # none computed (an engine without them): null, not a 500
+        tops += [None] * (len(self.ids) - len(tops))
+        return {"tokens": [tt.decode(t) for t in self.ids], "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": list(self.offsets)}
+
+
+def join_logprobs(first: dict, then: dict, shift: int) -> dict:
+    """Completions' logprobs of `first` followed by `then`, whose text starts `shift` characters in."""
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+            "text_offset": first["text_offset"] + [o + shift for o in then["text_offset"]]}
+
+
+def vllm_prompt_logprobs(tt: TokenText, ids, entries, k: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, then {token id: {logprob, rank,
+    decoded_token}} of the token there and the k likeliest."""
+    out: list = [None]
+    for t, (lp, rank, top) in zip(ids[1:], (entries or ())[1:]):
+        row = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": tt.decode(i)} for r, (i, v) in enumerate(top[:k])}
+        row.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": tt.decode(t)})
+        out.append(row)
+    return out
+
+
 def _top_dict(tt: TokenText, lp: TokenLogprob) -> dict[str, float]:
     """Completions' top_logprobs: text -> logprob, most likely first, and the sampled token's own
     (so up to logprobs + 1 entries, as OpenAI's legacy API and vLLM give); where two tokens share

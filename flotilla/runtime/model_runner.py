@@ -104,7 +104,8 @@ class ModelRunner:
 
     def can_launch(self, step: StepInput) -> bool:
         """Whether `launch` takes this step (its sampling must read no host data: the caller's part)."""
-        return 0 < step.num_seqs <= self.max_launch_rows and all(step.sample) and step.spec_token_ids is None
+        return (0 < step.num_seqs <= self.max_launch_rows and all(step.sample) and step.spec_token_ids is None
+                and step.prompt_logprobs is None)
 
     @torch.inference_mode()
     def launch(self, step: StepInput, hidden: torch.Tensor | None = None,

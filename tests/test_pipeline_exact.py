@@ -13,6 +13,7 @@ too (checked, so the oracle is known to be the sharper one).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -82,16 +83,28 @@ def largest_gap(a, b) -> float:
     return max(abs(x[1] - y[1]) for ra, rb in zip(a, b) for sa, sb in zip(ra, rb) for x, y in zip(sa, sb))
 
 
-def two_stages(ckpt, prompts, tmp_path, spin: float) -> tuple[list, list]:
-    """The ring's top-2 per token, and its workers' stats."""
+def prompt_logprobs(engine, prompts) -> list[list]:
+    """Each request's prompt logprobs (top 3), 5-token prefill chunks."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
+    got = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                got[o.request_id] = o.prompt_logprobs
+    return [got[f"p{i}"] for i in range(len(prompts))]
+
+
+def two_stages(ckpt, prompts, tmp_path, spin: float, run=top2, args=ARGS) -> tuple[list, list]:
+    """The ring's top-2 per token (or what `run` returns), and its workers' stats."""
     workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt, spin=spin) for i in range(2)]
     try:
         settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32",
                                     spin_us=int(spin * 1e6))
-        engine = build_pipeline_engine(ckpt, ARGS, settings, lambda line: None, with_tokenizer=False)
+        engine = build_pipeline_engine(ckpt, args, settings, lambda line: None, with_tokenizer=False)
         try:
             assert engine.executor.depth == 2  # two CPU stages: two micro-batches of 3 sequences in flight
-            return top2(engine, prompts), engine.executor.pipeline.worker_stats()
+            return run(engine, prompts), engine.executor.pipeline.worker_stats()
         finally:
             engine.close()
     finally:
@@ -123,3 +136,17 @@ def test_two_stages_through_a_lane_equal_pp1_without_rounding(ckpt, prompts, tmp
     plain = top2(local(ckpt, None), prompts)
     assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in plain]
     assert largest_gap(ring, plain) <= EXACT
+
+
+def test_prompt_logprobs_through_two_stages_equal_pp1(ckpt, prompts, tmp_path):
+    """The last stage computes the prompt's logprobs from its prefill chunks (protocol 11): through the lane,
+    in fp32, they are plain pp=1's, values, ranks and top tokens."""
+    args = dataclasses.replace(ARGS, max_num_batched_tokens=5, enable_prefix_caching=True)
+    ring, _ = two_stages(ckpt, prompts, tmp_path, 0.0, prompt_logprobs, args)
+    lm = load_model(ckpt, "cpu", "float32", with_tokenizer=False, progress=False)
+    plain = prompt_logprobs(build_engine(lm, args), prompts)
+    assert [len(r) for r in ring] == [len(p) for p in prompts]
+    for r, q in zip(ring, plain):
+        assert r[0] is None and q[0] is None
+        for (lp, rank, top), (lp1, rank1, top1) in zip(r[1:], q[1:]):
+            assert abs(lp - lp1) <= EXACT and rank == rank1 and [t for t, _ in top] == [t for t, _ in top1]

@@ -96,6 +96,6 @@ def test_max_tokens_0_scores_the_prompt_only_beside_other_requests(tiny):
 def test_an_executor_without_prompt_logprobs_refuses_them(tiny):
     _, lm = tiny
     eng = build_engine(lm, EngineArgs(kv_cache_memory="16MiB"))
-    eng.executor = object()  # e.g. a pipeline's executor, which does not compute them
+    eng.executor = object()  # an executor that does not compute them
     with pytest.raises(FlotillaError, match="prompt logprobs"):
         eng.validate([5, 6, 7], SamplingParams(prompt_logprobs=1))

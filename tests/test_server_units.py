@@ -239,7 +239,7 @@ def test_a_model_served_by_a_relative_path_is_named_after_it(tmp_path, monkeypat
 
 def test_echo_and_prompt_logprobs_map_to_the_engine_request():
     """echo with logprobs k asks the engine for the prompt's logprobs with k likeliest (vLLM's prompt_logprobs
-    too, the larger wins); max_tokens 0 only with echo; a pipeline (no prompt logprobs) refuses them."""
+    too, the larger wins); max_tokens 0 only with echo; an engine without prompt logprobs refuses them."""
     req = parse_completion({"prompt": "abcd", "echo": True, "logprobs": 2, "max_tokens": 0}, StubModel(), 8)
     assert req.echo and req.prompt_texts == ("abcd",) and req.params[0].prompt_logprobs == 2
     assert req.params[0].max_tokens == 0 and req.prompt_logprobs is None
@@ -253,9 +253,9 @@ def test_echo_and_prompt_logprobs_map_to_the_engine_request():
     with pytest.raises(ApiError, match="not available with 'stream'"):
         parse_completion({"prompt": "abcd", "prompt_logprobs": 1, "stream": True}, StubModel(), 8)
 
-    class Pipeline(StubModel):
+    class Without(StubModel):  # an engine whose executor does not compute them
         computes_prompt_logprobs = False
 
-    with pytest.raises(ApiError, match="pipeline"):
-        parse_completion({"prompt": "abcd", "echo": True, "logprobs": 1}, Pipeline(), 8)
-    assert parse_completion({"prompt": "abcd", "echo": True}, Pipeline(), 8).echo  # no logprobs: nothing to compute
+    with pytest.raises(ApiError, match="not computed by this server's engine"):
+        parse_completion({"prompt": "abcd", "echo": True, "logprobs": 1}, Without(), 8)
+    assert parse_completion({"prompt": "abcd", "echo": True}, Without(), 8).echo  # no logprobs: nothing to compute

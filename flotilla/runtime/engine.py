@@ -146,7 +146,7 @@ class LLMEngine:
             raise FlotillaError("stop strings need a tokenizer; this engine has none")
         if params.prompt_logprobs is not None and not getattr(self.executor, "computes_prompt_logprobs", False):
             raise FlotillaError("prompt logprobs (echo with logprobs, prompt_logprobs) are not computed by this "
-                                "engine's executor (a pipeline of stages); leave them out")
+                                "engine's executor; leave them out")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()

@@ -158,7 +158,7 @@ class ModelRunner:
             out = self._forward(step, hidden)
         if not self.model.stage.is_last:
             return out  # hidden states [T, H]
-        prompt = self.prompt_logprobs(step, out) if step.prompt_logprobs is not None else None
+        prompt = self.prompt_logprobs(step, out) if step.prompt_logprobs is not None and not replay else None
         if not any(step.sample):  # only partial prefill chunks this step
             return SamplerOutput([], prompt_logprobs=prompt)
         logits = out if replay else self.compute_logits(step, out)

@@ -118,7 +118,7 @@ class EngineClient:
         self._parallel = parallel  # a TensorParallel group to close with the engine
         self.max_model_len = self._llm.config.context_len
         self.max_num_seqs = self._llm.config.scheduler.max_num_seqs
-        # whether the engine computes prompt logprobs (not over a pipeline of stages): protocol's check
+        # whether the engine's executor computes prompt logprobs (every one here does): protocol's check
         self.computes_prompt_logprobs = getattr(llm.executor, "computes_prompt_logprobs", False)
         self._engine: AsyncEngine | None = None
         self._active: set[str] = set()

@@ -328,8 +328,8 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
                           "API's echo with logprobs streams the prompt's logprobs", param="prompt_logprobs")
     wanted = [k for k in (prompt_logprobs, top_logprobs if echo and logprobs else None) if k is not None]
     if wanted and not getattr(model, "computes_prompt_logprobs", True):
-        raise bad_request("prompt logprobs (echo with logprobs, prompt_logprobs) are not computed over a pipeline "
-                          "of stages; leave them out", param="prompt_logprobs" if prompt_logprobs is not None
+        raise bad_request("prompt logprobs (echo with logprobs, prompt_logprobs) are not computed by this "
+                          "server's engine; leave them out", param="prompt_logprobs" if prompt_logprobs is not None
                           else "echo")
     common = dict(
         temperature=f.number("temperature", 1.0, 0, 2),

@@ -23,6 +23,7 @@ from .step_codec import StepEncoder, sampler_output
 
 class PipelineExecutor:
     max_launch_rows = 1 << 30  # overlapped decodes (PipelineEngine): the last stage samples any batch
+    computes_prompt_logprobs = True  # the last stage computes them (Step/StepResult.prompt_logprobs)
 
     def __init__(self, pipeline: Pipeline):
         self.pipeline = pipeline

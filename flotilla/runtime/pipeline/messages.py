@@ -200,6 +200,24 @@ class SeqSampling:
     ends: list[int]  # eos and stop tokens (only with min_tokens)
 
 
+@message("prompt_rows")
+class PromptRows:
+    """A sequence's prompt logprobs wanted from a step (StepInput.prompt_logprobs), to the last stage."""
+
+    k: int  # how many likeliest tokens
+    targets: list[int]  # the prompt tokens the sequence's first rows predict
+
+
+@message("prompt_logprob")
+class PromptLogprob:
+    """One prompt token's logprob, from the last stage (ModelRunner.prompt_logprobs)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_values: list[float]
+
+
 @message("step")
 class Step:
     epoch: int
@@ -231,6 +249,7 @@ class Step:
     # > 0: this step's input is in slot `lane_seq` of the previous hop's device lane (lane.py):
     # the hidden states (then `hidden` is None); at stage 0, set by its gate, step `prev_mb`'s ids
     lane_seq: int = 0
+    prompt_logprobs: list[PromptRows] | None = None  # per sequence; None: no prompt logprobs in this step
 
 
 @message("device_lane")
@@ -281,3 +300,4 @@ class StepResult:
     top_ids: list[list[int]] | None  # per row: the top tokens, best first
     top_values: list[list[float]] | None  # and their logprobs
     accepted: list[list[int]] | None = None  # speculative steps: per row, the drafts accepted before the token
+    prompt_logprobs: list[list[PromptLogprob]] | None = None  # per sequence of the step, when it asked

@@ -36,7 +36,7 @@ import torch
 from flotilla.runtime.model_runner import StepInput
 from flotilla.runtime.sampler import SamplerOutput, SamplingBatch
 
-from .messages import SeqSampling, Step, StepResult
+from .messages import PromptLogprob, PromptRows, SeqSampling, Step, StepResult
 
 
 @dataclass
@@ -99,7 +99,9 @@ class StepEncoder:
                     [list(d) for d in spec] if speculating else None,
                     _sampled_draft_probs(step) if speculating else None, trims or None,
                     prev_mb if step.prev_rows is not None else 0,
-                    list(step.prev_rows) if step.prev_rows is not None else None, feed)
+                    list(step.prev_rows) if step.prev_rows is not None else None, feed,
+                    prompt_logprobs=[PromptRows(k, list(ids)) for k, ids in step.prompt_logprobs]
+                    if step.prompt_logprobs is not None else None)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -167,7 +169,10 @@ def sampler_output(result: StepResult) -> SamplerOutput:
     tops = None
     if result.top_ids is not None:
         tops = [list(zip(ids, vals)) for ids, vals in zip(result.top_ids, result.top_values or [])]
-    return SamplerOutput(list(result.token_ids), result.logprobs, tops, result.accepted)
+    prompt = None
+    if result.prompt_logprobs is not None:
+        prompt = [[(e.logprob, e.rank, list(zip(e.top_ids, e.top_values))) for e in seq] for seq in result.prompt_logprobs]
+    return SamplerOutput(list(result.token_ids), result.logprobs, tops, result.accepted, prompt)
 
 
 def step_result(epoch: int, mb: int, out: SamplerOutput) -> StepResult:
@@ -176,7 +181,11 @@ def step_result(epoch: int, mb: int, out: SamplerOutput) -> StepResult:
     if out.top_logprobs is not None:
         top_ids = [[int(t) for t, _ in row] for row in out.top_logprobs]
         top_values = [[float(v) for _, v in row] for row in out.top_logprobs]
-    return StepResult(epoch, mb, list(out.token_ids), out.logprobs, top_ids, top_values, out.accepted)
+    prompt = None
+    if out.prompt_logprobs is not None:
+        prompt = [[PromptLogprob(float(lp), int(rank), [int(t) for t, _ in top], [float(v) for _, v in top])
+                   for lp, rank, top in seq] for seq in out.prompt_logprobs]
+    return StepResult(epoch, mb, list(out.token_ids), out.logprobs, top_ids, top_values, out.accepted, prompt)
 
 
 @dataclass
@@ -228,7 +237,9 @@ class StageSequences:
                          starts=msg.starts, query_lens=msg.query_lens, block_tables=tables,
                          num_decodes=msg.num_decodes, sample=msg.sample, sampling=sampling,
                          spec_token_ids=spec if is_last else None,
-                         draft_probs=self._draft_probs(msg) if is_last and spec is not None else None)
+                         draft_probs=self._draft_probs(msg) if is_last and spec is not None else None,
+                         prompt_logprobs=[(r.k, r.targets) for r in msg.prompt_logprobs]
+                         if is_last and msg.prompt_logprobs is not None else None)
 
     def _rows(self, msg: Step):
         """(sampling state, position after the committed tokens, drafts) per sampling sequence."""

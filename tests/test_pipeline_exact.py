@@ -150,3 +150,36 @@ def test_prompt_logprobs_through_two_stages_equal_pp1(ckpt, prompts, tmp_path):
         assert r[0] is None and q[0] is None
         for (lp, rank, top), (lp1, rank1, top1) in zip(r[1:], q[1:]):
             assert abs(lp - lp1) <= EXACT and rank == rank1 and [t for t, _ in top] == [t for t, _ in top1]
+
+
+def test_a_neighbour_aborted_mid_flight_keeps_the_prompt_logprobs(ckpt, prompts, tmp_path):
+    """A sequence aborted while its micro-batch is on the ring is dropped from the step's result
+    (pipeline/engine._live); a scoring request in the same micro-batch keeps its prompt chunk's logprobs."""
+    def run(engine, prompts):
+        for i in range(5):
+            engine.add_request(f"b{i}", prompts[i + 1][:3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        scored = (prompts[0] * 4)[:40]
+        engine.add_request("a", scored, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+        fill, aborted = engine._fill, []
+
+        def fill_then_abort():  # once: abort a neighbour of "a" in a micro-batch that is in flight
+            fill()
+            for piece in engine._inflight.values():
+                ids = [s.seq.request_id for s in piece.scheduled]
+                if "a" in ids and not aborted:
+                    other = next((r for r in ids if r != "a" and r in engine.seqs), None)
+                    if other is not None:
+                        engine.abort(other)
+                        aborted.append(other)
+        engine._fill = fill_then_abort
+        got = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == "a" and o.prompt_logprobs is not None:
+                    got = o.prompt_logprobs
+        assert aborted, "no neighbour was in flight with the scoring request"
+        return scored, got
+
+    (scored, got), _ = two_stages(ckpt, prompts, tmp_path, 0.0, run,
+                                  dataclasses.replace(ARGS, max_num_batched_tokens=16))
+    assert len(got) == len(scored) and got[0] is None and all(e is not None for e in got[1:])

@@ -152,12 +152,13 @@ def test_logprobs_on_the_websocket_are_refused_not_ignored():
     async def go(server, s):
         ws = await connect(server, s)
         got = []
-        for extra in ({"logprobs": True}, {"top_logprobs": 3}, {"logprobs": False}):
+        for extra in ({"logprobs": True}, {"top_logprobs": 3}, {"prompt_logprobs": 0}, {"logprobs": False}):
             await ws.send_json({**CHAT, "max_tokens": 2, **extra})
             got.append(await recv(ws))
         return got
 
-    lp, top, off = serve(Engine(), go)
+    lp, top, prompt, off = serve(Engine(), go)
+    assert prompt["type"] == "error" and prompt["param"] == "prompt_logprobs"  # 0 asks for the prompt's own
     assert lp["type"] == "error" and lp["code"] == 400 and lp["param"] == "logprobs"
     assert "POST /v1/chat/completions" in lp["message"]
     assert top["type"] == "error" and top["param"] == "top_logprobs"

@@ -136,8 +136,8 @@ class ModelRunner:
         """A first stage's step whose token ids are not known yet: write the rest of its inputs
         into its decode graph's static inputs now, if a graph serves it (then `execute(...,
         staged=True)` with the ids replays it; any other step in between undoes this)."""
-        if not self.model.stage.is_first or not self._replays(step):
-            return False
+        if not self.model.stage.is_first or not self._replays(step) or step.prompt_logprobs is not None:
+            return False  # (prompt logprobs read the hidden states: never a replay)
         self.graphs.stage(step.token_ids, step.starts, step.block_tables, step.query_lens)
         return True
 

@@ -53,6 +53,10 @@ class EchoedPrompt:
         token_logprobs and top_logprobs are null for the first token, as OpenAI's and vLLM's."""
         tt, lps, tops = self.tt, [None], [None]
         for t, entry in zip(self.ids[1:], (entries or ())[1:]):
+            if entry is None:  # not computed (never expected: the engine fills every position)
+                lps.append(None)
+                tops.append(None)
+                continue
             lp, _, top = entry
             lps.append(lp)
             tops.append(_top_dict(tt, TokenLogprob(t, lp, tuple(top[:k]))))
@@ -73,7 +77,11 @@ def vllm_prompt_logprobs(tt: TokenText, ids, entries, k: int) -> list:
     """vLLM's prompt_logprobs: per prompt token, None for the first, then {token id: {logprob, rank,
     decoded_token}} of the token there and the k likeliest."""
     out: list = [None]
-    for t, (lp, rank, top) in zip(ids[1:], (entries or ())[1:]):
+    for t, entry in zip(ids[1:], (entries or ())[1:]):
+        if entry is None:  # not computed (never expected)
+            out.append(None)
+            continue
+        lp, rank, top = entry
         row = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": tt.decode(i)} for r, (i, v) in enumerate(top[:k])}
         row.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": tt.decode(t)})
         out.append(row)

@@ -76,6 +76,7 @@ class Server:
     async def _wait_idle(self, timeout: float, cut_short: asyncio.Event | None) -> bool:
         admission, engine = self.state.admission, self.state.engine
         deadline = asyncio.get_running_loop().time() + timeout
+        down_since = None  # when the engine's problems began (a pipeline stage down), if it has any now
         while True:
             left = deadline - asyncio.get_running_loop().time()
             if await admission.wait_idle(max(0.0, min(left, GRACE_POLL_S))):
@@ -86,7 +87,9 @@ class Server:
                 _announce("flotilla: second signal: cancelling the in-flight requests now")
                 return False
             problems = engine.problems()
-            if problems:
+            now = asyncio.get_running_loop().time()
+            down_since = (down_since if down_since is not None else now) if problems else None
+            if problems and now - down_since >= DOWN_GRACE_S:  # not a short repair (a broken link, a local restart)
                 _announce(f"flotilla: cancelling the {admission.in_flight} in-flight requests now, not after the "
                           f"grace period: they cannot finish ({'; '.join(problems)})")
                 return False
@@ -128,6 +131,9 @@ class EngineDied(FlotillaError):
 
 
 GRACE_POLL_S = 0.25  # how often the grace period asks whether waiting can still help
+# the engine's problems (a pipeline stage down) this long during the grace period end it: by then it is not a
+# short repair (a broken link between live workers, a local worker's restart: well under a second)
+DOWN_GRACE_S = 5.0
 ENGINE_WATCH_S = 1.0  # how often serve() asks whether the engine can still serve
 
 

@@ -237,8 +237,8 @@ class _Conversation:
                 raise bad_request("'n' must be 1 on the websocket", param="n")
             if data.get("stream") is False:
                 raise bad_request("the websocket always streams; leave out 'stream'", param="stream")
-            for name in ("logprobs", "top_logprobs"):
-                if data.get(name) not in (None, False, 0):
+            for name in ("logprobs", "top_logprobs", "prompt_logprobs"):  # (prompt_logprobs 0 asks for some too)
+                if data.get(name) not in (None, False, 0) or (name == "prompt_logprobs" and data.get(name) == 0):
                     raise bad_request(f"the websocket's frames carry no logprobs; leave out '{name}', or ask "
                                       f"POST /v1/chat/completions for them", param=name)
             fields = {k: v for k, v in data.items() if k not in ("type", "stream", "stream_options")}

@@ -226,15 +226,17 @@ def _live(piece: SchedulerOutput, result: SamplerOutput) -> tuple[SchedulerOutpu
     """The piece and its result without sequences that finished (aborted) while it was in flight."""
     if not any(s.seq.is_finished for s in piece.scheduled):
         return piece, result
-    keep, rows, row = [], [], 0
-    for s in piece.scheduled:
+    keep, rows, seqs, row = [], [], [], 0
+    for b, s in enumerate(piece.scheduled):
         if s.samples:
             row += 1
         if s.seq.is_finished:
             continue
         keep.append(s)
+        seqs.append(b)
         if s.samples:
             rows.append(row - 1)
     pick = lambda xs: None if xs is None else [xs[r] for r in rows]  # noqa: E731
+    prompt = None if result.prompt_logprobs is None else [result.prompt_logprobs[b] for b in seqs]  # per sequence
     return SchedulerOutput(keep), SamplerOutput(pick(result.token_ids), pick(result.logprobs),
-                                                pick(result.top_logprobs), pick(result.accepted))
+                                                pick(result.top_logprobs), pick(result.accepted), prompt)

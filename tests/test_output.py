@@ -34,6 +34,21 @@ def test_deltas_add_up_to_the_decoded_text_and_never_split_a_character(tok):
     assert outs[-1].finished and outs[-1].finish_reason == "length"
 
 
+def test_a_reply_cut_inside_a_character_drops_the_piece_not_a_replacement_character(tok):
+    """max_tokens ending between the pieces of a character: the text ends before it (vLLM never emits the
+    incomplete character), not in U+FFFD."""
+    full = tok.encode("Emoji: 🥳🥴", add_special_tokens=False)
+    cut = next(n for n in range(1, len(full)) if tok.decode(full[:n]).endswith("\ufffd"))
+    eng = scripted_engine({"r": full[:cut]}, tok)
+    eng.add_request("r", tok.encode("Say something."), SamplingParams(max_tokens=cut, temperature=0))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    text = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "length" and "\ufffd" not in text
+    assert text == tok.decode(full[:cut]).rstrip("\ufffd")
+
+
 def test_a_stop_string_cuts_the_text_and_is_never_streamed(tok):
     script, outs = run(tok, "The answer is 42. END of the story, and more words.", stop=("END", "zebra"))
     text = "".join(o.text for o in outs)

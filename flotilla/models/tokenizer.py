@@ -142,11 +142,12 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Whatever is still held back at the end (an incomplete character stays as U+FFFD)."""
+        """Whatever is still held back at the end, less a last character that its bytes never completed (a
+        reply cut by max_tokens inside a character: dropped, as vLLM never emits it, not shown as U+FFFD)."""
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
         full_text = self.tok.decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text):].rstrip("\ufffd")
 
 
 def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

@@ -259,3 +259,13 @@ def test_echo_and_prompt_logprobs_map_to_the_engine_request():
     with pytest.raises(ApiError, match="not computed by this server's engine"):
         parse_completion({"prompt": "abcd", "echo": True, "logprobs": 1}, Without(), 8)
     assert parse_completion({"prompt": "abcd", "echo": True}, Without(), 8).echo  # no logprobs: nothing to compute
+
+
+def test_fields_no_part_of_the_request_read_are_named():
+    """A misspelt or another server's field is named (the server logs it, as vLLM does); OpenAI's fields
+    that change nothing here (user, metadata, ...) are not."""
+    req = parse_completion({"prompt": "abc", "max_token": 1, "temprature": 0, "user": "me", "metadata": {}},
+                           StubModel(), 8)
+    assert req.ignored == ("max_token", "temprature")
+    assert chat(top_k=3, min_p=0.1, logprobs=False, stream_options=None).ignored == ()
+    assert chat(guided_json=None, response_format={"type": "text"}, tool_choice="none").ignored == ()

@@ -74,15 +74,24 @@ class Fields:
     def __init__(self, data: dict, prefix: str = ""):
         self.data = data
         self.prefix = prefix
+        self._read: set[str] = set()  # the keys asked for: the others were ignored (`unread`)
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        self._read.add(key)
+        return self.data.get(key, default)
+
+    def unread(self) -> list[str]:
+        """The object's keys that nothing asked for: what the request sent that was ignored."""
+        return [k for k in self.data if k not in self._read]
 
     def name(self, key: str) -> str:
         return f"{self.prefix}{key}"
 
     def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
+        return self._get(key) is not None
 
     def raw(self, key: str, default: Any = None) -> Any:
-        value = self.data.get(key)
+        value = self._get(key)
         return default if value is None else value
 
     def _fail(self, key: str, expected: str, value: Any):
@@ -90,7 +99,7 @@ class Fields:
 
     def integer(self, key: str, default: int | None, lo: int | None = None, hi: int | None = None,
                 hint: str = "") -> int | None:
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return default
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
@@ -104,7 +113,7 @@ class Fields:
 
     def number(self, key: str, default: float, lo: float | None = None, hi: float | None = None,
                lo_open: bool = False) -> float:
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return default
         expected = "a number" + _range(lo, hi, lo_open)
@@ -115,7 +124,7 @@ class Fields:
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return default
         if not isinstance(value, bool):
@@ -123,7 +132,7 @@ class Fields:
         return value
 
     def string(self, key: str, default: str | None = None) -> str | None:
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return default
         if not isinstance(value, str):
@@ -131,7 +140,7 @@ class Fields:
         return value
 
     def obj(self, key: str) -> "Fields | None":
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return None
         if not isinstance(value, dict):
@@ -140,7 +149,7 @@ class Fields:
 
     def string_list(self, key: str, max_items: int, max_len: int) -> tuple[str, ...]:
         """A string or an array of strings (e.g. `stop`)."""
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return ()
         items = [value] if isinstance(value, str) else value
@@ -154,7 +163,7 @@ class Fields:
         return tuple(items)
 
     def int_list(self, key: str, lo: int, hi: int, max_items: int) -> tuple[int, ...]:
-        value = self.data.get(key)
+        value = self._get(key)
         if value is None:
             return ()
         expected = f"an array of at most {max_items} integers in {lo}..{hi}"

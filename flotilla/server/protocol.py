@@ -33,6 +33,10 @@ UNSUPPORTED = {
     "allowed_token_ids": "token allow-lists", "bad_words": "banned words", "logits_processors": "logits processors",
     "chat_template": "request-supplied chat templates (it uses the model's)", "documents": "document templates",
 }
+# OpenAI's request fields that change nothing here and that clients send as a matter of course: left out of
+# the log line that names a request's ignored fields (GenerationRequest.ignored)
+SILENT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+                    "prompt_cache_key"})
 # chat_template_kwargs may not set what the request or the tokenizer sets (the conversation, the flags, the
 # template itself, the special tokens): a client-sent template is code run by the server
 TEMPLATE_NAMES = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template",
@@ -59,6 +63,7 @@ class GenerationRequest:
     echo: bool = False  # completions: each choice's text starts with its prompt (and its logprobs with the prompt's)
     prompt_texts: tuple[str | None, ...] = ()  # echo: the prompts as sent (None: token ids, or truncated)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs and this many likeliest
+    ignored: tuple[str, ...] = ()  # the body's fields that no part of the request read (a typo, another server's)
 
     @property
     def num_choices(self) -> int:
@@ -359,4 +364,4 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
             raise bad_request(str(e)) from None
     return GenerationRequest(kind, model.model_name, tuple(tuple(p) for p in prompts), tuple(params), n,
                              stream, include_usage, echo, tuple(t if isinstance(t, str) else None for t in prompt_texts),
-                             prompt_logprobs)
+                             prompt_logprobs, tuple(k for k in f.unread() if k not in SILENT))

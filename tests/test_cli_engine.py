@@ -28,6 +28,7 @@ def test_generate_streams_greedy_text_and_reports_the_kv_cache(smollm2_gguf):
 
 def test_chat_keeps_the_conversation_and_stops_at_a_stop_string(smollm2_gguf):
     p = runtime("chat", str(smollm2_gguf), "--max-tokens", "12", "--kv-cache-memory", "32MiB", "--stop", ".",
+                "--temperature", "0",
                 stdin="What is the capital of France?\nAnd of Italy?\n")
     assert p.returncode == 0, p.stderr
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
@@ -56,6 +57,23 @@ def test_engine_flags_out_of_range_fail_before_the_model_loads():
             EngineArgs(**kwargs)
     p = runtime("generate", "/nonexistent/model", "-p", "hi", "--block-size", "0")
     assert p.returncode == 2 and p.stderr.strip() == "error: --block-size 0: expected an integer of at least 1"
+
+
+def test_generate_reads_its_prompt_from_a_file_or_stdin_and_refuses_an_empty_one_before_loading(smollm2_gguf,
+                                                                                                tmp_path):
+    args = ("--max-tokens", "6", "--kv-cache-memory", "32MiB")
+    want = runtime("generate", str(smollm2_gguf), "-p", "The capital of France is", *args)
+    assert want.returncode == 0, want.stderr
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The capital of France is\n")  # the file's last newline is not part of the prompt
+    for p in (runtime("generate", str(smollm2_gguf), "-f", str(prompt), *args),
+              runtime("generate", str(smollm2_gguf), *args, stdin="The capital of France is\n")):
+        assert p.returncode == 0 and p.stdout == want.stdout, p.stderr
+    for flags, stdin, words in ((["-p", ""], None, "the prompt is empty"), ([], "", "the prompt is empty"),
+                                (["-f", str(tmp_path / "missing.txt")], None, "cannot read it"),
+                                (["-p", "hi", "--max-tokens", "0"], None, "--max-tokens must be at least 1")):
+        p = runtime("generate", "/nonexistent/model", *flags, stdin=stdin)  # said before any model loads
+        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_a_max_model_len_past_the_model_is_said_and_capped(smollm2_gguf):
@@ -103,7 +121,7 @@ def test_chat_drops_the_oldest_turns_to_fit_the_context_and_skips_blank_lines(sm
     blank line is skipped rather than quitting, and a message too long on its own is refused for that turn."""
     asks = ["Tell me a long story about a dragon and a knight."] * 4
     p = runtime("chat", str(smollm2_gguf), "--max-tokens", "60", "--max-model-len", "256", "--kv-cache-memory",
-                "32MiB", stdin="\n".join([asks[0], "", *asks[1:], "word " * 300, "/reset", "What is the capital of France?"]) + "\n")
+                "32MiB", "--temperature", "0", stdin="\n".join([asks[0], "", *asks[1:], "word " * 300, "/reset", "What is the capital of France?"]) + "\n")
     assert p.returncode == 0, p.stderr
     assert "oldest messages were dropped to fit the context of 256 tokens" in p.stderr
     assert "that message alone (" in p.stderr and "send a shorter one" in p.stderr
@@ -119,7 +137,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_gguf):
 
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-m", "flotilla.runtime.cli", "chat", str(smollm2_gguf), "--max-tokens",
-                             "2000", "--kv-cache-memory", "64MiB"],
+                             "2000", "--kv-cache-memory", "64MiB", "--temperature", "0"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:
         proc.stdin.write("Write a 1000-word essay about the history of Rome.\n")  # a reply of many steps

@@ -183,7 +183,7 @@ def test_local_workers_stop_quietly(ckpt):
 
 
 def test_chat_runs_over_local_stages(ckpt):
-    cmd = [sys.executable, "-m", "flotilla.runtime.cli", "chat", str(ckpt), "--max-tokens", "6",
+    cmd = [sys.executable, "-m", "flotilla.runtime.cli", "chat", str(ckpt), "--max-tokens", "6", "--temperature", "0",
            "--kv-cache-memory", "4MiB", "--threads", "1"]
     one = subprocess.run(cmd, input="hello\nagain\n", capture_output=True, text=True, env=_env(), timeout=300)
     two = subprocess.run(cmd[:-2] + ["--threads", "2", "--devices", "cpu,cpu"], input="hello\nagain\n",

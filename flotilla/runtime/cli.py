@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from flotilla.errors import FlotillaError
@@ -71,10 +72,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                                    "(default: float32 on CPU, float16 on GPU)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+CHAT_TEMPERATURE = 0.7  # the chat's default, as the browser chat page's (greedy replies of a small model loop)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256, temperature: float = 0.0) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    g.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="keep the likeliest tokens whose probabilities add up to P, in (0, 1] (default 1: all)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (default 0: all)")
@@ -93,6 +97,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    if args.max_tokens < 1:  # (the API's max_tokens 0 scores a prompt with echo; these commands generate)
+        raise FlotillaError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -191,7 +197,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
     add_model_args(p)
     add_tp_args(p)
-    p.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", "-p", help="the prompt text (or --file, or the prompt piped on stdin)")
+    src.add_argument("--file", "-f", metavar="FILE", help="read the prompt from FILE ('-': stdin), as llama.cpp's -f")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     add_sampling_args(p, max_tokens=128)
     EngineArgs.add_args(p)
@@ -199,11 +207,33 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    """generate's prompt: --prompt, --file (- for stdin), or stdin when it is not a terminal; checked before
+    the model loads."""
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.file is not None or not sys.stdin.isatty():
+        name = args.file if args.file not in (None, "-") else None
+        try:
+            text = Path(name).read_text(encoding="utf-8") if name else sys.stdin.read()
+        except OSError as e:
+            raise FlotillaError(f"--file {name}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise FlotillaError(f"{'--file ' + name if name else 'stdin'}: not UTF-8 text") from None
+        text = text.removesuffix("\n")  # a file's or echo's last newline ends the input, not the prompt
+    else:
+        raise FlotillaError("give the prompt: --prompt TEXT, --file FILE, or pipe it on stdin")
+    if not text:
+        raise FlotillaError("the prompt is empty: give at least one character of text")
+    return text
+
+
 def _generate(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
+    prompt = _prompt_text(args)
     engine = _engine(args)
     tok = engine.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else tok.encode(prompt)
     _, n, ttft, rest, _ = _stream(engine, "generate", ids, params)
     sys.stdout.write("\n")
     context = engine.config.context_len
@@ -230,7 +260,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_tp_args(p)
     p.add_argument("--system", default=None, help="a system prompt")
-    add_sampling_args(p, max_tokens=512)
+    add_sampling_args(p, max_tokens=512, temperature=CHAT_TEMPERATURE)
     EngineArgs.add_args(p)
     p.set_defaults(max_num_seqs=1)
     pipeline_cli.add_pipeline_args(p)  # as `runtime serve`'s: the chat's model over a pipeline of stages

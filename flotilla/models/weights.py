@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from flotilla.errors import FlotillaError
+from flotilla.progress import progress_bar
 
 from .config import ModelConfig
 from .gguf_linear import GGUFEmbedding, GGUFLinear, GGUFLMHead
@@ -146,7 +146,7 @@ def _fill(source, plan: list[LoadItem], progress: bool = False, finish=None) -> 
     available = set(source.names())
     read = getattr(source, "get_native", source.get)  # a GGUF source hands its blocks to the GGUF layers
     with torch.no_grad():
-        for i, item in enumerate(tqdm(plan, desc="loading", unit="tensor", disable=not progress, leave=False)):
+        for i, item in enumerate(progress_bar(plan, desc="loading", unit="tensor", disable=not progress, leave=False)):
             if finish is not None and i and plan[i - 1].module is not item.module:
                 finish(plan[i - 1].module)
             if item.source_name not in available:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from flotilla.errors import FlotillaError
 from flotilla.models.attention import LockstepKVCache
 from flotilla.models.weights import load_stage
+from flotilla.progress import progress_bar
 
 TOP_P = 0.95
 TOP_K = 256
@@ -97,7 +98,7 @@ def generate_tokens(source, samples: int, seq_len: int, seed: int, device: torch
     if progress:
         print(f"calibration: sampling {samples} x {seq_len} tokens from the model itself "
               f"({SKIP_HINT})", file=sys.stderr)
-    with tqdm(total=total, desc="calibration text", unit="tok", disable=not progress, leave=False) as bar:
+    with progress_bar(total=total, desc="calibration text", unit="tok", disable=not progress, leave=False) as bar:
         tokens = sample_sequences(model, samples, seq_len, seed, on_step=lambda n: _show_expected(bar, n, total))
     del model
     return tokens

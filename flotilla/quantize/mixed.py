@@ -32,13 +32,13 @@ import re
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from flotilla.errors import FlotillaError
 from flotilla.models.config import ModelConfig
 from flotilla.models.linear import Linear
 from flotilla.models.llama import MLP, Attention
 from flotilla.models.weights import load_layer
+from flotilla.progress import progress_bar
 
 from .activations import CalibrationActivations
 from .gptq import HessianAccumulator
@@ -124,7 +124,7 @@ def measure_errors(source, cfg: ModelConfig, acts: CalibrationActivations, optio
     by_name = {(u.layer, u.merged): u for u in units(cfg)}
     errors: dict[Unit, float] = {}
     device = acts.hidden.device
-    for i in tqdm(range(cfg.num_hidden_layers), desc="measure sensitivity", unit="layer", disable=not progress):
+    for i in progress_bar(range(cfg.num_hidden_layers), desc="measure sensitivity", unit="layer", disable=not progress):
         layer = load_layer(source, i, device, torch.float32)
         merged = {mod: name.rsplit(".", 1)[-1] for name, mod in layer.named_modules() if isinstance(mod, Linear)}
         energy = {}  # merged name -> (E‖ΔW x‖², E‖W x‖²), both over 2/n

@@ -28,7 +28,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from flotilla.errors import FlotillaError
 from flotilla.models.checkpoint import CheckpointWriter, TOKENIZER_FILES
@@ -38,6 +37,7 @@ from flotilla.models.llama import CausalLM, DecoderLayer
 from flotilla.models.sources import open_source
 from flotilla.models.tokenizer import load_tokenizer
 from flotilla.models.weights import EMBED, HEAD, NORM_MATRIX, load_layer, required_tensor_names
+from flotilla.progress import progress_bar
 
 from .activations import CalibrationActivations
 from .calibration import generate_tokens, tokens_from_file
@@ -115,7 +115,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         acts = _activations(source, tokens, cfg, device) if options.uses_activations else None
         # the float model's stream: its own copy of the same starting states (no second embedding read)
         fp_acts = CalibrationActivations(acts.hidden.clone(), cfg) if options.fp_targets else None
-        bar = tqdm(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
+        bar = progress_bar(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)
             try:

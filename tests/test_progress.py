@@ -1,0 +1,29 @@
+"""Progress bars off a terminal (a log, CI): a line per redraw, LOG_INTERVAL apart, never one line held
+together by carriage returns."""
+from __future__ import annotations
+
+import io
+import sys
+
+from flotilla import progress
+
+
+def test_off_a_terminal_each_redraw_is_its_own_line(monkeypatch):
+    err = io.StringIO()  # not a terminal
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)  # every update redraws
+    for _ in progress.progress_bar(range(5), desc="quantize", unit="layer"):
+        pass
+    text = err.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("quantize") for line in lines)
+    assert "5/5" in lines[-1]
+
+
+def test_disabled_bars_write_nothing(monkeypatch):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    for _ in progress.progress_bar(range(3), disable=True):
+        pass
+    assert err.getvalue() == ""

@@ -331,10 +331,13 @@ def test_websocket_refuses_pages_of_other_origins(live):
     u = urllib.parse.urlparse(live.url)
     assert ws_handshake(live.url, None) == (101, "ready")  # not a browser
     assert ws_handshake(live.url, f"http://{u.hostname}:{u.port}") == (101, "ready")  # the chat page
-    # behind a proxy that passes the Host on: the page's scheme and port are the proxy's
-    assert ws_handshake(live.url, "https://chat.example.com", headers={"Host": "chat.example.com"}) == (101, "ready")
-    assert ws_handshake(live.url, "https://chat.example.com", headers={"X-Forwarded-Host": "chat.example.com"}) \
+    # behind a proxy that passes the Host and the scheme on (deploy/nginx.conf): the page's scheme is the proxy's
+    https = {"X-Forwarded-Proto": "https"}
+    assert ws_handshake(live.url, "https://chat.example.com", headers={**https, "Host": "chat.example.com"}) \
         == (101, "ready")
+    assert ws_handshake(live.url, "https://chat.example.com", headers={**https, "X-Forwarded-Host": "chat.example.com"}) \
+        == (101, "ready")
+    assert ws_handshake(live.url, "https://chat.example.com", headers={"Host": "chat.example.com"})[0] == 4003
     code, reason = ws_handshake(live.url, "https://evil.example.com")
     assert code == 4003 and "--allowed-origins https://evil.example.com" in reason
     code, reason = ws_handshake(live.url, "null")

@@ -2,13 +2,20 @@
 
 A browser sends `Origin` with every websocket handshake and every cross-site request. Websockets are not
 covered by the browser's same-origin rule, so GET /ws refuses a page whose origin is neither this
-server's own (its chat page: the same host name) nor one of --allowed-origins: otherwise any site the
-user visits could drive the model through a server on localhost and read the replies. The HTTP API
-answers CORS preflights for the allowed origins only and refuses (403) a POST from any other page's
-origin, also one that needs no preflight (a body with no Content-Type; state.check_json_type refuses
-the form and text types). Clients that are not browsers (the OpenAI library, curl) send no Origin and
-are not affected. Not covered: DNS rebinding (a hostile name that resolves to 127.0.0.1 is "the same
-host" to this check); --api-key covers that.
+server's own (its chat page) nor one of --allowed-origins: otherwise any site the user visits could drive
+the model through a server on localhost and read the replies. The HTTP API answers CORS preflights for
+those origins only and refuses (403) a POST from any other page's origin before anything runs, also one
+that needs no preflight (a body with no Content-Type; state.check_json_type refuses the form and text
+types). A preflight and the request it announces get the same answer (`cors_grant`). Clients that are
+not browsers (the OpenAI library, curl) send no Origin and are not affected.
+
+"This server's own origin" is what a browser means by it: scheme, host and port, a default port (80, 443)
+implied; another port of the same host is another origin, and so is another name of the same address
+(http://localhost:8000 is not http://127.0.0.1:8000 to a browser, so not to this check). Behind a
+reverse proxy the scheme is X-Forwarded-Proto's, the host X-Forwarded-Host's or the Host header's, the
+port the one in that header or X-Forwarded-Port; a forwarded request with no port anywhere (nginx's
+`proxy_set_header Host $host`) matches any port of its host. Not covered: DNS rebinding (a hostile name
+that resolves to 127.0.0.1 is "the same origin" to this check); --api-key covers that.
 """
 from __future__ import annotations
 
@@ -43,18 +50,50 @@ def normalize_origin(origin: str) -> str:
     return f"{scheme}://{host}" + (f":{port}" if port is not None and port != DEFAULT_PORTS.get(scheme) else "")
 
 
-def _hostname(netloc: str) -> str:
-    return (urlsplit(f"//{netloc}").hostname or netloc).lower()
+def _first(request: web.Request, name: str) -> str:
+    return request.headers.get(name, "").split(",")[0].strip()
+
+
+def _split(origin: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) origin, its default port filled in; None for anything else."""
+    u = urlsplit(origin.strip())
+    scheme = u.scheme.lower()
+    try:
+        port = u.port
+    except ValueError:
+        return None
+    if scheme not in DEFAULT_PORTS or not u.hostname:
+        return None
+    return scheme, u.hostname.lower(), port or DEFAULT_PORTS[scheme]
+
+
+def server_origin(request: web.Request) -> tuple[str, str, int | None]:
+    """(scheme, host, port) the client addressed, as a browser would write its origin; port None where a
+    proxy forwarded the request without saying which port it was sent to."""
+    scheme = _first(request, "X-Forwarded-Proto").lower()
+    if scheme not in DEFAULT_PORTS:
+        scheme = request.scheme
+    u = urlsplit("//" + (_first(request, "X-Forwarded-Host") or request.host))
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if port is None:
+        forwarded_port = _first(request, "X-Forwarded-Port")
+        if forwarded_port.isdigit():
+            port = int(forwarded_port)
+        elif not any(h in request.headers for h in ("X-Forwarded-Proto", "X-Forwarded-Host", "X-Forwarded-For")):
+            port = DEFAULT_PORTS.get(scheme)  # a browser writes a non-default port into Host
+    return scheme, (u.hostname or "").lower(), port
 
 
 def is_same_origin(request: web.Request, origin: str) -> bool:
-    """`origin`'s host name is the one this request was sent to (X-Forwarded-Host where a proxy sets it).
-    Host names only: a proxy that passes the Host header on keeps its port and scheme to itself."""
-    u = urlsplit(origin)
-    if u.scheme not in ("http", "https") or not u.netloc:
+    """`origin` is the scheme, host and port this request was sent to (see the module's docstring)."""
+    page = _split(origin)
+    if page is None:
         return False
-    host = request.headers.get("X-Forwarded-Host", "").split(",")[0].strip() or request.host
-    return _hostname(u.netloc) == _hostname(host)
+    scheme, host, port = server_origin(request)
+    return page[:2] == (scheme, host) and port in (None, page[2])
 
 
 def allowed_origin(request: web.Request, config: ServerConfig) -> str | None:
@@ -69,18 +108,33 @@ def allowed_origin(request: web.Request, config: ServerConfig) -> str | None:
     return origin if normalize_origin(origin) in allowed else None
 
 
+def cors_grant(request: web.Request, config: ServerConfig) -> str | None:
+    """Access-Control-Allow-Origin for this request, the same for a preflight and the request it announces:
+    an allowed origin's value, the page's own origin where it is this server's, else None (no grant)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    allow = allowed_origin(request, config)
+    if allow is None and is_same_origin(request, origin):
+        allow = origin
+    return allow
+
+
 def origin_refusal(request: web.Request, config: ServerConfig) -> str | None:
     """Why this request's page may not use the server, or None (no Origin: not a browser; its own page; an
     allowed one). Said once per origin in the log too."""
     origin = request.headers.get("Origin")
-    if origin is None or is_same_origin(request, origin) or allowed_origin(request, config) is not None:
+    if origin is None or cors_grant(request, config) is not None:
         return None
     shown = origin[:200]
     if origin == "null":  # a file:// page, a sandboxed frame
         why = ("pages with no origin (a file:// page, a sandboxed frame) are refused; serve the page from a web "
                "server and name it in --allowed-origins (or --allowed-origins '*' to let every page in)")
     else:
-        why = f"pages on {shown} are refused; start the server with --allowed-origins {shown} to let them in"
+        scheme, host, port = server_origin(request)
+        own = normalize_origin(f"{scheme}://{'[' + host + ']' if ':' in host else host}" + (f":{port}" if port else ""))
+        why = (f"pages on {shown} are refused; start the server with --allowed-origins {shown} to let them in "
+               f"(this server is {own[:100]}: another scheme, host name or port is another site to a browser)")
     if shown not in _refused_logged and len(_refused_logged) < 100:
         _refused_logged.add(shown)
         log.warning("refused a request from a web page on %s (%s %s): not this server's origin nor one of "
@@ -112,9 +166,8 @@ def cors_middleware(config: ServerConfig):
         if not preflight:
             return await handler(request)
         asked = request.headers.get("Access-Control-Request-Headers", "")
-        allow = allowed_origin(request, config) or request.headers.get("Origin", "*")
         return web.Response(status=204, headers={
-            "Access-Control-Allow-Origin": allow, "Vary": "Origin",
+            "Access-Control-Allow-Origin": cors_grant(request, config) or "*", "Vary": "Origin",
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
             "Access-Control-Allow-Headers": asked[:1000] or "Authorization, Content-Type",
             "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE)})
@@ -122,12 +175,12 @@ def cors_middleware(config: ServerConfig):
 
 
 def add_cors_headers(config: ServerConfig):
-    """An on_response_prepare hook: every response (streams and errors too) to an allowed origin says so, and
+    """An on_response_prepare hook: every response (streams and errors too) to a granted origin says so, and
     every answer to a request with an Origin varies by it."""
     async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
         if "Origin" not in request.headers:
             return
-        allow = allowed_origin(request, config)
+        allow = cors_grant(request, config)
         if allow is not None and "Access-Control-Allow-Origin" not in response.headers:
             response.headers["Access-Control-Allow-Origin"] = allow
         if "Origin" not in response.headers.getall("Vary", []):

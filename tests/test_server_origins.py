@@ -1,0 +1,129 @@
+"""Origins as a browser sees them (scheme, host and port; another port or another name of the same
+address is another site), one CORS answer for a preflight and the request it announces, a foreign
+page refused before anything generates. A scripted fake engine (no model) behind a real server on loopback."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from flotilla.server.config import ServerConfig
+from flotilla.server.origins import CLOSE_ORIGIN, is_same_origin
+from flotilla.server.serve import Server
+from flotilla.server.state import ServerState
+from test_server_fake_engine import FakeEngine
+
+
+class CountingEngine(FakeEngine):
+    def __init__(self):
+        super().__init__()
+        self.generated = 0
+
+    async def generate(self, request_id, prompt_ids, params):
+        self.generated += 1
+        async for out in super().generate(request_id, prompt_ids, params):
+            yield out
+
+
+def serve(config: ServerConfig, coro_fn):
+    engine = CountingEngine()
+
+    async def run():
+        server = Server(ServerState(config, engine))
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await coro_fn(server, session, engine)
+        finally:
+            await server.drain()
+    return asyncio.run(run())
+
+
+COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+
+
+async def browser(s: aiohttp.ClientSession, url: str, origin: str, key: str | None = None) -> dict:
+    """What a page on `origin` gets from the server at `url`: the preflight's status and grant, the post's
+    status, grant and error code, the websocket's first frame type or close code."""
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    out = {}
+    async with s.options(url + "/v1/completions", headers={"Origin": origin, **PREFLIGHT}) as r:
+        out["preflight"] = r.status, r.headers.get("Access-Control-Allow-Origin")
+    async with s.post(url + "/v1/completions", json=COMPLETION, headers={"Origin": origin, **auth}) as r:
+        body = await r.json()
+        out["post"] = r.status, r.headers.get("Access-Control-Allow-Origin"), (body.get("error") or {}).get("code")
+    query = f"?api_key={key}" if key else ""
+    async with s.ws_connect(url.replace("http", "ws") + "/ws" + query, headers={"Origin": origin}) as ws:
+        msg = await ws.receive()
+        out["ws"] = "ready" if msg.type == aiohttp.WSMsgType.TEXT else ws.close_code
+    return out
+
+
+REFUSED = {"preflight": (403, None), "post": (403, None, "origin_not_allowed"), "ws": CLOSE_ORIGIN}
+
+
+def test_another_port_scheme_or_loopback_name_is_another_origin():
+    async def go(server, s, engine):
+        port = int(server.url.rsplit(":", 1)[1])
+        own = await browser(s, server.url, f"http://127.0.0.1:{port}")
+        assert own == {"preflight": (204, f"http://127.0.0.1:{port}"), "post": (200, f"http://127.0.0.1:{port}", None),
+                       "ws": "ready"}
+        assert engine.generated == 1
+        # the audit's case: another port of the same host; then another scheme; then the same port under
+        # another name of the loopback address (a page opened at http://localhost:PORT calling 127.0.0.1)
+        for origin in (f"http://127.0.0.1:{port + 1}", "http://127.0.0.1", f"https://127.0.0.1:{port}",
+                       f"http://localhost:{port}", f"http://[::1]:{port}"):
+            assert await browser(s, server.url, origin) == REFUSED, origin
+        assert engine.generated == 1  # refused before anything generated
+        async with s.post(server.url + "/v1/completions", json=COMPLETION,
+                          headers={"Origin": f"http://localhost:{port}"}) as r:
+            message = (await r.json())["error"]["message"]
+        assert f"this server is http://127.0.0.1:{port}" in message
+        assert f"--allowed-origins http://localhost:{port}" in message
+        # the chat page opened under the other name talks to that name: its own origin
+        async with s.post(server.url + "/v1/completions", json=COMPLETION,
+                          headers={"Origin": f"http://localhost:{port}", "Host": f"localhost:{port}"}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == f"http://localhost:{port}"
+    serve(ServerConfig(port=0), go)
+
+
+def test_an_allowed_origin_gets_the_same_grant_on_the_preflight_and_the_request():
+    async def go(server, s, engine):
+        ok = await browser(s, server.url, "http://localhost:3000", key="k")
+        assert ok == {"preflight": (204, "http://localhost:3000"), "post": (200, "http://localhost:3000", None),
+                      "ws": "ready"}
+        assert await browser(s, server.url, "http://localhost:3001", key="k") == REFUSED
+        assert engine.generated == 1
+    serve(ServerConfig(port=0, api_key="k", allowed_origins=("http://localhost:3000",)), go)
+
+
+@pytest.mark.parametrize("headers, origin, same", [
+    ({"Host": "example.com"}, "http://example.com", True),
+    ({"Host": "example.com"}, "http://example.com:80", True),  # the default port implied
+    ({"Host": "example.com:80"}, "http://example.com", True),
+    ({"Host": "example.com"}, "http://example.com:8080", False),
+    ({"Host": "example.com:8080"}, "http://example.com:8081", False),
+    ({"Host": "Example.COM:8080"}, "http://example.com:8080", True),
+    ({"Host": "example.com"}, "https://example.com", False),  # plain HTTP reached us
+    ({"Host": "[::1]:8000"}, "http://[::1]:8000", True),
+    ({"Host": "[::1]:8000"}, "http://127.0.0.1:8000", False),
+    ({"Host": "127.0.0.1:8000"}, "http://localhost:8000", False),
+    ({"Host": "example.com"}, "null", False),
+    ({"Host": "example.com"}, "ftp://example.com", False),
+    # behind a proxy: its scheme, host and port
+    ({"Host": "example.com", "X-Forwarded-Proto": "https"}, "https://example.com", True),
+    ({"Host": "example.com:8443", "X-Forwarded-Proto": "https"}, "https://example.com:8443", True),
+    ({"Host": "example.com:8443", "X-Forwarded-Proto": "https"}, "https://example.com:8444", False),
+    ({"Host": "internal:8001", "X-Forwarded-Host": "example.com:8443", "X-Forwarded-Proto": "https"},
+     "https://example.com:8443", True),
+    ({"Host": "example.com", "X-Forwarded-Proto": "https", "X-Forwarded-Port": "8443"}, "https://example.com:8443", True),
+    ({"Host": "example.com", "X-Forwarded-Proto": "https", "X-Forwarded-Port": "8443"}, "https://example.com", False),
+    # a proxy that says no port (nginx's Host $host): any port of its host and scheme
+    ({"Host": "example.com", "X-Forwarded-For": "10.0.0.1"}, "http://example.com:8000", True),
+    ({"Host": "example.com", "X-Forwarded-Proto": "http"}, "https://example.com:8000", False),
+])
+def test_same_origin_is_scheme_host_and_port(headers, origin, same):
+    assert is_same_origin(make_mocked_request("GET", "/ws", headers=headers), origin) is same

@@ -1,6 +1,6 @@
 """Origins as a browser sees them (scheme, host and port; another port or another name of the same
 address is another site), one CORS answer for a preflight and the request it announces, a foreign
-page refused before anything generates. A scripted fake engine (no model) behind a real server on loopback."""
+page refused before anything generates; /metrics open with --api-key. A scripted fake engine (no model) behind a real server on loopback."""
 from __future__ import annotations
 
 import asyncio
@@ -127,3 +127,21 @@ def test_an_allowed_origin_gets_the_same_grant_on_the_preflight_and_the_request(
 ])
 def test_same_origin_is_scheme_host_and_port(headers, origin, same):
     assert is_same_origin(make_mocked_request("GET", "/ws", headers=headers), origin) is same
+
+
+def test_metrics_and_health_need_no_key_the_api_and_websocket_do():
+    async def go(server, s, engine):
+        async with s.get(server.url + "/metrics") as r:
+            assert r.status == 200 and "flotilla_requests_total" in await r.text()
+        async with s.get(server.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(server.url + "/v1/models") as r:
+            assert r.status == 401
+        async with s.post(server.url + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 401
+        async with s.ws_connect(server.url.replace("http", "ws") + "/ws") as ws:
+            await ws.receive()
+            assert ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+        async with s.get(server.url + "/v1/models", headers={"Authorization": "Bearer k"}) as r:
+            assert r.status == 200
+    serve(ServerConfig(port=0, api_key="k"), go)

@@ -16,7 +16,9 @@ from .state import ServerState
 
 log = logging.getLogger("flotilla.server")
 
-OPEN_PATHS = ("/health", "/", "/favicon.ico", "/ws")  # /ws checks the key itself (browsers cannot set headers)
+# open with --api-key, as vLLM's key guards /v1/* only (Prometheus scrapes /metrics without a token);
+# /ws checks the key itself (a browser cannot set its headers)
+OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico", "/ws")
 OPEN_PREFIXES = ("/static/",)
 
 

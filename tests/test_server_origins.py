@@ -1,9 +1,11 @@
 """Origins as a browser sees them (scheme, host and port; another port or another name of the same
 address is another site), one CORS answer for a preflight and the request it announces, a foreign
-page refused before anything generates; /metrics open with --api-key. A scripted fake engine (no model) behind a real server on loopback."""
+page refused before anything generates; /metrics open with --api-key; a request aiohttp cannot
+parse logged in one line. A scripted fake engine (no model) behind a real server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import pytest
@@ -145,3 +147,27 @@ def test_metrics_and_health_need_no_key_the_api_and_websocket_do():
         async with s.get(server.url + "/v1/models", headers={"Authorization": "Bearer k"}) as r:
             assert r.status == 200
     serve(ServerConfig(port=0, api_key="k"), go)
+
+
+def test_a_malformed_request_is_one_log_line_without_a_traceback(caplog):
+    async def go(server, s, engine):
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        answer = await reader.read()
+        writer.close()
+        async with s.get(server.url + "/health") as r:  # the server goes on serving
+            assert r.status == 200
+        return answer
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        answer = serve(ServerConfig(port=0), go)
+    assert answer.split(b"\r\n")[0].endswith(b" 400 Bad Request"), answer  # aiohttp's own answer, text/plain
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) == 1, records
+    record = records[0]
+    assert record.levelno == logging.WARNING and record.exc_info is None and record.exc_text is None
+    assert record.getMessage() == ("refused a malformed HTTP request from 127.0.0.1 (BadHttpMessage): "
+                                   "Duplicate 'Content-Type' header found.")
+    assert "Traceback" not in caplog.text

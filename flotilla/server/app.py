@@ -7,7 +7,7 @@ from aiohttp import WSCloseCode, web
 
 from .metrics import CONTENT_TYPE
 from .errors import ApiError
-from .middleware import make_middlewares
+from .middleware import make_middlewares, quiet_client_mistakes
 from .openai_api import OpenAIRoutes
 from .origins import add_cors_headers
 from .state import ServerState
@@ -18,6 +18,7 @@ STATIC = Path(__file__).resolve().parent / "static"
 
 def build_app(state: ServerState, manage_engine: bool = True) -> web.Application:
     """`manage_engine`: start the engine with the app and shut it down with it."""
+    quiet_client_mistakes()
     app = web.Application(middlewares=make_middlewares(state), client_max_size=state.config.max_body_bytes)
     OpenAIRoutes(state).register(app)
     ChatSocket(state).register(app)

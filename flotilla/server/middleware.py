@@ -1,4 +1,5 @@
-"""Request middleware: OpenAI-shaped errors for everything, request counting, the API key."""
+"""Request middleware: OpenAI-shaped errors for everything, request counting, the API key; and one log
+line, not a traceback, for a request aiohttp cannot even parse."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +7,7 @@ import hmac
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from flotilla.errors import FlotillaError
 
@@ -20,6 +22,31 @@ log = logging.getLogger("flotilla.server")
 # /ws checks the key itself (a browser cannot set its headers)
 OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico", "/ws")
 OPEN_PREFIXES = ("/static/",)
+
+
+class ClientMistakes(logging.Filter):
+    """On aiohttp's server logger: a request that aiohttp cannot parse (a duplicate Content-Type, a bad
+    request line, a header too long) is answered by aiohttp itself with a plain-text 400, before any
+    middleware sees it, and logged as "Error handling request" with a traceback. It is the client's
+    mistake, not the server's: one line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg, record.args = "refused a malformed HTTP request from %s (%s): %s", (
+                remote, type(exc).__name__, str(exc.message)[:200])
+            record.exc_info = record.exc_text = None
+            if record.levelno > logging.WARNING:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_client_mistakes() -> None:
+    """Install ClientMistakes on aiohttp's server logger, once."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ClientMistakes) for f in logger.filters):
+        logger.addFilter(ClientMistakes())
 
 
 def _endpoint(request: web.Request) -> str:

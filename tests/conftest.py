@@ -52,13 +52,13 @@ def save_hf_model(hf_model, directory: Path, tokenizer_dir: Path | None = None) 
 
 def tiny_config(family: str = "llama", **overrides):
     """A small random-weight config of a Llama-family architecture, as transformers builds it."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5,
                 bos_token_id=1, eos_token_id=2)
     base.update(overrides)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     return cls(**base)
 
 
@@ -115,13 +115,15 @@ SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content']
 
 
 def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | None = None) -> Path:
-    """Write a transformers Llama model as a llama.cpp-style GGUF (q/k permuted, names mapped);
-    `uint32s`: more metadata keys."""
+    """Write a transformers Llama (or Qwen3) model as a llama.cpp-style GGUF (a Llama's q/k permuted,
+    names mapped); `uint32s`: more metadata keys."""
     import gguf
     import numpy as np
 
     cfg = hf_model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = cfg.model_type  # "llama" or "qwen3": llama.cpp's architecture names too
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_key_length(cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -140,7 +142,8 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
 
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
     qt = gguf.GGMLQuantizationType[qtype]
     for name, t in hf_model.state_dict().items():
         a = t.float().numpy()
@@ -155,9 +158,9 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
         else:
             parts = name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
             proj = parts[-2]
-            if proj == "q_proj":
+            if proj == "q_proj" and arch == "llama":  # llama.cpp permutes a Llama's q and k rows (not Qwen's)
                 a = permute(a, cfg.num_attention_heads)
-            elif proj == "k_proj":
+            elif proj == "k_proj" and arch == "llama":
                 a = permute(a, cfg.num_key_value_heads)
             out = f"blk.{parts[2]}.{names[proj]}.{parts[-1]}"
         if a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:

@@ -92,3 +92,36 @@ def test_gguf_sliding_window_caps_the_context_and_a_bad_eos_is_refused(tmp_path)
     assert cfg.sliding_window == 64 and cfg.max_model_len == min(64, cfg.max_position_embeddings)
     with pytest.raises(FlotillaError, match="end-of-text token id 99999 is outside"):
         open_source(write_llama_gguf(hf, tmp_path / "e.gguf", uint32s={"tokenizer.ggml.eot_token_id": 99999}))
+
+
+def test_a_qwen3_gguf_matches_transformers_through_the_engine(tmp_path):
+    """A Qwen3 file as llama.cpp writes one (arch qwen3, attn_q_norm / attn_k_norm, q and k not permuted,
+    key_length apart from hidden / heads): the dense forward's logits equal transformers'; through the
+    engine (paged attention, rope in its kernel) the prompt's logprobs do too; Q8_0 blocks run natively."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+    from flotilla.runtime.sampling import SamplingParams
+
+    hf = make_hf_model(tiny_config("qwen3", tie_word_embeddings=True, head_dim=32), seed=8)
+    path = write_llama_gguf(hf, tmp_path / "qwen3.gguf")
+    source = open_source(path)
+    assert source.config.family == "qwen3" and source.config.qk_norm and source.config.head_dim == 32
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (our_logits(load_stage(source), ids) - ref).abs().max().item() < 1e-4
+    prompt = ids[0].tolist()
+    eng = build_engine(load_model(path, "cpu", "float32", with_tokenizer=False, progress=False),
+                       EngineArgs(kv_cache_memory="8MiB", max_num_batched_tokens=16))
+    eng.add_request("q", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    out = []
+    while eng.has_unfinished():
+        out += eng.step()
+    want = torch.log_softmax(ref[0], dim=-1)
+    got = [lp for lp, _, _ in out[0].prompt_logprobs[1:]]
+    assert max(abs(g - want[p, prompt[p + 1]].item()) for p, g in enumerate(got)) < 1e-4
+    q8_path = write_llama_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
+    q8 = load_stage(open_source(q8_path))
+    assert isinstance(q8.model.layers["0"].self_attn.qkv_proj, GGUFLinear)
+    fp32 = load_stage(open_source(q8_path, native_gguf=False))  # the same blocks dequantized: the oracle
+    assert (our_logits(q8, ids) - our_logits(fp32, ids)).abs().max().item() < 1e-4

@@ -21,6 +21,9 @@ CASES = {
     "mistral": ("mistral", dict(sliding_window=None, head_dim=32)),
     "qwen2-qkv-bias": ("qwen2", dict(tie_word_embeddings=False)),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    # Qwen3: q/k norms; head_dim 32 apart from hidden / heads (16), as Qwen3's 128 is; and with q/k/v/o biases
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen3-untied-bias": ("qwen3", dict(tie_word_embeddings=False, attention_bias=True)),
 }
 
 

@@ -220,3 +220,33 @@ def test_a_group_size_that_leaves_a_short_group_is_noted():
     assert _partial_group_note(smol, 64) is None and _partial_group_note(smol, -1) is None
     odd = SimpleNamespace(hidden_size=600, q_size=600, intermediate_size=1600)
     assert "--group-size -1 (per channel) loads there" in _partial_group_note(odd, 128)
+
+
+def test_a_qwen3_model_quantizes_with_its_q_and_k_norms(tmp_path):
+    """GPTQ INT8 of a tiny Qwen3 (q/k norms, head_dim apart from hidden / heads): the checkpoint keeps the
+    norms in fp16 beside the GPTQ tensors, its config reads back as Qwen3 (transformers too), and its logits
+    stay near the float model's."""
+    from transformers import AutoConfig
+
+    from conftest import make_hf_model, save_hf_model, tiny_config
+    from quantize_helpers import byte_tokenizer
+
+    hf = make_hf_model(tiny_config("qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=320,
+                                   tie_word_embeddings=True), seed=5)
+    src = save_hf_model(hf, tmp_path / "qwen3")
+    byte_tokenizer(src)
+    out = tmp_path / "qwen3-int8"
+    quantize_model(src, out, QuantizeOptions(bits=8, group_size=128, **CALIB), progress=False)
+    tensors = read_checkpoint(out)
+    assert tensors["model.layers.1.self_attn.q_norm.weight"].dtype == np.float16
+    assert "model.layers.1.self_attn.k_norm.weight" in tensors and "model.layers.1.self_attn.q_proj.qweight" in tensors
+    assert AutoConfig.from_pretrained(out).model_type == "qwen3"
+    source = open_source(out)
+    assert source.config.qk_norm and source.config.head_dim == 64
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        model = load_stage(source)
+        got = model.compute_logits(model(ids.flatten(), torch.arange(24).repeat(2), DenseCausalAttention(2, 24)))
+    assert (got.view_as(ref) - ref).abs().max().item() < 0.05 * ref.abs().max().item()

@@ -37,10 +37,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
     qwen = save_hf_model(make_hf_model(tiny_config("qwen2", tie_word_embeddings=True), seed=2), root / "qwen2-tied")
     biased = save_hf_model(make_hf_model(tiny_config("llama", attention_bias=True, mlp_bias=True), seed=4),
                            root / "llama-bias")
+    qwen3 = save_hf_model(make_hf_model(tiny_config("qwen3", head_dim=32), seed=6), root / "qwen3")
     return {
         "fp32": fp32,
         "qwen2-tied": qwen,  # q/k/v biases (column-parallel) and a tied, vocab-parallel embedding/lm_head
         "llama-bias": biased,  # o_proj and down_proj biases: added once, by rank 0, before the all-reduce
+        "qwen3": qwen3,  # q/k norms over each rank's heads (the weight is every head's: whole on each rank)
         "int4-g32": write_int4(fp32, root / "int4-g32", group_size=32),
         "int4-g128": write_int4(fp32, root / "int4-g128", group_size=128),  # o_proj: 64 rows a rank, groups of 128
         "int4-act-order": write_int4(fp32, root / "int4-act", group_size=32, act_order=True, seed=3),

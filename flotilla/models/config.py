@@ -20,8 +20,10 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without its q/k/v bias, with an RMSNorm on each q and k head
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -191,6 +193,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Llama: q, k, v and o
     qkv_bias: bool = False  # Qwen2: q, k and v only
+    qk_norm: bool = False  # Qwen3: an RMSNorm (weight [head_dim]) on every q and k head before rope
     mlp_bias: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
@@ -288,6 +291,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)) and family != "qwen2",
             qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
             mlp_bias=bool(d.get("mlp_bias", False)),
             rope_scaling=scaling,
             sliding_window=int(sliding) if sliding else None,
@@ -322,9 +326,11 @@ class ModelConfig:
         if self.family == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = self.mlp_bias
+        if self.family == "qwen3":
+            d["attention_bias"] = self.attention_bias
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
-        if self.family == "qwen2":
+        if self.family in ("qwen2", "qwen3"):
             d["use_sliding_window"] = False
         if self.rope_scaling is not None:
             d["rope_scaling"] = asdict(self.rope_scaling)

@@ -27,6 +27,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
 }
 _GGUF_GLOBAL_NAMES = {
@@ -34,7 +36,7 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 GGUF_DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized: read as they are (fp32)
 
 
@@ -121,6 +123,7 @@ class GGUFSource:
             max_position_embeddings=int(self._field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             qkv_bias=a == "qwen2",
+            qk_norm=a == "qwen3",
             rope_scaling=self._rope_scaling(int(head_dim)),
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,

@@ -100,6 +100,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.out_sizes[0], self.qkv_proj.out_sizes[1]
         self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim
+        if cfg.qk_norm:  # Qwen3: each q and k head normed before rope (the same weight for every head)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -129,10 +132,11 @@ class DecoderLayer(nn.Module):
         linear = (lambda mod: mod.fn()) if frozen else (lambda mod: mod)
         gate_up = linear(m.gate_up_proj)
         fused = m.gate_up_proj.silu_mul_fn() if frozen and hasattr(m.gate_up_proj, "silu_mul_fn") else None
+        qk_norm = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else None
         return LayerOps(a.layer, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                         self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), gate_up,
                         linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
-                        fused or (lambda h: silu_mul(gate_up(h))))
+                        fused or (lambda h: silu_mul(gate_up(h))), qk_norm)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -162,6 +166,7 @@ class LayerOps:
     # (frozen ops on the CUDA GEMV, or on the Triton tiles up to 16 rows: one launch), else kernels/fused.silu_mul
     # of the product
     gate_up_act: Callable[[torch.Tensor], torch.Tensor]
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3: the q and k heads' RMSNorm weights [D]
 
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -210,12 +215,25 @@ def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     T = qkv.shape[0]
     hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
+    if ops.qk_norm is not None:
+        qkv = _qk_normed(qkv, ops.qk_norm, hq * d, qk_size, d, ops.eps)
     attend_qkv = getattr(attn, "attend_qkv", None)
     if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
         return attend_qkv(ops.layer, qkv, cos, sin, hq).reshape(T, hq * d)
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
     out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
     return out.reshape(T, hq * d)
+
+
+def _qk_normed(qkv: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], q_size: int, qk_size: int, d: int,
+               eps: float) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] with each q and k head RMS-normed by its weight [D] (Qwen3's q_norm, k_norm)."""
+    T = qkv.shape[0]
+    out = torch.empty_like(qkv)
+    out[:, :q_size] = rms_norm(qkv[:, :q_size].reshape(-1, d), weights[0], eps).view(T, q_size)
+    out[:, q_size:qk_size] = rms_norm(qkv[:, q_size:qk_size].reshape(-1, d), weights[1], eps).view(T, -1)
+    out[:, qk_size:] = qkv[:, qk_size:]
+    return out
 
 
 @dataclass(frozen=True, slots=True)

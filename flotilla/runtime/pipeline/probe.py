@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from flotilla.models.config import ModelConfig
 from flotilla.models.linear import Linear, LMHead, QuantLinear
-from flotilla.models.llama import layer_step
+from flotilla.models.llama import RMSNorm, layer_step
 from flotilla.models.rope import RotaryEmbedding
 from flotilla.models.weights import build_layer
 
@@ -116,8 +116,9 @@ def _random_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype)
             mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.02)
             if mod.bias is not None:
                 mod.bias.zero_()
-    layer.input_layernorm.weight.fill_(1.0)
-    layer.post_attention_layernorm.weight.fill_(1.0)
+    for mod in layer.modules():  # the input and post-attention norms, and a Qwen3's q and k norms
+        if isinstance(mod, RMSNorm):
+            mod.weight.fill_(1.0)
     return layer
 
 

@@ -12,9 +12,9 @@ not browsers (the OpenAI library, curl) send no Origin and are not affected.
 "This server's own origin" is what a browser means by it: scheme, host and port, a default port (80, 443)
 implied; another port of the same host is another origin, and so is another name of the same address
 (http://localhost:8000 is not http://127.0.0.1:8000 to a browser, so not to this check). Behind a
-reverse proxy the scheme is X-Forwarded-Proto's, the host X-Forwarded-Host's or the Host header's, the
-port the one in that header or X-Forwarded-Port; a forwarded request with no port anywhere (nginx's
-`proxy_set_header Host $host`) matches any port of its host. Not covered: DNS rebinding (a hostile name
+reverse proxy (a request with X-Forwarded-* or Forwarded headers) only the host name is compared, the
+X-Forwarded-Host's or the Host header's: the scheme and port a proxy reports are its own listener's, not
+the browser's (a container published on another port, TLS ended in front of the proxy). Not covered: DNS rebinding (a hostile name
 that resolves to 127.0.0.1 is "the same origin" to this check); --api-key covers that.
 """
 from __future__ import annotations
@@ -67,24 +67,23 @@ def _split(origin: str) -> tuple[str, str, int] | None:
     return scheme, u.hostname.lower(), port or DEFAULT_PORTS[scheme]
 
 
-def server_origin(request: web.Request) -> tuple[str, str, int | None]:
-    """(scheme, host, port) the client addressed, as a browser would write its origin; port None where a
-    proxy forwarded the request without saying which port it was sent to."""
-    scheme = _first(request, "X-Forwarded-Proto").lower()
-    if scheme not in DEFAULT_PORTS:
-        scheme = request.scheme
+_PROXY_HEADERS = ("X-Forwarded-Proto", "X-Forwarded-Host", "X-Forwarded-For", "X-Forwarded-Port", "Forwarded")
+
+
+def server_origin(request: web.Request) -> tuple[str | None, str, int | None]:
+    """(scheme, host, port) the client addressed, as a browser would write its origin. A request a proxy
+    forwarded has scheme and port None: what a proxy says of them describes its own listener, not the URL in
+    the browser (nginx in a container published on another port, a TLS load balancer in front of it)."""
+    proxied = any(h in request.headers for h in _PROXY_HEADERS)
     u = urlsplit("//" + (_first(request, "X-Forwarded-Host") or request.host))
+    host = (u.hostname or "").lower()
+    if proxied:
+        return None, host, None
     try:
         port = u.port
     except ValueError:
         port = None
-    if port is None:
-        forwarded_port = _first(request, "X-Forwarded-Port")
-        if forwarded_port.isdigit():
-            port = int(forwarded_port)
-        elif not any(h in request.headers for h in ("X-Forwarded-Proto", "X-Forwarded-Host", "X-Forwarded-For")):
-            port = DEFAULT_PORTS.get(scheme)  # a browser writes a non-default port into Host
-    return scheme, (u.hostname or "").lower(), port
+    return request.scheme, host, port if port is not None else DEFAULT_PORTS.get(request.scheme)
 
 
 def is_same_origin(request: web.Request, origin: str) -> bool:
@@ -93,7 +92,7 @@ def is_same_origin(request: web.Request, origin: str) -> bool:
     if page is None:
         return False
     scheme, host, port = server_origin(request)
-    return page[:2] == (scheme, host) and port in (None, page[2])
+    return page[1] == host and scheme in (None, page[0]) and port in (None, page[2])
 
 
 def allowed_origin(request: web.Request, config: ServerConfig) -> str | None:
@@ -132,7 +131,8 @@ def origin_refusal(request: web.Request, config: ServerConfig) -> str | None:
                "server and name it in --allowed-origins (or --allowed-origins '*' to let every page in)")
     else:
         scheme, host, port = server_origin(request)
-        own = normalize_origin(f"{scheme}://{'[' + host + ']' if ':' in host else host}" + (f":{port}" if port else ""))
+        name = "[" + host + "]" if ":" in host else host
+        own = normalize_origin(f"{scheme}://{name}" + (f":{port}" if port else "")) if scheme else f"{name} (proxied)"
         why = (f"pages on {shown} are refused; start the server with --allowed-origins {shown} to let them in "
                f"(this server is {own[:100]}: another scheme, host name or port is another site to a browser)")
     if shown not in _refused_logged and len(_refused_logged) < 100:

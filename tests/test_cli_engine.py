@@ -69,7 +69,7 @@ def test_generate_reads_its_prompt_from_a_file_or_stdin_and_refuses_an_empty_one
     for p in (runtime("generate", str(smollm2_gguf), "-f", str(prompt), *args),
               runtime("generate", str(smollm2_gguf), *args, stdin="The capital of France is\n")):
         assert p.returncode == 0 and p.stdout == want.stdout, p.stderr
-    for flags, stdin, words in ((["-p", ""], None, "the prompt is empty"), ([], "", "the prompt is empty"),
+    for flags, stdin, words in ((["-p", ""], None, "the prompt is empty"), ([], "", "stdin gave an empty prompt"),
                                 (["-f", str(tmp_path / "missing.txt")], None, "cannot read it"),
                                 (["-p", "hi", "--max-tokens", "0"], None, "--max-tokens must be at least 1")):
         p = runtime("generate", "/nonexistent/model", *flags, stdin=stdin)  # said before any model loads

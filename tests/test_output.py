@@ -47,6 +47,8 @@ def test_a_reply_cut_inside_a_character_drops_the_piece_not_a_replacement_charac
     text = "".join(o.text for o in outs)
     assert outs[-1].finish_reason == "length" and "\ufffd" not in text
     assert text == tok.decode(full[:cut]).rstrip("\ufffd")
+    script, outs = run(tok, "Replacement: \ufffd")  # a real U+FFFD at the end stays
+    assert "".join(o.text for o in outs) == "Replacement: \ufffd"
 
 
 def test_a_stop_string_cuts_the_text_and_is_never_streamed(tok):

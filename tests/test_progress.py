@@ -11,7 +11,7 @@ from flotilla import progress
 def test_off_a_terminal_each_redraw_is_its_own_line(monkeypatch):
     err = io.StringIO()  # not a terminal
     monkeypatch.setattr(sys, "stderr", err)
-    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)  # every update redraws
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)  # every update redraws, from the start
     for _ in progress.progress_bar(range(5), desc="quantize", unit="layer"):
         pass
     text = err.getvalue()
@@ -27,3 +27,15 @@ def test_disabled_bars_write_nothing(monkeypatch):
     for _ in progress.progress_bar(range(3), disable=True):
         pass
     assert err.getvalue() == ""
+
+
+def test_off_a_terminal_a_cleared_bar_says_nothing_and_a_kept_one_its_start_and_end(monkeypatch):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    for _ in progress.progress_bar(range(3), desc="loading", leave=False):  # done within LOG_INTERVAL
+        pass
+    assert err.getvalue() == ""
+    for _ in progress.progress_bar(range(3), desc="quantize"):
+        pass
+    lines = err.getvalue().splitlines()  # its first state, and its last at the close
+    assert lines[0].startswith("quantize") and "0/3" in lines[0] and "3/3" in lines[-1] and len(lines) == 2

@@ -1,4 +1,4 @@
-"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2, SmolLM.
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3 (its q/k norms), SmolLM.
 
 Tokens are flattened: a batch of sequences is one [T] vector of token ids (or [T, hidden] of
 hidden states for a later pipeline stage), with a [T] vector of positions. Attention goes through
@@ -227,13 +227,12 @@ def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: t
 
 def _qk_normed(qkv: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], q_size: int, qk_size: int, d: int,
                eps: float) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) D] with each q and k head RMS-normed by its weight [D] (Qwen3's q_norm, k_norm)."""
+    """qkv [T, (Hq + 2 Hkv) D] (the projection's own output: written in place) with each q and k head
+    RMS-normed by its weight [D] (Qwen3's q_norm, k_norm); v as it is."""
     T = qkv.shape[0]
-    out = torch.empty_like(qkv)
-    out[:, :q_size] = rms_norm(qkv[:, :q_size].reshape(-1, d), weights[0], eps).view(T, q_size)
-    out[:, q_size:qk_size] = rms_norm(qkv[:, q_size:qk_size].reshape(-1, d), weights[1], eps).view(T, -1)
-    out[:, qk_size:] = qkv[:, qk_size:]
-    return out
+    qkv[:, :q_size] = rms_norm(qkv[:, :q_size].reshape(-1, d), weights[0], eps).view(T, q_size)
+    qkv[:, q_size:qk_size] = rms_norm(qkv[:, q_size:qk_size].reshape(-1, d), weights[1], eps).view(T, -1)
+    return qkv
 
 
 @dataclass(frozen=True, slots=True)

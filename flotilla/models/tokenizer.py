@@ -8,6 +8,7 @@ touches a model hub.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import json
@@ -143,11 +144,23 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back at the end, less a last character that its bytes never completed (a
-        reply cut by max_tokens inside a character: dropped, as vLLM never emits it, not shown as U+FFFD)."""
+        reply cut by max_tokens inside a character: dropped, as vLLM never emits it, not shown as U+FFFD; a
+        real U+FFFD in the text stays)."""
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
         full_text = self.tok.decode(self.ids[self.prefix:])
+        held = self.ids[self.read:]
         self.prefix = self.read = len(self.ids)
-        return full_text[len(prefix_text):].rstrip("\ufffd")
+        delta = full_text[len(prefix_text):]
+        if delta.endswith("\ufffd") and _ends_incomplete(b"".join(self.tok.token_bytes(t) for t in held)):
+            delta = delta[:-1]
+        return delta
+
+
+def _ends_incomplete(raw: bytes) -> bool:
+    """Whether these bytes end inside a UTF-8 character (its first bytes, the rest never came)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(raw, final=False)
+    return bool(decoder.getstate()[0])
 
 
 def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

@@ -210,19 +210,24 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _prompt_text(args: argparse.Namespace) -> str:
     """generate's prompt: --prompt, --file (- for stdin), or stdin when it is not a terminal; checked before
     the model loads."""
+    ask = "give the prompt: --prompt TEXT, --file FILE, or pipe it on stdin"
+    stdin = sys.stdin
     if args.prompt is not None:
         text = args.prompt
-    elif args.file is not None or not sys.stdin.isatty():
+    elif args.file not in (None, "-") or (stdin is not None and not stdin.isatty()):
         name = args.file if args.file not in (None, "-") else None
+        where = f"--file {name}" if name else "stdin"
         try:
-            text = Path(name).read_text(encoding="utf-8") if name else sys.stdin.read()
+            text = Path(name).read_text(encoding="utf-8") if name else stdin.read()
         except OSError as e:
-            raise FlotillaError(f"--file {name}: cannot read it ({e.strerror})") from None
+            raise FlotillaError(f"{where}: cannot read it ({e.strerror})") from None
         except UnicodeDecodeError:
-            raise FlotillaError(f"{'--file ' + name if name else 'stdin'}: not UTF-8 text") from None
-        text = text.removesuffix("\n")  # a file's or echo's last newline ends the input, not the prompt
+            raise FlotillaError(f"{where}: not UTF-8 text") from None
+        text = text.removesuffix("\n").removesuffix("\r")  # a file's or echo's last line end: not the prompt's
+        if not text:
+            raise FlotillaError(f"{where} gave an empty prompt; {ask}")
     else:
-        raise FlotillaError("give the prompt: --prompt TEXT, --file FILE, or pipe it on stdin")
+        raise FlotillaError(ask)
     if not text:
         raise FlotillaError("the prompt is empty: give at least one character of text")
     return text

@@ -288,6 +288,9 @@ def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_siz
             p = f"model.layers.{layer}."
             tensors = {f"{p}{norm}.weight": torch.ones(h, dtype=torch.float16)
                        for norm in ("input_layernorm", "post_attention_layernorm")}
+            if cfg.qk_norm:  # a Qwen3 shape: its q and k heads' norms
+                tensors.update({f"{p}self_attn.{norm}.weight": torch.ones(cfg.head_dim, dtype=torch.float16)
+                                for norm in ("q_norm", "k_norm")})
             for proj, n_in, n_out in _projections(cfg):
                 tensors.update(gptq(f"{p}{proj}", n_in, n_out, bits))
             w.add_layer(str(layer), tensors)

@@ -19,6 +19,7 @@ from .state import ServerState
 log = logging.getLogger("flotilla.server")
 
 MAX_IGNORED_NAMED = 8  # ignored fields named in the log line
+_ignored_logged: set[tuple[str, ...]] = set()  # the sets of ignored fields said so far (at most 100)
 LARGE_BODY = 32 * 1024  # bytes; larger requests are validated and tokenized off the event loop
 CANCELLED = "the request was cancelled because the server is shutting down; retry it"
 
@@ -71,10 +72,11 @@ class OpenAIRoutes:
         return parse(*args)
 
     async def _serve(self, request: web.Request, req: GenerationRequest, rid: str, arrival: float):
-        if req.ignored:  # as vLLM says them: the request still runs, without them
+        if req.ignored and req.ignored not in _ignored_logged and len(_ignored_logged) < 100:  # once per set
+            _ignored_logged.add(req.ignored)  # (as vLLM says them: the request still runs, without them)
             names = ", ".join(repr(k[:40]) for k in req.ignored[:MAX_IGNORED_NAMED])
             more = f" and {len(req.ignored) - MAX_IGNORED_NAMED} more" if len(req.ignored) > MAX_IGNORED_NAMED else ""
-            log.warning("%s: fields ignored (not used by this server): %s%s", rid, names, more)
+            log.warning("%s: fields ignored (not used by this server; said once): %s%s", rid, names, more)
         shapes = Shapes(req.kind, rid, req.model)
         with self.state.admission.admit(req.num_choices):
             async with Generation(self.state.engine, self.state.metrics, req, rid, arrival) as gen:

@@ -16,6 +16,7 @@ from flotilla.runtime.cli import COMMANDS, Command, run
 
 from .config import ServerConfig, parse_origins
 from .engine_client import add_engine_args
+from .reasoning import PARSERS
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
                         "API and open /ws (CORS); the server's own chat page always may; default: none")
+    g.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="give a reasoning model's <think> block as the chat API's 'reasoning' (and "
+                        "'reasoning_content') apart from 'content', as vLLM's parsers: deepseek_r1 (DeepSeek-R1 and "
+                        "its distills, QwQ), qwen3 (Qwen3); default: the block stays in the content")
     g.add_argument("--grace-period", type=float, default=ServerConfig.grace_period,
                    help=f"seconds in-flight requests get to finish after SIGTERM (default {ServerConfig.grace_period:g})")
 
@@ -63,7 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, api_key=resolve_api_key(args), max_queue=args.max_queue,
                           max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                          allowed_origins=parse_origins(args.allowed_origins), max_n=args.max_n)
+                          allowed_origins=parse_origins(args.allowed_origins), max_n=args.max_n,
+                          reasoning_parser=args.reasoning_parser)
     sockets = bind_sockets(config.host, config.port)  # a port in use fails now, before the model loads
     try:
         engine = EngineClient.from_args(args)

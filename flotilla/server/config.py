@@ -19,6 +19,8 @@ class ServerConfig:
     # web origins ("https://app.example.com", or "*") whose pages may call the API and open /ws; the server's own
     # chat page (same origin) always may, and clients that are not browsers send no Origin
     allowed_origins: tuple[str, ...] = ()
+    # a reasoning model's <think> block as the chat API's `reasoning` field (server/reasoning.py; vLLM's names)
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -29,6 +29,7 @@ class Choice:
     offsets: list[int] = field(default_factory=list)  # completions' text_offset per token
     prompt_logprobs: tuple | None = None  # the engine's, from the choice's first output (when asked for)
     echoed: int | None = None  # echo: the prompt text's length, once it went out (a stream's first chunk)
+    reasoning: object = None  # a stream's ReasoningSplitter (serve --reasoning-parser)
     last_time: float | None = None
 
 

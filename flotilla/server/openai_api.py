@@ -11,6 +11,7 @@ from .engine_client import EngineUnavailable
 from .errors import ApiError
 from .generation import Generation, new_request_id
 from .protocol import GenerationRequest, parse_chat, parse_completion
+from .reasoning import ReasoningSplitter, split_reasoning
 from .responses import (EchoedPrompt, Shapes, TokenText, chat_logprobs, completion_logprobs, join_logprobs,
                         vllm_prompt_logprobs)
 from .sse import EventStream
@@ -124,7 +125,10 @@ class OpenAIRoutes:
         for c in sorted(gen.choices.values(), key=lambda c: c.index):
             text, logprobs = "".join(c.text), self._logprobs(req, c.logprobs, c.offsets)
             if req.kind == "chat":
-                choices.append(Shapes.chat_choice(c.index, text, c.finish_reason, logprobs, c.stop_reason))
+                parser = self.state.config.reasoning_parser
+                reasoning, content = split_reasoning(parser, text) if parser else (False, text)
+                choices.append(Shapes.chat_choice(c.index, content if parser else text, c.finish_reason, logprobs,
+                                                  c.stop_reason, reasoning))
                 continue
             if req.echo:
                 text, logprobs = self._echoed(req, c, text, logprobs)
@@ -138,6 +142,23 @@ class OpenAIRoutes:
         else:
             body = shapes.completion_response(choices, gen.usage())
         return web.json_response(body)
+
+    def _chat_delta(self, choice, text: str, last: bool) -> dict:
+        """A chat chunk's delta: the text as content, or (serve --reasoning-parser) split into reasoning and
+        content, a piece of a tag held back until the next text (or the last output) says what it is."""
+        parser = self.state.config.reasoning_parser
+        if parser is None:
+            return {"content": text}
+        if choice.reasoning is None:
+            choice.reasoning = ReasoningSplitter(parser)
+        reasoning, content = choice.reasoning.feed(text)
+        if last:
+            r, c = choice.reasoning.finish()
+            reasoning, content = reasoning + r, content + c
+        delta = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
+        if content:
+            delta["content"] = content
+        return delta
 
     async def _stream(self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes):
         stream = EventStream(request)
@@ -154,14 +175,16 @@ class OpenAIRoutes:
                     return stream.response
                 chunks = []
                 echo = req.echo and choice.echoed is None  # the prompt goes out in the choice's first chunk
-                if out.text or out.logprobs or echo:
+                if out.text or out.logprobs or echo or (choice.reasoning is not None and out.finish_reason):
                     text, lp = out.text, self._logprobs(req, out.logprobs, list(out.text_offsets[:len(out.logprobs)]))
                     if echo:
                         text, lp = self._echoed(req, choice, text, lp)
                     elif req.echo and lp is not None:  # offsets count from the start of the echoed prompt
                         lp["text_offset"] = [o + choice.echoed for o in lp["text_offset"]]
-                    chunks.append(shapes.chat_chunk(choice.index, {"content": text}, None, lp, usage) if chat
-                                  else shapes.completion_chunk(choice.index, text, None, lp, usage))
+                    delta = self._chat_delta(choice, text, out.finish_reason is not None) if chat else None
+                    if delta or lp or not chat:
+                        chunks.append(shapes.chat_chunk(choice.index, delta, None, lp, usage) if chat
+                                      else shapes.completion_chunk(choice.index, text, None, lp, usage))
                 if out.finish_reason is not None:
                     stop = out.stop_reason
                     chunks.append(shapes.chat_chunk(choice.index, {}, out.finish_reason, usage=usage, stop_reason=stop)

@@ -129,10 +129,15 @@ class Shapes:
         return body
 
     @staticmethod
-    def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None,
-                    stop_reason: str | int | None = None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None,
+                    stop_reason: str | int | None = None, reasoning: str | None | bool = False) -> dict:
+        """`reasoning` False: no reasoning parser (no such field); else its text or None, under vLLM's name
+        and its older one."""
+        message = {"role": "assistant", "content": text}
+        if reasoning is not False:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     # ------------------------------------------------------------------------- completions
     def completion_chunk(self, index: int, text: str, finish_reason: str | None = None,

@@ -351,3 +351,20 @@ def test_probe_times_the_head_as_the_stage_runs_it(tiny, monkeypatch):
     config = ModelConfig.from_hf_dict(json.loads((tiny / "config.json").read_text()))
     assert probe._time_head(config, torch.device("cpu"), torch.float32) > 0
     assert seen == [True]
+
+
+def test_a_random_qwen3_checkpoint_holds_its_q_and_k_norms(tmp_path):
+    """write_random_checkpoint of a Qwen3 shape (bench's qwen3-8b; tiny-qwen3 here) writes the q/k norms, so
+    that the checkpoint loads and runs through the engine."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine, generate
+    from flotilla.runtime.random_model import SHAPES
+    from flotilla.runtime.sampling import SamplingParams
+
+    assert SHAPES["qwen3-8b"].qk_norm and SHAPES["qwen3-8b"].family == "qwen3"
+    path = write_random_checkpoint("tiny-qwen3", tmp_path / "q3", num_layers=2, seed=1)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3"
+    lm = load_model(path, "cpu", None, with_tokenizer=False, progress=False)
+    assert lm.model.config.qk_norm
+    out = generate(build_engine(lm, EngineArgs(kv_cache_memory="4MiB")), [[1, 2, 3]],
+                   SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 4

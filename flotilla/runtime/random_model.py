@@ -41,11 +41,20 @@ SHAPES: dict[str, ModelConfig] = {
                               num_attention_heads=32, num_key_value_heads=8, **_LLAMA3),
     "llama-3-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                num_attention_heads=64, num_key_value_heads=8, **_LLAMA3),
+    "qwen3-8b": ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
+                            intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                            tie_word_embeddings=False, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645,),
+                            torch_dtype="bfloat16"),
     # small enough for CPU tests; every linear's input is a multiple of group size 128
     "tiny": ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
                         tie_word_embeddings=False, eos_token_ids=()),
+    "tiny-qwen3": ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
+                              tie_word_embeddings=False, qk_norm=True, eos_token_ids=()),
 }
 
 BITS = (4, 8, 16)  # 16: unquantized linears in the activation dtype

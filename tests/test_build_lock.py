@@ -20,8 +20,12 @@ def test_a_stale_torch_baton_is_removed(tmp_path):
         assert not (tmp_path / TORCH_BATON).exists()
 
 
-def test_the_lock_of_a_killed_builder_is_released(tmp_path, capfd):
-    """A holder killed with SIGKILL (the kernel drops its flock); a live holder is waited for."""
+def test_the_lock_of_a_killed_builder_is_released(tmp_path, capfd, monkeypatch):
+    """A holder killed with SIGKILL (the kernel drops its flock); a live holder is waited for, and said to
+    be once the wait passes QUIET_WAIT_S (0.2 s here)."""
+    from flotilla.kernels import _build_util
+
+    monkeypatch.setattr(_build_util, "QUIET_WAIT_S", 0.2)
     code = ("import sys, time; from pathlib import Path; from flotilla.kernels._build_util import build_lock\n"
             "with build_lock(Path(sys.argv[1]), 'test'):\n"
             "    print('held', flush=True); time.sleep(60)\n")
@@ -54,3 +58,19 @@ def test_the_cpu_kernels_load_past_a_stale_baton():
     code = "from flotilla.kernels.cpu import build; assert build.load() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     assert not (directory / TORCH_BATON).exists()
+
+
+def test_a_short_hold_is_waited_for_without_a_word(tmp_path, capfd):
+    """A holder that lets go within QUIET_WAIT_S (a process loading the built kernels under the lock, as two
+    pipeline workers starting together do) is waited for silently."""
+    code = ("import sys, time; from pathlib import Path; from flotilla.kernels._build_util import build_lock\n"
+            "with build_lock(Path(sys.argv[1]), 'test'):\n"
+            "    print('held', flush=True); time.sleep(0.3)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with build_lock(tmp_path, "the test kernels"):
+            pass
+        assert "waiting for another process" not in capfd.readouterr().err
+    finally:
+        holder.wait(timeout=10)

@@ -99,3 +99,14 @@ def test_an_executor_without_prompt_logprobs_refuses_them(tiny):
     eng.executor = object()  # an executor that does not compute them
     with pytest.raises(FlotillaError, match="prompt logprobs"):
         eng.validate([5, 6, 7], SamplingParams(prompt_logprobs=1))
+
+
+def test_a_prompt_that_fills_the_context_is_scored_with_max_tokens_0(tiny):
+    """Nothing is generated, so the whole context may be prompt (vLLM's check: prompt + max_tokens)."""
+    hf, lm = tiny
+    eng = build_engine(lm, EngineArgs(kv_cache_memory="16MiB", max_model_len=48, max_num_batched_tokens=16))
+    prompt = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+    (out,) = run(eng, {"full": (prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))})["full"]
+    check(out.prompt_logprobs, oracle(hf, prompt), prompt, 0)
+    with pytest.raises(FlotillaError, match="at most 47 prompt tokens"):
+        eng.validate(prompt, SamplingParams(max_tokens=1))

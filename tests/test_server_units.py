@@ -3,6 +3,7 @@ the Prometheus exposition, admission bounds."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -128,8 +129,7 @@ def test_n_choices_get_distinct_seeds_and_prompt_batches_fan_out():
     assert [(i, p.seed) for i, _, p in req.choices()] == [(0, 10), (1, 11), (2, 12)]
     req = parse_completion({"model": "stub", "prompt": ["ab", [1, 2, 3]], "n": 2}, StubModel(), 8)
     assert [(i, len(ids)) for i, ids, _ in req.choices()] == [(0, 2), (1, 2), (2, 3), (3, 3)]
-    with pytest.raises(ApiError, match="at most 8"):
-        parse_completion({"model": "stub", "prompt": ["a"] * 3, "n": 3}, StubModel(), 8)
+    assert parse_completion({"model": "stub", "prompt": ["a"] * 3, "n": 3}, StubModel(), 8).num_choices == 9
 
 
 def test_context_bounds():
@@ -269,3 +269,23 @@ def test_fields_no_part_of_the_request_read_are_named():
     assert req.ignored == ("max_token", "temprature")
     assert chat(top_k=3, min_p=0.1, logprobs=False, stream_options=None).ignored == ()
     assert chat(guided_json=None, response_format={"type": "text"}, tool_choice="none").ignored == ()
+
+
+def test_prompts_are_bounded_by_admission_not_max_n_and_scoring_may_fill_the_context():
+    """--max-n bounds n; the prompts of a request (lm-eval sends its batch as one) are bounded by the
+    server's sequences (admission), as vLLM sets no count; a prompt scored alone (echo, max_tokens 0) may be
+    the whole context; empty prompt arrays and completions' top_logprobs are named."""
+    req = parse_completion({"prompt": [[5, 6]] * 12, "echo": True, "logprobs": 1, "max_tokens": 1}, StubModel(), 8)
+    assert req.num_choices == 12
+    with pytest.raises(ApiError, match="--max-n"):
+        parse_completion({"prompt": "abc", "n": 9}, StubModel(), 8)
+    full = list(range(3, 67))  # 64 tokens: StubModel's whole context
+    assert parse_completion({"prompt": full, "echo": True, "max_tokens": 0}, StubModel(), 8).params[0].max_tokens == 0
+    with pytest.raises(ApiError, match="context holds 64"):
+        parse_completion({"prompt": full, "echo": True, "max_tokens": 1}, StubModel(), 8)
+    for prompt, words in (([], "got an empty array"), ([[]], "'prompt[0]' is an empty array"),
+                          ([[50], []], "'prompt[1]' is an empty array")):
+        with pytest.raises(ApiError, match=re.escape(words)):
+            parse_completion({"prompt": prompt}, StubModel(), 8)
+    with pytest.raises(ApiError, match="'logprobs': N"):
+        parse_completion({"prompt": "abc", "top_logprobs": 2}, StubModel(), 8)

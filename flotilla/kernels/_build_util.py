@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -20,6 +21,22 @@ def failure_reason(e: BaseException, limit: int) -> str:
 
 
 TORCH_BATON = "lock"  # the file torch.utils.cpp_extension's FileBaton creates in a build directory
+# how long a process waits for the build lock before it says it is waiting: another process holds it that long
+# only while building (loading the built kernels under it, as pipeline workers starting together do, is quicker)
+QUIET_WAIT_S = 3.0
+
+
+def _lock_within(f, seconds: float) -> bool:
+    """Take the exclusive lock on `f` if it comes within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -33,9 +50,7 @@ def build_lock(directory: Path, what: str):
     baton found then is stale and is removed. A second process waiting for a live build says so."""
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "flotilla.lock", "a+b") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_within(f, QUIET_WAIT_S):  # a holder only loading the built kernels lets go sooner
             print(f"waiting for another process that is building {what} in {directory}…", file=sys.stderr, flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:

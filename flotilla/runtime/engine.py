@@ -137,7 +137,7 @@ class LLMEngine:
         n, limit = len(prompt_token_ids), self.config.context_len
         if n == 0:
             raise FlotillaError("the prompt is empty: at least one token is needed")
-        if n >= limit:
+        if n >= limit + (params.max_tokens == 0):  # a prompt only scored (max_tokens 0) may fill the context
             raise FlotillaError(f"the prompt has {n} tokens; this engine serves at most {limit - 1} prompt tokens "
                                 f"(context {limit}, limited by the model and the KV cache)")
         if self.vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size):

@@ -33,7 +33,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help=f"largest request body or websocket frame (default {ServerConfig.max_body_bytes})")
     g.add_argument("--max-n", type=int, default=ServerConfig.max_n, metavar="N",
-                   help=f"most choices (prompts x n) one request may ask for (default {ServerConfig.max_n})")
+                   help=f"most choices (n) a request may ask for per prompt (default {ServerConfig.max_n}; "
+                        f"its prompts x n are bounded by --max-num-seqs + --max-queue)")
     g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
                         "API and open /ws (CORS); the server's own chat page always may; default: none")

@@ -103,6 +103,9 @@ def parse_completion(data: dict, model: ModelInfo, max_n: int) -> GenerationRequ
     _reject_unsupported(f)
     if f.string("suffix"):
         raise bad_request("'suffix' (insertion) is not supported; leave it out", param="suffix")
+    if f.has("top_logprobs"):
+        raise bad_request("'top_logprobs' is the chat API's; the completions API takes 'logprobs': N (the N "
+                          "likeliest tokens)", param="top_logprobs")
     prompts = parse_prompts(f, model)
     top = f.integer("logprobs", None, 0, 20)
     n = f.integer("n", 1, 1, max_n, hint=" (the server's --max-n)")
@@ -196,7 +199,8 @@ def _prompt_items(f: Fields) -> list:
         return [prompt]
     if isinstance(prompt, list) and prompt:
         return prompt
-    raise bad_request(f"'prompt' must be {expected}, got {describe(prompt)}", param="prompt")
+    got = "an empty array" if prompt == [] else describe(prompt)
+    raise bad_request(f"'prompt' must be {expected}, got {got}", param="prompt")
 
 
 def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
@@ -212,6 +216,8 @@ def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
                 raise bad_request(f"'prompt' token id {bad[0]} is out of range; ids must be in 0..{vocab - 1}",
                                   param="prompt")
             ids = list(item)
+        elif item == []:
+            raise bad_request(f"'prompt[{i}]' is an empty array; send at least one token id", param="prompt")
         else:
             raise bad_request(f"'prompt[{i}]' must be a string or an array of token ids, got {describe(item)}",
                               param="prompt")
@@ -305,7 +311,8 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         prompts = [p[-(context - 1 if keep == -1 else keep):] for p in prompts]
         prompt_texts = tuple(None for _ in prompt_texts)  # echo shows the tokens kept
     longest = max(len(p) for p in prompts)
-    if longest >= context:
+    scoring = echo and f.raw(max_tokens_key) == 0  # the prompt scored alone: it may fill the context
+    if longest >= context + scoring:
         raise bad_request(f"{longest} tokens of {prompt_field}, but the context holds {context} tokens "
                           f"(including the reply); shorten the {prompt_field}", param=prompt_field,
                           code="context_length_exceeded")
@@ -317,11 +324,7 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         raise bad_request(f"'{max_tokens_key}' is {max_tokens} but {longest} of the {context}-token context go to "
                           f"the {prompt_field}; ask for at most {room}", param=max_tokens_key,
                           code="context_length_exceeded")
-    n = f.integer("n", 1, 1, max_n, hint=" (the server's --max-n)")
-    if n * len(prompts) > max_n:
-        raise bad_request(f"{len(prompts)} prompts x n={n} is {n * len(prompts)} choices; at most {max_n} per request "
-                          f"(the server's --max-n)",
-                          param="n")
+    n = f.integer("n", 1, 1, max_n, hint=" (the server's --max-n)")  # prompts x n: admission's bound
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")
     if options is not None and not stream:

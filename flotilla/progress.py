@@ -4,7 +4,8 @@ At a terminal a bar redraws in place, ten times a second at most. Written to a f
 log, CI), every redraw would be one more piece of a single line held together by carriage returns
 (a quantize run's calibration made one of about 20 KB); there a bar redraws every LOG_INTERVAL
 seconds, each redraw on a line of its own, the last when the bar closes; a bar that a terminal would
-clear at its end (leave=False: loading, calibration text) is not shown in a log.
+clear at its end (leave=False: loading, calibration text) starts its lines only once it has run that long
+(a quick load says nothing; a long one says how far it is every LOG_INTERVAL seconds).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def progress_bar(iterable=None, **kwargs) -> tqdm:
     if not kwargs.get("disable") and not _at_terminal():
         kwargs = {"mininterval": LOG_INTERVAL, "file": _Lines(), "ncols": 100, **kwargs}
         if kwargs.get("leave") is False:
-            kwargs["disable"] = True
+            kwargs.setdefault("delay", LOG_INTERVAL)
     return tqdm(iterable, **kwargs)
 
 

@@ -29,13 +29,25 @@ def test_disabled_bars_write_nothing(monkeypatch):
     assert err.getvalue() == ""
 
 
-def test_off_a_terminal_a_cleared_bar_says_nothing_and_a_kept_one_its_start_and_end(monkeypatch):
+def test_off_a_terminal_a_quick_cleared_bar_says_nothing_and_a_kept_one_its_start_and_end(monkeypatch):
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    for _ in progress.progress_bar(range(3), desc="loading", leave=False):  # done within LOG_INTERVAL
+    for _ in progress.progress_bar(range(3), desc="loading", leave=False):  # done within LOG_INTERVAL: no line
         pass
     assert err.getvalue() == ""
     for _ in progress.progress_bar(range(3), desc="quantize"):
         pass
     lines = err.getvalue().splitlines()  # its first state, and its last at the close
     assert lines[0].startswith("quantize") and "0/3" in lines[0] and "3/3" in lines[-1] and len(lines) == 2
+
+
+def test_off_a_terminal_a_long_cleared_bar_says_how_far_it_is(monkeypatch):
+    import time
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.05)
+    for _ in progress.progress_bar(range(4), desc="loading", leave=False):
+        time.sleep(0.06)
+    lines = err.getvalue().splitlines()
+    assert lines and all(line.startswith("loading") for line in lines) and "\r" not in err.getvalue()

@@ -123,8 +123,11 @@ def test_an_allowed_origin_gets_the_same_grant_on_the_preflight_and_the_request(
     ({"Host": "proxy", "X-Forwarded-Proto": "http", "X-Forwarded-Port": "8000"}, "http://proxy", True),  # -p 80:8000
     ({"Host": "chat.example.com", "X-Forwarded-Proto": "http"}, "https://chat.example.com", True),  # TLS before it
     ({"Host": "chat.example.com", "Forwarded": "for=10.0.0.1;proto=https"}, "https://chat.example.com", True),
-    ({"Host": "example.com", "X-Forwarded-For": "10.0.0.1"}, "http://example.com:8000", True),
-    ({"Host": "example.com", "X-Forwarded-For": "10.0.0.1"}, "http://evil.example:8000", False),
+    ({"Host": "example.com", "X-Forwarded-Proto": "http"}, "http://example.com:8000", True),
+    ({"Host": "example.com", "X-Forwarded-Proto": "http"}, "http://evil.example:8000", False),
+    # X-Forwarded-For alone (a forward proxy on the browser's side adds it): a direct request's strict check
+    ({"Host": "example.com", "X-Forwarded-For": "10.0.0.1"}, "http://example.com:8000", False),
+    ({"Host": "example.com:8000", "X-Forwarded-For": "10.0.0.1"}, "http://example.com:8000", True),
     ({"Host": "internal", "X-Forwarded-Host": "example.com"}, "https://internal", False),
 ])
 def test_same_origin_is_scheme_host_and_port(headers, origin, same):

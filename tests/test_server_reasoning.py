@@ -18,18 +18,21 @@ from test_server_units import StubTokenizer
 REPLY = "<think>\nLet me think. 2 < 3.\n</think>\n\nThe answer is 3."
 
 
-@pytest.mark.parametrize("parser, text, want", [
-    ("qwen3", REPLY, ("\nLet me think. 2 < 3.\n", "The answer is 3.")),
-    ("qwen3", "The answer is 3.", (None, "The answer is 3.")),  # enable_thinking false: no block
-    ("qwen3", "<think>\nstill thinking", ("\nstill thinking", None)),  # cut by max_tokens
-    ("qwen3", "<thi", (None, "<thi")),  # a piece of a tag that never became one
-    ("deepseek_r1", "Let me think.\n</think>\n\nIt is 3.", ("Let me think.\n", "It is 3.")),  # opened in the prompt
-    ("deepseek_r1", REPLY, ("\nLet me think. 2 < 3.\n", "The answer is 3.")),  # a <think> written anyway
-    ("deepseek_r1", "no end tag", ("no end tag", None)),
-    ("deepseek_r1", "a </thin", ("a </thin", None)),
+@pytest.mark.parametrize("parser, prompt_end, text, want", [
+    ("qwen3", "", REPLY, ("\nLet me think. 2 < 3.\n", "\n\nThe answer is 3.")),
+    ("qwen3", "", "The answer is 3.", (None, "The answer is 3.")),  # enable_thinking false: no block
+    ("qwen3", "<think>\n\n</think>\n\n", "The answer", (None, "The answer")),  # the template closed it
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "abc</think>\n\nhi", ("abc", "\n\nhi")),  # Thinking-2507
+    ("qwen3", "", "<think>\nstill thinking", ("\nstill thinking", None)),  # cut by max_tokens
+    ("qwen3", "", "<thi", (None, "<thi")),  # a piece of a tag that never became one
+    ("deepseek_r1", "<think>\n", "Let me think.\n</think>\n\nIt is 3.", ("Let me think.\n", "\n\nIt is 3.")),
+    ("deepseek_r1", "", "Let me think.\n</think>It is 3.", ("Let me think.\n", "It is 3.")),  # no tag seen: inside
+    ("deepseek_r1", "", REPLY, ("\nLet me think. 2 < 3.\n", "\n\nThe answer is 3.")),  # a <think> written anyway
+    ("deepseek_r1", "", "no end tag", ("no end tag", None)),
+    ("deepseek_r1", "", "a </thin", ("a </thin", None)),
 ])
-def test_whole_replies_split_as_vllm_parsers_do(parser, text, want):
-    assert split_reasoning(parser, text) == want
+def test_whole_replies_split_as_vllm_parsers_do(parser, prompt_end, text, want):
+    assert split_reasoning(parser, text, prompt_end) == want
 
 
 @pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
@@ -95,10 +98,10 @@ def test_chat_gives_reasoning_apart_whole_and_streamed():
             await server.drain()
 
     whole, deltas = asyncio.run(run("qwen3"))
-    assert whole["content"] == "The answer is 3."
+    assert whole["content"] == "\n\nThe answer is 3."
     assert whole["reasoning"] == whole["reasoning_content"] == "\nLet me think. 2 < 3.\n"
     assert "".join(d.get("reasoning", "") for d in deltas) == whole["reasoning"]
-    assert "".join(d.get("content", "") for d in deltas) == "The answer is 3."
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer is 3."
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     plain, deltas = asyncio.run(run(None))  # no parser: the block stays in the content, no reasoning field
     assert plain["content"] == REPLY and "reasoning" not in plain

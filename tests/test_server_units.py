@@ -29,6 +29,9 @@ class StubTokenizer:
     def token_bytes(self, token_id):
         return bytes([token_id])
 
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
 
 class StubModel:
     model_name = "stub"

@@ -20,6 +20,7 @@ from .state import ServerState
 log = logging.getLogger("flotilla.server")
 
 MAX_IGNORED_NAMED = 8  # ignored fields named in the log line
+REASONING_TAIL_TOKENS = 4  # the prompt's last tokens that say whether its template opened a <think> block
 _ignored_logged: set[tuple[str, ...]] = set()  # the sets of ignored fields said so far (at most 100)
 LARGE_BODY = 32 * 1024  # bytes; larger requests are validated and tokenized off the event loop
 CANCELLED = "the request was cancelled because the server is shutting down; retry it"
@@ -73,7 +74,9 @@ class OpenAIRoutes:
         return parse(*args)
 
     async def _serve(self, request: web.Request, req: GenerationRequest, rid: str, arrival: float):
-        if req.ignored and req.ignored not in _ignored_logged and len(_ignored_logged) < 100:  # once per set
+        if req.ignored and req.ignored not in _ignored_logged:  # once per set (the last 100 sets remembered)
+            if len(_ignored_logged) >= 100:
+                _ignored_logged.clear()
             _ignored_logged.add(req.ignored)  # (as vLLM says them: the request still runs, without them)
             names = ", ".join(repr(k[:40]) for k in req.ignored[:MAX_IGNORED_NAMED])
             more = f" and {len(req.ignored) - MAX_IGNORED_NAMED} more" if len(req.ignored) > MAX_IGNORED_NAMED else ""
@@ -126,7 +129,7 @@ class OpenAIRoutes:
             text, logprobs = "".join(c.text), self._logprobs(req, c.logprobs, c.offsets)
             if req.kind == "chat":
                 parser = self.state.config.reasoning_parser
-                reasoning, content = split_reasoning(parser, text) if parser else (False, text)
+                reasoning, content = split_reasoning(parser, text, self._prompt_end(req)) if parser else (False, text)
                 choices.append(Shapes.chat_choice(c.index, content if parser else text, c.finish_reason, logprobs,
                                                   c.stop_reason, reasoning))
                 continue
@@ -143,14 +146,18 @@ class OpenAIRoutes:
             body = shapes.completion_response(choices, gen.usage())
         return web.json_response(body)
 
-    def _chat_delta(self, choice, text: str, last: bool) -> dict:
+    def _prompt_end(self, req: GenerationRequest) -> str:
+        """The chat prompt's last text, its special tokens included (a template may open the <think> block)."""
+        return "".join(self.token_text.decode(t) for t in req.prompts[0][-REASONING_TAIL_TOKENS:])
+
+    def _chat_delta(self, req: GenerationRequest, choice, text: str, last: bool) -> dict:
         """A chat chunk's delta: the text as content, or (serve --reasoning-parser) split into reasoning and
         content, a piece of a tag held back until the next text (or the last output) says what it is."""
         parser = self.state.config.reasoning_parser
         if parser is None:
             return {"content": text}
         if choice.reasoning is None:
-            choice.reasoning = ReasoningSplitter(parser)
+            choice.reasoning = ReasoningSplitter(parser, self._prompt_end(req))
         reasoning, content = choice.reasoning.feed(text)
         if last:
             r, c = choice.reasoning.finish()
@@ -181,7 +188,7 @@ class OpenAIRoutes:
                         text, lp = self._echoed(req, choice, text, lp)
                     elif req.echo and lp is not None:  # offsets count from the start of the echoed prompt
                         lp["text_offset"] = [o + choice.echoed for o in lp["text_offset"]]
-                    delta = self._chat_delta(choice, text, out.finish_reason is not None) if chat else None
+                    delta = self._chat_delta(req, choice, text, out.finish_reason is not None) if chat else None
                     if delta or lp or not chat:
                         chunks.append(shapes.chat_chunk(choice.index, delta, None, lp, usage) if chat
                                       else shapes.completion_chunk(choice.index, text, None, lp, usage))

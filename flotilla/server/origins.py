@@ -12,7 +12,7 @@ not browsers (the OpenAI library, curl) send no Origin and are not affected.
 "This server's own origin" is what a browser means by it: scheme, host and port, a default port (80, 443)
 implied; another port of the same host is another origin, and so is another name of the same address
 (http://localhost:8000 is not http://127.0.0.1:8000 to a browser, so not to this check). Behind a
-reverse proxy (a request with X-Forwarded-* or Forwarded headers) only the host name is compared, the
+reverse proxy (a request with X-Forwarded-Proto, X-Forwarded-Host or Forwarded) only the host name is compared, the
 X-Forwarded-Host's or the Host header's: the scheme and port a proxy reports are its own listener's, not
 the browser's (a container published on another port, TLS ended in front of the proxy). Not covered: DNS rebinding (a hostile name
 that resolves to 127.0.0.1 is "the same origin" to this check); --api-key covers that.
@@ -67,7 +67,9 @@ def _split(origin: str) -> tuple[str, str, int] | None:
     return scheme, u.hostname.lower(), port or DEFAULT_PORTS[scheme]
 
 
-_PROXY_HEADERS = ("X-Forwarded-Proto", "X-Forwarded-Host", "X-Forwarded-For", "X-Forwarded-Port", "Forwarded")
+# what a reverse proxy in front of the server sends (deploy/nginx.conf: X-Forwarded-Proto); not X-Forwarded-For,
+# which a forward proxy on the browser's side (Squid) adds too
+_PROXY_HEADERS = ("X-Forwarded-Proto", "X-Forwarded-Host", "Forwarded")
 
 
 def server_origin(request: web.Request) -> tuple[str | None, str, int | None]:

@@ -5,12 +5,13 @@ older name, `reasoning_content`) and the rest as `content`.
     deepseek_r1  the reply starts inside the block (DeepSeek-R1 and its distills, QwQ: their templates open
                  it in the prompt); a `<think>` the model writes anyway is dropped; with no `</think>` the
                  whole reply is reasoning
-    qwen3        the reply is reasoning only from a `<think>` it starts with (Qwen3 with thinking on); with
+    qwen3        the reply is reasoning from a `<think>` it starts with (Qwen3 with thinking on), or from its
+                 start where the prompt ends in `<think>` (the Thinking-2507 models' templates); with
                  `enable_thinking: false` (no block) it is all content
 
 The tags are found in the text as it streams: a piece of a tag at a delta's end is held back until the
-next text says whether it is one, so a tag is never split across deltas nor shown. The answer's leading
-newlines (after `</think>`) are dropped.
+next text says whether it is one, so a tag is never split across deltas nor shown. The text after
+`</think>` is the content as it is (its leading newlines too, as vLLM gives them).
 """
 from __future__ import annotations
 
@@ -21,13 +22,18 @@ START, END = "<think>", "</think>"
 class ReasoningSplitter:
     """One choice's text, fed delta by delta: `feed` returns (reasoning, content) deltas, `finish` the rest."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, prompt_end: str = ""):
+        """`prompt_end`: the rendered prompt's last text (a template may open the block, or close it)."""
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(PARSERS)}")
         self.parser = parser
         self.state = "opening"  # before the reply's first characters say whether it opens a block
+        end = prompt_end.rstrip()
+        if end.endswith(START):
+            self.state = "reasoning"
+        elif end.endswith(END) and parser == "qwen3":  # the template closed it (enable_thinking false)
+            self.state = "content"
         self.held = ""  # text not yet given out (a possible piece of a tag)
-        self.content_started = False
 
     def feed(self, text: str) -> tuple[str, str]:
         self.held += text
@@ -52,11 +58,7 @@ class ReasoningSplitter:
                 reasoning += self.held[:len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep:]
                 return reasoning, content
-            # content: everything, less the newlines that open the answer
-            text, self.held = self.held, ""
-            if not self.content_started:
-                text = text.lstrip("\n")
-                self.content_started = bool(text)
+            text, self.held = self.held, ""  # content: everything
             return reasoning, content + text
 
     def finish(self) -> tuple[str, str]:
@@ -66,12 +68,12 @@ class ReasoningSplitter:
             return held, ""
         if self.state == "opening":  # a reply shorter than "<think>" that is a piece of it
             return (held, "") if self.parser == "deepseek_r1" else ("", held)
-        return "", held if self.content_started else held.lstrip("\n")
+        return "", held
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+def split_reasoning(parser: str, text: str, prompt_end: str = "") -> tuple[str | None, str | None]:
     """A whole reply as (reasoning, content); None for a part that is empty (as vLLM gives them)."""
-    s = ReasoningSplitter(parser)
+    s = ReasoningSplitter(parser, prompt_end)
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     return (r1 + r2) or None, (c1 + c2) or None

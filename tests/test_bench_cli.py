@@ -38,7 +38,7 @@ def test_bench_table_and_errors():
     assert lines[2].split()[0] == "1" and lines[2].split()[-1] == "no"
     bad = runtime("bench", "--random", "llama-9", "--device", "cpu")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, tiny"
+    assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, qwen3-8b, tiny, tiny-qwen3"
     bad = runtime("bench", "--random", "tiny", "--batch", "1,x", "--device", "cpu")
     assert bad.returncode == 2 and "--batch '1,x': expected positive integers" in bad.stderr
     bad = runtime("bench", "some/model", "--bits", "8", "--device", "cpu")  # was ignored: the path ran as it was

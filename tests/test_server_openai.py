@@ -310,3 +310,36 @@ def test_vllm_prompt_logprobs_and_their_refusals(live, client):
             client.chat.completions.create(model=live.engine.model_name, max_tokens=1, messages=chat, **bad)
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model=live.engine.model_name, prompt="Hi", max_tokens=0)
+
+
+def test_tokenizer_endpoints_serve_lm_evals_remote_tokenizer(live):
+    """POST /tokenize, POST /detokenize, GET /tokenizer_info as vLLM's (what lm-eval's remote tokenizer checks
+    for and uses: eos_token in the info, a list of tokens), equal to the engine's own tokenizer."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def call(path, body=None):  # (status, JSON body)
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    base, tok = live.url, live.engine.tokenizer
+    info = call("/tokenizer_info")[1]
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] and info["model_max_length"] > 0
+    text = "The quick brown fox, 🦊!"
+    r = call("/tokenize", {"prompt": text, "add_special_tokens": False})[1]
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False) and r["count"] == len(r["tokens"])
+    chat = call("/tokenize", {"messages": [{"role": "user", "content": QUESTION}]})[1]
+    assert chat["tokens"] == chat_prompt(live)
+    back = call("/detokenize", {"tokens": r["tokens"]})[1]
+    assert back["prompt"] == text
+    for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"), ("/detokenize", {}, "tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"model": "other", "prompt": "a"},
+                                                                       "model")):
+        status, err = call(path, body)
+        assert 400 <= status < 500 and err["error"]["param"] == param, err

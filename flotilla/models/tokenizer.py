@@ -41,6 +41,17 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def special_token(self, name: str) -> str | None:
+        """A special token's text by its tokenizer_config name (bos_token, eos_token, pad_token, ...), or None."""
+        special = getattr(self.hf, "special_tokens", None)  # FileTokenizer's
+        token = special.get(name) if isinstance(special, dict) else getattr(self.hf, name, None)
+        return None if token is None else str(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 

@@ -9,6 +9,7 @@ from .metrics import CONTENT_TYPE
 from .errors import ApiError
 from .middleware import make_middlewares, quiet_client_mistakes
 from .openai_api import OpenAIRoutes
+from .tokenize_api import TokenizerRoutes
 from .origins import add_cors_headers
 from .state import ServerState
 from .websocket import ChatSocket
@@ -21,6 +22,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> web.Application
     quiet_client_mistakes()
     app = web.Application(middlewares=make_middlewares(state), client_max_size=state.config.max_body_bytes)
     OpenAIRoutes(state).register(app)
+    TokenizerRoutes(state).register(app)
     ChatSocket(state).register(app)
     app.router.add_get("/health", _health(state))
     app.router.add_get("/metrics", _metrics(state))

@@ -32,6 +32,14 @@ class StubTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def decode_window(self, ids):
+        return self.decode(ids)
+
+    def detokenizer(self, prompt_ids=None):
+        from flotilla.models.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self, prompt_ids or [])
+
 
 class StubModel:
     model_name = "stub"

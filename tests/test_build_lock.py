@@ -14,6 +14,15 @@ from flotilla.kernels._build_util import TORCH_BATON, build_lock
 from flotilla.kernels.cpu import build
 
 
+def lock_holder(directory, seconds: float) -> subprocess.Popen:
+    """A process that holds the build lock on `directory` for `seconds` (it prints 'held' once it does)."""
+    code = ("import sys, time; from pathlib import Path; from flotilla.kernels._build_util import build_lock\n"
+            "with build_lock(Path(sys.argv[1]), 'test'):\n"
+            "    print('held', flush=True); time.sleep(float(sys.argv[2]))\n")
+    return subprocess.Popen([sys.executable, "-c", code, str(directory), str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
+
+
 def test_a_stale_torch_baton_is_removed(tmp_path):
     (tmp_path / TORCH_BATON).write_text("")
     with build_lock(tmp_path, "test"):
@@ -26,10 +35,7 @@ def test_the_lock_of_a_killed_builder_is_released(tmp_path, capfd, monkeypatch):
     from flotilla.kernels import _build_util
 
     monkeypatch.setattr(_build_util, "QUIET_WAIT_S", 0.2)
-    code = ("import sys, time; from pathlib import Path; from flotilla.kernels._build_util import build_lock\n"
-            "with build_lock(Path(sys.argv[1]), 'test'):\n"
-            "    print('held', flush=True); time.sleep(60)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = lock_holder(tmp_path, 60)
     try:
         assert holder.stdout.readline().strip() == "held"
         (tmp_path / TORCH_BATON).write_text("")  # what the killed build would leave
@@ -63,10 +69,7 @@ def test_the_cpu_kernels_load_past_a_stale_baton():
 def test_a_short_hold_is_waited_for_without_a_word(tmp_path, capfd):
     """A holder that lets go within QUIET_WAIT_S (a process loading the built kernels under the lock, as two
     pipeline workers starting together do) is waited for silently."""
-    code = ("import sys, time; from pathlib import Path; from flotilla.kernels._build_util import build_lock\n"
-            "with build_lock(Path(sys.argv[1]), 'test'):\n"
-            "    print('held', flush=True); time.sleep(0.3)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = lock_holder(tmp_path, 0.3)
     try:
         assert holder.stdout.readline().strip() == "held"
         with build_lock(tmp_path, "the test kernels"):

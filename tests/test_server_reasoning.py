@@ -9,11 +9,11 @@ import aiohttp
 import pytest
 
 from flotilla.server.config import ServerConfig
-from flotilla.server.engine_client import EngineStats, StepOutput
+from flotilla.server.engine_client import StepOutput
 from flotilla.server.reasoning import ReasoningSplitter, split_reasoning
 from flotilla.server.serve import Server
 from flotilla.server.state import ServerState
-from test_server_units import StubTokenizer
+from test_server_fake_engine import FakeEngine
 
 REPLY = "<think>\nLet me think. 2 < 3.\n</think>\n\nThe answer is 3."
 
@@ -46,38 +46,15 @@ def test_every_split_point_of_the_stream_gives_the_whole_split(parser):
             assert all("<" + "think>" not in r + c and "</think" not in r + c for r, c in parts)
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     """Streams REPLY a few characters at a time."""
-    model_name = "fake"
     max_model_len = 256
-    max_num_seqs = 2
-
-    def __init__(self):
-        self.tokenizer = StubTokenizer()
-
-    async def start(self):
-        pass
-
-    async def shutdown(self):
-        pass
 
     async def generate(self, request_id, prompt_ids, params):
         pieces = [REPLY[i:i + 3] for i in range(0, len(REPLY), 3)]
         for i, piece in enumerate(pieces):
             await asyncio.sleep(0)
             yield StepOutput((65,), piece, "stop" if i == len(pieces) - 1 else None)
-
-    async def abort(self, request_id):
-        pass
-
-    async def abort_all(self):
-        pass
-
-    def stats(self):
-        return EngineStats(0, 0, 10, 10)
-
-    def problems(self):
-        return []
 
 
 def test_chat_gives_reasoning_apart_whole_and_streamed():

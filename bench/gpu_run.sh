@@ -17,7 +17,10 @@
 # Triton tiles at 40-64 rows on the widest weights (the 70B shapes; round 17's open question). probe: which fused ops
 # fall back to torch on the GPU in a GGUF model's step (bench/fallback_probe.py). gguftune: the Triton tiles' configs
 # for the GGUF forms at 32 / 64 rows (kernels_gguf --tune). ggufrule: round 19's group-32
-# rule end to end (the GGUF kernels at 16-64 rows, then `runtime bench` as gguf's part without Q8_0).
+# rule end to end (the GGUF kernels at 16-64 rows, then `runtime bench` as gguf's part without Q8_0). offsets: round
+# 21's float offsets on the GEMV's tensor-core plan (test_gemv, the GEMV sweep of Q4_K / Q5_K / Q4_0);
+# offsets_decode: the 8B as Q4_K_M with FLOTILLA_GEMV_OFFSETS=0 and 1; features: bench/gpu_features.py (prompt
+# logprobs, Qwen3, the tokenizer endpoints on the GPU) and the Qwen3 8B decode beside the Llama 3 8B.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -142,5 +145,31 @@ if has probe; then  # which fused ops hand CUDA tensors to a torch fallback in a
     timeout 120 python3 -P bench/fallback_probe.py --random llama-3-8b $g --layers 4 --batch 1,16 --tokens 32 2>&1 \
       | tee -a "$OUT/probe.log" | grep -vE "^\[|Writing"
   done
+fi
+if has offsets; then  # round 21: the GGUF float-offset forms (Q4_K, Q4_1, Q5_K, Q5_1) on the GEMV's tensor-core plan
+  mark "offsets: test_gemv"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py 2>&1 | tail -4
+  mark "offsets: gemv sweep"
+  timeout 280 python3 -P bench/kernels.py --gguf --graph --only-sweeps --gemv-sweep --gemv-chain \
+    --gemv-forms ${OFFSET_FORMS:-Q4_K,Q5_K,Q4_0} --gemv-rows ${OFFSET_ROWS:-1,4,8} \
+    --shapes 4096x14336,14336x4096,8192x28672 2>&1 | tee "$OUT/offsets_sweep.log" | grep -E "^gguf|chain|FAIL"
+fi
+if has offsets_decode; then  # the 8B as GGUF Q4_K_M (and Q4_0, no offsets) at 1-8 rows, offsets on the GEMV or not
+  for E in 0 1; do
+    for g in ${OFFSET_MODELS:-Q4_K_M}; do
+      mark "offsets_decode: runtime bench --gguf $g FLOTILLA_GEMV_OFFSETS=$E"
+      FLOTILLA_GEMV_OFFSETS=$E timeout 100 python3 -m flotilla.server.cli bench --random llama-3-8b --gguf $g \
+        --batch ${OFFSET_BATCHES:-1,4,8,16} 2>&1 | tee -a "$OUT/offsets_decode.log" | grep -vE "^\[|Writing"
+    done
+  done
+fi
+if has features; then  # the features that had never run on a GPU (bench/gpu_features.py) and the Qwen3 decode
+  mark "features: gpu_features"
+  timeout 200 python3 -P bench/gpu_features.py 2>&1 | tee "$OUT/gpu_features.log" | grep -vE "^\[|Writing"
+  mark "features: runtime bench --random qwen3-8b"
+  timeout 120 python3 -m flotilla.server.cli bench --random qwen3-8b --bits 4 --batch 1,16,64 2>&1 \
+    | tee "$OUT/qwen3_bench.log" | grep -vE "^\[|Writing"
+  timeout 100 python3 -m flotilla.server.cli bench --random llama-3-8b --bits 4 --batch 1,16,64 2>&1 \
+    | tee -a "$OUT/qwen3_bench.log" | grep -vE "^\[|Writing"
 fi
 mark done

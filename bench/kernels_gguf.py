@@ -9,8 +9,8 @@ and in bf16, and the embedded default GGUF's logits on CUDA against the CPU's: a
 what is off.
 
 With --gemv-sweep (after the table; --only-sweeps: instead of it): per form, shape and batch up to 8
-(--gemv-rows), the CUDA GEMV's plans (kernels/cuda/gemv.py: the tensor-core plan where the form has
-an integer zero, the CUDA-core plans; 1, 2, 4 and 8 warps) each checked against the dequantized
+(--gemv-rows), the CUDA GEMV's plans (kernels/cuda/gemv.py: the tensor-core plan on the group-32 forms,
+float offsets included since round 21, the CUDA-core plans; 1, 2, 4 and 8 warps) each checked against the dequantized
 weight, then timed next to the Triton path the registry takes for GGUF forms today, and with
 --gemv-chain the best of them back to back as a decode step runs them (kernels_gemv.chain_case):
 the evidence for the GEMV's crossover on these layouts (gemv.crossover).
@@ -112,8 +112,8 @@ def run_gguf(args, time_us, gptq_kernel) -> int:
     return 1 if fails else 0
 
 
-GEMV_FORMS = ("Q4_0", "Q4_K", "Q5_0", "Q6_K", "Q8_0")  # one of each layout kind (Q4_1 runs as Q4_K, Q5_1 / Q5_K as Q8_0
-# with offsets)
+GEMV_FORMS = ("Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")  # one of each layout kind (Q4_1 runs as Q4_K, Q5_1 as
+# Q5_K: 8-bit codes with offsets)
 
 
 def gemv_sweep_shape(k: int, n: int, args, time_us) -> list[str]:
@@ -122,7 +122,7 @@ def gemv_sweep_shape(k: int, n: int, args, time_us) -> list[str]:
     from flotilla.kernels.cuda.gemv import MMA_COLS, ROW_TILES
 
     fails = []
-    for q in GEMV_FORMS:
+    for q in args.gemv_forms.split(",") if args.gemv_forms else GEMV_FORMS:
         w = random_ggml(q, k, n)
         dense = w.dequantize()
         kern = TritonGGMLKernel([w], torch.device("cuda"), torch.float16).runs[0][2]
@@ -136,7 +136,7 @@ def gemv_sweep_shape(k: int, n: int, args, time_us) -> list[str]:
             timed = []
             for shape in kern.gemv.plans():
                 if shape.rows > ROW_TILES[-1] or (shape.cols != MMA_COLS and shape.rows != next(
-                        r for r in ROW_TILES if r >= m)) or (shape.cols == MMA_COLS and shape.stages not in (0, 2)):
+                        r for r in ROW_TILES if r >= m)) or (shape.cols == MMA_COLS and shape.stages not in (0, 2, 4)):
                     continue
                 for warps in (1, 2, 4, 8):
                     plan = dataclasses.replace(shape, warps=warps)

@@ -150,9 +150,12 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
     and 2t+8, 2t+9 (a2, a3); B k 2t.. / 2t+8.. of column g; C row g / g + 8, columns 2t, 2t+1),
     A = q - z by the pair decode of the CUDA-core plan (its zero constants from the zero the lane
     holds for the column), the per-group, per-parity accumulators times the scale and zero words
-    its ring copies (ring_scale, ring_zero); in float64. x: [M, k_padded]."""
+    its ring copies (ring_scale, ring_zero); float offsets (GGUF forms): each group's sum of x from the
+    mma with A = 1.0, times the offset word the ring copies (ring_scale of the offsets); in float64.
+    x: [M, k_padded]."""
     geo = gemv.geometry(layout, torch.float16)
     assert geo.mma
+    off = geo.mode == gemv.OFF
     bits, pairs = layout.bits, 16 // layout.bits
     r = 1 << geo.log2r
     spb, tpg, par, bk = r // 16, geo.tpg, (2 if bits == 4 else 1), 2 * r * pairs
@@ -167,6 +170,7 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
         for b in range(kw // r):
             grp = [gemv.group_of(b * pairs + q * tpg, geo.group_magic) for q in range(pairs // tpg)]
             acc = np.zeros((len(grp), par, 16, 8))
+            accx = np.zeros((len(grp), 16, 8))  # OFF: the sum of x over each group's rows
             for sq in range(spb):
                 base = b * r + 16 * sq + 4 * t  # [32] this lane's first word
                 wa = words[n0 + g[:, None], base[:, None] + np.arange(4)]  # [32, 4]
@@ -188,6 +192,8 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                         b_mat[2 * t, g], b_mat[2 * t + 1, g] = xs[:, 4 * h], xs[:, 4 * h + 1]
                         b_mat[2 * t + 8, g], b_mat[2 * t + 9, g] = xs[:, 4 * h + 2], xs[:, 4 * h + 3]
                         acc[q, v] += a_mat @ b_mat
+                        if off:
+                            accx[q] += np.ones((16, 16)) @ b_mat
             for q, gi in enumerate(grp):
                 for v in range(par):
                     if tpg == 1 and v != q % par:
@@ -195,6 +201,11 @@ def emulate_mma(layout, x: np.ndarray) -> np.ndarray:
                     f = np.zeros(16)  # fragment rows g, g + 8: the scales lane (g, t) reads
                     f[g], f[g + 8] = ring_scale(layout, gi, n0, g, 0), ring_scale(layout, gi, n0, g, 1)
                     y[n0:n0 + 16] += f[:, None] * acc[q, v]
+                if off:
+                    f = np.zeros(16)
+                    f[g] = ring_scale(layout, gi, n0, g, 0, layout.offsets)
+                    f[g + 8] = ring_scale(layout, gi, n0, g, 1, layout.offsets)
+                    y[n0:n0 + 16] += f[:, None] * accx[q]
     return y[:, :m_rows].T
 
 
@@ -265,11 +276,11 @@ def emulate_wide(layout, x: np.ndarray, cols: int, silu: bool = False) -> np.nda
     return y[:m_rows]
 
 
-def ring_scale(layout, group: int, n0: int, g: np.ndarray, c: int) -> np.ndarray:
-    """The scale of column n0 + g + 8c as the ring copies it: the 4-byte word of the [G, N] fp16 table
-    at column (n0 + g) & ~1 (+ 8c) of row `group`, its half g % 2."""
+def ring_scale(layout, group: int, n0: int, g: np.ndarray, c: int, table: torch.Tensor | None = None) -> np.ndarray:
+    """The scale (or the entry of `table`, e.g. the offsets) of column n0 + g + 8c as the ring copies it: the
+    4-byte word of the [G, N] fp16 table at column (n0 + g) & ~1 (+ 8c) of row `group`, its half g % 2."""
     n = layout.out_features
-    words = layout.scales.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).view(np.uint32)
+    words = (layout.scales if table is None else table).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).view(np.uint32)
     word = words[(group * n + ((n0 + g) & ~1) + 8 * c) // 2]
     return halves(word >> (16 * (g & 1)))[0]
 

@@ -174,6 +174,27 @@ def test_emulated_kernel_reads_the_gguf_forms(qtype, dtype):
     np.testing.assert_array_equal(dense, fp16(exact) if name == "fp16" else exact)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q4_0", "Q8_0"])
+def test_emulated_tensor_core_plan_reads_the_gguf_forms(qtype):
+    """The GGUF layouts of group 32 on the tensor-core plan: q - z on the MMA, times the scale once a group,
+    and for the float-offset forms the offset times the group's sum of x (an MMA with A = 1.0) — x @ W of
+    the layout's own weights, s (q - z) + m unrounded, where the Triton kernel rounds each weight to fp16."""
+    gw = random_weight(qtype, 48, 512, seed=4, scale=0.01)
+    layout = repack_ggml(gw, torch.float16, "cpu")
+    geo = gemv.geometry(layout, torch.float16)
+    assert geo.mma and geo.log2r == 4 and geo.mode == (gemv.OFF if layout.offsets is not None else gemv.SYM)
+    q = unpack_words(layout.words, layout.bits, layout.block_k, layout.in_features).double().numpy()
+    g = np.arange(layout.in_features) // layout.group_size
+    w = (q - layout.zero_const) * layout.scales.double().numpy()[g]
+    if layout.offsets is not None:
+        w += layout.offsets.double().numpy()[g]
+    rng = np.random.default_rng(4)
+    for m in (1, 3, 8):
+        x = rng.standard_normal((m, layout.k_padded)).astype(np.float16).astype(np.float64)
+        ref = x[:, :layout.in_features] @ w
+        np.testing.assert_allclose(emulate_mma(layout, x), ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
 def test_crossovers_only_where_measured(monkeypatch):
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
     assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS == 8
@@ -200,9 +221,16 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert gemv.crossover(w8, 8, torch.float16) == gemv.CORES_MAX_ROWS[(8, torch.float16)]
     bf = gemv.geometry(repack(weight(1024, 96, 4, 128, True, False)), torch.bfloat16)
     assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # slower than Triton on 4096x14336
-    gguf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
-                         torch.float16)
-    assert gguf.mode == gemv.OFF and gemv.crossover(gguf, 4, torch.float16) == 0
+    lay = repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu")
+    gguf = gemv.geometry(lay, torch.float16)  # float offsets: the tensor-core plan (round 21)
+    assert gguf.mode == gemv.OFF and gguf.mma and gemv.crossover(gguf, 4, torch.float16) == gemv.OFFSET_MMA_MAX_ROWS
+    assert gemv.choose_plan(1, 64, lay.words.shape[1], 132, 4, lay.rows_per_field, lay.rows_per_field) \
+        == gemv.GemvPlan(8, 16, 8, 2)
+    monkeypatch.setenv(gemv.OFFSETS_ENV, "0")
+    assert gemv.crossover(gguf, 4, torch.float16) == 0  # turned off: the Triton kernel
+    bf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.bfloat16, "cpu"),
+                       torch.bfloat16)
+    assert bf.mode == gemv.OFF and not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # CUDA cores: slower
 
 
 def test_geometry_of_the_layouts():
@@ -387,35 +415,40 @@ def test_kernel_matches_reference_on_every_plan(case, dtype):
 
 
 @needs_gpu
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q4_1", "Q8_0", "Q5_1", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gguf_forms_through_the_gemv(qtype, dtype):
+    """Every plan the GGUF layouts can run (the tensor-core plan's ring depths and register buffer on the
+    group-32 forms in fp16, float offsets included; the CUDA-core plans), against the exact weights."""
     from flotilla.kernels.triton_linear import TritonLayoutKernel
 
     gw = random_weight(qtype, 96, 1024, seed=5, scale=0.01)
     layout = repack_ggml(gw, dtype, "cuda")
     kern = TritonLayoutKernel(layout, dtype)
     assert kern.gemv is not None
+    assert kern.gemv.geo.mma == (dtype == torch.float16 and qtype != "Q6_K")
     ref_w = gw.dequantize(torch.float32).to("cuda")  # [out, in]
     for m in (1, 2, 5, 8):
         x = torch.randn(m, 1024, device="cuda", dtype=dtype)
-        poison(m, 96, dtype)
-        y = kern.gemv(x)
-        assert rel_err(y, x.float() @ ref_w.t()) < (2e-3 if dtype == torch.float16 else 1.2e-2), (qtype, m)
+        for plan in [None, *plans(kern.gemv, m)] if m in (1, 5) else [None]:
+            poison(m, 96, dtype)
+            y = kern.gemv(x, plan=plan)
+            assert bool(torch.isfinite(y).all()), (qtype, m, plan)
+            assert rel_err(y, x.float() @ ref_w.t()) < (2e-3 if dtype == torch.float16 else 1.2e-2), (qtype, m, plan)
 
 
 @needs_gpu
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "Q4_K"])
 def test_gguf_forms_run_the_gemv_where_it_measured_faster(qtype):
-    """The registry picks the GEMV for the GGUF forms with an integer zero up to their crossover (Q4_K's float
-    offsets stay on Triton); the product and the [gate | up] silu epilogue match the exact weights there."""
+    """The registry picks the GEMV for the GGUF forms up to their crossover (Q4_K's float offsets on the
+    tensor-core plan since round 21); the product and the [gate | up] silu epilogue match the exact weights there."""
     from flotilla.kernels.fused import silu_mul
     from flotilla.kernels.triton_linear import TritonLayoutKernel
 
     gw = random_weight(qtype, 256, 1024, seed=7, scale=0.01)
     kern = TritonLayoutKernel(repack_ggml(gw, torch.float16, "cuda"), torch.float16)
     rows = {"Q4_0": gemv.GROUP_MMA_MAX_ROWS, "Q8_0": gemv.GROUP_MMA_MAX_ROWS, "Q6_K": gemv.GROUP_CORES_MAX_ROWS,
-            "Q4_K": 0}[qtype]
+            "Q4_K": gemv.OFFSET_MMA_MAX_ROWS}[qtype]
     assert kern.gemv.max_rows == rows
     ref_w = gw.dequantize(torch.float32).to("cuda")
     for m in (1, 3, 4, 8, 9):

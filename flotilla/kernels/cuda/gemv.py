@@ -10,18 +10,18 @@ gathers them once per call (x[:, perm]) and a layout whose input axis is padded 
 x) gets a zero-padded copy, both on the torch side.
 
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
-  * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words,
-    N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products on mma.sync
+  * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words, and
+    the GGUF forms' float offsets at blocks of 16 words, N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products on mma.sync
     of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
     its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
     M = 1 on long columns); on sm_90+ launched as a programmatic dependent of the kernel before it
     (kernels/pdl.py: its first weight loads overlap that kernel);
-  * the wide tensor-core plan (gemv_wide.cuh; the same layouts) for 9-16 rows: x the MMA's A operand
+  * the wide tensor-core plan (gemv_wide.cuh; the same layouts but float offsets) for 9-16 rows: x the MMA's A operand
     (all 16 batch rows in one m16n8k16), the decoded q - z its B operand, 16 columns a block, the
     block's scales and zeros through a small cp.async ring, silu(gate) * up in its epilogue; picked
     where it beat the Triton tiles (`wide_rows`: weights of at most 2^24, e.g. llama-3-8b's o_proj);
-  * CUDA cores (gemv.cuh; everything else the layout holds: bf16, GGUF float offsets, blocks of
+  * CUDA cores (gemv.cuh; everything else the layout holds: bf16 (float offsets included), blocks of
     8 words): rows a block computes (1, 2, 4, 8: M rounded up), columns a block (2 or 4,
     dividing N), the products in half2 (fp16) or fp32 (bf16).
 Both split the input axis over the warps of a block. Supported: 4 and 8 bits, fp16 and bf16
@@ -29,8 +29,8 @@ activations, symmetric, uint8 zeros or GGUF float offsets, every group size the 
 act-order. Not supported (the Triton kernel serves, said once in the log): odd N, 4-bit zeros of
 64 and more, a layout whose blocks are wider than 128 words. `max_rows`: up to how many rows the
 kernel object picks this GEMV over the Triton kernel (the measured crossover, per plan kind;
-0 for the layouts not measured yet or measured slower: bf16 on group 32 / 16, float offsets, uint8 zeros
-at group 32 / 16).
+0 for the layouts not measured yet or measured slower: bf16 on group 32 / 16, float offsets on the CUDA
+cores, uint8 zeros at group 32 / 16).
 """
 from __future__ import annotations
 
@@ -95,6 +95,10 @@ CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat
 # a block to 4 rows (4096x14336 m=1 33.6 against 48.4, 8192x28672 m=4 147.2 / 148.5; 14336x4096 m=8 50.3 / 51.1:
 # a tie, left to Triton). Float offsets (Q4_K, Q4_1, Q5_K, Q5_1) lost: 8192x28672 m=1 102.0 against 89.2.
 GROUP_MMA_MAX_ROWS, GROUP_CORES_MAX_ROWS = 8, 4
+# GGUF float offsets (Q4_1, Q4_K, Q5_1, Q5_K: group 32, blocks of 16 words) on the tensor-core plan, which adds a
+# group's offset times its sum of x (gemv_mma.cuh): up to this many rows (round 21); FLOTILLA_GEMV_OFFSETS=0
+# leaves them to the Triton kernel (the plan still runs when asked)
+OFFSET_MMA_MAX_ROWS, OFFSETS_ENV = 8, "FLOTILLA_GEMV_OFFSETS"
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -157,6 +161,11 @@ class Geometry:
     mode: int  # SYM, ZP or OFF
     mma: bool  # the tensor-core plan reads it (it is chosen at 4 bits)
 
+    @property
+    def wide(self) -> bool:
+        """The wide tensor-core plan reads it too (all the tensor-core layouts but float offsets)."""
+        return self.mma and self.mode != OFF
+
 
 def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     """The kernel's view of a layout, or GemvUnsupported saying why not."""
@@ -201,16 +210,16 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     mode = OFF if layout.offsets is not None else ZP if layout.zeros is not None else SYM
     if mode == OFF and tpg != 1:
         raise GemvUnsupported("float offsets with groups longer than one run")
-    mma = dtype == torch.float16 and mode != OFF and r in (16, 32) and n % MMA_COLS == 0
+    mma = dtype == torch.float16 and (r in (16, 32) if mode != OFF else r == 16) and n % MMA_COLS == 0
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
 def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) -> int:
     """Up to how many rows the GEMV beats the Triton kernel on a layout of `weights` weights (in x out),
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
-    GGUF float offsets, blocks other than 32 words (group 32 or 16)."""
+    bf16 on blocks other than 32 words (group 32 or 16), float offsets on the CUDA cores."""
     if geo.mode == OFF:
-        return 0
+        return OFFSET_MMA_MAX_ROWS if geo.mma and os.environ.get(OFFSETS_ENV) != "0" else 0
     if geo.log2r != 5:  # group 32 / 16 with an integer zero (GGUF Q4_0, Q5_0, Q8_0, Q6_K; GPTQ g32 sym)
         if dtype != torch.float16 or geo.mode != SYM:
             return 0
@@ -325,7 +334,7 @@ class GemvKernel:
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
         self.wide_rows = wide_rows(self.geo, layout.bits, layout.in_features * layout.out_features)
-        self.most_rows = WIDE_ROWS if self.geo.mma else ROW_TILES[-1]  # what it can run, picked or not
+        self.most_rows = WIDE_ROWS if self.geo.wide else ROW_TILES[-1]  # what it can run, picked or not
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
@@ -336,7 +345,7 @@ class GemvKernel:
         n = self.layout.out_features
         for rows, cols in sorted(SHAPES):
             if rows == WIDE_ROWS:
-                if self.geo.mma and n % cols == 0:
+                if self.geo.wide and n % cols == 0:
                     yield GemvPlan(rows, cols, warps)
             elif n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
@@ -412,7 +421,7 @@ class GemvKernel:
         plan = plan or self.plan_for(m)
         wide = plan.rows == WIDE_ROWS
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS or ((plan.cols == MMA_COLS or wide) and not self.geo.mma) \
+                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) or (wide and not self.geo.wide) \
                 or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)

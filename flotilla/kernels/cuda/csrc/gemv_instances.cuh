@@ -80,12 +80,14 @@ int gemv_mma_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
               : launch_mma(gemv_mma_kernel<BITS, MODE, TPG, LOG2R, true, false>, q, warps, warps * q.stages * slot, stream);
 }
 
-// fp16, a zero constant or uint8 zeros, blocks of 16 or 32 words (op 1 reads log2r too)
+// fp16, a zero constant or uint8 zeros, blocks of 16 or 32 words; float offsets (the GGUF forms' layouts)
+// at blocks of 16 words only (op 1 reads log2r too)
 template <typename T, int BITS, int MODE, int TPG>
 int gemv_mma_dispatch(int op, const GemvParams* p, int warps, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, half> && MODE != OFF) {
+  if constexpr (std::is_same_v<T, half>) {
     if (p->log2r == 4) return gemv_mma_op<BITS, MODE, TPG, 4>(op, p, warps, stream);
-    if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5>(op, p, warps, stream);
+    if constexpr (MODE != OFF)
+      if (p->log2r == 5) return gemv_mma_op<BITS, MODE, TPG, 5>(op, p, warps, stream);
   }
   return cudaErrorInvalidValue;
 }

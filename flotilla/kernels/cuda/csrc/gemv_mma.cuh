@@ -1,5 +1,5 @@
-// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8; M <= 8;
-// R = 16 or 32 words a block): the same Triton layout, the products on mma.sync, so that a pair of
+// The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8, and the GGUF
+// forms' float offsets at R = 16; M <= 8; R = 16 or 32 words a block): the same Triton layout, the products on mma.sync, so that a pair of
 // weights costs one LOP3 and one HADD2 / HFMA2 (+ a shift a word for runs 2, 3) on the CUDA cores.
 //
 // A warp computes 16 output columns (the MMA's rows) for all M <= 8 batch rows (its 8 columns).
@@ -14,6 +14,12 @@
 // twice the MMAs; this decode measured 3-9% faster.) Each group of a block and run parity has its
 // own accumulator, times its scale into the output fragment when the warp leaves the block; a warp
 // takes whole blocks (blocks warp, warp + warps, ...).
+//
+// Float offsets (mode OFF: GGUF Q4_1, Q4_K, Q5_1, Q5_K, w = s q + m, one run a group): the A operand is
+// q (zero constant 0), and sum_k w_k x_k = s sum_k q_k x_k + m sum_k x_k, so each group also has
+// an accumulator of the sum of x over its rows, one more mma.sync a run and half with A = 1.0 (no
+// decode); the epilogue adds the group's offset times it. The weight is never rounded to fp16 (the
+// Triton kernel and the CUDA-core plan round s q + m once): closer to the exact sum, not bit-equal.
 //
 // How a warp streams its blocks (p.stages): 0, a register double buffer (the next block's 16-byte
 // loads issued before this block is decoded; x, scales and zeros read from global memory in the
@@ -114,10 +120,10 @@ __host__ __device__ constexpr int mma_x_row_bytes() { return 2 * 2 * (1 << LOG2R
 
 // the ring's slot of one block a warp: its 16 columns' words (SPB strips of 16 words, 16 bytes a
 // lane and column half) and a lane's 4-byte words of the scales (and zeros) of its groups, 2 each;
-// then M rows of x of mma_x_row_bytes each
+// (or offsets); then M rows of x of mma_x_row_bytes each
 template <int BITS, int MODE, int TPG, int LOG2R>
 __host__ __device__ constexpr int mma_slot_bytes() {
-  return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == ZP ? 2 : 1) * 4);
+  return 32 * ((1 << LOG2R) / 16 * 2 * 16 + (16 / BITS / TPG) * 2 * (MODE == SYM ? 1 : 2) * 4);
 }
 
 // grid: N / 16 blocks of 32 * warps threads; the warps split the layout's blocks of the input axis
@@ -148,6 +154,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   const half* xg = pinned(static_cast<const half*>(p.x) + static_cast<size_t>(min(g, p.M - 1)) * p.lda + 8 * t);
   const uint16_t* sc = pinned(p.scales + n0 + g);
   const uint8_t* zp = MODE == ZP ? pinned(p.zeros + n0 + g) : nullptr;
+  const uint16_t* of = MODE == OFF ? pinned(p.offsets + n0 + g) : nullptr;
   const uint64_t policy = evict_first_policy();
   uint32_t zk[NG][PAR][2];  // zero constants of the block's groups (per parity), columns g and g + 8
 #pragma unroll
@@ -208,7 +215,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   };
   // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
   // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
-  // (byte g % 4); xs (the ring only): x of the block's rows of batch row g in the slot (global
+  // (byte g % 4), or of offsets (half g % 2); xs (the ring only): x of the block's rows of batch row g in the slot (global
   // memory without the ring); without the ring they are read here
   auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* xs) {
     const int u0 = b * P;
@@ -231,12 +238,17 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
       }
     }
     float acc[NG][PAR][4];
+    float accx[MODE == OFF ? NG : 1][4];  // OFF: each group's sum of x (fragment columns 2t, 2t + 1)
 #pragma unroll
-    for (int q = 0; q < NG; q++)
+    for (int q = 0; q < NG; q++) {
 #pragma unroll
       for (int v = 0; v < PAR; v++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[q][v][e] = 0.f;
+      if constexpr (MODE == OFF)
+#pragma unroll
+        for (int e = 0; e < 4; e++) accx[q][e] = 0.f;
+    }
     const half* xb = xg + static_cast<size_t>(b) * BK;
 #pragma unroll
     for (int sq = 0; sq < SPB; sq++) {
@@ -261,6 +273,10 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
                   h2_bits(D::template get<s>(bw[2 * h], b8[2 * h], ze[1], zo[1])),
                   h2_bits(D::template get<s>(a[2 * h + 1], a8[2 * h + 1], ze[0], zo[0])),
                   h2_bits(D::template get<s>(bw[2 * h + 1], b8[2 * h + 1], ze[1], zo[1])), xs[2 * h], xs[2 * h + 1]);
+          if constexpr (MODE == OFF) {  // A = 1.0: the sum of x over these rows
+            constexpr uint32_t one = 0x3C003C00u;
+            mma_f16(accx[q], one, one, one, one, xs[2 * h], xs[2 * h + 1]);
+          }
         }
       });
     }
@@ -282,6 +298,19 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         y[0] = fmaf(s0, acc[q][v][0], y[0]), y[1] = fmaf(s0, acc[q][v][1], y[1]);
         y[2] = fmaf(s1, acc[q][v][2], y[2]), y[3] = fmaf(s1, acc[q][v][3], y[3]);
       }
+      if constexpr (MODE == OFF) {  // the offsets times the group's sums of x
+        float m0, m1;
+        if constexpr (RING) {
+          const int sh = 16 * (g & 1);
+          m0 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[(2 * NG + 2 * q) * 32] >> sh)));
+          m1 = __half2float(__ushort_as_half(static_cast<unsigned short>(tab[(2 * NG + 2 * q + 1) * 32] >> sh)));
+        } else {
+          const uint16_t* mr = of + grp[q] * static_cast<unsigned>(p.N);
+          m0 = __half2float(__ushort_as_half(__ldg(mr))), m1 = __half2float(__ushort_as_half(__ldg(mr + hi)));
+        }
+        y[0] = fmaf(m0, accx[q][0], y[0]), y[1] = fmaf(m0, accx[q][1], y[1]);
+        y[2] = fmaf(m1, accx[q][2], y[2]), y[3] = fmaf(m1, accx[q][3], y[3]);
+      }
     }
   };
   if constexpr (RING) {
@@ -296,12 +325,13 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
     char* slots = reinterpret_cast<char*>(ring_smem) + static_cast<size_t>(warp) * S * slot_bytes;
     const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(slots));
     const unsigned slots_s = ring_s + 16 * lane, tab_s = ring_s + SPB * 2 * 32 * 16 + 4 * lane;
-    // this lane's 4-byte words of the tables: scales at columns (n0 + g) & ~1, zeros (n0 + g) & ~3
+    // this lane's 4-byte words of the tables: scales (offsets) at columns (n0 + g) & ~1, zeros (n0 + g) & ~3
     const uint16_t* sc_w = p.scales + ((n0 + g) & ~1);
     const uint8_t* zp_w = MODE == ZP ? p.zeros + ((n0 + g) & ~3) : nullptr;
+    const uint16_t* of_w = MODE == OFF ? p.offsets + ((n0 + g) & ~1) : nullptr;
     const half* x0 = static_cast<const half*>(p.x);
     const int nb = warp < nblocks ? (nblocks - 1 - warp) / warps + 1 : 0;  // this warp's blocks
-    auto issue_weights = [&](int slot, int b) {  // the block's words, scales (and zeros): no dependency
+    auto issue_weights = [&](int slot, int b) {  // the block's words, scales (zeros, offsets): no dependency
       const unsigned base = slot * slot_bytes;
 #pragma unroll
       for (int q = 0; q < SPB; q++) {
@@ -315,6 +345,7 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
         for (int c = 0; c < 2; c++) {
           cp_async4(tab_s + base + (2 * q + c) * 32 * 4, sc_w + row + hi * c);
           if constexpr (MODE == ZP) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, zp_w + row + hi * c);
+          if constexpr (MODE == OFF) cp_async4(tab_s + base + (2 * NG + 2 * q + c) * 32 * 4, of_w + row + hi * c);
         }
       }
     };

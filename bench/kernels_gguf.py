@@ -9,10 +9,11 @@ and in bf16, and the embedded default GGUF's logits on CUDA against the CPU's: a
 what is off.
 
 With --gemv-sweep (after the table; --only-sweeps: instead of it): per form, shape and batch up to 8
-(--gemv-rows), the CUDA GEMV's plans (kernels/cuda/gemv.py: the tensor-core plan on the group-32 forms,
-float offsets included since round 21, the CUDA-core plans; 1, 2, 4 and 8 warps) each checked against the dequantized
-weight, then timed next to the Triton path the registry takes for GGUF forms today, and with
---gemv-chain the best of them back to back as a decode step runs them (kernels_gemv.chain_case):
+(--gemv-rows; 9-16 rows: the wide tensor-core plan where the layout has it), the CUDA GEMV's plans
+(kernels/cuda/gemv.py: the tensor-core plan on the group-32 forms, float offsets included since round
+21, the CUDA-core plans; 1, 2, 4 and 8 warps) each checked against the dequantized weight, then timed
+next to the Triton path the registry takes for GGUF forms today, and with --gemv-chain the best of
+them back to back as a decode step runs them (kernels_gemv.chain_case):
 the evidence for the GEMV's crossover on these layouts (gemv.crossover).
 
 With --tune (after the table): per form, shape and batch, the default config's time next to the
@@ -119,7 +120,7 @@ GEMV_FORMS = ("Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")  # one of each lay
 def gemv_sweep_shape(k: int, n: int, args, time_us) -> list[str]:
     """--gemv-sweep: per GGUF form and batch, every GEMV plan (checked, then timed) against the Triton path."""
     from bench.kernels_gemv import chain_case, label, triton_config
-    from flotilla.kernels.cuda.gemv import MMA_COLS, ROW_TILES
+    from flotilla.kernels.cuda.gemv import MMA_COLS, ROW_TILES, WIDE_ROWS
 
     fails = []
     for q in args.gemv_forms.split(",") if args.gemv_forms else GEMV_FORMS:
@@ -130,13 +131,14 @@ def gemv_sweep_shape(k: int, n: int, args, time_us) -> list[str]:
             print(f"gguf gemv {q} {k}x{n}: no GEMV for this layout (see the log)", flush=True)
             continue
         geo = kern.gemv.geo
-        for m in [r for r in args.gemv_rows if r <= ROW_TILES[-1]]:
+        for m in [r for r in args.gemv_rows if r <= kern.gemv.most_rows]:  # 9-16: the wide plan
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             ref = x.float() @ dense.t()
             timed = []
             for shape in kern.gemv.plans():
-                if shape.rows > ROW_TILES[-1] or (shape.cols != MMA_COLS and shape.rows != next(
-                        r for r in ROW_TILES if r >= m)) or (shape.cols == MMA_COLS and shape.stages not in (0, 2, 4)):
+                if (shape.rows == WIDE_ROWS) != (m > ROW_TILES[-1]) or (shape.rows <= ROW_TILES[-1] and (
+                        (shape.cols != MMA_COLS and shape.rows != next(r for r in ROW_TILES if r >= m))
+                        or (shape.cols == MMA_COLS and shape.stages not in (0, 2, 4)))):
                     continue
                 for warps in (1, 2, 4, 8):
                     plan = dataclasses.replace(shape, warps=warps)

@@ -223,9 +223,12 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # slower than Triton on 4096x14336
     lay = repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu")
     gguf = gemv.geometry(lay, torch.float16)  # float offsets: the tensor-core plan (round 21)
-    assert gguf.mode == gemv.OFF and gguf.mma and gemv.crossover(gguf, 4, torch.float16) == gemv.OFFSET_MMA_MAX_ROWS
+    on = gemv.OFFSET_MMA_MAX_ROWS if gemv.OFFSETS_ON else 0
+    assert gguf.mode == gemv.OFF and gguf.mma and gemv.crossover(gguf, 4, torch.float16) == on
     assert gemv.choose_plan(1, 64, lay.words.shape[1], 132, 4, lay.rows_per_field, lay.rows_per_field) \
         == gemv.GemvPlan(8, 16, 8, 2)
+    monkeypatch.setenv(gemv.OFFSETS_ENV, "1")
+    assert gemv.crossover(gguf, 4, torch.float16) == gemv.OFFSET_MMA_MAX_ROWS  # turned on
     monkeypatch.setenv(gemv.OFFSETS_ENV, "0")
     assert gemv.crossover(gguf, 4, torch.float16) == 0  # turned off: the Triton kernel
     bf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.bfloat16, "cpu"),
@@ -441,14 +444,14 @@ def test_gguf_forms_through_the_gemv(qtype, dtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "Q4_K"])
 def test_gguf_forms_run_the_gemv_where_it_measured_faster(qtype):
     """The registry picks the GEMV for the GGUF forms up to their crossover (Q4_K's float offsets on the
-    tensor-core plan since round 21); the product and the [gate | up] silu epilogue match the exact weights there."""
+    tensor-core plan where gemv.OFFSETS_ON); the product and the [gate | up] silu epilogue match the exact weights there."""
     from flotilla.kernels.fused import silu_mul
     from flotilla.kernels.triton_linear import TritonLayoutKernel
 
     gw = random_weight(qtype, 256, 1024, seed=7, scale=0.01)
     kern = TritonLayoutKernel(repack_ggml(gw, torch.float16, "cuda"), torch.float16)
     rows = {"Q4_0": gemv.GROUP_MMA_MAX_ROWS, "Q8_0": gemv.GROUP_MMA_MAX_ROWS, "Q6_K": gemv.GROUP_CORES_MAX_ROWS,
-            "Q4_K": gemv.OFFSET_MMA_MAX_ROWS}[qtype]
+            "Q4_K": gemv.OFFSET_MMA_MAX_ROWS if gemv.OFFSETS_ON else 0}[qtype]
     assert kern.gemv.max_rows == rows
     ref_w = gw.dequantize(torch.float32).to("cuda")
     for m in (1, 3, 4, 8, 9):

@@ -96,9 +96,10 @@ CORES_MAX_ROWS = {(4, torch.float16): 1, (8, torch.float16): 2, (4, torch.bfloat
 # a tie, left to Triton). Float offsets (Q4_K, Q4_1, Q5_K, Q5_1) lost: 8192x28672 m=1 102.0 against 89.2.
 GROUP_MMA_MAX_ROWS, GROUP_CORES_MAX_ROWS = 8, 4
 # GGUF float offsets (Q4_1, Q4_K, Q5_1, Q5_K: group 32, blocks of 16 words) on the tensor-core plan, which adds a
-# group's offset times its sum of x (gemv_mma.cuh): up to this many rows (round 21); FLOTILLA_GEMV_OFFSETS=0
-# leaves them to the Triton kernel (the plan still runs when asked)
-OFFSET_MMA_MAX_ROWS, OFFSETS_ENV = 8, "FLOTILLA_GEMV_OFFSETS"
+# group's offset times its sum of x (gemv_mma.cuh): up to OFFSET_MMA_MAX_ROWS rows where OFFSETS_ON (round 21).
+# Not yet run on a GPU (no machine was lent in round 21), so it is off by default: FLOTILLA_GEMV_OFFSETS=1 turns
+# it on, =0 off; the plan runs when asked either way
+OFFSET_MMA_MAX_ROWS, OFFSETS_ENV, OFFSETS_ON = 8, "FLOTILLA_GEMV_OFFSETS", False
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -219,7 +220,8 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) ->
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
     bf16 on blocks other than 32 words (group 32 or 16), float offsets on the CUDA cores."""
     if geo.mode == OFF:
-        return OFFSET_MMA_MAX_ROWS if geo.mma and os.environ.get(OFFSETS_ENV) != "0" else 0
+        on = {"1": True, "0": False}.get(os.environ.get(OFFSETS_ENV, "").strip(), OFFSETS_ON)
+        return OFFSET_MMA_MAX_ROWS if geo.mma and on else 0
     if geo.log2r != 5:  # group 32 / 16 with an integer zero (GGUF Q4_0, Q5_0, Q8_0, Q6_K; GPTQ g32 sym)
         if dtype != torch.float16 or geo.mode != SYM:
             return 0

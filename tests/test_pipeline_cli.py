@@ -57,6 +57,27 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "--spin-us must be >= 0" in r.stderr
 
 
+def test_counts_layers_and_tls_files_are_refused_before_any_worker_starts(tmp_path):
+    """What the flags or the model's config alone can refuse is one line, before a local worker starts (the default
+    model, SmolLM2, has 30 layers)."""
+    env = {"FLOTILLA_TOKEN": "0123456789abcdef-env"}
+    r = runtime("serve", "--pp", "0")
+    assert r.returncode == 2 and "argument --pp: must be at least 1, got 0" in r.stderr
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--tp", "-1", env=env)
+    assert r.returncode == 2 and "argument --tp: must be at least 1, got -1" in r.stderr
+    for args, msg in ((["--pp", "31"], "--pp 31 is more stages than the model's 30 layers"),
+                      (["--pp", "2", "--layers", "10,10"], "adds up to 20 layers; the model has 30")):
+        r = runtime("serve", *args)
+        assert r.returncode == 2 and msg in r.stderr and "worker" not in r.stderr, r.stderr
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key), env=env)
+    assert r.returncode == 2 and f"--tls-cert {cert}: no such file" in r.stderr
+    cert.write_text("not a certificate")
+    key.write_text("nor a key")
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key), env=env)
+    assert r.returncode == 2 and f"cannot load the TLS files (--tls-cert {cert}, --tls-key {key})" in r.stderr
+
+
 def test_a_token_mismatch_is_named_on_both_sides():
     from pipeline_helpers import ProcessWorker, wait_until
 

@@ -14,7 +14,6 @@ import secrets
 import signal
 import socket
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from flotilla import envs
@@ -68,15 +67,34 @@ def read_token(args: argparse.Namespace, required: bool = True) -> bytes | None:
         raise FlotillaError(f"{where}: {e}") from None
 
 
+def at_least_one(text: str) -> int:
+    """argparse type of a count (--pp, a worker's --tp): a whole number, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _tls(args: argparse.Namespace):
     if bool(args.tls_cert) != bool(args.tls_key):
         raise FlotillaError("--tls-cert and --tls-key go together")
     if args.tls_ca and not args.tls_cert:
         raise FlotillaError("--tls-ca needs --tls-cert and --tls-key as well")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+        if path and not Path(path).is_file():
+            raise FlotillaError(f"{flag} {path}: no such file")
     try:
         return ssl_contexts(args.tls_cert, args.tls_key, args.tls_ca)
     except (OSError, ValueError) as e:
-        raise FlotillaError(f"cannot load the TLS files: {e}") from None
+        if "KEY_VALUES_MISMATCH" in str(e):
+            raise FlotillaError(f"--tls-key {args.tls_key} is not the private key of --tls-cert {args.tls_cert}") \
+                from None
+        files = ", ".join(f"{flag} {path}" for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                                              ("--tls-ca", args.tls_ca)) if path)
+        raise FlotillaError(f"cannot load the TLS files ({files}): {e}; each must be PEM") from None
 
 
 # ------------------------------------------------------------------------------------- worker
@@ -94,7 +112,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the stage's compute (default: torch's, one per core; with --tp on a CPU "
                         "the ranks split them)")
-    p.add_argument("--tp", type=int, default=1, metavar="M",
+    p.add_argument("--tp", type=at_least_one, default=1, metavar="M",
                    help="tensor-parallel ranks for this worker's stage: M processes share every layer of it "
                         "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; default 1)")
     p.add_argument("--spin-us", type=int, default=0, metavar="US",
@@ -181,7 +199,7 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (several stages: processes on this machine, or workers on others)")
-    g.add_argument("--pp", type=int, default=None,
+    g.add_argument("--pp", type=at_least_one, default=None,
                    help="pipeline stages (default: one per --hosts or --devices entry, else 1: the model runs in "
                         "this process)")
     g.add_argument("--hosts", default=None,
@@ -291,6 +309,15 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
                                 "`runtime worker --tp M` makes it")
     model = resolve_model_path(args.model)
     _, client_ssl = _tls(args)
+    # what the model's config alone can refuse, before any local worker starts
+    from flotilla.models.sources import open_source
+
+    from .partition import parse_layers
+
+    num_layers = open_source(model).config.num_hidden_layers
+    if pp > num_layers:
+        raise FlotillaError(f"--pp {pp} is more stages than the model's {num_layers} layers")
+    layers = parse_layers(args.layers, num_layers, pp) if args.layers else None
     local = None
     if hosts is not None:
         token = read_token(args)
@@ -302,17 +329,10 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         polling = f"; they and the head poll {spin_us} µs before sleeping" if spin_us else ""
         report(f"starting {pp} local workers ({local.describe()}){polling}")
         hosts = local.start()
-    layers = None
-    settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), layers, args.wire_dtype,
-                                args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0,
+    settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), tuple(layers) if layers else None,
+                                args.wire_dtype, args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0,
                                 mps_advice=local is None)
     try:
-        if args.layers:
-            from flotilla.models.sources import open_source
-            from .partition import parse_layers
-
-            layers = parse_layers(args.layers, open_source(model).config.num_hidden_layers, pp)
-            settings = replace(settings, layers=tuple(layers))
         engine = build_pipeline_engine(model, EngineArgs.from_args(args), settings, report, device=args.device)
     except BaseException:
         if local is not None:

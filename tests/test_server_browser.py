@@ -1,7 +1,7 @@
 """The chat page in a real browser (Debian's chromium, headless, driven by Playwright): a message
 streams in and grows, the stop button ends it, new chat clears it, the next message works; on a fake
-engine, a reply failing midway returns the page to ready and a chat past the context drops its
-oldest turns."""
+engine, a reply failing midway returns the page to ready, a chat past the context drops its
+oldest turns, and a reasoning reply's <think> block is folded above its answer."""
 from __future__ import annotations
 
 import asyncio
@@ -203,6 +203,38 @@ def test_a_chat_past_the_context_drops_its_oldest_turns(fake, page):
     assert page.errors == []
     page.click("#new-chat")
     assert page.locator(".msg, .notice").count() == 0
+
+
+class ThinkingEngine(PageEngine):
+    """Replies with a <think> block, then the answer, a few characters a delta."""
+    REPLY = "<think>\nThe user greets me.\n</think>\n\nHello!"
+
+    async def generate(self, request_id, prompt_ids, params):
+        pieces = [self.REPLY[i:i + 4] for i in range(0, len(self.REPLY), 4)]
+        for i, piece in enumerate(pieces):
+            await asyncio.sleep(0.001)
+            yield StepOutput((65,), piece, "stop" if i == len(pieces) - 1 else None)
+
+
+def test_reasoning_is_folded_above_the_answer_and_not_sent_back(page):
+    """serve --reasoning-parser: the page shows the <think> block in a fold above the answer (closed once the
+    answer came) and sends only the answer back with the conversation."""
+    from flotilla.server.config import ServerConfig
+
+    sent = chat_frames(page)
+    with LiveServer(ThinkingEngine(), ServerConfig(port=0, reasoning_parser="qwen3")) as server:
+        open_page(page, server)
+        say(page, "Hi", 1)
+        reply = page.locator(".msg.assistant").last
+        assert reply.locator(".body").inner_text().strip() == "Hello!"
+        fold = reply.locator("details.thinking")
+        assert fold.count() == 1 and fold.get_attribute("open") is None
+        assert fold.locator("summary").inner_text() == "Thought"
+        assert fold.locator("div").text_content() == "\nThe user greets me.\n"
+        say(page, "Again", 2)
+    chats = [json.loads(f) for f in sent if '"chat"' in f]
+    assert [m["content"] for m in chats[1]["messages"]] == ["Hi", "\n\nHello!", "Again"]
+    assert page.errors == []
 
 
 def test_a_message_over_the_frame_limit_is_not_sent(page):

@@ -83,3 +83,30 @@ def test_chat_gives_reasoning_apart_whole_and_streamed():
     plain, deltas = asyncio.run(run(None))  # no parser: the block stays in the content, no reasoning field
     assert plain["content"] == REPLY and "reasoning" not in plain
     assert "".join(d.get("content", "") for d in deltas) == REPLY
+
+
+def test_websocket_gives_reasoning_apart():
+    """/ws under --reasoning-parser: the block's text as the deltas' "reasoning", the answer as their "text";
+    without the flag the text is the whole reply."""
+    frame = {"type": "chat", "messages": [{"role": "user", "content": "2 or 3?"}], "max_tokens": 50}
+
+    async def run(parser):
+        server = Server(ServerState(ServerConfig(port=0, reasoning_parser=parser), ScriptedEngine()))
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as s, s.ws_connect(server.url + "/ws") as ws:
+                assert (await ws.receive_json())["type"] == "ready"
+                await ws.send_json(frame)
+                deltas = []
+                while (f := await ws.receive_json())["type"] != "done":
+                    deltas += [f] if f["type"] == "delta" else []
+            return deltas
+        finally:
+            await server.drain()
+
+    deltas = asyncio.run(run("qwen3"))
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nLet me think. 2 < 3.\n"
+    assert "".join(d["text"] for d in deltas) == "\n\nThe answer is 3."
+    assert all(d["text"] or d.get("reasoning") for d in deltas)  # no empty frames
+    deltas = asyncio.run(run(None))
+    assert "".join(d["text"] for d in deltas) == REPLY and not any("reasoning" in d for d in deltas)

@@ -11,7 +11,7 @@ from .engine_client import EngineUnavailable
 from .errors import ApiError
 from .generation import Generation, new_request_id
 from .protocol import GenerationRequest, parse_chat, parse_completion
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import ReasoningSplitter, prompt_end, split_reasoning
 from .responses import (EchoedPrompt, Shapes, TokenText, chat_logprobs, completion_logprobs, join_logprobs,
                         vllm_prompt_logprobs)
 from .sse import EventStream
@@ -20,7 +20,6 @@ from .state import ServerState
 log = logging.getLogger("flotilla.server")
 
 MAX_IGNORED_NAMED = 8  # ignored fields named in the log line
-REASONING_TAIL_TOKENS = 4  # the prompt's last tokens that say whether its template opened a <think> block
 _ignored_logged: set[tuple[str, ...]] = set()  # the sets of ignored fields said so far (at most 100)
 LARGE_BODY = 32 * 1024  # bytes; larger requests are validated and tokenized off the event loop
 CANCELLED = "the request was cancelled because the server is shutting down; retry it"
@@ -147,8 +146,7 @@ class OpenAIRoutes:
         return web.json_response(body)
 
     def _prompt_end(self, req: GenerationRequest) -> str:
-        """The chat prompt's last text, its special tokens included (a template may open the <think> block)."""
-        return "".join(self.token_text.decode(t) for t in req.prompts[0][-REASONING_TAIL_TOKENS:])
+        return prompt_end(self.state.engine.tokenizer, req.prompts[0])
 
     def _chat_delta(self, req: GenerationRequest, choice, text: str, last: bool) -> dict:
         """A chat chunk's delta: the text as content, or (serve --reasoning-parser) split into reasoning and

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 4  # the prompt's last tokens that say whether its template opened (or closed) the block
+
+
+def prompt_end(tokenizer, prompt: list[int]) -> str:
+    """A chat prompt's last text, its special tokens included (a template may open the <think> block)."""
+    return tokenizer.decode(list(prompt[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
 
 
 class ReasoningSplitter:

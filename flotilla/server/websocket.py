@@ -9,7 +9,8 @@ Client -> server (JSON text frames):
 Server -> client:
     {"type": "ready", "model", "max_model_len", "max_frame_bytes"}   once, on connect
     {"type": "start", "id", "prompt_tokens", "dropped_messages"}   a reply begins
-    {"type": "delta", "id", "text"}                        streamed text
+    {"type": "delta", "id", "text"}                        streamed text; under serve --reasoning-parser
+        the reply's <think> block comes apart from it as "reasoning" (server/reasoning.py), "text" the answer
     {"type": "done", "id", "finish_reason", "usage", "timing"}
         finish_reason: "stop", "length", "cancelled" (the client's cancel), "abort" (server shutdown)
         or "error" (the reply failed; its error frame came just before)
@@ -41,6 +42,7 @@ from .fields import Fields, describe, parse_json_object
 from .generation import Generation, new_request_id
 from .origins import refuse_websocket
 from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages, render_chat
+from .reasoning import ReasoningSplitter, prompt_end
 from .state import ServerState
 
 log = logging.getLogger("flotilla.server")
@@ -275,7 +277,7 @@ class _Conversation:
                     started = gen
                     # cancelled before reaching the engine: it never gets there. No await between
                     # this check and outputs() adding the request, so a later cancel finds it there.
-                    finish = "abort" if self.cancelled else await self._stream(gen, reply)
+                    finish = "abort" if self.cancelled else await self._stream(gen, reply, req)
                     if finish == "abort" and self.cancelled:
                         finish = "cancelled"
             await self.send(reply.done(started, finish))
@@ -291,15 +293,26 @@ class _Conversation:
         finally:
             self.generation = None
 
-    async def _stream(self, gen: Generation, reply: _Reply) -> str | None:
-        """Send the reply's deltas; its finish_reason."""
+    async def _stream(self, gen: Generation, reply: _Reply, req: GenerationRequest) -> str | None:
+        """Send the reply's deltas (its <think> block apart under --reasoning-parser); its finish_reason."""
         finish = None
+        parser = self.state.config.reasoning_parser
+        splitter = ReasoningSplitter(parser, prompt_end(self.state.engine.tokenizer, req.prompts[0])) if parser else None
         async for _, out in gen.outputs():
             if out.token_ids:
                 now = time.perf_counter()
                 reply.first, reply.last = reply.first or now, now
-            if out.text:
-                await self.send({"type": "delta", "id": reply.id, "text": out.text})
+            if splitter is None:
+                if out.text:
+                    await self.send({"type": "delta", "id": reply.id, "text": out.text})
+            else:
+                reasoning, text = splitter.feed(out.text)
+                if out.finish_reason:  # a piece of a tag held back at the end is text
+                    r, t = splitter.finish()
+                    reasoning, text = reasoning + r, text + t
+                if reasoning or text:
+                    await self.send({"type": "delta", "id": reply.id, "text": text,
+                                     **({"reasoning": reasoning} if reasoning else {})})
             finish = out.finish_reason
         return finish
 

@@ -85,6 +85,7 @@
       case "delta":
         if (!state.reply || state.reply.discard || f.id !== state.reply.id) break;
         if (state.reply.first === null) state.reply.first = performance.now();
+        if (f.reasoning) showReasoning(state.reply, f.reasoning);
         state.reply.text += f.text;
         state.reply.deltas += 1;
         state.reply.body.textContent = state.reply.text;
@@ -107,6 +108,24 @@
   }
 
   // ----------------------------------------------------------------------- replies
+  // serve --reasoning-parser: the reply's <think> block, folded above its answer (open while it streams)
+  // and never sent back to the model with the conversation
+  function showReasoning(r, text) {
+    if (!r.thinking) {
+      const box = document.createElement("details");
+      box.className = "thinking";
+      box.open = true;
+      const summary = document.createElement("summary");
+      summary.textContent = "Thinking…";
+      const body = document.createElement("div");
+      box.append(summary, body);
+      r.el.insertBefore(box, r.body);
+      r.thinking = { box, summary, body, text: "" };
+    }
+    r.thinking.text += text;
+    r.thinking.body.textContent = r.thinking.text;
+  }
+
   function addMessage(role, text) {
     els.empty.hidden = true;
     const el = document.createElement("div");
@@ -173,6 +192,10 @@
     if (r.discard) { updateButtons(); return; }
     r.el.classList.remove("streaming");
     r.el.dataset.finish = f.finish_reason || "";
+    if (r.thinking) {
+      r.thinking.summary.textContent = "Thought";
+      r.thinking.box.open = !r.text;  // folded once there is an answer
+    }
     if (r.text) state.history.push({ role: "assistant", content: r.text, el: r.el });
     else state.history.pop();  // nothing came back (refused, or stopped at once): later sends leave the question out
     const meta = document.createElement("span");

@@ -34,6 +34,7 @@ import multiprocessing.connection
 import os
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,24 @@ from .model_runner import ModelRunner, StepInput
 from .sampler import SamplerOutput
 
 log = logging.getLogger("flotilla.runtime")
+
+RANK_DEATH_WAIT_S = 2.0  # after a failed step, how long rank 0 waits to see whether a rank died (its exit code)
+
+
+class RankDied(FlotillaError):
+    """A step failed because a tensor-parallel rank died: the group can never serve again."""
+
+
+class _OneLineRankDeath(logging.Filter):
+    """The engine loop logs the error that stopped it with its traceback; a rank's death is one plain line
+    (the traceback, which ends in the collective's error text, only at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RankDied) and not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            record.msg, record.args = f"{record.getMessage()}: {error}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +178,8 @@ class TensorParallel:
             self.procs.append(proc)
             self.conns.append(here)
         atexit.register(self.close)
+        self._quiet = _OneLineRankDeath()
+        log.addFilter(self._quiet)
         try:
             self._wait_for("hello")
             _join_group(spec, 0, init)
@@ -207,6 +228,18 @@ class TensorParallel:
         return [f"tensor-parallel rank {rank} exited (code {proc.exitcode})"
                 for rank, proc in enumerate(self.procs, start=1) if not self._closed and not proc.is_alive()]
 
+    def rank_death(self, error: BaseException) -> RankDied | None:
+        """After a step failed with `error` (a collective's or a pipe's): the RankDied to raise instead, if a rank
+        has exited (a collective may fail a moment before the dead process is reaped)."""
+        deadline = time.monotonic() + RANK_DEATH_WAIT_S
+        while not (dead := self.dead_ranks()) and time.monotonic() < deadline and not self._closed:
+            time.sleep(0.05)
+        if not dead:
+            return None
+        log.debug("the step failed as a tensor-parallel rank died", exc_info=error)
+        return RankDied(f"a tensor-parallel rank died during a step ({'; '.join(dead)}); this engine cannot "
+                        f"serve again")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -226,6 +259,7 @@ class TensorParallel:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._tmp.cleanup()
+        log.removeFilter(self._quiet)
 
 
 class TPExecutor:
@@ -238,10 +272,16 @@ class TPExecutor:
         tp.send(_pack("setup", runner.cache.num_blocks, runner.block_size))  # the same pool on every rank
 
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
-        self.tp.send(encode_step(step, hidden))
-        if hidden is not None:
-            hidden = self.tp.group.broadcast(hidden.contiguous())
-        return self.runner.execute(step, hidden)
+        try:
+            self.tp.send(encode_step(step, hidden))
+            if hidden is not None:
+                hidden = self.tp.group.broadcast(hidden.contiguous())
+            return self.runner.execute(step, hidden)
+        except (RuntimeError, OSError) as e:  # gloo's or NCCL's error text, or a broken pipe: say which rank died
+            died = self.tp.rank_death(e)
+            if died is None:
+                raise
+            raise died from None
 
     def close(self) -> None:
         self.tp.close()
@@ -290,6 +330,7 @@ def _join_group(spec: LaunchSpec, rank: int, init_method: str) -> None:
 
 def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
     """A rank other than 0: join the group, load this rank's share, then run the steps rank 0 sends."""
+    serving = False
     try:
         if spec.device_for(rank).type == "cpu":
             torch.set_num_threads(spec.threads)
@@ -299,18 +340,31 @@ def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
             lm = load_model(spec.model, spec.device_for(rank), spec.dtype, spec.stage_of(), with_tokenizer=False,
                             progress=False)
         conn.send_bytes(_pack("ready"))
+        serving = True
         _run_steps(lm, conn, TPGroup(rank, spec.world_size))
     except FlotillaError as e:
         _report(conn, str(e))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # rank 0 is gone
-    except BaseException as e:
-        _report(conn, f"{type(e).__name__}: {e}")
-        traceback.print_exc()
+    except RuntimeError as e:
+        if not serving:
+            _fail_rank(conn, e)
+        # a collective failed: another rank died (rank 0 says which); one line, not the collective's traceback
+        print(f"flotilla: tensor-parallel rank {rank}: a step's collective failed (a rank of the group died); "
+              f"exiting", file=sys.stderr, flush=True)
         sys.exit(1)
+    except BaseException as e:
+        _fail_rank(conn, e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _fail_rank(conn, e: BaseException) -> None:
+    """An unexpected error on a rank: rank 0 hears of it, the traceback goes to stderr, the rank exits."""
+    _report(conn, f"{type(e).__name__}: {e}")
+    traceback.print_exc()
+    sys.exit(1)
 
 
 def _report(conn, message: str) -> None:

@@ -167,7 +167,7 @@ class EngineClient:
         try:
             stream = self._engine.add_request(request_id, list(prompt_ids), params)
         except EngineDeadError as e:
-            raise EngineUnavailable(str(e)) from None
+            raise EngineUnavailable(self._why_dead(e)) from None
         self._active.add(request_id)
         finished = False
         try:
@@ -179,7 +179,7 @@ class EngineClient:
                 yield step
         except (EngineDeadError, RequestFailed) as e:
             finished = True
-            raise EngineUnavailable(str(e)) from None
+            raise EngineUnavailable(self._why_dead(e) if isinstance(e, EngineDeadError) else str(e)) from None
         finally:
             self._active.discard(request_id)
             if not finished:
@@ -203,14 +203,27 @@ class EngineClient:
                            stages)
 
     def fatal(self) -> list[str]:
-        """What keeps this engine from ever serving again (its loop stopped, a tensor-parallel rank died);
-        empty while it can (a pipeline stage that is down may come back: problems() names it)."""
+        """What keeps this engine from ever serving again (its loop stopped, a tensor-parallel rank died, a
+        pipeline's local worker left down); empty while it can (a pipeline stage that is down may come back:
+        problems() names it)."""
         out = []
         if self._engine is not None and not self._engine.is_running:
             out.append("the engine loop has stopped (the server log has the error)")
         if self._parallel is not None:
             out += self._parallel.dead_ranks()
+        pipeline_fatal = getattr(self._llm, "fatal", None)
+        if pipeline_fatal is not None:
+            out += pipeline_fatal()
         return out
+
+    def _why_dead(self, e: EngineDeadError) -> str:
+        """What a client is told when the engine loop has stopped: in plain words where it is known (a
+        tensor-parallel rank died; not the collective's error text)."""
+        dead = self._parallel.dead_ranks() if self._parallel is not None else []
+        if not dead:
+            return str(e)
+        return (f"a tensor-parallel rank of this server died ({'; '.join(dead)}); the server cannot answer again "
+                f"and is shutting down (retry on another replica, or once it is restarted)")
 
     def problems(self) -> list[str]:
         fatal = [f"{p}; restart the server" for p in self.fatal()]

@@ -126,14 +126,13 @@ class EngineClient:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
         engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
-        report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         if is_pipeline(args):  # with --tp M, every local stage is a group of M processes
             from flotilla.runtime.default_model import resolve_model_path
 
-            llm = pipeline_engine_from_args(args, report)
+            llm = pipeline_engine_from_args(args, report_line)
             return cls(llm, args.served_model_name or _default_name(resolve_model_path(args.model)))
         lm = load_with_progress(args, lambda line: print(f"flotilla: {line}", flush=True))  # stdout: the log
-        llm = build_engine(lm, engine_args, report=report)
+        llm = build_engine(lm, engine_args, report=report_line)
         return cls(llm, args.served_model_name or _default_name(lm.path), parallel=lm.parallel)
 
     @classmethod
@@ -231,6 +230,13 @@ class EngineClient:
             return fatal
         pipeline_problems = getattr(self._llm, "problems", None)  # e.g. a pipeline stage that is down
         return list(pipeline_problems()) if pipeline_problems is not None else []
+
+
+def report_line(line: str) -> None:
+    """One line of the server's log on stderr, written with its newline in one write: the engine's thread logs
+    at the same time, and print() writes the newline separately (two lines glued together)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def _default_name(path: Path) -> str:

@@ -275,7 +275,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     from .peer import LinkSettings
     from .pipeline import PipelineSettings
 
-    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    report = report or (lambda line: (sys.stderr.write(f"{line}\n"), sys.stderr.flush()))  # one write a line
     given = args.pp is not None  # else one stage per --hosts / --devices entry
     pp, tp = args.pp or 1, getattr(args, "tp", 1)
     if pp < 1 or tp < 1:

@@ -78,11 +78,12 @@ class LocalWorkers:
         if spin_us is None:  # automatic: poll where the ring leaves cores to spare (TP ranks take one each)
             spin_us = DEFAULT_SPIN_US if spare_cores(cores, [(t or 1) * tp for t in self.threads]) else 0
         self.spin_us = spin_us
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.log = log or (lambda line: (sys.stderr.write(f"{line}\n"), sys.stderr.flush()))  # one write a line
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[tuple[str, int]] = []
         self.socks: list[socket.socket] = []  # each worker's listening socket, held here across its restarts
         self._watch = None  # watch(): (worker i -> when the head last heard from it, the hang timeout)
+        self._left_down = None  # watch(): told (worker i, why) of a worker left down: the head's pipeline
         self._launched = [0.0] * n  # when each worker was last (re)started
         self._killed: set[int] = set()  # killed as hung, not yet started again
         self.mps = MpsChoice()  # MPS for the stages that share a GPU (mps.py): set by start

@@ -185,16 +185,21 @@ class PipelineEngine(LLMEngine):
     def _fail_all(self, reason: str) -> list[RequestOutput]:
         outputs = []
         since = self.executor.down_since
+        stopped = 0
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             out = self.outputs.aborted(seq)
             if since is not None and seq.arrival_time >= since:  # it came while the pipeline was down
                 out.error = (f"{reason}; the pipeline has been down for {time.monotonic() - since:.1f}s, so the "
                              f"request was refused")
             else:
+                stopped += 1
                 out.error = (f"{reason}; the request was stopped after {seq.num_output_tokens} generated tokens "
                              f"(the stage did not come back within --stage-timeout {self.stage_timeout:g}s)")
             self._finish(seq, FinishReason.ABORT)
             outputs.append(out)
+        if stopped:  # the clients are told; the log says it once (the ones refused later get the same answer)
+            log.warning("pipeline: %d request%s failed, down longer than --stage-timeout %gs: %s", stopped,
+                        "s" * (stopped != 1), self.stage_timeout, reason)
         return outputs
 
     # ------------------------------------------------------------------ bookkeeping
@@ -208,8 +213,16 @@ class PipelineEngine(LLMEngine):
         return out
 
     def problems(self) -> list[str]:
-        return [f"{p}; requests are paused and fail after --stage-timeout {self.stage_timeout:g}s"
-                for p in self.executor.problems()]
+        since = self.executor.down_since
+        if since is not None and time.monotonic() - since > self.stage_timeout:
+            what = f"down longer than --stage-timeout {self.stage_timeout:g}s: requests fail until it is back"
+        else:
+            what = f"requests are paused and fail after --stage-timeout {self.stage_timeout:g}s"
+        return [f"{p}; {what}" for p in self.executor.problems()]
+
+    def fatal(self) -> list[str]:
+        """What keeps the pipeline from ever serving again (a local worker left down): the server exits."""
+        return self.executor.fatal()
 
     def close(self) -> None:
         self.executor.close()

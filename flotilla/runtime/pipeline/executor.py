@@ -114,6 +114,9 @@ class PipelineExecutor:
     def problems(self) -> list[str]:
         return self.pipeline.problems()
 
+    def fatal(self) -> list[str]:
+        return self.pipeline.fatal()
+
     def stage_status(self) -> list[tuple[int, str, str, bool]]:
         return self.pipeline.stage_status()
 

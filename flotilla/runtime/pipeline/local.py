@@ -11,7 +11,8 @@ exit when the head does. The head binds each worker's listening socket and passe
 (`--listen fd:N`). A worker that dies (killed, out of memory) is started again on that socket
 after a short delay, as a user restarts a `runtime worker` by hand, and the head
 re-prefills its sequences once it answers; one restarted RESTART_LIMIT times within
-RESTART_WINDOW_S is left down at its next death, said once (the server must then be restarted).
+RESTART_WINDOW_S is left down at its next death, said once, and the head's pipeline is told
+(Pipeline.stage_left_down): it can never serve again, so `runtime serve` exits with status 1.
 A worker that is alive but not heard from (hung, stopped: the head pings every second) for
 `hang_timeout` seconds, after the head had heard from it since its (re)start, is killed with its process
 group (its TP ranks), and so restarted the same way; one the head has not reached yet (still loading, or
@@ -117,8 +118,10 @@ class LocalWorkers:
 
     def watch(self, last_heard, hang_timeout: float) -> None:
         """From now on, kill (and so restart) a live worker that the head heard from since its (re)start but not
-        for `hang_timeout` seconds since: `last_heard(i)` is when it last did (time.monotonic())."""
+        for `hang_timeout` seconds since: `last_heard(i)` is when it last did (time.monotonic()). `last_heard` is
+        the head's Pipeline.last_heard: that pipeline is also told of a worker left down (stage_left_down)."""
         self._watch = (last_heard, hang_timeout)
+        self._left_down = getattr(getattr(last_heard, "__self__", None), "stage_left_down", None)
 
     def _launch(self, i: int) -> subprocess.Popen:
         self._launched[i] = time.monotonic()
@@ -198,9 +201,11 @@ class LocalWorkers:
                     recent[i] = [t for t in recent[i] if now - t < RESTART_WINDOW_S]
                     if len(recent[i]) >= RESTART_LIMIT:
                         done.add(i)
-                        self.log(f"[worker {i}] exited (status {status}) after {RESTART_LIMIT} restarts within "
-                                 f"{RESTART_WINDOW_S:.0f} s: left down; its stage's requests fail until the "
-                                 f"server is restarted")
+                        why = f"exited (status {status}) after {RESTART_LIMIT} restarts within {RESTART_WINDOW_S:.0f} s"
+                        self.log(f"[worker {i}] {why}: left down; its stage's requests fail until the server is "
+                                 f"restarted")
+                        if self._left_down is not None:
+                            self._left_down(i, f"its local worker {why} and was left down")
                         continue
                     delay = RESTART_DELAY_S * 2 ** len(recent[i])
                     due[i] = now + delay

@@ -45,7 +45,7 @@ from .partition import (StageBudget, compute_units, describe, shared_without_mps
                         stages_from_counts)
 from .peer import GONE, LinkSettings, PeerLost, RemoteFailure, StagePeer
 from .results import ResultChannel, open_result_channel
-from .weight_push import fingerprint, load_request
+from .weight_push import MODEL_MISMATCH, fingerprint, load_request
 from .wire import ProtocolError
 
 log = logging.getLogger("flotilla.pipeline")
@@ -99,8 +99,11 @@ class Pipeline:
         self.ready = threading.Event()
         self.down_since: float | None = None
         self.down_reason = ""
-        self.missing: dict[int, str] = {}
+        self.missing: dict[int, str] = {}  # a stage that is down -> what it is, e.g. 'is unreachable: …'
         self._refused: set[int] = set()  # stages whose worker answered Failure (missing says why)
+        self.repair_error = ""  # why the last repair failed, where no stage's entry in `missing` says it
+        self._said: set[str] = set()  # the reasons of failed repairs logged since the fault
+        self.left_down: dict[int, str] = {}  # stages whose local worker will not come back (LocalWorkers)
         self.loaded: list[StageLoaded] = []
         self._results: ResultChannel | None = None  # this epoch's; the engine's thread reads it
         self._retired: list[ResultChannel] = []  # aborted by the I/O thread, closed by the engine's
@@ -172,10 +175,14 @@ class Pipeline:
         if self.ready.is_set() or self.down_since is None:
             return []
         down = f"down {time.monotonic() - self.down_since:.0f}s"
-        if not self.missing:
-            return [f"the pipeline is being repaired: {self.down_reason} ({down})"]
-        return [f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {reason} ({down})"
-                for i, reason in sorted(self.missing.items())]
+        return [f"{line} ({down})" for line in self._down_lines()]
+
+    def _down_lines(self) -> list[str]:
+        """What keeps the pipeline down now: each missing stage, and a repair's failure that names none."""
+        lines = [f"pipeline stage {i} ({self.peers[i].address}) {state}" for i, state in sorted(self.missing.items())]
+        if self.repair_error or not lines:
+            lines.append(f"the pipeline is being repaired: {self.repair_error or self.down_reason}")
+        return lines
 
     def stage_status(self) -> list[tuple[int, str, str, bool]]:
         """(index, worker address, device, up) per stage: up while its worker is connected and not
@@ -185,10 +192,17 @@ class Pipeline:
                 for p in self.peers]
 
     def describe_down(self) -> str:
-        if self.missing:
-            return "; ".join(f"pipeline stage {i} ({self.peers[i].address}) is unreachable: {r}"
-                             for i, r in sorted(self.missing.items()))
+        if self.missing or self.repair_error:
+            return "; ".join(self._down_lines())
         return self.down_reason or "the pipeline is down"
+
+    def stage_left_down(self, index: int, why: str) -> None:
+        """Stage `index`'s local worker will not come back (any thread): the pipeline can never serve again."""
+        self.left_down[index] = why
+
+    def fatal(self) -> list[str]:
+        """What keeps this pipeline from ever serving again: a local worker left down (the server exits)."""
+        return [f"pipeline stage {i} ({self.peers[i].address}): {why}" for i, why in sorted(self.left_down.items())]
 
     def close(self) -> None:
         if self._closing:
@@ -252,10 +266,8 @@ class Pipeline:
         try:
             await peer.connect()
         except GONE as e:
-            if isinstance(e, AuthError) and str(e) == TOKEN_MISMATCH:
-                raise FlotillaError(f"cannot connect to worker {peer.address}: it answered, but with another token "
-                                    f"than this head's; give the head and every worker the same token "
-                                    f"(FLOTILLA_TOKEN or --token-file)") from None
+            if _wrong_token(e):
+                raise FlotillaError(f"cannot connect to worker {peer.address}: it {WRONG_TOKEN}") from None
             why = _why_unreachable(e, self.settings)
             hint = "" if isinstance(e, TLSHandshakeError) else "; start `runtime worker --listen HOST:PORT` there, " \
                 "or fix --hosts"
@@ -267,7 +279,12 @@ class Pipeline:
                            kv_memory=s.kv_memory, kv_fraction=s.kv_fraction,
                            max_model_len=s.max_model_len or self.config.max_model_len, max_num_seqs=s.max_num_seqs,
                            memory_shares=self.shares[peer.index], block_size=s.block_size, exact_blocks=exact_blocks)
-        return await asyncio.wait_for(peer.load(req, self.model), s.load_timeout)
+        try:
+            return await asyncio.wait_for(peer.load(req, self.model), s.load_timeout)
+        except RemoteFailure as e:  # the worker's --model is another model: name the head's too
+            if MODEL_MISMATCH not in str(e):
+                raise
+            raise RemoteFailure(str(e).replace(MODEL_MISMATCH, f"{MODEL_MISMATCH} ({self.model})", 1)) from None
 
     async def _configure_all(self) -> None:
         self.epoch += 1
@@ -280,7 +297,7 @@ class Pipeline:
                 for i in range(len(peers))]
         # from the last stage back, so each stage's next hop is already in the new epoch
         for peer, msg in reversed(list(zip(peers, msgs))):
-            reply = await peer.call(msg, 60)
+            reply = await peer.call(msg, 60)  # a failure may be its next hop's (repair_error says it)
             if not isinstance(reply, Configured) or reply.epoch != self.epoch:
                 raise RemoteFailure(f"worker {peer.address} did not confirm epoch {self.epoch}")
         last, link = peers[-1], s.link
@@ -335,7 +352,7 @@ class Pipeline:
     # ------------------------------------------------------------------ faults and repair
     def _on_lost(self, peer: StagePeer, reason: str) -> None:
         if peer.index not in self._refused:  # a refusal's reason outlives the close that follows it
-            self.missing[peer.index] = reason
+            self.missing[peer.index] = f"is unreachable: {reason}"
         self._broken(f"stage {peer.index} ({peer.address}): {reason}")
 
     def _broken(self, reason: str, hearsay: bool = False) -> None:
@@ -395,9 +412,11 @@ class Pipeline:
             except (FlotillaError, PeerLost, *GONE) as e:
                 if self._closing:
                     return
-                self.down_reason = _why(e)
-                log.info("pipeline repair failed (%s); retrying in %.1fs",
-                         self.describe_down() if self.missing else self.down_reason, delay)
+                if isinstance(e, StageFailure):
+                    self._stage_failed(e)
+                else:
+                    self.repair_error = _why(e)
+                self._say_repair_failure(delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF)
         if self._closing:
@@ -407,36 +426,61 @@ class Pipeline:
         down = time.monotonic() - (self.down_since or time.monotonic())
         self.missing.clear()
         self._refused.clear()
+        self._said.clear()
+        self.repair_error = ""
         self.down_since, self.down_reason = None, ""
         self.ready.set()
         self.report(f"pipeline restored after {down:.1f}s (epoch {self.epoch})")
 
+    def _stage_failed(self, e: "StageFailure") -> None:
+        """A repair failed at stage e.index: that stage's entry says why now (not the fault's old reason)."""
+        self.missing[e.index] = e.state
+        if e.refused:
+            self._refused.add(e.index)
+        else:
+            self._refused.discard(e.index)
+        self.repair_error = ""
+
+    def _say_repair_failure(self, delay: float) -> None:
+        """A WARNING once per distinct reason (a worker that cannot rejoin is retried every few seconds)."""
+        reason = self.describe_down()
+        if reason in self._said:
+            log.debug("pipeline repair failed (%s); retrying in %.1fs", reason, delay)
+            return
+        self._said.add(reason)
+        log.warning("pipeline repair failed: %s; retrying (every %gs at most) until it succeeds", reason, MAX_BACKOFF)
+
     async def _reestablish(self) -> None:
         for peer in self.peers:
-            if peer.connected:
-                continue
-            try:
-                await peer.connect()
-            except GONE as e:
-                self.missing[peer.index] = f"cannot connect ({_why(e)})"
-                self._refused.discard(peer.index)
-                raise
-            try:
-                self.infos[peer.index] = await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False,
-                                                               self.settings.dtype), 120)
-            except RemoteFailure as e:  # e.g. it serves another head now: /health says so, not "closed"
-                self.missing[peer.index] = str(e)
-                self._refused.add(peer.index)
-                raise
+            if not peer.connected:
+                await self._rejoin(peer)
+        await self._configure_all()
+
+    async def _rejoin(self, peer: StagePeer) -> None:
+        """Connect to a returning worker, probe it, have it load its stage. A failure is a StageFailure: what
+        the stage is now (unreachable, or answering but unable to rejoin), for /health and the requests' errors."""
+        i = peer.index
+        try:
+            await peer.connect()
+        except GONE as e:
+            state = WRONG_TOKEN if _wrong_token(e) else f"is unreachable: cannot connect ({_why(e)})"
+            raise StageFailure(i, state, str(e), refused=False) from None
+        try:
+            self.infos[i] = await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False, self.settings.dtype),
+                                            120)
             loaded = await self._load(peer, self.num_blocks)
             if loaded.capacity < self.num_blocks:
                 raise FlotillaError(f"worker {peer.address} came back with room for {loaded.capacity - 1} KV blocks; "
                                     f"the pipeline's pool has {self.num_blocks - 1}")
-            self.loaded[peer.index] = loaded
-            self.missing.pop(peer.index, None)
-            self._refused.discard(peer.index)
-            self.report(f"  stage {peer.index} ({peer.address}) is back: weights {loaded.source}")
-        await self._configure_all()
+        except PeerLost as e:  # it went away meanwhile (_on_lost said why)
+            raise StageFailure(i, self.missing.get(i) or f"is unreachable: {e}", str(e), refused=False) from None
+        except (FlotillaError, *GONE) as e:  # e.g. it serves another head now, or another --model: it says so
+            peer.close()  # the next try starts afresh: connect, probe, load
+            raise StageFailure(i, f"answered, but cannot rejoin: {_said(e, peer)}", str(e), refused=True) from None
+        self.loaded[i] = loaded
+        self.missing.pop(i, None)
+        self._refused.discard(i)
+        self.report(f"  stage {i} ({peer.address}) is back: weights {loaded.source}")
 
     async def _shutdown(self) -> None:
         for task in (self._repair, self._settling):
@@ -445,6 +489,30 @@ class Pipeline:
         self._retire()
         for p in self.peers:
             p.close()
+
+
+class StageFailure(RemoteFailure):
+    """A stage's worker could not (re)join: `state` says what the stage is now, after 'pipeline stage i (address)'
+    (e.g. 'is unreachable: …'); the message is the worker's own words."""
+
+    def __init__(self, index: int, state: str, message: str, refused: bool = True):
+        super().__init__(message)
+        self.index, self.state, self.refused = index, state, refused
+
+
+WRONG_TOKEN = ("answered, but with another token than this head's; give the head and every worker the same "
+               "token (FLOTILLA_TOKEN or --token-file)")
+
+
+def _wrong_token(e: BaseException) -> bool:
+    return isinstance(e, AuthError) and str(e) == TOKEN_MISMATCH
+
+
+def _said(e: BaseException, peer: StagePeer) -> str:
+    """A worker's failure without the 'worker ADDRESS: ' prefix (the stage is named already)."""
+    text = _why(e)
+    prefix = f"worker {peer.address}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
 
 
 def _why_unreachable(e: BaseException, s: PipelineSettings) -> str:

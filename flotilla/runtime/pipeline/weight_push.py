@@ -35,6 +35,8 @@ CHUNK_BYTES = 4 << 20
 METADATA_FILES = (CONFIG_FILE, INDEX_FILE, MANIFEST_FILE)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+# in a worker's failure when its --model is not the head's model (the head adds its own model's path after it)
+MODEL_MISMATCH = "is another model than the head's"
 
 
 def fingerprint(path: Path) -> str:
@@ -103,8 +105,13 @@ class WeightCache:
             raise FlotillaError(f"the head sent a malformed model fingerprint {fp[:80]!r}")
         return self.root / fp
 
-    def prepare(self, req: LoadStage) -> tuple[Path, list[str]]:
-        """The cache directory for the model (metadata written) and the stage's shards it lacks."""
+    def prepare(self, req: LoadStage, own_model: Path | None = None) -> tuple[Path, list[str]]:
+        """The cache directory for the model (metadata written) and the stage's shards it lacks. `own_model`:
+        the worker's --model, which is not the head's model."""
+        if not req.shards and own_model is not None:
+            raise FlotillaError(f"this worker's --model {own_model} {MODEL_MISMATCH}, and the head's model is not a "
+                                f"flotilla checkpoint, so its weights cannot be pushed; give the worker the head's "
+                                f"model as --model (the same file), or serve a checkpoint written by `quantize`")
         if not req.shards:
             raise FlotillaError("this worker has no copy of the model and the head's model is not a flotilla "
                                 "checkpoint, so its weights cannot be pushed; pass --model to the worker, or "

@@ -297,7 +297,7 @@ class Worker:
             if self.config.model is not None:
                 log.info("its --model %s is another model than the head's; the stage comes from the cache or "
                          "the head instead", self.config.model)
-            directory, missing = await asyncio.to_thread(self.cache.prepare, req)
+            directory, missing = await asyncio.to_thread(self.cache.prepare, req, self.config.model)
             if missing:
                 outbox.put(NeedFiles(missing))
                 received = await self._receive(directory, req, missing, inbox)

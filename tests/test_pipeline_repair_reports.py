@@ -73,7 +73,7 @@ def test_a_local_worker_left_down_ends_the_server(models, tmp_path, monkeypatch)
         stdout=subprocess.PIPE, text=True))
     lines: list[str] = []
     dying = LocalWorkers(1, tmp_path, b"t" * 32, ["cpu"], log=lines.append, spin_us=0)
-    dying.watch(pipe.last_heard, 60.0)  # as pipeline_engine_from_args does
+    dying.watch(pipe.last_heard, 60.0, pipe.stage_left_down)  # as pipeline_engine_from_args does
     client = EngineClient(engine, "tiny")
     try:
         dying.start(timeout=30)

@@ -189,7 +189,11 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 self._deliver(outputs)
         except BaseException as e:  # the loop must not die silently: every stream hears of it
-            log.exception("engine loop failed")
+            if isinstance(e, FlotillaError):  # a failure that says what it is (a tensor-parallel rank died)
+                log.error("engine loop failed: %s", e)
+                log.debug("engine loop failed", exc_info=e)
+            else:
+                log.exception("engine loop failed")
             self._error = e
             self._fail_all(e)
 

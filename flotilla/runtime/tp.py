@@ -64,18 +64,6 @@ class RankDied(FlotillaError):
     """A step failed because a tensor-parallel rank died: the group can never serve again."""
 
 
-class _OneLineRankDeath(logging.Filter):
-    """The engine loop logs the error that stopped it with its traceback; a rank's death is one plain line
-    (the traceback, which ends in the collective's error text, only at DEBUG)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, RankDied) and not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-            record.msg, record.args = f"{record.getMessage()}: {error}", ()
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
 def add_tp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel size: N processes on this host share every layer "
@@ -178,8 +166,6 @@ class TensorParallel:
             self.procs.append(proc)
             self.conns.append(here)
         atexit.register(self.close)
-        self._quiet = _OneLineRankDeath()
-        log.addFilter(self._quiet)
         try:
             self._wait_for("hello")
             _join_group(spec, 0, init)
@@ -259,7 +245,6 @@ class TensorParallel:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._tmp.cleanup()
-        log.removeFilter(self._quiet)
 
 
 class TPExecutor:

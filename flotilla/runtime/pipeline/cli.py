@@ -343,5 +343,5 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         pipe.on_close.append(local.stop)
         # by then its requests have failed anyway; at least HANG_MIN_S, so that a short --stage-timeout does not
         # kill a worker that is only slow (a long step, a swap storm)
-        local.watch(pipe.last_heard, max(pipe.settings.stage_timeout, HANG_MIN_S))
+        local.watch(pipe.last_heard, max(pipe.settings.stage_timeout, HANG_MIN_S), pipe.stage_left_down)
     return engine

@@ -116,12 +116,12 @@ class LocalWorkers:
         self._supervisor.start()
         return list(self.addresses)
 
-    def watch(self, last_heard, hang_timeout: float) -> None:
+    def watch(self, last_heard, hang_timeout: float, left_down=None) -> None:
         """From now on, kill (and so restart) a live worker that the head heard from since its (re)start but not
-        for `hang_timeout` seconds since: `last_heard(i)` is when it last did (time.monotonic()). `last_heard` is
-        the head's Pipeline.last_heard: that pipeline is also told of a worker left down (stage_left_down)."""
+        for `hang_timeout` seconds since: `last_heard(i)` is when it last did (time.monotonic()). `left_down(i,
+        why)` (the head's Pipeline.stage_left_down) is told of a worker left down."""
         self._watch = (last_heard, hang_timeout)
-        self._left_down = getattr(getattr(last_heard, "__self__", None), "stage_left_down", None)
+        self._left_down = left_down
 
     def _launch(self, i: int) -> subprocess.Popen:
         self._launched[i] = time.monotonic()

@@ -36,6 +36,16 @@ def test_chat_keeps_the_conversation_and_stops_at_a_stop_string(smollm2_gguf):
     assert not any(ln.rstrip().endswith(".") for ln in lines)  # the stop string is never printed
 
 
+def test_chat_over_local_workers_keeps_their_log_out_of_the_reply(smollm2_gguf):
+    """`runtime chat --pp 2`: the workers run at --log-level error (their notices would land inside a streamed
+    reply), and each line of theirs that does come is whole and prefixed."""
+    p = runtime("chat", str(smollm2_gguf), "--pp", "2", "--threads", "2", "--max-tokens", "12", "--temperature", "0",
+                stdin="What is the capital of France?\n")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout and "INFO" not in p.stderr and "WARNING" not in p.stderr, p.stderr
+    assert all(ln.startswith(("[worker ", "starting ", "pipeline ", "  ")) for ln in p.stderr.splitlines()), p.stderr
+
+
 def test_bad_engine_flags_are_one_line_errors(smollm2_gguf):
     p = runtime("generate", str(smollm2_gguf), "-p", "hi", "--kv-cache-memory", "lots")
     assert p.returncode == 2

@@ -141,6 +141,8 @@ def _engine(args: argparse.Namespace):
     engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
     report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if pipeline_cli.is_pipeline(args):
+        # local workers' own log: errors only (their notices would land in the middle of a streamed reply)
+        args.worker_log_level = "error"
         return pipeline_cli.pipeline_engine_from_args(args, report)
     lm = load_with_progress(args, _say_on_terminal)
     return build_engine(lm, engine_args, report=report)

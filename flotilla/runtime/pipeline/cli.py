@@ -324,7 +324,8 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     else:
         token = read_token(args, required=False) or secrets.token_hex(16).encode()
         local = LocalWorkers(pp, model, token, devices, log=report, tp=tp, spin_us=spin_us,
-                             mps=getattr(args, "mps", "auto"), cores=getattr(args, "threads", None))
+                             mps=getattr(args, "mps", "auto"), cores=getattr(args, "threads", None),
+                             log_level=getattr(args, "worker_log_level", None))
         spin_us = local.spin_us
         polling = f"; they and the head poll {spin_us} µs before sleeping" if spin_us else ""
         report(f"starting {pp} local workers ({local.describe()}){polling}")

@@ -69,8 +69,11 @@ def worker_threads(devices: list[str], cores: int) -> list[int | None]:
 class LocalWorkers:
     def __init__(self, n: int, model: Path, token: bytes, devices: list[str] | None = None,
                  threads: int | None = None, log=None, tp: int = 1, spin_us: int | None = None,
-                 mps: str = "auto", cores: int | None = None):
+                 mps: str = "auto", cores: int | None = None, log_level: str | None = None):
+        """`log`: where the workers' lines go ("[worker i] ..." a line, their logging included); `log_level`:
+        theirs (`runtime worker --log-level`; default info)."""
         self.n, self.model, self.token, self.tp, self.mps_mode = n, Path(model), token, tp, mps
+        self.log_level = log_level
         self.devices = devices or local_devices(n, tp)
         if len(self.devices) != n:
             raise ValueError(f"{n} local workers need {n} devices, got {self.devices}")
@@ -139,10 +142,14 @@ class LocalWorkers:
             cmd += ["--tp", str(self.tp)]
         if self.spin_us:
             cmd += ["--spin-us", str(self.spin_us)]
+        if self.log_level:
+            cmd += ["--log-level", self.log_level]
         # a session of its own: a terminal's Ctrl-C reaches the head alone, which stops the workers itself
         # (--exit-with-parent covers a head that dies)
+        # its logging (stderr) through the same pipe: every line prefixed, none glued to the head's
         return subprocess.Popen(cmd, env={**env, **self.mps.env_for(device, self.tp)}, pass_fds=(fd,),
-                                stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)
 
     def _address(self, i: int, proc: subprocess.Popen, deadline: float) -> tuple[str, int]:
         found: list[tuple[str, int]] = []
@@ -154,7 +161,7 @@ class LocalWorkers:
         return found[0]
 
     def _pump(self, i: int, proc: subprocess.Popen, ready: threading.Event, found: list) -> None:
-        """Forward the worker's stdout to the log; its first line says where it listens (`found`)."""
+        """Forward the worker's output to the log; a line of it says where it listens (`found`)."""
         def pump():
             for line in proc.stdout:
                 m = _LISTENING.search(line)

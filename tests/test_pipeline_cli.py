@@ -43,6 +43,8 @@ def test_token_rules_and_bad_flags_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "names 2 workers, but --pp is 1" in r.stderr  # given, not the default
     r = runtime("serve", "--hosts", "127.0.0.1:1,127.0.0.1:1", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "--hosts names 127.0.0.1:1 twice" in r.stderr
+    r = runtime("serve", "--hosts", "localhost:7071,127.0.0.1:7071", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
+    assert r.returncode == 2 and "names one worker twice, as localhost:7071 and 127.0.0.1:7071" in r.stderr
     # --pp left out: one stage per worker named (here: both refuse, so the second is reached only by count)
     r = runtime("serve", "--hosts", "127.0.0.1:1,127.0.0.1:2", env={"FLOTILLA_TOKEN": "0123456789abcdef-env"})
     assert r.returncode == 2 and "cannot connect to worker 127.0.0.1:1: connection refused" in r.stderr

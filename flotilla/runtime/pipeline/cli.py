@@ -264,6 +264,23 @@ def check_devices(devices: list, tp: int, flag: str) -> None:
             raise FlotillaError(f"{flag}: {need} asked for; this host has {count} GPU{'s' * (count != 1)}")
 
 
+def _same_worker(hosts: list[tuple[str, int]]) -> tuple | None:
+    """The first two entries of --hosts that reach one address (localhost:7071 and 127.0.0.1:7071 do), or None.
+    A name that does not resolve is compared as written (connecting to it says what is wrong)."""
+    def addresses(host: str, port: int) -> set:
+        try:
+            return {(info[4][0], port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except OSError:
+            return {(host, port)}
+
+    seen = [addresses(*h) for h in hosts]
+    for i in range(len(hosts)):
+        for j in range(i):
+            if hosts[i] == hosts[j] or seen[i] & seen[j]:
+                return hosts[j], hosts[i]
+    return None
+
+
 def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     """Build the PipelineEngine that `runtime serve --pp N` serves (starting local workers when no
     --hosts are given); returns it, ready."""
@@ -297,12 +314,14 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
             hosts = [parse_address(h, DEFAULT_PORT) for h in args.hosts.split(",")]
         except ValueError as e:
             raise FlotillaError(f"--hosts: {e}") from None
-        twice = next((h for i, h in enumerate(hosts) if h in hosts[:i]), None)
-        if twice is not None:
-            raise FlotillaError(f"--hosts names {format_address(*twice)} twice; each stage needs a worker of its own "
-                                f"(a second `runtime worker --listen HOST:PORT` on another port of that host)")
         if given and len(hosts) != pp:
             raise FlotillaError(f"--hosts names {len(hosts)} workers, but --pp is {pp}")
+        same = _same_worker(hosts)
+        if same is not None:
+            a, b = (format_address(*h) for h in same)
+            named = f"{a} twice" if a == b else f"one worker twice, as {a} and {b}"
+            raise FlotillaError(f"--hosts names {named}; each stage needs a worker of its own "
+                                f"(a second `runtime worker --listen HOST:PORT` on another port of that host)")
         pp = len(hosts)  # --pp may be left out: one stage per worker, as --devices counts its list
         if tp > 1:
             raise FlotillaError("--tp with --hosts: each worker's stage is as tensor-parallel as its own "

@@ -257,7 +257,8 @@ class Pipeline:
             self.report(f"  stage {p.index}: weights {r.source}; room for {r.capacity - 1} KV blocks")
         self.report(f"pipeline KV pool: {self.num_blocks - 1} blocks x {s.block_size} tokens (the smallest stage's, "
                     f"+1 padding block); "
-                    f"activations on the wire as {s.wire_dtype}; {self.depth} micro-batch(es) in flight")
+                    f"activations on the wire as {s.wire_dtype} (a same-host device lane keeps the stage's own "
+                    f"dtype); {self.depth} micro-batch(es) in flight")
         await self._configure_all()
         self._started = True
         self.ready.set()

@@ -279,3 +279,29 @@ def test_local_rings_poll_only_with_cores_to_spare():
     assert spare_cores(16, [1, 1, 1])  # bench/pp_hop.py's CPU workers of one thread
     assert not spare_cores(2, [1, 1])  # this CI machine: the head and two CPU stages already fill it
     assert not spare_cores(16, [1, 14, 1])  # a mixed ring: the CPU stage has the cores the GPU workers leave
+
+
+def test_a_worker_logs_a_refused_host_once_a_minute_with_the_count_since(monkeypatch, caplog):
+    """A head with the wrong token retries every few seconds: its worker says so once per REFUSAL_LOG_S, not each
+    time, and then how many more it refused meanwhile; every refusal is counted."""
+    import types
+
+    from flotilla.runtime.pipeline import worker
+
+    clock = [100.0]
+    monkeypatch.setattr(worker.time, "monotonic", lambda: clock[0])
+    me = types.SimpleNamespace(rejected=0, _refusals={})
+    writer = types.SimpleNamespace(get_extra_info=lambda key: ("10.0.0.2", 40000 + int(clock[0])))
+    with caplog.at_level("WARNING", logger=worker.log.name):
+        for _ in range(3):
+            worker.Worker._refused(me, writer, "the peer does not know the token")
+            clock[0] += 2
+        worker.Worker._refused(me, writer, "another reason")
+        clock[0] += worker.REFUSAL_LOG_S
+        worker.Worker._refused(me, writer, "the peer does not know the token")
+    lines = [r.getMessage() for r in caplog.records]
+    assert me.rejected == 5
+    assert lines == ["refused a connection from 10.0.0.2: the peer does not know the token",
+                     "refused a connection from 10.0.0.2: another reason",
+                     "refused a connection from 10.0.0.2: the peer does not know the token (2 more like it since, "
+                     "not logged)"]

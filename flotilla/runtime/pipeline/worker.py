@@ -63,6 +63,7 @@ def version() -> str:
         return "flotilla (source)"
 
 
+REFUSAL_LOG_S = 60.0  # a refusal of one host for one reason is logged at most once this often (a head retries)
 HEAD_QUIET = 5.0  # seconds of silence from the current head (it pings every second) before another may take over
 
 
@@ -90,6 +91,7 @@ class Worker:
         self.upstream: Connection | None = None
         self.shard_bytes_received = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # (host, why) -> (last logged, since)
         self._fingerprint: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._threads = torch.get_num_threads()  # the stage's CPU threads (`--threads`)
@@ -137,19 +139,32 @@ class Worker:
         await asyncio.to_thread(path.swap, None)
 
     # ------------------------------------------------------------------ connections
+    def _refused(self, writer: asyncio.StreamWriter, why: str) -> None:
+        """Count a refused connection and log it, once per REFUSAL_LOG_S for one host and reason (a head with the
+        wrong token retries every few seconds), with how many went unlogged since."""
+        self.rejected += 1
+        host = str((writer.get_extra_info("peername") or ("?",))[0])
+        now = time.monotonic()
+        last, since = self._refusals.get((host, why), (None, 0))
+        if len(self._refusals) > 1000:  # bounded: a scan of many hosts forgets the oldest counts
+            self._refusals.clear()
+        if last is None or now - last >= REFUSAL_LOG_S:
+            more = f" ({since} more like it since, not logged)" if since else ""
+            log.warning("refused a connection from %s: %s%s", host, why, more)
+            self._refusals[(host, why)] = (now, 0)
+        else:
+            self._refusals[(host, why)] = (last, since + 1)
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % (writer.get_extra_info("peername") or ("?", "?"))[:2]
         try:
             conn, _ = await server_handshake(reader, writer, self.config.token, self.config.handshake_timeout,
                                              self.config.max_frame)
         except (AuthError, ProtocolError) as e:
-            self.rejected += 1
-            log.warning("refused a connection from %s: %s", peer, e)
+            self._refused(writer, str(e))
             return
         except _GONE as e:
-            self.rejected += 1
-            log.warning("refused a connection from %s: the handshake did not complete (%s)", peer,
-                        type(e).__name__)
+            self._refused(writer, f"the handshake did not complete ({type(e).__name__})")
             return
         first = None
         try:

@@ -148,13 +148,15 @@ if has probe; then  # which fused ops hand CUDA tensors to a torch fallback in a
 fi
 if has offsets; then  # round 21: the GGUF float-offset forms (Q4_K, Q4_1, Q5_K, Q5_1) on the GEMV's tensor-core plan
   mark "offsets: test_gemv"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py ${OFFSET_TESTS:+-k "$OFFSET_TESTS"} 2>&1 | tail -4
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py ${OFFSET_TESTS:+-k "$OFFSET_TESTS"} 2>&1 \
+    | tail -4
   mark "offsets: gemv sweep"
   timeout 280 python3 -P bench/kernels.py --gguf --graph --only-sweeps --gemv-sweep --gemv-chain \
     --gemv-forms ${OFFSET_FORMS:-Q4_K,Q5_K,Q4_0} --gemv-rows ${OFFSET_ROWS:-1,4,8,16} \
-    --shapes ${OFFSET_SHAPES:-4096x14336,14336x4096,8192x28672} 2>&1 | tee "$OUT/offsets_sweep.log" | grep -E "^gguf|chain|FAIL"
+    --shapes ${OFFSET_SHAPES:-4096x14336,14336x4096,8192x28672} 2>&1 | tee "$OUT/offsets_sweep.log" \
+    | grep -E "^gguf|chain|FAIL"
 fi
-if has offsets_decode; then  # the 8B as GGUF Q4_K_M (and Q4_0, no offsets) at 1-8 rows, offsets on the GEMV or not
+if has offsets_decode; then  # the 8B as GGUF Q4_K_M (OFFSET_MODELS) at 1-16 rows, the offsets' GEMV plan off and on
   for E in 0 1; do
     for g in ${OFFSET_MODELS:-Q4_K_M}; do
       mark "offsets_decode: runtime bench --gguf $g FLOTILLA_GEMV_OFFSETS=$E"

@@ -345,7 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="after the table, time the GEMV's plans (kernels_gemv.py)")
     ap.add_argument("--gemv-bits", default="4,8", help="the GEMV sweep's bit widths")
     ap.add_argument("--gemv-rows", default="1,2,4,8", help="the GEMV sweep's batches")
-    ap.add_argument("--gemv-forms", default="", help="the GGUF GEMV sweep's forms (--gguf; default one of each layout kind)")
+    ap.add_argument("--gemv-forms", default="",
+                    help="the GGUF GEMV sweep's forms (--gguf; default one of each layout kind)")
     ap.add_argument("--gemv-chain", action="store_true", help="the GEMV sweep's best plans timed back to back too")
     ap.add_argument("--gemv-all", action="store_true", help="the GEMV sweep times the plans that always lost too")
     ap.add_argument("--dense-sweep", action="store_true", help="Triton tiles vs dequantize + cuBLAS (kernels_dense.py)")

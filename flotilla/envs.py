@@ -19,6 +19,10 @@
     FLOTILLA_TILE        0: no Hopper tile GEMM for 128-1024 batch rows (the Triton tiles and dequantize +
                          cuBLAS serve them); nosplit: the tile GEMM without split-K (read by
                          flotilla.kernels.cuda.tile when a kernel object is built; default on)
+    FLOTILLA_GEMV_WIDE   0: the CUDA GEMV's wide plan (9-16 rows) is never picked (read by
+                         flotilla.kernels.cuda.gemv; default on where it measured faster)
+    FLOTILLA_GEMV_OFFSETS 1: the GGUF float-offset forms on the CUDA GEMV's tensor cores at 1-8 rows (read by
+                         flotilla.kernels.cuda.gemv; default off until it has run on a GPU); 0: off
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their

@@ -280,7 +280,8 @@ def ring_scale(layout, group: int, n0: int, g: np.ndarray, c: int, table: torch.
     """The scale (or the entry of `table`, e.g. the offsets) of column n0 + g + 8c as the ring copies it: the
     4-byte word of the [G, N] fp16 table at column (n0 + g) & ~1 (+ 8c) of row `group`, its half g % 2."""
     n = layout.out_features
-    words = (layout.scales if table is None else table).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).view(np.uint32)
+    entries = (layout.scales if table is None else table).contiguous().view(torch.int16).numpy()
+    words = entries.view(np.uint16).reshape(-1).view(np.uint32)
     word = words[(group * n + ((n0 + g) & ~1) + 8 * c) // 2]
     return halves(word >> (16 * (g & 1)))[0]
 

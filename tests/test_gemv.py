@@ -196,6 +196,7 @@ def test_emulated_tensor_core_plan_reads_the_gguf_forms(qtype):
 
 
 def test_crossovers_only_where_measured(monkeypatch):
+    monkeypatch.delenv(gemv.OFFSETS_ENV, raising=False)
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
     assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS == 8
     assert gemv.crossover(g128, 4, torch.float16, 4096 * 28672) == 8  # llama-3-8b's gate_up
@@ -227,7 +228,7 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert gguf.mode == gemv.OFF and gguf.mma and gemv.crossover(gguf, 4, torch.float16) == on
     assert gemv.choose_plan(1, 64, lay.words.shape[1], 132, 4, lay.rows_per_field, lay.rows_per_field) \
         == gemv.GemvPlan(8, 16, 8, 2)
-    monkeypatch.setenv(gemv.OFFSETS_ENV, "1")
+    monkeypatch.setenv(gemv.OFFSETS_ENV, "on")
     assert gemv.crossover(gguf, 4, torch.float16) == gemv.OFFSET_MMA_MAX_ROWS  # turned on
     monkeypatch.setenv(gemv.OFFSETS_ENV, "0")
     assert gemv.crossover(gguf, 4, torch.float16) == 0  # turned off: the Triton kernel
@@ -442,11 +443,14 @@ def test_gguf_forms_through_the_gemv(qtype, dtype):
 
 @needs_gpu
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "Q4_K"])
-def test_gguf_forms_run_the_gemv_where_it_measured_faster(qtype):
+def test_gguf_forms_run_the_gemv_where_it_measured_faster(qtype, monkeypatch):
     """The registry picks the GEMV for the GGUF forms up to their crossover (Q4_K's float offsets on the
-    tensor-core plan where gemv.OFFSETS_ON); the product and the [gate | up] silu epilogue match the exact weights there."""
+    tensor-core plan where gemv.OFFSETS_ON); the product and the [gate | up] silu epilogue match the exact
+    weights there."""
     from flotilla.kernels.fused import silu_mul
     from flotilla.kernels.triton_linear import TritonLayoutKernel
+
+    monkeypatch.delenv(gemv.OFFSETS_ENV, raising=False)
 
     gw = random_weight(qtype, 256, 1024, seed=7, scale=0.01)
     kern = TritonLayoutKernel(repack_ggml(gw, torch.float16, "cuda"), torch.float16)

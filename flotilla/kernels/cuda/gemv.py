@@ -11,14 +11,15 @@ x) gets a zero-padded copy, both on the torch side.
 
 Two kinds of plan (`choose_plan`, from the H200 sweeps in bench/NOTES-kernels.md):
   * tensor cores (gemv_mma.cuh; fp16, GPTQ zeros constant or uint8, blocks of 16 or 32 words, and
-    the GGUF forms' float offsets at blocks of 16 words, N a multiple of 16): 16 columns a block, any M <= 8 in one launch, the products on mma.sync
-    of q - z decoded in fp16 (one LOP3 and one HADD2 / HFMA2 a pair of weights); each warp streams
+    the GGUF forms' float offsets at blocks of 16 words, N a multiple of 16): 16 columns a block, any
+    M <= 8 in one launch, the products on mma.sync of q - z decoded in fp16 (one LOP3 and one HADD2 /
+    HFMA2 a pair of weights; with float offsets a second mma.sync sums x for them); each warp streams
     its blocks either through a register double buffer (stages 0) or through a cp.async ring of
     `stages` blocks in shared memory, the block's scales (zeros) and x riding along (chosen for
     M = 1 on long columns); on sm_90+ launched as a programmatic dependent of the kernel before it
     (kernels/pdl.py: its first weight loads overlap that kernel);
-  * the wide tensor-core plan (gemv_wide.cuh; the same layouts but float offsets) for 9-16 rows: x the MMA's A operand
-    (all 16 batch rows in one m16n8k16), the decoded q - z its B operand, 16 columns a block, the
+  * the wide tensor-core plan (gemv_wide.cuh; the same layouts but float offsets) for 9-16 rows: x the
+    MMA's A operand (all 16 batch rows in one m16n8k16), the decoded q - z its B operand, 16 columns a block, the
     block's scales and zeros through a small cp.async ring, silu(gate) * up in its epilogue; picked
     where it beat the Triton tiles (`wide_rows`: weights of at most 2^24, e.g. llama-3-8b's o_proj);
   * CUDA cores (gemv.cuh; everything else the layout holds: bf16 (float offsets included), blocks of
@@ -220,7 +221,8 @@ def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) ->
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
     bf16 on blocks other than 32 words (group 32 or 16), float offsets on the CUDA cores."""
     if geo.mode == OFF:
-        on = {"1": True, "0": False}.get(os.environ.get(OFFSETS_ENV, "").strip(), OFFSETS_ON)
+        flag = os.environ.get(OFFSETS_ENV, "").strip().lower()
+        on = flag in ("1", "true", "yes", "on") or (OFFSETS_ON and flag not in ("0", "false", "no", "off"))
         return OFFSET_MMA_MAX_ROWS if geo.mma and on else 0
     if geo.log2r != 5:  # group 32 / 16 with an integer zero (GGUF Q4_0, Q5_0, Q8_0, Q6_K; GPTQ g32 sym)
         if dtype != torch.float16 or geo.mode != SYM:
@@ -354,6 +356,12 @@ class GemvKernel:
             elif cols == MMA_COLS and self.geo.mma:
                 yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
 
+    @property
+    def unproven(self) -> bool:
+        """Its plan has not run on a GPU and is not turned on (the float offsets' tensor cores, OFFSETS_ON): a tune,
+        which times plans but checks no results, leaves it out."""
+        return self.geo.mode == OFF and self.geo.mma and self.max_rows == 0
+
     def picks(self, m: int) -> bool:
         """Whether the kernel object runs this GEMV for M rows (the measured crossovers)."""
         return 1 <= m <= self.max_rows or m in self.wide_rows
@@ -423,7 +431,8 @@ class GemvKernel:
         plan = plan or self.plan_for(m)
         wide = plan.rows == WIDE_ROWS
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
-                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) or (wide and not self.geo.wide) \
+                or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
+                or (wide and not self.geo.wide) \
                 or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)

@@ -1,6 +1,7 @@
 // The GEMV's tensor-core plan (fp16 activations, GPTQ layouts: zeros constant or uint8, and the GGUF
-// forms' float offsets at R = 16; M <= 8; R = 16 or 32 words a block): the same Triton layout, the products on mma.sync, so that a pair of
-// weights costs one LOP3 and one HADD2 / HFMA2 (+ a shift a word for runs 2, 3) on the CUDA cores.
+// forms' float offsets at R = 16; M <= 8; R = 16 or 32 words a block): the same Triton layout, the
+// products on mma.sync, so that a pair of weights costs one LOP3 and one HADD2 / HFMA2 (+ a shift a
+// word for runs 2, 3) on the CUDA cores.
 //
 // A warp computes 16 output columns (the MMA's rows) for all M <= 8 batch rows (its 8 columns).
 // Per strip of 16 words of each column, lane (g, t) = (lane / 4, lane % 4) loads words 4t..4t+3
@@ -215,8 +216,8 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_mma_kernel(const GemvPara
   };
   // tab (the ring only): this lane's entries of the block's slot, tab[e * 32]: e = 2q + c the 32-bit
   // word of scales row group q holding column g + 8c (half g % 2), e = 2 NG + 2q + c that of zeros
-  // (byte g % 4), or of offsets (half g % 2); xs (the ring only): x of the block's rows of batch row g in the slot (global
-  // memory without the ring); without the ring they are read here
+  // (byte g % 4), or of offsets (half g % 2); xs (the ring only): x of the block's rows of batch row
+  // g in the slot (global memory without the ring); without the ring they are read here
   auto block = [&](const uint4 (*cur)[2], int b, const uint32_t* tab, const char* xs) {
     const int u0 = b * P;
     unsigned grp[NG];

@@ -15,6 +15,13 @@ import sys
 from tqdm import tqdm
 
 LOG_INTERVAL = 30.0  # seconds between a bar's lines when stderr is not a terminal
+
+
+def say_line(line: str) -> None:
+    """One line on stderr with its newline in one write: print() writes the newline apart, and another thread's
+    line (the engine's log, a pipeline worker's) can land between the two."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 _CURSOR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 

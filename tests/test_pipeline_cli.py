@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +79,17 @@ def test_counts_layers_and_tls_files_are_refused_before_any_worker_starts(tmp_pa
     key.write_text("nor a key")
     r = runtime("worker", "--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key), env=env)
     assert r.returncode == 2 and f"cannot load the TLS files (--tls-cert {cert}, --tls-key {key})" in r.stderr
+    r = runtime("worker", "--listen", "127.0.0.1:0", "--tls-cert", str(tmp_path), "--tls-key", str(key), env=env)
+    assert r.returncode == 2 and f"--tls-cert {tmp_path}: a directory, not a file" in r.stderr
+    if shutil.which("openssl"):  # two pairs: the one's key is not the other's
+        for name in ("a", "b"):
+            key_file, cert_file = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                            f"/CN={name}", "-keyout", str(key_file), "-out", str(cert_file)],
+                           check=True, capture_output=True)
+        r = runtime("worker", "--listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "a.pem"), "--tls-key",
+                    str(tmp_path / "b.key"), env=env)
+        assert r.returncode == 2 and f"--tls-key {tmp_path / 'b.key'} is not the private key of --tls-cert" in r.stderr
 
 
 def test_a_token_mismatch_is_named_on_both_sides():

@@ -88,8 +88,8 @@ def test_a_worker_that_keeps_dying_is_left_down_and_reaped(monkeypatch, tmp_path
                         "[worker 0] started again on 127.0.0.1:7999",
                         "[worker 0] exited (status 3); starting it again on 127.0.0.1:7999 in 0.02 s",
                         "[worker 0] started again on 127.0.0.1:7999",
-                        "[worker 0] exited (status 3) after 2 restarts within 300 s: left down; its stage's "
-                        "requests fail until the server is restarted"], mine
+                        "[worker 0] exited (status 3) after 2 restarts within 300 s: left down; its stage "
+                        "cannot serve until the head is restarted"], mine
         assert len(launched) == 3
         assert not wait_until(lambda: len(launched) > 3, 0.5)  # not restarted again
         assert [p.returncode for p in launched] == [3, 3, 3]  # set by the supervisor's poll: reaped, no zombie

@@ -291,6 +291,7 @@ def test_a_worker_logs_a_refused_host_once_a_minute_with_the_count_since(monkeyp
     clock = [100.0]
     monkeypatch.setattr(worker.time, "monotonic", lambda: clock[0])
     me = types.SimpleNamespace(rejected=0, _refusals={})
+    me._warn_limited = types.MethodType(worker.Worker._warn_limited, me)
     writer = types.SimpleNamespace(get_extra_info=lambda key: ("10.0.0.2", 40000 + int(clock[0])))
     with caplog.at_level("WARNING", logger=worker.log.name):
         for _ in range(3):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from flotilla.errors import FlotillaError
+from flotilla.progress import say_line
 
 from . import bench, eval_ppl
 from .pipeline import cli as pipeline_cli
@@ -139,7 +140,7 @@ def _engine(args: argparse.Namespace):
     from .engine_args import EngineArgs, build_engine
 
     engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
-    report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    report = say_line
     if pipeline_cli.is_pipeline(args):
         # local workers' own log: errors only (their notices would land in the middle of a streamed reply)
         args.worker_log_level = "error"

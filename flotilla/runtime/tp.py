@@ -332,8 +332,8 @@ def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # rank 0 is gone
     except RuntimeError as e:
-        if not serving:
-            _fail_rank(conn, e)
+        if not (serving and _collective_failed(e)):
+            _fail_rank(conn, e)  # an out-of-memory error, a bug: its traceback, and rank 0 hears of it
         # a collective failed: another rank died (rank 0 says which); one line, not the collective's traceback
         print(f"flotilla: tensor-parallel rank {rank}: a step's collective failed (a rank of the group died); "
               f"exiting", file=sys.stderr, flush=True)
@@ -343,6 +343,13 @@ def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _collective_failed(e: RuntimeError) -> bool:
+    """Whether a rank's error is its collective's (gloo's or NCCL's: a peer rank went away), not its own."""
+    backend_error = getattr(dist, "DistBackendError", None)
+    return (backend_error is not None and isinstance(e, backend_error)) or any(
+        word in str(e) for word in ("gloo", "NCCL", "Connection closed by peer", "Broken pipe"))
 
 
 def _fail_rank(conn, e: BaseException) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import AsyncIterator
 
 from flotilla.errors import FlotillaError
+from flotilla.progress import say_line
 from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from flotilla.runtime.cli import add_model_args, load_with_progress
 from flotilla.runtime.engine import LLMEngine
@@ -232,11 +232,7 @@ class EngineClient:
         return list(pipeline_problems()) if pipeline_problems is not None else []
 
 
-def report_line(line: str) -> None:
-    """One line of the server's log on stderr, written with its newline in one write: the engine's thread logs
-    at the same time, and print() writes the newline separately (two lines glued together)."""
-    sys.stderr.write(f"{line}\n")
-    sys.stderr.flush()
+report_line = say_line  # one line of the server's log on stderr, in one write
 
 
 def _default_name(path: Path) -> str:

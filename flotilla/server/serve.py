@@ -14,6 +14,7 @@ from typing import Callable
 from aiohttp import web
 
 from flotilla.errors import FlotillaError
+from flotilla.progress import say_line
 
 from .app import build_app
 from .listen import prepare_to_listen
@@ -146,8 +147,8 @@ async def _watch_engine(state: ServerState, stop: asyncio.Event, dead: list[str]
         found = fatal()
         if found:
             dead += found
-            print(f"flotilla: the engine cannot serve again ({'; '.join(found)}): shutting down, so that a "
-                  f"supervisor can restart the server", file=sys.stderr, flush=True)
+            say_line(f"flotilla: the engine cannot serve again ({'; '.join(found)}): shutting down, so that a "
+                     f"supervisor can restart the server")
             stop.set()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from flotilla import envs
 from flotilla.errors import FlotillaError
+from flotilla.progress import say_line
 
 from .activations import WIRE_DTYPES
 from .connection import MIN_TOKEN_LENGTH, check_token, format_address, parse_address, ssl_contexts
@@ -85,15 +86,16 @@ def _tls(args: argparse.Namespace):
         raise FlotillaError("--tls-ca needs --tls-cert and --tls-key as well")
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
         if path and not Path(path).is_file():
-            raise FlotillaError(f"{flag} {path}: no such file")
+            what = "a directory, not a file" if Path(path).is_dir() else "no such file"
+            raise FlotillaError(f"{flag} {path}: {what}")
     try:
         return ssl_contexts(args.tls_cert, args.tls_key, args.tls_ca)
     except (OSError, ValueError) as e:
         if "KEY_VALUES_MISMATCH" in str(e):
             raise FlotillaError(f"--tls-key {args.tls_key} is not the private key of --tls-cert {args.tls_cert}") \
                 from None
-        files = ", ".join(f"{flag} {path}" for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                                                              ("--tls-ca", args.tls_ca)) if path)
+        given = (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca))
+        files = ", ".join(f"{flag} {path}" for flag, path in given if path)
         raise FlotillaError(f"cannot load the TLS files ({files}): {e}; each must be PEM") from None
 
 
@@ -132,8 +134,6 @@ def run_worker(args: argparse.Namespace) -> int:
     from .worker import Worker, WorkerConfig
 
     token = read_token(args)
-    if args.tp < 1:
-        raise FlotillaError(f"--tp must be at least 1, got {args.tp}")
     if args.spin_us < 0:
         raise FlotillaError(f"--spin-us must be >= 0 microseconds, got {args.spin_us}")
     host = port = sock = None
@@ -292,7 +292,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     from .peer import LinkSettings
     from .pipeline import PipelineSettings
 
-    report = report or (lambda line: (sys.stderr.write(f"{line}\n"), sys.stderr.flush()))  # one write a line
+    report = report or say_line
     given = args.pp is not None  # else one stage per --hosts / --devices entry
     pp, tp = args.pp or 1, getattr(args, "tp", 1)
     if pp < 1 or tp < 1:

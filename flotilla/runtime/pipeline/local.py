@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from flotilla.errors import FlotillaError
+from flotilla.progress import say_line
 
 from .mps import MpsChoice, mps_for
 from .spin import DEFAULT_SPIN_US, spare_cores
@@ -82,7 +83,7 @@ class LocalWorkers:
         if spin_us is None:  # automatic: poll where the ring leaves cores to spare (TP ranks take one each)
             spin_us = DEFAULT_SPIN_US if spare_cores(cores, [(t or 1) * tp for t in self.threads]) else 0
         self.spin_us = spin_us
-        self.log = log or (lambda line: (sys.stderr.write(f"{line}\n"), sys.stderr.flush()))  # one write a line
+        self.log = log or say_line
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[tuple[str, int]] = []
         self.socks: list[socket.socket] = []  # each worker's listening socket, held here across its restarts
@@ -209,7 +210,7 @@ class LocalWorkers:
                     if len(recent[i]) >= RESTART_LIMIT:
                         done.add(i)
                         why = f"exited (status {status}) after {RESTART_LIMIT} restarts within {RESTART_WINDOW_S:.0f} s"
-                        self.log(f"[worker {i}] {why}: left down; its stage's requests fail until the server is "
+                        self.log(f"[worker {i}] {why}: left down; its stage cannot serve until the head is "
                                  f"restarted")
                         if self._left_down is not None:
                             self._left_down(i, f"its local worker {why} and was left down")

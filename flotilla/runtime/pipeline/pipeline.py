@@ -466,6 +466,7 @@ class Pipeline:
         except GONE as e:
             state = WRONG_TOKEN if _wrong_token(e) else f"is unreachable: cannot connect ({_why(e)})"
             raise StageFailure(i, state, str(e), refused=False) from None
+        self._refused.discard(i)  # it answers: a loss from now on is said as such, not as its last refusal
         try:
             self.infos[i] = await peer.call(Probe(json.dumps(self.config.to_hf_dict()), False, self.settings.dtype),
                                             120)

@@ -140,20 +140,24 @@ class Worker:
 
     # ------------------------------------------------------------------ connections
     def _refused(self, writer: asyncio.StreamWriter, why: str) -> None:
-        """Count a refused connection and log it, once per REFUSAL_LOG_S for one host and reason (a head with the
-        wrong token retries every few seconds), with how many went unlogged since."""
+        """Count a refused connection and log it (`_warn_limited`)."""
         self.rejected += 1
         host = str((writer.get_extra_info("peername") or ("?",))[0])
+        self._warn_limited(host, f"refused a connection from {host}: {why}")
+
+    def _warn_limited(self, host: str, text: str, level: int = logging.WARNING) -> None:
+        """Log a refusal once per REFUSAL_LOG_S for one host and text (a head refused retries every few seconds),
+        then with how many went unlogged since."""
         now = time.monotonic()
-        last, since = self._refusals.get((host, why), (None, 0))
-        if len(self._refusals) > 1000:  # bounded: a scan of many hosts forgets the oldest counts
+        last, since = self._refusals.get((host, text), (None, 0))
+        if len(self._refusals) > 1000:  # bounded: a scan of many hosts forgets every count
             self._refusals.clear()
         if last is None or now - last >= REFUSAL_LOG_S:
             more = f" ({since} more like it since, not logged)" if since else ""
-            log.warning("refused a connection from %s: %s%s", host, why, more)
-            self._refusals[(host, why)] = (now, 0)
+            log.log(level, "%s%s", text, more)
+            self._refusals[(host, text)] = (now, 0)
         else:
-            self._refusals[(host, why)] = (last, since + 1)
+            self._refusals[(host, text)] = (last, since + 1)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % (writer.get_extra_info("peername") or ("?", "?"))[:2]
@@ -191,7 +195,8 @@ class Worker:
         if self.head is not None:
             quiet = time.monotonic() - self._head_heard
             if quiet < HEAD_QUIET:
-                log.warning("refused a second head from %s: serving the head at %s", conn.peer, self._head_peer)
+                self._warn_limited(str(conn.peer).rsplit(":", 1)[0],
+                                   f"refused a second head from {conn.peer}: serving the head at {self._head_peer}")
                 await conn.send(Failure(f"this worker serves another head (at {self._head_peer}, heard from "
                                         f"{quiet:.1f}s ago); stop that head first, or give this one other workers"))
                 return
@@ -310,8 +315,8 @@ class Worker:
             directory, source = self.config.model, f"from its --model {self.config.model}"
         else:
             if self.config.model is not None:
-                log.info("its --model %s is another model than the head's; the stage comes from the cache or "
-                         "the head instead", self.config.model)
+                self._warn_limited("head", f"its --model {self.config.model} is another model than the head's; the "
+                                           f"stage comes from the cache or the head instead", logging.INFO)
             directory, missing = await asyncio.to_thread(self.cache.prepare, req, self.config.model)
             if missing:
                 outbox.put(NeedFiles(missing))

@@ -197,7 +197,8 @@
       r.thinking.box.open = !r.text;  // folded once there is an answer
     }
     if (r.text) state.history.push({ role: "assistant", content: r.text, el: r.el });
-    else state.history.pop();  // nothing came back (refused, or stopped at once): later sends leave the question out
+    // nothing came back (refused, stopped at once, or only thinking): later sends leave the question out
+    else state.history.pop();
     const meta = document.createElement("span");
     meta.className = "meta";
     const tokens = f.usage ? f.usage.completion_tokens : r.deltas;

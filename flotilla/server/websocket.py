@@ -297,7 +297,8 @@ class _Conversation:
         """Send the reply's deltas (its <think> block apart under --reasoning-parser); its finish_reason."""
         finish = None
         parser = self.state.config.reasoning_parser
-        splitter = ReasoningSplitter(parser, prompt_end(self.state.engine.tokenizer, req.prompts[0])) if parser else None
+        tokenizer = self.state.engine.tokenizer
+        splitter = ReasoningSplitter(parser, prompt_end(tokenizer, req.prompts[0])) if parser else None
         async for _, out in gen.outputs():
             if out.token_ids:
                 now = time.perf_counter()

@@ -337,6 +337,17 @@ def check_overlap(model, batch: int = 6, prompt_len: int = 24, tokens: int = 24)
             f"{same}/{batch} requests identical, finish reasons {reasons} -> {'OK' if ok else 'FAIL'}")
 
 
+def randomize(model):
+    """Larger-than-init weights (as tests/conftest.make_hf_model), so that errors show in the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
 def _save_random_llama(directory: Path, layers: int, seed: int) -> Path:
     """A random-weight Llama checkpoint (fp16 safetensors) of a small shape, written here."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -345,13 +356,7 @@ def _save_random_llama(directory: Path, layers: int, seed: int) -> Path:
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1,
                       eos_token_id=2, torch_dtype="float16")
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
+    model = randomize(LlamaForCausalLM(cfg).eval())
     model.half().save_pretrained(str(directory), safe_serialization=True)
     return directory
 

@@ -46,6 +46,8 @@ from flotilla.runtime.engine_args import EngineArgs, build_engine
 from flotilla.runtime.loader import load_model
 from flotilla.runtime.sampling import SamplingParams
 
+from bench.gpu_checks import randomize
+
 VOCAB = 512  # the models' and the byte tokenizer's (256 bytes, <think>, </think>, 254 filler tokens)
 THINK, END_THINK = 256, 257
 GROUP = 128  # INT4 group size: every linear's input (256, 512) is a multiple of it
@@ -70,15 +72,11 @@ TOLERANCE = {torch.float32: Tolerance(2e-3, 1e-2), torch.float16: Tolerance(0.05
 # ------------------------------------------------------------------------------------- models
 
 def _randomize(model, seed: int):
-    """Larger-than-init weights (as tests/conftest.make_hf_model), so that errors show in the logits; each a
-    float16 value, so that an fp16 engine holds the oracle's weights exactly."""
+    """gpu_checks.randomize's weights, each a float16 value, so that an fp16 engine holds the oracle's exactly."""
     torch.manual_seed(seed)
+    randomize(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
+        for p in model.parameters():
             p.copy_(p.half().float())
     return model.eval()
 

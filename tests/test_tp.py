@@ -25,7 +25,8 @@ from flotilla.runtime.model_runner import logits_kernel
 
 from conftest import REPO, make_hf_model, save_hf_model, tiny_config
 from quantize_helpers import cli_env, tiny_model_dir
-from tp_helpers import PROMPTS, greedy_tokens, logits_of, prompt_logprobs, rank_logits, token_batch, write_int4
+from tp_helpers import (PROMPTS, greedy_tokens, logits_of, prompt_logprobs, rank_logits, start_tp_server, token_batch,
+                        write_int4)
 
 ATOL = 1e-4
 
@@ -207,17 +208,8 @@ def test_serve_exits_when_a_rank_dies(models):
     import signal
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "flotilla.server.cli", "serve", str(models["fp32"]), "--tp", "2",
-                             "--port", "0", "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env())
+    proc, url = start_tp_server(models["fp32"])
     try:
-        url = None
-        for line in proc.stdout:
-            m = re.search(r"OpenAI API at (http://\S+)/v1", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, proc.stderr.read()[-3000:]
         with urllib.request.urlopen(url + "/health", timeout=30) as r:
             assert r.status == 200
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from quantize_helpers import cli_env, tiny_model_dir
+from quantize_helpers import tiny_model_dir
+from tp_helpers import start_tp_server
 
 
 def _rank_pids(pid: int) -> list[int]:
@@ -24,17 +22,8 @@ def _rank_pids(pid: int) -> list[int]:
 
 def test_a_rank_killed_mid_request_is_said_in_plain_words(tmp_path):
     model = tiny_model_dir(tmp_path / "fp32", seed=1, max_position_embeddings=4096)
-    proc = subprocess.Popen([sys.executable, "-m", "flotilla.server.cli", "serve", str(model), "--tp", "2",
-                             "--port", "0", "--device", "cpu", "--grace-period", "5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env())
+    proc, url = start_tp_server(model, "--grace-period", "5")
     try:
-        url = None
-        for line in proc.stdout:
-            m = re.search(r"OpenAI API at (http://\S+)/v1", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, proc.stderr.read()[-3000:]
         (rank,) = _rank_pids(proc.pid)
         os.kill(rank, signal.SIGSTOP)  # the request's first step waits in a collective for rank 1
         body = json.dumps({"model": "fp32", "prompt": "hello", "max_tokens": 2000, "stream": True,

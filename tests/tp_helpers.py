@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from flotilla.kernels.gptq import GPTQWeight, default_g_idx
 from flotilla.models.checkpoint import TOKENIZER_FILES, CheckpointWriter
 from flotilla.models.config import QuantConfig
 from flotilla.models.sources import open_source
+
+from quantize_helpers import cli_env
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -239,3 +243,17 @@ if __name__ == "__main__":  # python tp_helpers.py TP MODEL_DIR...: greedy token
     else:
         tp = int(sys.argv[1])
         print(json.dumps({d: greedy_tokens(d, tp) for d in sys.argv[2:]}))
+
+
+def start_tp_server(model, *extra: str):
+    """`runtime serve MODEL --tp 2` on the CPU on a free port, as a user starts it: (the process, its base URL, read
+    from its start line). The caller stops the process."""
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.server.cli", "serve", str(model), "--tp", "2", "--port",
+                             "0", "--device", "cpu", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env())
+    for line in proc.stdout:
+        m = re.search(r"OpenAI API at (http://\S+)/v1", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise AssertionError(proc.stderr.read()[-3000:])

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from flotilla.errors import FlotillaError
+from flotilla.progress import say_line
 from flotilla.runtime.engine_args import EngineArgs
 from flotilla.runtime.pipeline import local
 from flotilla.runtime.pipeline.head import build_pipeline_engine
@@ -21,7 +22,7 @@ from flotilla.runtime.pipeline.peer import LinkSettings
 from flotilla.runtime.pipeline.pipeline import PipelineSettings
 from flotilla.runtime.sampling import SamplingParams
 from flotilla.server.config import ServerConfig
-from flotilla.server.engine_client import EngineClient, report_line
+from flotilla.server.engine_client import EngineClient
 from flotilla.server.serve import EngineDied, serve
 from flotilla.server.state import ServerState
 
@@ -207,7 +208,7 @@ def test_report_lines_are_written_with_their_newline_in_one_write(models, tmp_pa
 
     err = _Writes()
     monkeypatch.setattr(sys, "stderr", err)
-    report_line("the server's line")
+    say_line("the server's line")
     LocalWorkers(1, tmp_path, b"t" * 32, ["cpu"], spin_us=0).log("a worker's line")
 
     def no_start(self, timeout=600.0):

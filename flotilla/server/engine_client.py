@@ -129,10 +129,10 @@ class EngineClient:
         if is_pipeline(args):  # with --tp M, every local stage is a group of M processes
             from flotilla.runtime.default_model import resolve_model_path
 
-            llm = pipeline_engine_from_args(args, report_line)
+            llm = pipeline_engine_from_args(args, say_line)
             return cls(llm, args.served_model_name or _default_name(resolve_model_path(args.model)))
         lm = load_with_progress(args, lambda line: print(f"flotilla: {line}", flush=True))  # stdout: the log
-        llm = build_engine(lm, engine_args, report=report_line)
+        llm = build_engine(lm, engine_args, report=say_line)
         return cls(llm, args.served_model_name or _default_name(lm.path), parallel=lm.parallel)
 
     @classmethod
@@ -232,7 +232,6 @@ class EngineClient:
         return list(pipeline_problems()) if pipeline_problems is not None else []
 
 
-report_line = say_line  # one line of the server's log on stderr, in one write
 
 
 def _default_name(path: Path) -> str:

@@ -108,14 +108,14 @@ class WeightCache:
     def prepare(self, req: LoadStage, own_model: Path | None = None) -> tuple[Path, list[str]]:
         """The cache directory for the model (metadata written) and the stage's shards it lacks. `own_model`:
         the worker's --model, which is not the head's model."""
-        if not req.shards and own_model is not None:
-            raise FlotillaError(f"this worker's --model {own_model} {MODEL_MISMATCH}, and the head's model is not a "
-                                f"flotilla checkpoint, so its weights cannot be pushed; give the worker the head's "
-                                f"model as --model (the same file), or serve a checkpoint written by `quantize`")
-        if not req.shards:
-            raise FlotillaError("this worker has no copy of the model and the head's model is not a flotilla "
-                                "checkpoint, so its weights cannot be pushed; pass --model to the worker, or "
-                                "serve a checkpoint written by `quantize`")
+        if not req.shards:  # nothing the head could push
+            if own_model is None:
+                mine, fix = "this worker has no copy of the model and", "pass --model to the worker"
+            else:
+                mine, fix = (f"this worker's --model {own_model} {MODEL_MISMATCH}, and",
+                             "give the worker the head's model as --model (the same file)")
+            raise FlotillaError(f"{mine} the head's model is not a flotilla checkpoint, so its weights cannot be "
+                                f"pushed; {fix}, or serve a checkpoint written by `quantize`")
         d = self.directory(req.fingerprint)
         d.mkdir(parents=True, exist_ok=True)
         for name, text in req.files.items():

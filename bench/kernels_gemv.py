@@ -49,7 +49,7 @@ def label(plan) -> str:
         return f"wide{plan.cols}c{plan.warps}w"
     if plan.cols == MMA_COLS:  # the tensor-core plan: "mma8w" its register double buffer, "mma8w4s" a ring of 4
         return f"mma{plan.warps}w" + (f"{plan.stages}s" if plan.stages else "")
-    return f"{plan.cols}c{plan.warps}w"
+    return f"{plan.cols}c{plan.warps}w" + ("t" if plan.stages else "")  # "2c1wt": the tables a strip ahead
 
 
 def run_gemv_sweep(args, time_us, random_gptq) -> None:

@@ -60,6 +60,9 @@ MMA_COLS = 16  # the tensor-core plan: GemvPlan(8, 16, warps, stages)
 WIDE_ROWS, WIDE_COLS = 16, 16
 MMA_STAGES = (0, 2, 3, 4, 6)  # its weight streams: 0 the register double buffer, else a ring of that many blocks
 MAX_STAGES = 8  # gemv_mma.cuh
+# A CUDA-core plan's `stages` on layouts of one group a run (group 32: the GGUF forms, GPTQ g32): each strip's
+# tables loaded with its weights, a strip ahead (gemv.cuh StripTables), not run by run inside it
+TABLES_AHEAD = 1
 # The ring (2 blocks a warp, 8 warps) where the GEMV's round-3 device runs (bench/NOTES-kernels.md) measured
 # it fastest back to back: M = 1 on columns of at least 32 blocks (8192x28672, 14336x4096)
 RING_MAX_ROWS, RING_STAGES, RING_MIN_BLOCKS = 1, 2, 32
@@ -150,7 +153,8 @@ class GemvPlan:
     rows: int  # rows a block computes (M rounded up to a power of two)
     cols: int  # consecutive output columns a block computes
     warps: int  # warps a block, splitting the input axis
-    stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer)
+    stages: int = 0  # the tensor-core plan: blocks a warp in its shared-memory ring (0: a register double buffer);
+    # the CUDA-core plans: TABLES_AHEAD (group-32 layouts) loads each strip's scales / zeros / offsets with its weights
 
 
 @dataclass(frozen=True)
@@ -341,6 +345,7 @@ class GemvKernel:
         self.most_rows = WIDE_ROWS if self.geo.wide else ROW_TILES[-1]  # what it can run, picked or not
         probe = _Params(log2r=self.geo.log2r)
         for plan in self.plans():  # load every instance this layout may use now, not inside a graph capture
+            probe.stages = plan.stages
             self.lib.call(1, ctypes.byref(probe), self._dt, layout.bits, plan, self.geo)
 
     def plans(self, warps: int = 1):
@@ -353,6 +358,8 @@ class GemvKernel:
                     yield GemvPlan(rows, cols, warps)
             elif n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
+                if self.geo.tpg == 1:
+                    yield GemvPlan(rows, cols, warps, TABLES_AHEAD)
             elif cols == MMA_COLS and self.geo.mma:
                 yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
 
@@ -433,7 +440,8 @@ class GemvKernel:
         if plan.rows < m or (plan.rows, plan.cols) not in SHAPES or lay.out_features % plan.cols \
                 or not 1 <= plan.warps <= MAX_WARPS or (plan.cols == MMA_COLS and not self.geo.mma) \
                 or (wide and not self.geo.wide) \
-                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)):
+                or not (plan.stages == 0 or (plan.cols == MMA_COLS and not wide and 2 <= plan.stages <= MAX_STAGES)
+                        or (plan.cols != MMA_COLS and not wide and plan.stages == TABLES_AHEAD and self.geo.tpg == 1)):
             raise ValueError(f"{plan} cannot compute {m} rows of {lay.out_features} columns")
         x2 = self._prepare(x2)
         n = lay.out_features

@@ -59,7 +59,8 @@ struct GemvParams {
   unsigned group_magic;     // ceil(2^31 / runs per group): group of run u = umulhi(2u, magic)
   int scale_bf16;           // bf16 activations only: scales and offsets are bf16 (GGUF tables), else fp16
   int stages;               // the tensor-core plan: 0 a register double buffer, 2..8 a cp.async ring of
-                            // that many blocks a warp (gemv_mma.cuh); the CUDA-core plans ignore it
+                            // that many blocks a warp (gemv_mma.cuh); the CUDA-core plans: 1 the tables a
+                            // strip ahead (group-32 layouts), else 0
   int pdl;                  // the tensor-core plan on sm_90+: launched as a programmatic dependent of the
                             // kernel before it (gemv_mma.cuh); the CUDA-core plans ignore it
   int silu_half;            // the tensor-core plan only, 0: off; else N / 2 (a multiple of 8): the weight is
@@ -133,6 +134,36 @@ __device__ __forceinline__ uint32_t load_row8(const uint8_t* p) {
   else return __ldg(p);
 }
 
+// load_row16 / load_row8 as volatile loads: issued where they are written (a strip ahead of their use,
+// beside its weights), not sunk to the use by the compiler
+template <int C>
+__device__ __forceinline__ void load_row16_now(const uint16_t* p, uint32_t* out) {
+  static_assert(C == 2 || C == 4, "the CUDA-core plans' columns");
+  if constexpr (C == 4)
+    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];\n" : "=r"(out[0]), "=r"(out[1]) : "l"(p));
+  else
+    asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(out[0]) : "l"(p));
+}
+
+template <int C>
+__device__ __forceinline__ uint32_t load_row8_now(const uint8_t* p) {
+  uint32_t v;
+  if constexpr (C == 4) asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  else asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=r"(v) : "l"(p));  // C == 2; the high half zero
+  return v & (C == 4 ? 0xFFFFFFFFu : 0xFFFFu);
+}
+
+// One strip's tables for one lane (PF plans: loaded with the strip's weights, a strip ahead): the scales
+// (offsets, zeros) of its NG = P / TPG groups for the block's C columns, as load_row16 / load_row8 give them.
+// The per-run loads of the other plans wait on the L2 in the middle of the strip; at group 32 (a group each
+// run) they are most of a strip's loads.
+template <int C, int MODE, int NG>
+struct StripTables {
+  uint32_t s[NG][(C + 1) / 2];
+  uint32_t m[MODE == OFF ? NG : 1][(C + 1) / 2];
+  uint32_t z[MODE == ZP ? NG : 1];
+};
+
 // entry c of load_row16's words, in both halves of a word / in the low half
 __device__ __forceinline__ uint32_t dup16(const uint32_t* w, int c) {
   return __byte_perm(w[c / 2], 0, c % 2 ? 0x3232 : 0x1010);
@@ -203,10 +234,12 @@ struct StripAt {
 };
 
 // TPG: runs of a block that share a group (a power of two; P: one group a block)
-template <int BITS, int MT, int C, int MODE, int TPG>
+// PF: the tables come from tb (loaded a strip ahead), else they are loaded here, run by run
+template <int BITS, int MT, int C, int MODE, int TPG, bool PF, int NG>
 __device__ __forceinline__ void strip_f16(const GemvParams& p, const uint4* cur, StripAt at, const half* const* xm,
                                           const uint16_t* sc, const uint8_t* zp, const uint16_t* of,
-                                          const uint32_t* zz_sym, float (*acc)[MT]) {
+                                          const uint32_t* zz_sym, const StripTables<C, MODE, NG>& tb,
+                                          float (*acc)[MT]) {
   constexpr int P = PairF16<BITS>::P;
   uint32_t w8[C][4];
 #pragma unroll
@@ -218,18 +251,31 @@ __device__ __forceinline__ void strip_f16(const GemvParams& p, const uint4* cur,
   static_for<P>([&](auto tc) {
     constexpr int t = decltype(tc)::value;
     if constexpr (t % TPG == 0) {  // a new group: its scales (zeros, offsets) for the C columns
-      const unsigned off = group_of(at.u0 + t, p.group_magic) * p.N;
-      uint32_t v[(C + 1) / 2];
-      load_row16<C>(sc + off, v);
+      [[maybe_unused]] constexpr int g = t / TPG;
+      [[maybe_unused]] const unsigned off = PF ? 0u : group_of(at.u0 + t, p.group_magic) * p.N;
+      [[maybe_unused]] uint32_t v[(C + 1) / 2];
+      if constexpr (PF) {
 #pragma unroll
-      for (int c = 0; c < C; c++) s2[c] = dup16(v, c);
+        for (int c = 0; c < C; c++) s2[c] = dup16(tb.s[g], c);
+      } else {
+        load_row16<C>(sc + off, v);
+#pragma unroll
+        for (int c = 0; c < C; c++) s2[c] = dup16(v, c);
+      }
       if constexpr (MODE == OFF) {
-        load_row16<C>(of + off, v);
+        if constexpr (PF) {
 #pragma unroll
-        for (int c = 0; c < C; c++) m2[c] = dup16(v, c);
+          for (int c = 0; c < C; c++) m2[c] = dup16(tb.m[g], c);
+        } else {
+          load_row16<C>(of + off, v);
+#pragma unroll
+          for (int c = 0; c < C; c++) m2[c] = dup16(v, c);
+        }
       }
       if constexpr (MODE == ZP) {
-        const uint32_t z4 = load_row8<C>(zp + off);
+        uint32_t z4;
+        if constexpr (PF) z4 = tb.z[g];
+        else z4 = load_row8<C>(zp + off);
 #pragma unroll
         for (int c = 0; c < C; c++) {
           const uint32_t zz = __byte_perm(z4, 0, 0x4040 + 0x0101 * c);  // z | z << 16
@@ -318,10 +364,11 @@ struct ValsF32<8> {
   static __device__ __forceinline__ void zero_consts(float z, float* kz) { kz[0] = -(8388608.f + z); }
 };
 
-template <int BITS, int MT, int C, int MODE, int TPG>
+template <int BITS, int MT, int C, int MODE, int TPG, bool PF, int NG>
 __device__ __forceinline__ void strip_bf16(const GemvParams& p, const uint4* cur, StripAt at,
                                            const __nv_bfloat16* const* xm, const uint16_t* sc, const uint8_t* zp,
-                                           const uint16_t* of, const float* kz_sym, float (*acc)[MT]) {
+                                           const uint16_t* of, const float* kz_sym, const StripTables<C, MODE, NG>& tb,
+                                           float (*acc)[MT]) {
   constexpr int P = ValsF32<BITS>::P, NKZ = ValsF32<BITS>::NKZ;
   const bool sbf = p.scale_bf16 != 0;
   float s[C], mo[C], kz[C][NKZ];
@@ -334,18 +381,31 @@ __device__ __forceinline__ void strip_bf16(const GemvParams& p, const uint4* cur
   static_for<P>([&](auto tc) {
     constexpr int t = decltype(tc)::value;
     if constexpr (t % TPG == 0) {
-      const unsigned off = group_of(at.u0 + t, p.group_magic) * p.N;
-      uint32_t v[(C + 1) / 2];
-      load_row16<C>(sc + off, v);
+      [[maybe_unused]] constexpr int g = t / TPG;
+      [[maybe_unused]] const unsigned off = PF ? 0u : group_of(at.u0 + t, p.group_magic) * p.N;
+      [[maybe_unused]] uint32_t v[(C + 1) / 2];
+      if constexpr (PF) {
+#pragma unroll
+        for (int e = 0; e < (C + 1) / 2; e++) v[e] = tb.s[g][e];
+      } else {
+        load_row16<C>(sc + off, v);
+      }
 #pragma unroll
       for (int c = 0; c < C; c++) s[c] = table_f32(v[c / 2] >> (16 * (c % 2)), sbf);
       if constexpr (MODE == OFF) {
-        load_row16<C>(of + off, v);
+        if constexpr (PF) {
+#pragma unroll
+          for (int e = 0; e < (C + 1) / 2; e++) v[e] = tb.m[g][e];
+        } else {
+          load_row16<C>(of + off, v);
+        }
 #pragma unroll
         for (int c = 0; c < C; c++) mo[c] = table_f32(v[c / 2] >> (16 * (c % 2)), sbf);
       }
       if constexpr (MODE == ZP) {
-        const uint32_t z4 = load_row8<C>(zp + off);
+        uint32_t z4;
+        if constexpr (PF) z4 = tb.z[g];
+        else z4 = load_row8<C>(zp + off);
 #pragma unroll
         for (int c = 0; c < C; c++) ValsF32<BITS>::zero_consts(static_cast<float>((z4 >> (8 * c)) & 0xFF), kz[c]);
       }
@@ -398,10 +458,12 @@ __device__ __forceinline__ half f32_to_act<half>(float v) { return __float2half_
 template <>
 __device__ __forceinline__ __nv_bfloat16 f32_to_act<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// grid: N / C blocks of 32 * warps threads (C divides N; warps <= MAX_WARPS)
-template <typename T, int BITS, int MT, int C, int MODE, int TPG>
+// grid: N / C blocks of 32 * warps threads (C divides N; warps <= MAX_WARPS). PF: each strip's tables are
+// loaded with its weights, a strip ahead (StripTables), not run by run inside it.
+template <typename T, int BITS, int MT, int C, int MODE, int TPG, bool PF>
 __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_kernel(const GemvParams p) {
-  constexpr int P = 16 / BITS;
+  constexpr int P = 16 / BITS, NG = PF ? P / TPG : 1;
+  using Tables = StripTables<C, MODE, NG>;
   __shared__ float red[MAX_WARPS][C * MT];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int n0 = blockIdx.x * C;
@@ -435,28 +497,40 @@ __global__ void __launch_bounds__(32 * MAX_WARPS) gemv_kernel(const GemvParams p
   float kz_sym[ValsF32<BITS>::NKZ];
   ValsF32<BITS>::zero_consts(static_cast<float>(p.zero_const), kz_sym);
 
-  auto load = [&](uint4* dst, int i) {  // strip i of the C columns (none past the last word)
+  // strip i of the C columns (none past the last word), and under PF its tables
+  auto load = [&](uint4* dst, Tables& tdst, int i) {
     if (128 * i + 4 * lane < p.KW) {
 #pragma unroll
       for (int c = 0; c < C; c++) dst[c] = load_stream(col[c] + 32 * i, policy);
+      if constexpr (PF) {
+        const int u0 = (i * blocks_per_strip + lb) * P;
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+          const unsigned off = group_of(u0 + g * TPG, p.group_magic) * p.N;
+          load_row16_now<C>(sc + off, tdst.s[g]);
+          if constexpr (MODE == OFF) load_row16_now<C>(of + off, tdst.m[g]);
+          if constexpr (MODE == ZP) tdst.z[g] = load_row8_now<C>(zp + off);
+        }
+      }
     }
   };
   // Two register buffers: strip i + warps loads into one while strip i, in the other, is decoded.
   uint4 buf[2][C];
-  load(buf[0], warp);
-  auto step = [&](const uint4* cur, uint4* nxt, int i) {
-    load(nxt, i + warps);
+  Tables tbuf[2];
+  load(buf[0], tbuf[0], warp);
+  auto step = [&](const uint4* cur, const Tables& tcur, uint4* nxt, Tables& tnxt, int i) {
+    load(nxt, tnxt, i + warps);
     if (128 * i + 4 * lane < p.KW) {
       const StripAt at = {(i * blocks_per_strip + lb) * P, i * 256 * P};
       if constexpr (std::is_same_v<T, half>)
-        strip_f16<BITS, MT, C, MODE, TPG>(p, cur, at, xm, sc, zp, of, zz_sym, acc);
+        strip_f16<BITS, MT, C, MODE, TPG, PF, NG>(p, cur, at, xm, sc, zp, of, zz_sym, tcur, acc);
       else
-        strip_bf16<BITS, MT, C, MODE, TPG>(p, cur, at, xm, sc, zp, of, kz_sym, acc);
+        strip_bf16<BITS, MT, C, MODE, TPG, PF, NG>(p, cur, at, xm, sc, zp, of, kz_sym, tcur, acc);
     }
   };
   for (int i = warp; i < strips; i += 2 * warps) {
-    step(buf[0], buf[1], i);
-    if (i + warps < strips) step(buf[1], buf[0], i + warps);
+    step(buf[0], tbuf[0], buf[1], tbuf[1], i);
+    if (i + warps < strips) step(buf[1], tbuf[1], buf[0], tbuf[0], i + warps);
   }
 
 #pragma unroll

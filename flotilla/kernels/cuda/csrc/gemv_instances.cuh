@@ -8,10 +8,11 @@
 namespace flotilla::gemv {
 
 // op 0: launch N / cols blocks of 32 * warps threads; op 1: prepare (load the module now, not
-// inside a CUDA-graph capture)
-template <typename T, int BITS, int MT, int C, int MODE, int TPG>
-int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // the CUDA-core plans
-  auto fn = gemv_kernel<T, BITS, MT, C, MODE, TPG>;
+// inside a CUDA-graph capture). The CUDA-core plans; p->stages 1: the tables a strip ahead (PF, group-32
+// layouts: TPG 1), else 0.
+template <typename T, int BITS, int MT, int C, int MODE, int TPG, bool PF>
+int gemv_op_pf(int op, const GemvParams* p, int warps, cudaStream_t stream) {
+  auto fn = gemv_kernel<T, BITS, MT, C, MODE, TPG, PF>;
   if (op == 1) {
     cudaFuncAttributes attr;
     return cudaFuncGetAttributes(&attr, fn);
@@ -19,6 +20,14 @@ int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {  // t
   if (warps < 1 || warps > MAX_WARPS) return cudaErrorInvalidValue;
   fn<<<p->N / C, 32 * warps, 0, stream>>>(*p);
   return cudaGetLastError();
+}
+
+template <typename T, int BITS, int MT, int C, int MODE, int TPG>
+int gemv_op(int op, const GemvParams* p, int warps, cudaStream_t stream) {
+  if (p->stages == 0) return gemv_op_pf<T, BITS, MT, C, MODE, TPG, false>(op, p, warps, stream);
+  if constexpr (TPG == 1)
+    if (p->stages == 1) return gemv_op_pf<T, BITS, MT, C, MODE, TPG, true>(op, p, warps, stream);
+  return cudaErrorInvalidValue;
 }
 
 // launch the tensor-core plan, as a programmatic dependent of the stream's previous kernel when p.pdl

@@ -20,7 +20,9 @@
 # rule end to end (the GGUF kernels at 16-64 rows, then `runtime bench` as gguf's part without Q8_0). offsets: round
 # 21's float offsets on the GEMV's tensor-core plan (test_gemv, the GEMV sweep of Q4_K / Q5_K / Q4_0);
 # offsets_decode: the 8B as Q4_K_M with FLOTILLA_GEMV_OFFSETS=0 and 1; features: bench/gpu_features.py (prompt
-# logprobs, Qwen3, the tokenizer endpoints on the GPU) and the Qwen3 8B decode beside the Llama 3 8B.
+# logprobs, Qwen3, the tokenizer endpoints on the GPU) and the Qwen3 8B decode beside the Llama 3 8B. group32: round
+# 22's CUDA-core plans with the tables a strip ahead (test_gemv, the GGUF GEMV sweep, the 8B as Q4_K_M and Q4_0
+# with FLOTILLA_GEMV_GROUP32 unset and =cores).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -162,6 +164,23 @@ if has offsets_decode; then  # the 8B as GGUF Q4_K_M (OFFSET_MODELS) at 1-16 row
       mark "offsets_decode: runtime bench --gguf $g FLOTILLA_GEMV_OFFSETS=$E"
       FLOTILLA_GEMV_OFFSETS=$E timeout 100 python3 -m flotilla.server.cli bench --random llama-3-8b --gguf $g \
         --batch ${OFFSET_BATCHES:-1,4,8,16} 2>&1 | tee -a "$OUT/offsets_decode.log" | grep -vE "^\[|Writing"
+    done
+  done
+fi
+if has group32; then  # round 22: the group-32 layouts' CUDA-core plans with the tables a strip ahead ("2c1wt")
+  mark "group32: test_gemv"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py -k "${GROUP32_TESTS:-every_plan or gguf}" \
+    2>&1 | tail -4
+  mark "group32: gemv sweep"
+  timeout 280 python3 -P bench/kernels.py --gguf --graph --only-sweeps --gemv-sweep --gemv-chain \
+    --gemv-forms ${GROUP32_FORMS:-Q4_K,Q4_0,Q5_K,Q6_K,Q8_0} --gemv-rows ${GROUP32_ROWS:-1,4,8} \
+    --shapes ${GROUP32_SHAPES:-4096x14336,14336x4096,8192x28672} 2>&1 | tee "$OUT/group32_sweep.log" \
+    | grep -E "^gguf|chain|FAIL"
+  for g in ${GROUP32_MODELS:-Q4_K_M Q4_0}; do  # the 8B decode: as shipped, then FLOTILLA_GEMV_GROUP32=cores
+    for E in "" cores; do
+      mark "group32: runtime bench --gguf $g FLOTILLA_GEMV_GROUP32=$E"
+      FLOTILLA_GEMV_GROUP32=$E timeout 100 python3 -m flotilla.server.cli bench --random llama-3-8b --gguf $g \
+        --batch ${GROUP32_BATCHES:-1,4,8} 2>&1 | tee -a "$OUT/group32_decode.log" | grep -vE "^\[|Writing"
     done
   done
 fi

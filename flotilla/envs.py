@@ -23,6 +23,9 @@
                          flotilla.kernels.cuda.gemv; default on where it measured faster)
     FLOTILLA_GEMV_OFFSETS 1: the GGUF float-offset forms on the CUDA GEMV's tensor cores at 1-8 rows (read by
                          flotilla.kernels.cuda.gemv; default off until it has run on a GPU); 0: off
+    FLOTILLA_GEMV_GROUP32 cores: the group-32 / 16 layouts (the GGUF forms) on the CUDA GEMV's CUDA-core plans,
+                         each strip's scales and offsets loaded a strip ahead, at 1-4 rows (read by
+                         flotilla.kernels.cuda.gemv)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their

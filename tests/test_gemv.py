@@ -197,6 +197,7 @@ def test_emulated_tensor_core_plan_reads_the_gguf_forms(qtype):
 
 def test_crossovers_only_where_measured(monkeypatch):
     monkeypatch.delenv(gemv.OFFSETS_ENV, raising=False)
+    monkeypatch.delenv(gemv.GROUP32_ENV, raising=False)
     g128 = gemv.geometry(repack(weight(1024, 96, 4, 128, False, False)), torch.float16)
     assert g128.mma and gemv.crossover(g128, 4, torch.float16) == gemv.MMA_MAX_ROWS == 8
     assert gemv.crossover(g128, 4, torch.float16, 4096 * 28672) == 8  # llama-3-8b's gate_up
@@ -232,6 +233,12 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert gemv.crossover(gguf, 4, torch.float16) == gemv.OFFSET_MMA_MAX_ROWS  # turned on
     monkeypatch.setenv(gemv.OFFSETS_ENV, "0")
     assert gemv.crossover(gguf, 4, torch.float16) == 0  # turned off: the Triton kernel
+    monkeypatch.setenv(gemv.GROUP32_ENV, "cores")  # the CUDA-core plans, tables a strip ahead (round 22)
+    assert gemv.tables_ahead(gguf, torch.float16) and gemv.crossover(gguf, 4, torch.float16) == 4
+    assert not gemv.tables_ahead(g128, torch.float16) and gemv.crossover(g128, 4, torch.float16) == 8  # group 128
+    assert not gemv.tables_ahead(gguf, torch.bfloat16)
+    monkeypatch.delenv(gemv.GROUP32_ENV)
+    assert not gemv.tables_ahead(gguf, torch.float16)
     bf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.bfloat16, "cpu"),
                        torch.bfloat16)
     assert bf.mode == gemv.OFF and not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # CUDA cores: slower

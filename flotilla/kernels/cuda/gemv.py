@@ -36,6 +36,7 @@ cores, uint8 zeros at group 32 / 16).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import os
@@ -104,6 +105,10 @@ GROUP_MMA_MAX_ROWS, GROUP_CORES_MAX_ROWS = 8, 4
 # Not yet run on a GPU (no machine was lent in round 21), so it is off by default: FLOTILLA_GEMV_OFFSETS=1 turns
 # it on, =0 off; the plan runs when asked either way
 OFFSET_MMA_MAX_ROWS, OFFSETS_ENV, OFFSETS_ON = 8, "FLOTILLA_GEMV_OFFSETS", False
+# The layouts of one group a run at fp16 (group 32 / 16: the GGUF forms, GPTQ g32; float offsets included) on the
+# CUDA-core plans with each strip's tables loaded a strip ahead (TABLES_AHEAD), up to GROUP_CORES_MAX_ROWS rows, in
+# place of the tensor-core ring or Triton: FLOTILLA_GEMV_GROUP32=cores (round 22)
+GROUP32_ENV = "FLOTILLA_GEMV_GROUP32"
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -220,10 +225,19 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
+def tables_ahead(geo: Geometry, dtype: torch.dtype) -> bool:
+    """Whether a group-32 / 16 layout runs the CUDA-core plans with each strip's tables a strip ahead at 1 to
+    GROUP_CORES_MAX_ROWS rows (FLOTILLA_GEMV_GROUP32=cores)."""
+    return geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16 \
+        and os.environ.get(GROUP32_ENV, "").strip().lower() == "cores"
+
+
 def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) -> int:
     """Up to how many rows the GEMV beats the Triton kernel on a layout of `weights` weights (in x out),
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
     bf16 on blocks other than 32 words (group 32 or 16), float offsets on the CUDA cores."""
+    if tables_ahead(geo, dtype):
+        return GROUP_CORES_MAX_ROWS
     if geo.mode == OFF:
         flag = os.environ.get(OFFSETS_ENV, "").strip().lower()
         on = flag in ("1", "true", "yes", "on") or (OFFSETS_ON and flag not in ("0", "false", "no", "off"))
@@ -377,8 +391,10 @@ class GemvKernel:
         plan = self._plans.get(m)
         if plan is None:
             lay = self.layout
-            plan = self._plans[m] = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
-                                                lay.rows_per_field if self.geo.mma else 0, lay.rows_per_field)
+            ahead = m <= GROUP_CORES_MAX_ROWS and tables_ahead(self.geo, self.dtype)
+            plan = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
+                               lay.rows_per_field if self.geo.mma and not ahead else 0, lay.rows_per_field)
+            plan = self._plans[m] = dataclasses.replace(plan, stages=TABLES_AHEAD) if ahead else plan
         return plan
 
     def fuses_silu(self, m: int, plan: GemvPlan | None = None) -> bool:

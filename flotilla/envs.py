@@ -22,7 +22,7 @@
     FLOTILLA_GEMV_WIDE   0: the CUDA GEMV's wide plan (9-16 rows) is never picked (read by
                          flotilla.kernels.cuda.gemv; default on where it measured faster)
     FLOTILLA_GEMV_OFFSETS 1: the GGUF float-offset forms on the CUDA GEMV's tensor cores at 1-8 rows (read by
-                         flotilla.kernels.cuda.gemv; default off until it has run on a GPU); 0: off
+                         flotilla.kernels.cuda.gemv; default off: slower than Triton in an H100 decode); 0: off
     FLOTILLA_GEMV_GROUP32 cores: the group-32 / 16 layouts (the GGUF forms) on the CUDA GEMV's CUDA-core plans,
                          each strip's scales and offsets loaded a strip ahead, at 1-4 rows (read by
                          flotilla.kernels.cuda.gemv)

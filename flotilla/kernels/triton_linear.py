@@ -242,8 +242,8 @@ class TritonLayoutKernel:
             x = torch.randn(m, self.layout.in_features, device=self.layout.words.device, dtype=self.dtype)
             timed = []
             configs = candidates(m) if candidates else candidate_configs(m, self.layout, self.num_sms)
-            # timed here: any M it takes (but a plan not yet run on a GPU: timing checks no results)
-            if self.gemv is not None and m <= self.gemv.most_rows and not candidates and not self.gemv.unproven:
+            # timed here: any M it takes
+            if self.gemv is not None and m <= self.gemv.most_rows and not candidates:
                 configs = [gemv_config(self.gemv.plan_for(m)), *configs]
             if self.tile is not None and m >= 64 and not candidates:  # the tile GEMM at each block height
                 configs = [*configs, *(tile_config(r, self.tile.splits_for(m, r)) for r in TILE_ROWS)]

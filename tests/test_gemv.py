@@ -237,8 +237,10 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert gemv.tables_ahead(gguf, torch.float16) and gemv.crossover(gguf, 4, torch.float16) == 4
     assert not gemv.tables_ahead(g128, torch.float16) and gemv.crossover(g128, 4, torch.float16) == 8  # group 128
     assert not gemv.tables_ahead(gguf, torch.bfloat16)
-    monkeypatch.delenv(gemv.GROUP32_ENV)
+    monkeypatch.setenv(gemv.GROUP32_ENV, "0")
     assert not gemv.tables_ahead(gguf, torch.float16)
+    monkeypatch.delenv(gemv.GROUP32_ENV)
+    assert gemv.tables_ahead(gguf, torch.float16) == gemv.GROUP32_CORES_ON
     bf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.bfloat16, "cpu"),
                        torch.bfloat16)
     assert bf.mode == gemv.OFF and not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # CUDA cores: slower

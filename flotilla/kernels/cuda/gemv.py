@@ -109,7 +109,7 @@ OFFSET_MMA_MAX_ROWS, OFFSETS_ENV, OFFSETS_ON = 8, "FLOTILLA_GEMV_OFFSETS", False
 # The layouts of one group a run at fp16 (group 32 / 16: the GGUF forms, GPTQ g32; float offsets included) on the
 # CUDA-core plans with each strip's tables loaded a strip ahead (TABLES_AHEAD), up to GROUP_CORES_MAX_ROWS rows, in
 # place of the tensor-core ring or Triton: FLOTILLA_GEMV_GROUP32=cores (round 22)
-GROUP32_ENV = "FLOTILLA_GEMV_GROUP32"
+GROUP32_ENV, GROUP32_CORES_ON = "FLOTILLA_GEMV_GROUP32", False
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -229,8 +229,10 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
 def tables_ahead(geo: Geometry, dtype: torch.dtype) -> bool:
     """Whether a group-32 / 16 layout runs the CUDA-core plans with each strip's tables a strip ahead at 1 to
     GROUP_CORES_MAX_ROWS rows (FLOTILLA_GEMV_GROUP32=cores)."""
-    return geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16 \
-        and os.environ.get(GROUP32_ENV, "").strip().lower() == "cores"
+    if not (geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16):
+        return False
+    flag = os.environ.get(GROUP32_ENV, "").strip().lower()
+    return flag in ("cores", "1", "on", "true", "yes") or (GROUP32_CORES_ON and flag not in ("0", "off", "false", "no"))
 
 
 def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) -> int:

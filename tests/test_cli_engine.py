@@ -204,3 +204,22 @@ def test_a_kernel_setting_with_a_typo_is_one_line(monkeypatch):
         p = runtime("generate", "-p", "hi", "--max-tokens", "2", *(("--tp", "3") if var.startswith("GLOO") else ()))
         monkeypatch.delenv(var)
         assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, p.stderr
+
+
+def test_user_mistakes_are_named_before_any_model_loads(tmp_path):
+    """What a vLLM / llama.cpp user types by habit: `runtime quantize` points at the quantize command; an option a
+    command does not take is named with that command's usage; -t is --threads; a bad --kv-cache-memory is said
+    before the model loads; a folder holding a .gguf names the file to give."""
+    p = runtime("quantize", "model.gguf")
+    assert p.returncode == 2 and "quantize is a command of its own" in p.stderr and "'quantize model.gguf'" in p.stderr
+    p = runtime("generate", "-p", "hi", "--n-predict=4")
+    assert p.returncode == 2 and "runtime generate: error: unrecognized arguments: --n-predict=4" in p.stderr, p.stderr
+    assert "usage: runtime generate" in p.stderr
+    p = runtime("generate", "-p", "hi", "-t", "0")
+    assert p.returncode == 2 and "--threads must be at least 1" in p.stderr, p.stderr
+    p = runtime("generate", "-p", "hi", "--kv-cache-memory", "lots")
+    assert p.returncode == 2 and "--kv-cache-memory 'lots': expected a size" in p.stderr, p.stderr
+    assert "loaded" not in p.stderr.lower() and "loading" not in p.stderr.lower()
+    (tmp_path / "SmolLM2.Q4_1.gguf").write_bytes(b"")
+    p = runtime("generate", str(tmp_path), "-p", "hi")
+    assert p.returncode == 2 and f"give the file itself: {tmp_path / 'SmolLM2.Q4_1.gguf'}" in p.stderr, p.stderr

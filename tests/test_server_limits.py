@@ -298,6 +298,17 @@ def test_a_body_that_is_not_json_gets_415(live):
     assert status == 200
 
 
+def test_404_lists_every_endpoint_the_server_has(live):
+    status, _, data = request(live.url, "GET", "/version")
+    assert status == 404 and data["error"]["code"] == "not_found", data
+    msg = data["error"]["message"]
+    for endpoint in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
+                     "GET /ws", "GET /health", "GET /metrics", "POST /tokenize", "POST /detokenize",
+                     "GET /tokenizer_info", "GET /"):
+        assert endpoint in msg, (endpoint, msg)
+    assert "HEAD" not in msg and "/static" not in msg
+
+
 def test_405_names_the_allowed_methods_in_allow(live):
     status, headers, data = request(live.url, "POST", "/v1/models")
     assert status == 405 and set(headers["Allow"].split(",")) == {"GET", "HEAD"}, headers

@@ -245,8 +245,11 @@ class ModelConfig:
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
+            ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+            hint = f"; give the file itself: {ggufs[0]}" if len(ggufs) == 1 else (
+                f"; give one of its .gguf files ({', '.join(g.name for g in ggufs[:4])})" if ggufs else "")
             raise FlotillaError(f"{path}: no config.json (expected a Hugging Face model directory, "
-                                "a flotilla checkpoint or a .gguf file)")
+                                f"a flotilla checkpoint or a .gguf file){hint}")
         try:
             d = json.loads(cfg_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="2GB", metavar="SIZE",
                    help="largest shard, cut on layer boundaries (default 2GB)")
     p.add_argument("--device", default=_DEFAULTS.device, metavar="{cpu,cuda}", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
                    help="CPU threads (default: one per core); on a machine busy with other work (a server "
                         "decoding beside it) fewer can be much faster")
     p.add_argument("--force", action="store_true",

@@ -93,7 +93,8 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     untied_head = norm_matrix = False
     if options.rotate:
         source = rotated(source, options.rotate, options.rotate_scope, options.seed,
-                         keep_outliers=not options.rotate_all, tied_head=options.rotate_tied_head)
+                         keep_outliers=not options.rotate_all, tied_head=options.rotate_tied_head,
+                         head_bits=options.lm_head_bits)
         cfg, untied_head, norm_matrix = source.config, source.untied_head, source.norm_matrix
 
     if options.sensitive:

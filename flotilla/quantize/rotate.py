@@ -213,15 +213,17 @@ def check_tied_head(cfg: ModelConfig, where: str) -> None:
 
 
 def rotated(source, kind: str, scope: str, seed: int, keep_outliers: bool = True,
-            tied_head: bool = False) -> RotatedSource:
-    """`source` rotated (--rotate KIND --rotate-scope SCOPE [--rotate-tied-head]); says on stderr what was used."""
+            tied_head: bool = False, head_bits: int | None = None) -> RotatedSource:
+    """`source` rotated (--rotate KIND --rotate-scope SCOPE [--rotate-tied-head]); says on stderr what was used
+    (`head_bits`: --lm-head-bits, the untied head's width as written)."""
     rot = Rotation.build(source, kind, scope, seed, keep_outliers)
     out = RotatedSource(source, rot, tied_head)
     note = f"rotation: {rot.description}"
     if kind == "hadamard" and "random" in rot.description:
         note += " (no Hadamard matrix of that order is built here: a random orthogonal one instead)"
     if out.untied_head:
-        note += "; the tied lm_head is untied (an fp16 lm_head is written; --rotate-tied-head keeps it tied)"
+        head = f"a {head_bits}-bit" if head_bits else "an fp16"
+        note += f"; the tied lm_head is untied ({head} lm_head is written; --rotate-tied-head keeps it tied)"
     elif out.norm_matrix:
         note += "; the lm_head stays tied (the final norm's weight becomes a hidden x hidden matrix)"
     print(note, file=sys.stderr)

@@ -30,7 +30,7 @@ THREADS_HELP = ("CPU threads for the compute (default: one per core). On a machi
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+    p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help=THREADS_HELP)
 
 
 def apply_threads(threads: int | None) -> None:
@@ -291,7 +291,8 @@ def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
     messages = list(system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("flotilla chat — Ctrl-C stops a reply, Ctrl-D quits, /reset starts over", file=sys.stderr)
+        print("flotilla chat — Ctrl-C stops a reply (at the prompt: quits), Ctrl-D quits, /reset starts over",
+              file=sys.stderr)
     for turn in itertools.count():
         if interactive:
             print("> ", end="", flush=True, file=sys.stderr)
@@ -306,9 +307,10 @@ def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids, dropped = _fit_context(tok, messages, len(system), engine.config.context_len, params.max_tokens)
         if ids is None:
-            alone = len(tok.apply_chat_template(messages[-1:]))
-            what = (f"that message ({alone} tokens) with the system prompt ({dropped - alone} more)" if system
-                    else f"that message alone ({alone} tokens)")
+            # `dropped` is the prompt's length then: the system prompt and this message through the template (a
+            # template may add a default system prompt of its own to a message alone, so the two are not split)
+            what = (f"that message with the system prompt ({dropped} tokens)" if system
+                    else f"that message alone ({dropped} tokens)")
             messages.pop()
             print(f"error: {what} leaves no room for a reply in the context of {engine.config.context_len} "
                   "tokens; send a shorter one", file=sys.stderr)
@@ -367,8 +369,23 @@ def build_parser(commands: list[Command]) -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser.parse_args, but an unknown option is reported with its command's usage (argparse names the
+    top-level one), and `runtime quantize` is pointed at the `quantize` command."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["quantize"]:
+        parser.error("quantize is a command of its own, not a runtime COMMAND: run 'quantize "
+                     + " ".join(argv[1:] or ["--help"]) + "'")
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subs.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)} (see 'runtime "
+                                         f"{args.command} --help')")
+    return args
+
+
 def run(argv: list[str] | None, commands: list[Command]) -> int:
-    args = build_parser(commands).parse_args(argv)
+    args = parse(build_parser(commands), argv)
     handler = {name: fn for name, _, _, fn in commands}[args.command]
     from flotilla.kernels.registry import KernelChoiceError
 

@@ -12,7 +12,7 @@ from flotilla.errors import FlotillaError
 
 from .cuda_graphs import capture_sizes
 from .engine import EngineConfig, LLMEngine
-from .kv_cache import CPU_SHARED_TOKENS, DEFAULT_FRACTION, KVCache, KVCacheSpec, plan_kv_cache
+from .kv_cache import CPU_SHARED_TOKENS, DEFAULT_FRACTION, KVCache, KVCacheSpec, parse_memory, plan_kv_cache
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig
@@ -95,6 +95,8 @@ class EngineArgs:
         if k is not None and not args.speculative:
             raise FlotillaError(f"--num-speculative-tokens {k} without --speculative: add --speculative ngram "
                                 f"(or draft:PATH), or leave it out")
+        if args.kv_cache_memory is not None:
+            parse_memory(args.kv_cache_memory)  # a bad size is said before the model loads, not after
         return cls(kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -65,7 +65,7 @@ class RankDied(FlotillaError):
 
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="tensor-parallel size: N processes on this host share every layer "
                         "(GPUs cuda:K..K+N-1 from --device cuda:K, default cuda:0; or CPU processes splitting "
                         "the cores; default 1)")

@@ -54,11 +54,17 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+def _served(app: web.Application) -> str:
+    """The app's endpoints as 'GET /health, POST /v1/completions, …' (HEAD and the page's static files left out)."""
+    seen = dict.fromkeys(f"{r.method} {r.resource.canonical}" for r in app.router.routes()
+                         if r.method != "HEAD" and r.resource is not None and not r.resource.canonical.startswith("/static"))
+    return ", ".join(seen)
+
+
 def _http_error(request: web.Request, e: web.HTTPException, state: ServerState) -> ApiError:
     if e.status == 404:
-        return ApiError(404, f"no such endpoint {request.method} {request.path[:200]}; the API serves "
-                             "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /ws, "
-                             "GET /health, GET /metrics", code="not_found")
+        return ApiError(404, f"no such endpoint {request.method} {request.path[:200]}; the server serves "
+                             f"{_served(request.app)}", code="not_found")
     if e.status == 405:
         allowed = e.headers.get("Allow", "")
         return ApiError(405, f"{request.method} is not allowed on {request.path[:200]}; use {allowed}",

@@ -111,10 +111,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "a Hugging Face directory must be here)")
     p.add_argument("--cache-dir", default=None,
                    help="where pushed shards are kept (default: FLOTILLA_CACHE_DIR/worker)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
                    help="CPU threads for the stage's compute (default: torch's, one per core; with --tp on a CPU "
                         "the ranks split them)")
-    p.add_argument("--tp", type=at_least_one, default=1, metavar="M",
+    p.add_argument("--tp", "--tensor-parallel-size", type=at_least_one, default=1, metavar="M",
                    help="tensor-parallel ranks for this worker's stage: M processes share every layer of it "
                         "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; default 1)")
     p.add_argument("--spin-us", type=int, default=0, metavar="US",
@@ -199,7 +199,7 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (several stages: processes on this machine, or workers on others)")
-    g.add_argument("--pp", type=at_least_one, default=None,
+    g.add_argument("--pp", "--pipeline-parallel-size", type=at_least_one, default=None,
                    help="pipeline stages (default: one per --hosts or --devices entry, else 1: the model runs in "
                         "this process)")
     g.add_argument("--hosts", default=None,

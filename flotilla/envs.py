@@ -21,11 +21,12 @@
                          flotilla.kernels.cuda.tile when a kernel object is built; default on)
     FLOTILLA_GEMV_WIDE   0: the CUDA GEMV's wide plan (9-16 rows) is never picked (read by
                          flotilla.kernels.cuda.gemv; default on where it measured faster)
-    FLOTILLA_GEMV_OFFSETS 1: the GGUF float-offset forms on the CUDA GEMV's tensor cores at 1-8 rows (read by
-                         flotilla.kernels.cuda.gemv; default off: slower than Triton in an H100 decode); 0: off
-    FLOTILLA_GEMV_GROUP32 cores: the group-32 / 16 layouts (the GGUF forms) on the CUDA GEMV's CUDA-core plans,
-                         each strip's scales and offsets loaded a strip ahead, at 1-4 rows (read by
-                         flotilla.kernels.cuda.gemv)
+    FLOTILLA_GEMV_OFFSETS 1 (on, true, yes): the GGUF float-offset forms on the CUDA GEMV's tensor cores at 1-8
+                         rows (read by flotilla.kernels.cuda.gemv; default off: slower than Triton in an H100
+                         decode); 0 (off, false, no): off; anything else is an error (switch())
+    FLOTILLA_GEMV_GROUP32 cores (1, on, …): the group-32 / 16 layouts (the GGUF forms) on the CUDA GEMV's CUDA-core
+                         plans at 1-4 rows, each strip's scales and offsets loaded a strip ahead (read by
+                         flotilla.kernels.cuda.gemv; default off: not yet measured); 0 (off, …): off
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their
@@ -54,6 +55,23 @@ def token() -> str | None:
 
 def api_key() -> str | None:
     return os.environ.get("FLOTILLA_API_KEY") or None
+
+
+ON_WORDS, OFF_WORDS = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def switch(name: str, default: bool, also_on: tuple[str, ...] = ()) -> bool:
+    """An on / off variable: 1, on, true, yes (or `also_on`) / 0, off, false, no; unset or empty: `default`.
+    Anything else is a ValueError naming the variable and its words."""
+    flag = os.environ.get(name, "").strip().lower()
+    if not flag:
+        return default
+    if flag in ON_WORDS + also_on:
+        return True
+    if flag in OFF_WORDS:
+        return False
+    raise ValueError(f"{name}={flag!r}: expected one of {', '.join(ON_WORDS + also_on)} (on) or "
+                     f"{', '.join(OFF_WORDS)} (off), or unset")
 
 
 def lanes() -> bool:

@@ -217,6 +217,10 @@ def test_user_mistakes_are_named_before_any_model_loads(tmp_path):
     assert "usage: runtime generate" in p.stderr
     p = runtime("generate", "-p", "hi", "-t", "0")
     assert p.returncode == 2 and "--threads must be at least 1" in p.stderr, p.stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FLOTILLA_GEMV_GROUP32": "core"}
+    env_typo = subprocess.run([sys.executable, "-m", "flotilla.server.cli", "generate", "-p", "hi"], text=True,
+                              capture_output=True, env=env, timeout=120)
+    assert env_typo.returncode == 2 and "FLOTILLA_GEMV_GROUP32='core': expected one of" in env_typo.stderr
     p = runtime("generate", "-p", "hi", "--kv-cache-memory", "lots")
     assert p.returncode == 2 and "--kv-cache-memory 'lots': expected a size" in p.stderr, p.stderr
     assert "loaded" not in p.stderr.lower() and "loading" not in p.stderr.lower()

@@ -235,6 +235,13 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert gemv.crossover(gguf, 4, torch.float16) == 0  # turned off: the Triton kernel
     monkeypatch.setenv(gemv.GROUP32_ENV, "cores")  # the CUDA-core plans, tables a strip ahead (round 22)
     assert gemv.tables_ahead(gguf, torch.float16) and gemv.crossover(gguf, 4, torch.float16) == 4
+    q40 = gemv.geometry(repack_ggml(random_weight("Q4_0", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
+                        torch.float16)
+    assert gemv.tables_ahead(q40, torch.float16) and gemv.crossover(q40, 4, torch.float16) == 8  # the ring past 4
+    monkeypatch.setenv(gemv.GROUP32_ENV, "core")
+    with pytest.raises(ValueError, match="FLOTILLA_GEMV_GROUP32='core': expected one of"):
+        gemv.tables_ahead(gguf, torch.float16)
+    monkeypatch.setenv(gemv.GROUP32_ENV, "on")
     assert not gemv.tables_ahead(g128, torch.float16) and gemv.crossover(g128, 4, torch.float16) == 8  # group 128
     assert not gemv.tables_ahead(gguf, torch.bfloat16)
     monkeypatch.setenv(gemv.GROUP32_ENV, "0")

@@ -247,7 +247,9 @@ class ModelConfig:
         if not cfg_file.is_file():
             ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
             hint = f"; give the file itself: {ggufs[0]}" if len(ggufs) == 1 else (
-                f"; give one of its .gguf files ({', '.join(g.name for g in ggufs[:4])})" if ggufs else "")
+                f"; give one of its .gguf files ({', '.join(g.name for g in ggufs[:4])}"
+                f"{', …' if len(ggufs) > 4 else ''})"
+                if ggufs else "")
             raise FlotillaError(f"{path}: no config.json (expected a Hugging Face model directory, "
                                 f"a flotilla checkpoint or a .gguf file){hint}")
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import shlex
 import signal
 import sys
 import threading
@@ -45,9 +46,9 @@ def apply_threads(threads: int | None) -> None:
 
 
 def check_kernel_env() -> None:
-    """FLOTILLA_KERNEL and FLOTILLA_CPU_ISA, checked before anything loads (by the registry's and the CPU
-    build's own rules): a typo in either is an error here, not a traceback later nor a silent fallback to a
-    slower kernel."""
+    """FLOTILLA_KERNEL, FLOTILLA_CPU_ISA and the GEMV's switches, checked before anything loads (by the registry's
+    and the CPU build's own rules): a typo in one is an error here, not a traceback later nor a silent fallback to
+    a slower kernel."""
     import os
 
     from flotilla.kernels.cpu import build
@@ -61,6 +62,14 @@ def check_kernel_env() -> None:
         build.best_isa()
     except ValueError as e:
         raise FlotillaError(f"{e} (unset it for the widest this CPU runs)") from None
+    from flotilla import envs
+    from flotilla.kernels.cuda.gemv import GROUP32_ENV, OFFSETS_ENV
+
+    for name, also_on in ((OFFSETS_ENV, ()), (GROUP32_ENV, ("cores",))):  # the GEMV's switches
+        try:
+            envs.switch(name, False, also_on)
+        except ValueError as e:
+            raise FlotillaError(str(e)) from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -307,10 +316,11 @@ def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids, dropped = _fit_context(tok, messages, len(system), engine.config.context_len, params.max_tokens)
         if ids is None:
-            # `dropped` is the prompt's length then: the system prompt and this message through the template (a
-            # template may add a default system prompt of its own to a message alone, so the two are not split)
-            what = (f"that message with the system prompt ({dropped} tokens)" if system
-                    else f"that message alone ({dropped} tokens)")
+            # the count is the system prompt and this message through the template (a template may add a default
+            # system prompt of its own to a message alone, so the two are not told apart)
+            size = dropped
+            what = (f"that message with the system prompt ({size} tokens)" if system
+                    else f"that message alone ({size} tokens)")
             messages.pop()
             print(f"error: {what} leaves no room for a reply in the context of {engine.config.context_len} "
                   "tokens; send a shorter one", file=sys.stderr)
@@ -332,7 +342,7 @@ def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
 def _fit_context(tok, messages: list[dict], keep: int, context_len: int, max_tokens: int):
     """The chat's prompt ids with the oldest turns after the first `keep` messages (the system prompt) dropped
     until the prompt leaves room for a reply (max_tokens, at most half the context): (ids, messages dropped),
-    or (None, the last message's own tokens) where even it alone does not fit."""
+    or (None, the tokens of the kept messages and the last one) where even those alone do not fit."""
     room = min(max_tokens, context_len // 2)
     dropped = 0
     while True:
@@ -366,6 +376,7 @@ def build_parser(commands: list[Command]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text, add_args, _ in commands:
         add_args(sub.add_parser(name, help=help_text, description=help_text))
+    parser.commands = sub.choices  # each command's own parser, for parse()'s errors
     return parser
 
 
@@ -374,13 +385,12 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     top-level one), and `runtime quantize` is pointed at the `quantize` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["quantize"]:
-        parser.error("quantize is a command of its own, not a runtime COMMAND: run 'quantize "
-                     + " ".join(argv[1:] or ["--help"]) + "'")
+        parser.error("quantize is a command of its own, not a runtime COMMAND: run "
+                     f"'{shlex.join(['quantize', *(argv[1:] or ['--help'])])}'")
     args, extra = parser.parse_known_args(argv)
     if extra:
-        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        subs.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)} (see 'runtime "
-                                         f"{args.command} --help')")
+        parser.commands[args.command].error(f"unrecognized arguments: {shlex.join(extra)} (see 'runtime "
+                                            f"{args.command} --help')")
     return args
 
 

@@ -57,7 +57,8 @@ def _endpoint(request: web.Request) -> str:
 def _served(app: web.Application) -> str:
     """The app's endpoints as 'GET /health, POST /v1/completions, …' (HEAD and the page's static files left out)."""
     seen = dict.fromkeys(f"{r.method} {r.resource.canonical}" for r in app.router.routes()
-                         if r.method != "HEAD" and r.resource is not None and not r.resource.canonical.startswith("/static"))
+                         if r.method != "HEAD" and r.resource is not None
+                         and not r.resource.canonical.startswith("/static"))
     return ", ".join(seen)
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ... import envs
 from .. import pdl
 from ..triton_layout import TritonLayout
 from . import build
@@ -229,22 +230,21 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
 def tables_ahead(geo: Geometry, dtype: torch.dtype) -> bool:
     """Whether a group-32 / 16 layout runs the CUDA-core plans with each strip's tables a strip ahead at 1 to
     GROUP_CORES_MAX_ROWS rows (FLOTILLA_GEMV_GROUP32=cores)."""
-    if not (geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16):
-        return False
-    flag = os.environ.get(GROUP32_ENV, "").strip().lower()
-    return flag in ("cores", "1", "on", "true", "yes") or (GROUP32_CORES_ON and flag not in ("0", "off", "false", "no"))
+    return geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16 \
+        and envs.switch(GROUP32_ENV, GROUP32_CORES_ON, also_on=("cores",))
 
 
 def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) -> int:
     """Up to how many rows the GEMV beats the Triton kernel on a layout of `weights` weights (in x out),
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
     bf16 on blocks other than 32 words (group 32 or 16), float offsets on the CUDA cores."""
-    if tables_ahead(geo, dtype):
-        return GROUP_CORES_MAX_ROWS
+    usual = _crossover(geo, bits, dtype, weights)
+    return max(GROUP_CORES_MAX_ROWS, usual) if tables_ahead(geo, dtype) else usual  # past 4 rows: the usual plan
+
+
+def _crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int) -> int:
     if geo.mode == OFF:
-        flag = os.environ.get(OFFSETS_ENV, "").strip().lower()
-        on = flag in ("1", "true", "yes", "on") or (OFFSETS_ON and flag not in ("0", "false", "no", "off"))
-        return OFFSET_MMA_MAX_ROWS if geo.mma and on else 0
+        return OFFSET_MMA_MAX_ROWS if geo.mma and envs.switch(OFFSETS_ENV, OFFSETS_ON) else 0
     if geo.log2r != 5:  # group 32 / 16 with an integer zero (GGUF Q4_0, Q5_0, Q8_0, Q6_K; GPTQ g32 sym)
         if dtype != torch.float16 or geo.mode != SYM:
             return 0
@@ -358,6 +358,7 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
+        self.ahead = tables_ahead(self.geo, dtype)  # read once, with max_rows: FLOTILLA_GEMV_GROUP32
         self.wide_rows = wide_rows(self.geo, layout.bits, layout.in_features * layout.out_features)
         self.most_rows = WIDE_ROWS if self.geo.wide else ROW_TILES[-1]  # what it can run, picked or not
         probe = _Params(log2r=self.geo.log2r)
@@ -367,7 +368,7 @@ class GemvKernel:
 
     def plans(self, warps: int = 1):
         """Every plan this layout can run (with `warps` warps; the tensor-core plan with each of its
-        weight streams)."""
+        weight streams; on group-32 / 16 layouts the CUDA-core plans to 4 rows also with the tables a strip ahead)."""
         n = self.layout.out_features
         for rows, cols in sorted(SHAPES):
             if rows == WIDE_ROWS:
@@ -375,7 +376,7 @@ class GemvKernel:
                     yield GemvPlan(rows, cols, warps)
             elif n % cols == 0 and cols != MMA_COLS:
                 yield GemvPlan(rows, cols, warps)
-                if self.geo.tpg == 1:
+                if self.geo.tpg == 1 and rows <= GROUP_CORES_MAX_ROWS:  # (its 8-row instances spill)
                     yield GemvPlan(rows, cols, warps, TABLES_AHEAD)
             elif cols == MMA_COLS and self.geo.mma:
                 yield from (GemvPlan(rows, cols, warps, stages) for stages in MMA_STAGES)
@@ -388,7 +389,7 @@ class GemvKernel:
         plan = self._plans.get(m)
         if plan is None:
             lay = self.layout
-            ahead = m <= GROUP_CORES_MAX_ROWS and tables_ahead(self.geo, self.dtype)
+            ahead = self.ahead and m <= GROUP_CORES_MAX_ROWS
             plan = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
                                lay.rows_per_field if self.geo.mma and not ahead else 0, lay.rows_per_field)
             plan = self._plans[m] = dataclasses.replace(plan, stages=TABLES_AHEAD) if ahead else plan

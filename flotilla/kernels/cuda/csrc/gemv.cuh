@@ -149,8 +149,8 @@ template <int C>
 __device__ __forceinline__ uint32_t load_row8_now(const uint8_t* p) {
   uint32_t v;
   if constexpr (C == 4) asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  else asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=r"(v) : "l"(p));  // C == 2; the high half zero
-  return v & (C == 4 ? 0xFFFFFFFFu : 0xFFFFu);
+  else asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=r"(v) : "l"(p));  // C == 2, zero-extended
+  return v;
 }
 
 // One strip's tables for one lane (PF plans: loaded with the strip's weights, a strip ahead): the scales

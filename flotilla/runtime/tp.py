@@ -65,10 +65,11 @@ class RankDied(FlotillaError):
 
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+    p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel size: N processes on this host share every layer "
                         "(GPUs cuda:K..K+N-1 from --device cuda:K, default cuda:0; or CPU processes splitting "
-                        "the cores; default 1)")
+                        "the cores; default 1; vLLM's --tensor-parallel-size is the same)")
+    p.add_argument("--tensor-parallel-size", dest="tp", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 @dataclass(frozen=True)

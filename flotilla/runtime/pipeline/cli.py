@@ -114,9 +114,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
                    help="CPU threads for the stage's compute (default: torch's, one per core; with --tp on a CPU "
                         "the ranks split them)")
-    p.add_argument("--tp", "--tensor-parallel-size", type=at_least_one, default=1, metavar="M",
+    p.add_argument("--tp", type=at_least_one, default=1, metavar="M",
                    help="tensor-parallel ranks for this worker's stage: M processes share every layer of it "
-                        "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; default 1)")
+                        "(from --device cuda:K: GPUs cuda:K..K+M-1 over NCCL; on a CPU: processes over gloo; "
+                        "default 1; vLLM's --tensor-parallel-size is the same)")
+    p.add_argument("--tensor-parallel-size", dest="tp", type=at_least_one, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
     p.add_argument("--spin-us", type=int, default=0, metavar="US",
                    help="after each step, poll the sockets this many microseconds before sleeping, so that the "
                         "next decode step finds the worker awake (costs a core while steps come; for machines with "
@@ -199,9 +202,11 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (several stages: processes on this machine, or workers on others)")
-    g.add_argument("--pp", "--pipeline-parallel-size", type=at_least_one, default=None,
+    g.add_argument("--pp", type=at_least_one, default=None,
                    help="pipeline stages (default: one per --hosts or --devices entry, else 1: the model runs in "
-                        "this process)")
+                        "this process; vLLM's --pipeline-parallel-size is the same)")
+    g.add_argument("--pipeline-parallel-size", dest="pp", type=at_least_one, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
     g.add_argument("--hosts", default=None,
                    help=f"the workers, one per stage in order: host[:port],… (default port {DEFAULT_PORT}; "
                         "--pp defaults to their number); without it, --pp N starts N workers on this machine")

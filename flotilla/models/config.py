@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from flotilla.errors import FlotillaError
 
@@ -34,6 +34,11 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    KEYS: ClassVar[dict[str, tuple[str, ...]]] = {  # what config.json's rope_scaling holds per type
+        "linear": ("rope_type", "factor"),
+        "llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
 
 
 DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")  # per-module overrides flotilla honours
@@ -197,6 +202,9 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    # Qwen2 / Qwen3's max_window_layers: layers below it attend to the whole context, the rest to the window (flotilla
+    # caps the context at the window, where the two agree; kept to write it back)
+    window_layers: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
@@ -273,10 +281,11 @@ class ModelConfig:
         rope = d.get("rope_parameters") or {}
         legacy = d.get("rope_scaling") or {}
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        scaling = _rope_scaling(legacy or rope, where)
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        scaling = _rope_scaling(legacy or rope, where, max_pos)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = d.get("sliding_window") if (family == "mistral" or d.get("use_sliding_window")) else None
+        sliding, window_layers = _sliding_window(d, family, int(req("num_hidden_layers")))
         quant = QuantConfig.from_hf(d["quantization_config"], where) if d.get("quantization_config") else None
         head_dim = d.get("head_dim") or hidden // heads
         if d.get("hidden_act", "silu") != "silu":
@@ -292,7 +301,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)) and family != "qwen2",
             qkv_bias=family == "qwen2",
@@ -300,6 +309,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             rope_scaling=scaling,
             sliding_window=int(sliding) if sliding else None,
+            window_layers=window_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
@@ -336,10 +346,13 @@ class ModelConfig:
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
         if self.family in ("qwen2", "qwen3"):
-            d["use_sliding_window"] = False
+            d["use_sliding_window"] = bool(self.sliding_window)
+            if self.sliding_window:
+                d["max_window_layers"] = self.window_layers or 0
         if self.rope_scaling is not None:
-            d["rope_scaling"] = asdict(self.rope_scaling)
-            d["rope_scaling"]["type"] = self.rope_scaling.rope_type
+            r = asdict(self.rope_scaling)
+            keep = RopeScaling.KEYS[self.rope_scaling.rope_type]
+            d["rope_scaling"] = {**{k: r[k] for k in keep}, "type": self.rope_scaling.rope_type}
         if self.final_norm_matrix:  # flotilla's own: other readers ignore it (and compute other logits)
             d["flotilla_final_norm_matrix"] = True
         if self.quant is not None and self.quant.to_hf() is not None:
@@ -360,7 +373,26 @@ def _hf_architecture(d: dict, where: str) -> str:
     return _MODEL_TYPES[model_type]
 
 
-def _rope_scaling(d: dict, where: str) -> RopeScaling | None:
+def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int | None]:
+    """(the window, Qwen's max_window_layers) where some layer attends through a sliding window, as transformers
+    reads the config: Mistral's always; Qwen2 / Qwen3's only under use_sliding_window, on the layers from
+    max_window_layers on (default 28) or those layer_types names; else (None, None)."""
+    window = d.get("sliding_window")
+    if not window:
+        return None, None
+    if family == "mistral":
+        return int(window), None
+    if not d.get("use_sliding_window"):
+        return None, None
+    types = d.get("layer_types")
+    if isinstance(types, list) and types:
+        first = next((i for i, t in enumerate(types) if t == "sliding_attention"), None)
+        return (int(window), first) if first is not None else (None, None)
+    from_layer = int(d.get("max_window_layers", 28))
+    return (int(window), from_layer) if layers > from_layer else (None, None)
+
+
+def _rope_scaling(d: dict, where: str, max_position_embeddings: int) -> RopeScaling | None:
     rope_type = d.get("rope_type") or d.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise FlotillaError(f"{where}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -371,5 +403,6 @@ def _rope_scaling(d: dict, where: str) -> RopeScaling | None:
         factor=float(d.get("factor", 1.0)),
         low_freq_factor=float(d.get("low_freq_factor", 1.0)),
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        # absent, transformers takes the model's max_position_embeddings
+        original_max_position_embeddings=int(d.get("original_max_position_embeddings", max_position_embeddings)),
     )

@@ -51,7 +51,10 @@ class SafetensorsSource:
         if not files:
             if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
                 raise FlotillaError(f"{self.path}: only pickle weights (.bin/.pt) found; flotilla reads safetensors "
-                                    "only, since unpickling untrusted files runs code")
+                                    "only, since unpickling untrusted files runs code. If you trust the files, "
+                                    "convert them once with transformers: python -c \"from transformers import "
+                                    "AutoModelForCausalLM as M; M.from_pretrained('DIR').save_pretrained('OUT')\" "
+                                    "(OUT gets safetensors; copy the tokenizer files beside them)")
             raise FlotillaError(f"{self.path}: no .safetensors weights found")
         if len(files) > 1:
             raise FlotillaError(f"{self.path}: several .safetensors files but no {INDEX_FILE}")

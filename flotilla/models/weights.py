@@ -162,11 +162,24 @@ def _fill(source, plan: list[LoadItem], progress: bool = False, finish=None) -> 
                     target = getattr(item.module, item.suffix)
                     if tuple(target.shape) != tuple(value.shape):
                         raise FlotillaError(f"shape {tuple(value.shape)} where {tuple(target.shape)} was expected")
+                    _check_range(value, target.dtype)
                     target.copy_(value.to(target.dtype))
             except FlotillaError as e:
                 raise FlotillaError(f"{source.path}: tensor {item.source_name!r}: {e}") from None
         if finish is not None and plan:
             finish(plan[-1].module)
+
+
+FP16_MAX = 65504.0
+
+
+def _check_range(value: torch.Tensor, dtype: torch.dtype) -> None:
+    """A wider float tensor going into fp16 must fit it: past 65504 it would become inf, and the logits NaN."""
+    if dtype == torch.float16 and value.dtype in (torch.bfloat16, torch.float32) and value.numel():
+        top = float(value.abs().max())
+        if top > FP16_MAX:
+            raise FlotillaError(f"values up to {top:.4g} in {str(value.dtype)[6:]}, beyond fp16's range (65504): "
+                                "run it in bfloat16 or float32 (--dtype bfloat16 or --dtype float32)")
 
 
 def _gguf_finisher(dtype: torch.dtype, device: torch.device | str):

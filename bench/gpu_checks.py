@@ -26,6 +26,7 @@ from flotilla.kernels.attention import paged_attention, store_kv
 from flotilla.runtime.bench import bench_engine, measure
 from flotilla.runtime.kv_cache import PagedAttentionBackend
 from flotilla.runtime.model_runner import StepInput, prepare_step
+from flotilla.runtime.random_model import randomize
 from flotilla.runtime.sampler import SamplingBatch
 from flotilla.runtime.sampling import SamplingParams
 
@@ -335,17 +336,6 @@ def check_overlap(model, batch: int = 6, prompt_len: int = 24, tokens: int = 24)
     ok = same == batch and reasons == ["abort", "length", "stop"]
     return (f"overlap vs synchronous engine (batch {batch}, buckets 1-8, greedy + seeded, stops, an abort): "
             f"{same}/{batch} requests identical, finish reasons {reasons} -> {'OK' if ok else 'FAIL'}")
-
-
-def randomize(model):
-    """Larger-than-init weights (as tests/conftest.make_hf_model), so that errors show in the logits."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
-    return model
 
 
 def _save_random_llama(directory: Path, layers: int, seed: int) -> Path:

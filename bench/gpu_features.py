@@ -44,9 +44,8 @@ from flotilla.models.config import QuantConfig
 from flotilla.models.sources import open_source
 from flotilla.runtime.engine_args import EngineArgs, build_engine
 from flotilla.runtime.loader import load_model
+from flotilla.runtime.random_model import randomize
 from flotilla.runtime.sampling import SamplingParams
-
-from bench.gpu_checks import randomize
 
 VOCAB = 512  # the models' and the byte tokenizer's (256 bytes, <think>, </think>, 254 filler tokens)
 THINK, END_THINK = 256, 257
@@ -72,7 +71,7 @@ TOLERANCE = {torch.float32: Tolerance(2e-3, 1e-2), torch.float16: Tolerance(0.05
 # ------------------------------------------------------------------------------------- models
 
 def _randomize(model, seed: int):
-    """gpu_checks.randomize's weights, each a float16 value, so that an fp16 engine holds the oracle's exactly."""
+    """random_model.randomize's weights, each a float16 value, so that an fp16 engine holds the oracle's exactly."""
     torch.manual_seed(seed)
     randomize(model)
     with torch.no_grad():

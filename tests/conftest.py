@@ -66,14 +66,10 @@ def make_hf_model(config, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger-than-init weights so that errors show up in the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
-    return model
+    from flotilla.runtime.random_model import randomize
+
+    # larger-than-init weights so that errors show up in the logits
+    return randomize(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
 
 
 @pytest.fixture

@@ -170,14 +170,12 @@ def _fill(source, plan: list[LoadItem], progress: bool = False, finish=None) -> 
             finish(plan[-1].module)
 
 
-FP16_MAX = 65504.0
-
-
 def _check_range(value: torch.Tensor, dtype: torch.dtype) -> None:
     """A wider float tensor going into fp16 must fit it: past 65504 it would become inf, and the logits NaN."""
     if dtype == torch.float16 and value.dtype in (torch.bfloat16, torch.float32) and value.numel():
-        top = float(value.abs().max())
-        if top > FP16_MAX:
+        low, high = torch.aminmax(value)  # no |value| copy of a large tensor
+        top = max(-float(low), float(high))
+        if top > torch.finfo(torch.float16).max:
             raise FlotillaError(f"values up to {top:.4g} in {str(value.dtype)[6:]}, beyond fp16's range (65504): "
                                 "run it in bfloat16 or float32 (--dtype bfloat16 or --dtype float32)")
 

@@ -60,6 +60,18 @@ SHAPES: dict[str, ModelConfig] = {
 BITS = (4, 8, 16)  # 16: unquantized linears in the activation dtype
 
 
+def randomize(model: torch.nn.Module) -> torch.nn.Module:
+    """A (transformers) model's weights replaced in place by larger-than-init ones, so that errors show in its
+    logits: norms 1 + N(0, 0.1), everything else N(0, 0.08) (the tests' and GPU checks' oracle models)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
 def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: int | None = None,
                  head_bits: int | None = None) -> ModelConfig:
     """The config of a named shape, quantized to `bits` (GPTQ, symmetric, `group_size`); the lm_head

@@ -53,9 +53,9 @@ class FakeEngine:
         return self._problems
 
 
-def serve(engine, coro_fn):
+def serve(engine, coro_fn, **config):
     async def run():
-        server = Server(ServerState(ServerConfig(port=0), engine))
+        server = Server(ServerState(ServerConfig(port=0, **config), engine))
         await server.start()
         try:
             async with aiohttp.ClientSession() as session:
@@ -113,3 +113,22 @@ def test_drain_closes_websockets_with_1001():
         return msg.type, ws.close_code, msg.extra
     kind, code, reason = serve(FakeEngine(), go)
     assert kind == aiohttp.WSMsgType.CLOSE and code == 1001 and "shutting down" in reason
+
+
+def test_a_body_that_stalls_gets_408_and_the_server_answers_others():
+    """A client that announces 100 bytes and sends 10 (a slowloris) gets a 408 once --body-timeout passes,
+    not a connection held for ever."""
+    async def go(server, s):
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        await writer.drain()
+        async with s.post(server.url + "/v1/chat/completions", json=BODY) as r:  # served meanwhile
+            other = r.status
+        head = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        return other, head.decode()
+    other, head = serve(FakeEngine(), go, body_timeout=0.5)
+    assert other == 200
+    assert head.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in head, head

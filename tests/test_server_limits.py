@@ -89,7 +89,7 @@ BAD = [  # (path, body, status, param, words in the message)
     ("chat", {**CHAT, "temperature": 3}, 400, "temperature", ["between 0 and 2"]),
     ("chat", {**CHAT, "top_p": 0}, 400, "top_p", ["(0, 1]"]),
     ("chat", {**CHAT, "presence_penalty": 5}, 400, "presence_penalty", ["between -2 and 2"]),
-    ("chat", {**CHAT, "seed": -2}, 400, "seed", ["integer between 0", "or -1 for a random one"]),
+    ("chat", {**CHAT, "seed": 2**64}, 400, "seed", ["integer between -9223372036854775808", "-1 for a random one"]),
     ("chat", {**CHAT, "stop": 5}, 400, "stop", ["a string or an array"]),
     ("chat", {**CHAT, "stop": ["a", ""]}, 400, "stop", ["non-empty strings"]),
     ("chat", {**CHAT, "n": 0}, 400, "n", ["between 1 and 8"]),
@@ -285,6 +285,16 @@ def test_model_may_be_left_out_and_seed_minus_one_is_random(live):
     assert status == 200 and data["model"] == MODEL, data
     status, _, data = request(live.url, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 1})
     assert status == 200 and data["model"] == MODEL, data
+    status, _, data = request(live.url, "POST", "/v1/chat/completions", {**body, "model": ""})  # "the default"
+    assert status == 200 and data["model"] == MODEL, data
+
+
+def test_any_64_bit_seed_is_a_seed(live):
+    """OpenAI and vLLM take any 64-bit integer; a negative one (but -1, llama.cpp's "random") is a fixed seed."""
+    body = {**CHAT, "temperature": 1.0, "max_tokens": 8}
+    texts = [request(live.url, "POST", "/v1/chat/completions", {**body, "seed": s})[2]["choices"][0]["message"]["content"]
+             for s in (-5, -5, 2**64 - 1)]
+    assert texts[0] == texts[1], texts
 
 
 def test_a_body_that_is_not_json_gets_415(live):

@@ -61,6 +61,21 @@ def test_chat_stream_equals_engine_greedy_with_usage(live, client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(live, client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage counts the tokens so
+    far; the last chunk is the usage chunk as before."""
+    stream = client.chat.completions.create(model=live.engine.model_name, max_completion_tokens=10, temperature=0,
+                                            messages=[{"role": "user", "content": QUESTION}], stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    prompt = len(chat_prompt(live))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == prompt for c in chunks) and counts == sorted(counts)
+    assert counts[0] == 0 and counts[-1] == 10 and chunks[-1].choices == []
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 3
+
+
 def test_completion_equals_engine_greedy_both_ways(live, client):
     prompt = "The capital of France is"
     expected, ids, _ = live.engine_text(live.engine.tokenizer.encode(prompt),

@@ -13,6 +13,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 512  # sequences allowed to wait for a running slot; beyond it: 429
     max_body_bytes: int = 2 * 1024 * 1024  # request bodies and websocket frames
+    body_timeout: float = 60.0  # seconds a request body may take to arrive once its headers have (then 408)
     max_n: int = 8  # choices (n) one request may ask for per prompt (prompts x n: admission's bound)
     grace_period: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     retry_after: int = 1  # seconds, sent with 429

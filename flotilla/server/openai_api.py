@@ -168,7 +168,7 @@ class OpenAIRoutes:
     async def _stream(self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes):
         stream = EventStream(request)
         await stream.open()
-        chat, usage = req.kind == "chat", req.include_usage
+        chat, usage = req.kind == "chat", gen.usage() if req.continuous_usage else req.include_usage
         try:
             if chat:
                 await stream.send(*(shapes.chat_chunk(i, {"role": "assistant", "content": ""}, usage=usage)
@@ -187,17 +187,20 @@ class OpenAIRoutes:
                     elif req.echo and lp is not None:  # offsets count from the start of the echoed prompt
                         lp["text_offset"] = [o + choice.echoed for o in lp["text_offset"]]
                     delta = self._chat_delta(req, choice, text, out.finish_reason is not None) if chat else None
+                    if req.continuous_usage:
+                        usage = gen.usage()  # the tokens so far, in every chunk (vLLM's continuous_usage_stats)
                     if delta or lp or not chat:
                         chunks.append(shapes.chat_chunk(choice.index, delta, None, lp, usage) if chat
                                       else shapes.completion_chunk(choice.index, text, None, lp, usage))
                 if out.finish_reason is not None:
                     stop = out.stop_reason
+                    usage = gen.usage() if req.continuous_usage else usage
                     chunks.append(shapes.chat_chunk(choice.index, {}, out.finish_reason, usage=usage, stop_reason=stop)
                                   if chat else shapes.completion_chunk(choice.index, "", out.finish_reason, usage=usage,
                                                                        stop_reason=stop))
                 if chunks:
                     await stream.send(*chunks)
-            if usage:
+            if req.include_usage:
                 await stream.send(shapes.usage_chunk(gen.usage()))
             await stream.done()
         except ConnectionResetError:

@@ -60,6 +60,7 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far in every chunk
     echo: bool = False  # completions: each choice's text starts with its prompt (and its logprobs with the prompt's)
     prompt_texts: tuple[str | None, ...] = ()  # echo: the prompts as sent (None: token ids, or truncated)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs and this many likeliest
@@ -136,7 +137,7 @@ def check_model(f: Fields, model: ModelInfo) -> str:
     """'model' may be left out (the server serves one; vLLM and llama.cpp's server take it so); a name given
     must be the served one."""
     name = f.string("model")
-    if name is None:
+    if not name:  # some clients send "" for "the default model"
         return model.model_name
     if name != model.model_name:
         raise ApiError(404, f"the model '{name[:100]}' does not exist here; this server serves "
@@ -228,10 +229,12 @@ def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
 
 
 def _seed(f: Fields) -> int | None:
-    """'seed': 0..2^63-1, or -1 (llama.cpp's "a random seed"), or absent."""
+    """'seed': any 64-bit integer, as OpenAI and vLLM take it (folded into 0..2^63-2), except -1: llama.cpp's
+    "a random seed"; or absent."""
     if f.raw("seed") == -1:
         return None
-    return f.integer("seed", None, 0, SEED_MAX, hint=" (or -1 for a random one)")
+    seed = f.integer("seed", None, -2**63, 2**64 - 1, hint=" (-1 for a random one)")
+    return None if seed is None else seed % SEED_MAX
 
 
 def _is_ids(items: list) -> bool:
@@ -330,6 +333,8 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
     if options is not None and not stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
     include_usage = options.boolean("include_usage", False) if options else False
+    continuous_usage = include_usage and options.boolean("continuous_usage_stats", False)  # vLLM: needs both
+    ignored_options = tuple(f"stream_options.{k}" for k in options.unread()) if options else ()
     prompt_logprobs = f.integer("prompt_logprobs", None, 0, 20)  # vLLM's
     if prompt_logprobs is not None and stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream': true (as in vLLM); the completions "
@@ -366,5 +371,6 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
         except FlotillaError as e:
             raise bad_request(str(e)) from None
     return GenerationRequest(kind, model.model_name, tuple(tuple(p) for p in prompts), tuple(params), n,
-                             stream, include_usage, echo, tuple(t if isinstance(t, str) else None for t in prompt_texts),
-                             prompt_logprobs, tuple(k for k in f.unread() if k not in SILENT))
+                             stream, include_usage, continuous_usage, echo,
+                             tuple(t if isinstance(t, str) else None for t in prompt_texts), prompt_logprobs,
+                             tuple(k for k in f.unread() if k not in SILENT) + ignored_options)

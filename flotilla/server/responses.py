@@ -114,12 +114,14 @@ class Shapes:
 
     # ------------------------------------------------------------------------------- chat
     def chat_chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
-                   usage: bool = False, stop_reason: str | int | None = None) -> dict:
+                   usage: bool | dict = False, stop_reason: str | int | None = None) -> dict:
+        """`usage`: False leaves the key out, True sends null (include_usage), a dict the usage so far
+        (continuous_usage_stats)."""
         body = self._base("chat.completion.chunk")
         body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": stop_reason}]
-        if usage:
-            body["usage"] = None
+        if usage is not False:
+            body["usage"] = None if usage is True else usage
         return body
 
     def chat_response(self, choices: list[dict], usage: dict) -> dict:
@@ -141,12 +143,12 @@ class Shapes:
 
     # ------------------------------------------------------------------------- completions
     def completion_chunk(self, index: int, text: str, finish_reason: str | None = None,
-                         logprobs: dict | None = None, usage: bool = False, stop_reason: str | int | None = None) -> dict:
+                         logprobs: dict | None = None, usage: bool | dict = False, stop_reason: str | int | None = None) -> dict:
         body = self._base("text_completion")
         body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": stop_reason}]
-        if usage:
-            body["usage"] = None
+        if usage is not False:
+            body["usage"] = None if usage is True else usage
         return body
 
     def completion_response(self, choices: list[dict], usage: dict) -> dict:

@@ -1,6 +1,7 @@
 """What every handler shares: settings, the engine, metrics, admission, open websockets."""
 from __future__ import annotations
 
+import asyncio
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -35,10 +36,14 @@ class ServerState:
         check_json_type(request)
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(request.content_length, limit)
-        try:
-            raw = await request.read()
+        try:  # a client that announces a body and stalls (a slowloris) does not hold the connection for ever
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(None, limit) from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s of its "
+                                "headers; send the whole body (as its Content-Length says)",
+                           code="request_timeout") from None
         return parse_json_object(raw)
 
 

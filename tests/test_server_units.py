@@ -280,6 +280,9 @@ def test_fields_no_part_of_the_request_read_are_named():
     assert req.ignored == ("max_token", "temprature")
     assert chat(top_k=3, min_p=0.1, logprobs=False, stream_options=None).ignored == ()
     assert chat(guided_json=None, response_format={"type": "text"}, tool_choice="none").ignored == ()
+    options = {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False}
+    req = chat(stream=True, stream_options=options)
+    assert req.continuous_usage and req.ignored == ("stream_options.include_obfuscation",)
 
 
 def test_prompts_are_bounded_by_admission_not_max_n_and_scoring_may_fill_the_context():

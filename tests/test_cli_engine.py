@@ -215,6 +215,8 @@ def test_user_mistakes_are_named_before_any_model_loads(tmp_path):
     p = runtime("generate", "-p", "hi", "--n-predict=4")
     assert p.returncode == 2 and "runtime generate: error: unrecognized arguments: --n-predict=4" in p.stderr, p.stderr
     assert "usage: runtime generate" in p.stderr
+    p = runtime("generate", "-p", "hi", "--pp", "2")  # another command's option: named where it belongs
+    assert p.returncode == 2 and "--pp is an option of runtime chat" in p.stderr, p.stderr
     p = runtime("generate", "-p", "hi", "-t", "0")
     assert p.returncode == 2 and "--threads must be at least 1" in p.stderr, p.stderr
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLOTILLA_GEMV_GROUP32": "core"}

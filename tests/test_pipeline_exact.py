@@ -95,12 +95,12 @@ def prompt_logprobs(engine, prompts) -> list[list]:
     return [got[f"p{i}"] for i in range(len(prompts))]
 
 
-def two_stages(ckpt, prompts, tmp_path, spin: float, run=top2, args=ARGS) -> tuple[list, list]:
+def two_stages(ckpt, prompts, tmp_path, spin: float, run=top2, args=ARGS, wire: str = "fp16") -> tuple[list, list]:
     """The ring's top-2 per token (or what `run` returns), and its workers' stats."""
     workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt, spin=spin) for i in range(2)]
     try:
         settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32",
-                                    spin_us=int(spin * 1e6))
+                                    spin_us=int(spin * 1e6), wire_dtype=wire)
         engine = build_pipeline_engine(ckpt, args, settings, lambda line: None, with_tokenizer=False)
         try:
             assert engine.executor.depth == 2  # two CPU stages: two micro-batches of 3 sequences in flight
@@ -133,6 +133,21 @@ def test_two_stages_through_a_lane_equal_pp1_without_rounding(ckpt, prompts, tmp
     the ring equals plain fp32 pp=1 (every step of these prompts fits a lane slot)."""
     ring, stats = two_stages(ckpt, prompts, tmp_path, 0.0)
     assert stats[0].lane_sent == stats[0].steps > 0 and stats[0].lane_refused == 0
+    plain = top2(local(ckpt, None), prompts)
+    assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in plain]
+    assert largest_gap(ring, plain) <= EXACT
+
+
+def test_a_same_host_step_the_lane_cannot_take_keeps_the_stage_dtype_under_int8_wire(ckpt, prompts, tmp_path,
+                                                                                     monkeypatch):
+    """--wire-dtype int8 is for the network: a step that a same-host lane cannot take (before the next stage has
+    accepted it, as right after start; a prefill past its slots) goes as a frame in the stage's own fp32, so the
+    ring still equals plain fp32 pp=1 (an audit saw the first replies after start change under int8)."""
+    from flotilla.runtime.pipeline import lane
+
+    monkeypatch.setattr(lane.LaneOut, "put", lambda self, t: 0)  # every step: the lane not taking it
+    ring, stats = two_stages(ckpt, prompts, tmp_path, 0.0, wire="int8")
+    assert stats[0].lane_sent == 0 and stats[0].decode_bytes >= 128 * 4 * stats[0].decode_tokens > 0  # fp32 frames
     plain = top2(local(ckpt, None), prompts)
     assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in plain]
     assert largest_gap(ring, plain) <= EXACT

@@ -125,7 +125,7 @@ def test_a_repair_that_fails_after_connecting_says_why_once_and_health_has_the_c
         assert reason in problem and "connection refused" not in problem, problem
         said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and reason in r.getMessage()]
         assert len(said) == 1, said  # once, not at every retry
-        assert said[0].startswith(f"pipeline repair failed: pipeline stage 1 ({address}) answered, but"), said
+        assert said[0].startswith(f"pipeline not repaired yet: pipeline stage 1 ({address}) answered, but"), said
         assert [up for *_, up in pipe.stage_status()] == [True, False]
         # a request gets the current reason too (here at once: the pipeline is down longer than --stage-timeout)
         engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -83,6 +83,9 @@ def test_addresses():
         parse_address("host")
     with pytest.raises(ValueError):
         parse_address("host:99999")
+    assert parse_address("::1", 7070) == ("::1", 7070)  # a bare IPv6 address with the default port
+    with pytest.raises(ValueError, match="IPv6 address goes in brackets"):
+        parse_address("bad:host:x", 7070)  # a typo, not an IPv6 address
 
 
 # ----------------------------------------------------------------------------- activations

@@ -122,7 +122,11 @@ def test_eval_ppl_command(tiny, tmp_path, capsys):
     assert runtime_main(["eval-ppl", str(tiny), "--text", str(tmp_path / "missing.txt")]) == 2
     capsys.readouterr()
     assert runtime_main(["eval-ppl", str(tiny), "--text", str(text), "--stride", "0"]) == 2  # not the default
-    assert capsys.readouterr().err.strip() == "error: --stride 0 must be at least 1"
+    assert capsys.readouterr().err.strip() == "error: --stride 0 must be in [1, --ctx 1024]"
+    assert runtime_main(["eval-ppl", str(tiny), "--text", str(text), "--ctx", "64", "--stride", "65"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --stride 65 must be in [1, --ctx 64]"  # before the load
+    assert runtime_main(["eval-ppl", str(tiny), "--text", str(tmp_path)]) == 2
+    assert "a directory; give a text file in it" in capsys.readouterr().err
 
 
 def test_generation_batch_keeps_the_lockstep_cache_within_its_budget():

@@ -390,8 +390,18 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.commands[args.command].error(f"unrecognized arguments: {shlex.join(extra)} (see 'runtime "
-                                            f"{args.command} --help')")
+                                            f"{args.command} --help'){_elsewhere(parser, extra)}")
     return args
+
+
+def _elsewhere(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """'; --pp is an option of runtime chat, serve' for the unknown options that other commands take."""
+    notes = []
+    for option in dict.fromkeys(e.split("=", 1)[0] for e in extra if e.startswith("-")):
+        owners = [name for name, sub in parser.commands.items() if option in sub._option_string_actions]
+        if owners:
+            notes.append(f"{option} is an option of {', '.join(f'runtime {o}' for o in owners)}")
+    return "; " + "; ".join(notes) if notes else ""
 
 
 def run(argv: list[str] | None, commands: list[Command]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from .host_memory import lean_cpu_load
     from .loader import load_model, parse_device
 
+    if args.text.is_dir():
+        raise FlotillaError(f"--text {args.text}: a directory; give a text file in it")
     if not args.text.is_file():
         raise FlotillaError(f"--text {args.text}: no such file")
     try:
@@ -85,12 +88,14 @@ def run(args: argparse.Namespace) -> int:
         raise FlotillaError(f"--text {args.text}: not UTF-8 text ({e})") from None
     if args.ctx < 2:
         raise FlotillaError(f"--ctx {args.ctx} must be at least 2")
-    if args.stride is not None and args.stride < 1:
-        raise FlotillaError(f"--stride {args.stride} must be at least 1")
+    if args.stride is not None and not 1 <= args.stride <= args.ctx:  # said before the model loads
+        raise FlotillaError(f"--stride {args.stride} must be in [1, --ctx {args.ctx}]")
     with lean_cpu_load(parse_device(args.device)):  # the `runtime eval-ppl` process
         lm = load_model(args.model, args.device, args.dtype)
     ctx = min(args.ctx, lm.config.max_model_len)
-    stride = args.stride if args.stride is not None else max(1, ctx // 2)
+    if ctx < args.ctx:
+        print(f"note: --ctx {args.ctx} is past the model's context; scoring windows of {ctx}", file=sys.stderr)
+    stride = min(args.stride, ctx) if args.stride is not None else max(1, ctx // 2)
     ids = lm.tokenizer.encode(text)
     result = perplexity(lm.model, ids, ctx, stride)
     print(f"perplexity {result.ppl:.4f}  (nll {result.nll:.4f} nats/token over {result.tokens} tokens, "

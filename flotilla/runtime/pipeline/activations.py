@@ -26,8 +26,14 @@ def check_wire_dtype(name: str) -> str:
     return name
 
 
+OWN_DTYPE = "own"  # pack's form for a same-host hop: the stage's own dtype, as a device lane carries it
+
+
 def pack(hidden: torch.Tensor, wire_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[T, H] in any float dtype -> (wire tensor [T, H], per-token scales [T] for int8, else None)."""
+    """[T, H] in any float dtype -> (wire tensor [T, H], per-token scales [T] for int8, else None);
+    OWN_DTYPE keeps `hidden` as it is."""
+    if wire_dtype == OWN_DTYPE:
+        return hidden, None
     if wire_dtype != "int8":
         return hidden.to(WIRE_DTYPES[wire_dtype]), None
     h = hidden.float()

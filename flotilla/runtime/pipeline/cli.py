@@ -20,7 +20,7 @@ from flotilla import envs
 from flotilla.errors import FlotillaError
 from flotilla.progress import say_line
 
-from .activations import WIRE_DTYPES
+from .activations import WIRE_DTYPES, check_wire_dtype
 from .connection import MIN_TOKEN_LENGTH, check_token, format_address, parse_address, ssl_contexts
 from .spin import SpinSelector
 
@@ -339,6 +339,9 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     from .partition import parse_layers
 
     num_layers = open_source(model).config.num_hidden_layers
+    if args.stage_timeout <= 0:  # (PipelineSettings says it too, but only after the local workers started)
+        raise FlotillaError(f"--stage-timeout must be > 0 seconds, got {args.stage_timeout:g}")
+    check_wire_dtype(args.wire_dtype)
     if pp > num_layers:
         raise FlotillaError(f"--pp {pp} is more stages than the model's {num_layers} layers")
     layers = parse_layers(args.layers, num_layers, pp) if args.layers else None

@@ -336,11 +336,22 @@ def parse_address(text: str, default_port: int | None = None) -> tuple[str, int]
         host, port = text.split(":")
     else:
         host, port = text, ""
+        if ":" in text and not _is_ipv6(text):  # bad:host:x is a typo, not an IPv6 address
+            raise ValueError(f"{text!r} is not HOST:PORT (an IPv6 address goes in brackets: [::1]:7070)")
     if not port and default_port is not None:
         port = str(default_port)
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{text!r} is not HOST:PORT")
     return host, int(port)
+
+
+def _is_ipv6(text: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
 
 
 def format_address(host: str, port: int) -> str:

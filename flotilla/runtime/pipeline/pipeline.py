@@ -449,7 +449,7 @@ class Pipeline:
             log.debug("pipeline repair failed (%s); retrying in %.1fs", reason, delay)
             return
         self._said.add(reason)
-        log.warning("pipeline repair failed: %s; retrying (every %gs at most) until it succeeds", reason, MAX_BACKOFF)
+        log.warning("pipeline not repaired yet: %s; retrying (every %gs at most) until it succeeds", reason, MAX_BACKOFF)
 
     async def _reestablish(self) -> None:
         for peer in self.peers:

@@ -30,7 +30,7 @@ from flotilla.runtime.kv_cache import KVCache, KVCacheSpec, plan_kv_cache, plan_
 from flotilla.runtime.loader import LoadedModel
 from flotilla.runtime.model_runner import ModelRunner, StepInput
 
-from .activations import HostStaging, pack, unpack
+from .activations import OWN_DTYPE, HostStaging, pack, unpack
 from .lane import LaneIn, LaneOut
 from .messages import Configure, LoadStage, Sampled, Step, StepResult
 from .step_codec import StageSequences, step_result
@@ -239,12 +239,17 @@ class StageRuntime:
             self.seqs.record(msg, out.token_ids, out.accepted)
             return step_result(msg.epoch, msg.mb, out)
         hidden_out = lanes.hidden_out  # (a link dropped meanwhile sets it to None)
+        wire = self.wire_dtype
         if hidden_out is not None:
             seq = hidden_out.put(out)
             if seq:
                 times.output += time.perf_counter() - t2
                 return dataclasses.replace(msg, hidden=None, scales=None, lane_seq=seq, prev_mb=0, prev_rows=None)
-        data, scales = self.staging.to_host(*pack(out, self.wire_dtype))
+            # a same-host link whose lane cannot take this step (not accepted yet, a prefill too large for its
+            # slots): over the socket in the stage's own dtype, as the lane would have carried it, so that
+            # --wire-dtype (for the network) never changes a same-host pipeline's tokens
+            wire = OWN_DTYPE
+        data, scales = self.staging.to_host(*pack(out, wire))
         times.output += time.perf_counter() - t2
         # (stage 0's input ids from the lane are this stage's own: the next one sees a plain step)
         return dataclasses.replace(msg, hidden=data, scales=scales, lane_seq=0, prev_mb=0, prev_rows=None)

@@ -111,8 +111,9 @@ SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content']
 
 
 def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | None = None) -> Path:
-    """Write a transformers Llama (or Qwen3) model as a llama.cpp-style GGUF (a Llama's q/k permuted,
-    names mapped); `uint32s`: more metadata keys."""
+    """Write a transformers Llama (or Qwen3, or Phi-3) model as a llama.cpp-style GGUF (a Llama's q/k permuted,
+    names mapped; Phi-3's fused q/k/v and gate/up kept so, its longrope factors as llama.cpp's two tensors);
+    `uint32s`: more metadata keys."""
     import gguf
     import numpy as np
 
@@ -132,6 +133,13 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
     w.add_eos_token_id(2)
     for key, value in (uint32s or {}).items():
         w.add_uint32(key, value)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's convert_hf_to_gguf writes Phi-3's
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_float32(f"{arch}.rope.scaling.attn_factor", rope["attention_factor"])
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
     def permute(t, n_head):
         return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
@@ -139,7 +147,7 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}
     qt = gguf.GGMLQuantizationType[qtype]
     for name, t in hf_model.state_dict().items():
         a = t.float().numpy()

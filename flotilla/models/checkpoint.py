@@ -36,6 +36,7 @@ from flotilla.errors import FlotillaError
 from flotilla.kernels.gptq import GPTQWeight
 
 from .config import ModelConfig
+from .fused_names import fuse_tensors
 from .safetensors_stream import concat_safetensors
 
 FORMAT_NAME = "flotilla"
@@ -298,6 +299,7 @@ class CheckpointWriter:
     def add_layer(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Add every tensor of one layer; layers are never split across shards. The layer goes to
         disk at once (a part file), so memory holds one layer whatever the shard size."""
+        tensors = fuse_tensors(self.config, tensors)  # Phi-3: q/k/v and gate/up under its fused names
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._write_errors():
             if self._parts and self._pending_bytes + size > self.shard_size:

@@ -21,10 +21,12 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without its q/k/v bias, with an RMSNorm on each q and k head
+    "Phi3ForCausalLM": "phi3",  # Llama's layer with q/k/v and gate/up stored fused (models/fused_names.py), longrope
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3")
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names, as transformers reads them for Phi-3
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,22 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): per-frequency divisors for a context within the original one and past it, and the factor
+    # cos / sin are scaled by (given, or sqrt(1 + ln(factor) / ln(original)) as transformers computes it)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     KEYS: ClassVar[dict[str, tuple[str, ...]]] = {  # what config.json's rope_scaling holds per type
         "linear": ("rope_type", "factor"),
         "llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "longrope": ("rope_type", "factor", "short_factor", "long_factor", "attention_factor"),
     }
+
+    def uses_long_factor(self, positions: int) -> bool:
+        """longrope: whether a context of `positions` takes the long factors (past the original context, as
+        transformers chooses by the sequence's length and llama.cpp by the context it serves)."""
+        return positions > self.original_max_position_embeddings
 
 
 DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")  # per-module overrides flotilla honours
@@ -282,7 +295,12 @@ class ModelConfig:
         legacy = d.get("rope_scaling") or {}
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         max_pos = int(d.get("max_position_embeddings", 2048))
-        scaling = _rope_scaling(legacy or rope, where, max_pos)
+        scaling = _rope_scaling(legacy or rope, where, max_pos, d.get("original_max_position_embeddings"))
+        partial = next((f for f in (d.get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
+                                    legacy.get("partial_rotary_factor")) if f not in (None, 1, 1.0)), 1.0)
+        if partial != 1.0:
+            raise FlotillaError(f"{where}: partial_rotary_factor {partial} (rope on part of each head, as "
+                                "Phi-4-mini's) is not supported; flotilla rotates whole heads")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         sliding, window_layers = _sliding_window(d, family, int(req("num_hidden_layers")))
@@ -352,7 +370,10 @@ class ModelConfig:
         if self.rope_scaling is not None:
             r = asdict(self.rope_scaling)
             keep = RopeScaling.KEYS[self.rope_scaling.rope_type]
-            d["rope_scaling"] = {**{k: r[k] for k in keep}, "type": self.rope_scaling.rope_type}
+            d["rope_scaling"] = {**{k: list(r[k]) if isinstance(r[k], tuple) else r[k] for k in keep},
+                                 "type": self.rope_scaling.rope_type}
+            if self.rope_scaling.rope_type == "longrope":  # Phi-3 keeps the original context at the top
+                d["original_max_position_embeddings"] = self.rope_scaling.original_max_position_embeddings
         if self.final_norm_matrix:  # flotilla's own: other readers ignore it (and compute other logits)
             d["flotilla_final_norm_matrix"] = True
         if self.quant is not None and self.quant.to_hf() is not None:
@@ -380,7 +401,7 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     window = d.get("sliding_window")
     if not window:
         return None, None
-    if family == "mistral":
+    if family in ("mistral", "phi3"):  # every layer (transformers' Phi-3 masks by it too)
         return int(window), None
     if not d.get("use_sliding_window"):
         return None, None
@@ -392,12 +413,16 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     return (int(window), from_layer) if layers > from_layer else (None, None)
 
 
-def _rope_scaling(d: dict, where: str, max_position_embeddings: int) -> RopeScaling | None:
+def _rope_scaling(d: dict, where: str, max_position_embeddings: int, top_original: int | None = None
+                  ) -> RopeScaling | None:
     rope_type = d.get("rope_type") or d.get("type") or "default"
+    rope_type = ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise FlotillaError(f"{where}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return None
+    if rope_type == "longrope":
+        return longrope(d, where, max_position_embeddings, top_original)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(d.get("factor", 1.0)),
@@ -406,3 +431,27 @@ def _rope_scaling(d: dict, where: str, max_position_embeddings: int) -> RopeScal
         # absent, transformers takes the model's max_position_embeddings
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", max_position_embeddings)),
     )
+
+
+def longrope(d: dict, where: str, max_position_embeddings: int, top_original: int | None) -> RopeScaling:
+    """Phi-3's longrope as transformers reads it: the original context from rope_scaling or the config's top level
+    (else max_position_embeddings), factor given or the ratio of the two, attention_factor given or
+    sqrt(1 + ln(factor) / ln(original)) past 1."""
+    import math
+
+    original = int(d.get("original_max_position_embeddings") or top_original or max_position_embeddings)
+    factors = []
+    for key in ("short_factor", "long_factor"):
+        f = d.get(key)
+        if not isinstance(f, list) or not f or not all(isinstance(x, (int, float)) and x > 0 for x in f):
+            raise FlotillaError(f"{where}: longrope's {key} must be a list of positive numbers, one per frequency")
+        factors.append(tuple(float(x) for x in f))
+    if len(factors[0]) != len(factors[1]):
+        raise FlotillaError(f"{where}: longrope's short_factor and long_factor differ in length "
+                            f"({len(factors[0])}, {len(factors[1])})")
+    factor = float(d.get("factor") or max_position_embeddings / original)
+    attention = d.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
+                       short_factor=factors[0], long_factor=factors[1], attention_factor=float(attention))

@@ -15,7 +15,7 @@ import torch
 from flotilla.errors import FlotillaError
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight, decode, is_supported
 
-from .config import GGUFQuant, ModelConfig, RopeScaling
+from .config import GGUFQuant, ModelConfig, RopeScaling, longrope
 from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 
 _GGUF_LAYER_NAMES = {
@@ -36,7 +36,10 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # fused (models/fused_names.py)
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
+_ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # not weights
 GGUF_DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized: read as they are (fp32)
 
 
@@ -81,9 +84,10 @@ class GGUFSource:
         if name in _GGUF_GLOBAL_NAMES:
             return _GGUF_GLOBAL_NAMES[name]
         parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-        if name == "rope_freqs.weight":
+        names = {**_GGUF_LAYER_NAMES, **_GGUF_PHI3_NAMES} if self.arch == "phi3" else _GGUF_LAYER_NAMES
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        if name in _ROPE_TABLES:
             return name
         raise FlotillaError(f"{self.path}: unexpected GGUF tensor {name!r}")
 
@@ -134,6 +138,12 @@ class GGUFSource:
     def _rope_scaling(self, head_dim: int) -> RopeScaling | None:
         a = self.arch
         kind = self._field(f"{a}.rope.scaling.type")
+        dims = self._field(f"{a}.rope.dimension_count", head_dim)
+        if dims != head_dim:
+            raise FlotillaError(f"{self.path}: rope over {dims} of each head's {head_dim} dimensions (a partial "
+                                "rotary, as Phi-4-mini's) is not supported; flotilla rotates whole heads")
+        if "rope_factors_long.weight" in self._tensors:
+            return self._longrope(head_dim)
         if "rope_freqs.weight" in self._tensors:
             return self._llama3_from_rope_freqs(head_dim)
         if kind in (None, "none"):
@@ -141,6 +151,28 @@ class GGUFSource:
         if kind == "linear":
             return RopeScaling("linear", factor=float(self._field(f"{a}.rope.scaling.factor", 1.0)))
         raise FlotillaError(f"{self.path}: GGUF rope scaling type {kind!r} is not supported (none, linear, llama3)")
+
+    def _longrope(self, head_dim: int) -> RopeScaling:
+        """Phi-3's longrope as llama.cpp stores it: the factors as two tensors, the attention factor and the
+        original context as metadata."""
+        a = self.arch
+        factors = {}
+        for which in ("short", "long"):
+            name = f"rope_factors_{which}.weight"
+            if name not in self._tensors:
+                raise FlotillaError(f"{self.path}: rope_factors_long.weight without {name}")
+            factors[which] = [float(x) for x in np.array(self._dequant(self._tensors[name])).flatten()]
+        context = int(self._field(f"{a}.context_length", 2048))
+        original = self._field(f"{a}.rope.scaling.original_context_length", context)
+        attention = self._field(f"{a}.rope.scaling.attn_factor")
+        scaling = longrope({"short_factor": factors["short"], "long_factor": factors["long"],
+                            "original_max_position_embeddings": int(original),
+                            **({"attention_factor": float(attention)} if attention is not None else {})},
+                           str(self.path), context, None)
+        if len(scaling.short_factor) != head_dim // 2:
+            raise FlotillaError(f"{self.path}: {len(scaling.short_factor)} rope factors for {head_dim // 2} "
+                                "frequencies a head")
+        return scaling
 
     def _llama3_from_rope_freqs(self, head_dim: int) -> RopeScaling:
         # llama.cpp stores Llama 3.1's scaling as per-frequency divisors; recover the parameters
@@ -161,7 +193,7 @@ class GGUFSource:
         return scaling
 
     def names(self) -> list[str]:
-        return [n for n in self._tensors if n != "rope_freqs.weight"]
+        return [n for n in self._tensors if n not in _ROPE_TABLES]
 
     def release(self) -> None:
         """Nothing to release: each tensor is read with one positional read, and nothing is mapped."""

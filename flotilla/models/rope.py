@@ -1,5 +1,5 @@
-"""Rotary position embeddings (Hugging Face's rotate-half convention), with llama3 and linear
-scaling."""
+"""Rotary position embeddings (Hugging Face's rotate-half convention), with llama3, linear and longrope
+(Phi-3) scaling."""
 from __future__ import annotations
 
 import math
@@ -28,7 +28,17 @@ def llama3_freq_factors(head_dim: int, theta: float, s: RopeScaling) -> torch.Te
     return factors.float()
 
 
-def scaled_inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def scaled_inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                           positions: int = 0) -> torch.Tensor:
+    """The inverse frequencies of a table of `positions` (longrope chooses its factors by it)."""
+    if scaling is not None and scaling.rope_type == "longrope":
+        factors = scaling.long_factor if scaling.uses_long_factor(positions) else scaling.short_factor
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"longrope has {len(factors)} factors for a head of {head_dim} ({head_dim // 2} "
+                             "frequencies)")
+        # transformers computes these in fp32: 1 / (factor * theta ** (i / d))
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponent)
     inv = inv_frequencies(head_dim, theta)
     if scaling is None:
         return inv.float()
@@ -47,10 +57,12 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
-        inv = scaled_inv_frequencies(head_dim, theta, scaling)
+        inv = scaled_inv_frequencies(head_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, D/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if scaling is not None and scaling.attention_factor != 1.0:  # longrope scales both tables
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [P, D]
         self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)  # [P, D], signed
         self._joint: dict[torch.dtype, torch.Tensor] = {}  # [P, 2, D] cos and sin rounded to a dtype

@@ -24,6 +24,7 @@ from flotilla.errors import FlotillaError
 from .checkpoint import INDEX_FILE, Manifest, is_checkpoint
 from .config import ModelConfig
 from .converted_source import converted
+from .fused_names import split_fused
 from .gguf_source import GGUFSource
 
 
@@ -111,9 +112,10 @@ def open_source(path: str | Path, native_gguf: bool = True):
         raise FlotillaError(f"{p}: no such file or directory")
     if p.is_file():
         if p.suffix == ".gguf" or _has_gguf_magic(p):
-            return GGUFSource(p, native=native_gguf)
+            return split_fused(GGUFSource(p, native=native_gguf))
         raise FlotillaError(f"{p}: not a model (expected a .gguf file or a model directory)")
-    return converted(SafetensorsSource(p))  # AWQ and bitsandbytes layouts read as GPTQ tensors
+    # AWQ and bitsandbytes layouts read as GPTQ tensors; Phi-3's fused q/k/v and gate/up under their own names
+    return split_fused(converted(SafetensorsSource(p)))
 
 
 def _has_gguf_magic(p: Path) -> bool:

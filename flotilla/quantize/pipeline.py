@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from flotilla.errors import FlotillaError
 from flotilla.models.checkpoint import CheckpointWriter, TOKENIZER_FILES
 from flotilla.models.config import ModelConfig, QuantConfig
+from flotilla.models.fused_names import unwrapped
 from flotilla.models.gguf_source import GGUFSource
 from flotilla.models.llama import CausalLM, DecoderLayer
 from flotilla.models.sources import open_source
@@ -62,7 +63,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
     start = time.perf_counter()
     src = Path(src).expanduser()
     source = open_source(src, native_gguf=False)  # a GGUF is read dequantized to fp32
-    if isinstance(source, GGUFSource) and source.quantized_types():
+    if isinstance(unwrapped(source), GGUFSource) and source.quantized_types():
         print(f"note: {src.name} is already quantized ({', '.join(source.quantized_types())}); quantize dequantizes "
               "it to fp32 and requantizes it, so the result carries both roundings (runtime runs the GGUF as it is)",
               file=sys.stderr)

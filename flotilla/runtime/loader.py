@@ -12,6 +12,7 @@ from flotilla.errors import FlotillaError
 from flotilla.models import parallel_state
 from flotilla.models.config import ModelConfig
 from flotilla.models.gguf_report import load_report
+from flotilla.models.fused_names import unwrapped
 from flotilla.models.gguf_source import GGUFSource
 from flotilla.models.llama import CausalLM, Stage
 from flotilla.models.sources import open_source
@@ -86,7 +87,7 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     if progress is None:
         progress = sys.stderr.isatty()
     m = load_stage(source, stage, dev, dt, progress=progress, keep_source=keep_source)
-    if isinstance(source, GGUFSource) and source.native and _reports():
+    if isinstance(unwrapped(source), GGUFSource) and source.native and _reports():
         for line in load_report(source, m):
             print(line, file=sys.stderr)
     tok = load_tokenizer(path, source.config.eos_token_ids) if with_tokenizer else None

@@ -2,6 +2,7 @@
 transformers; the same weights as a Llama quantize to the same tensors; a llama.cpp-style GGUF of it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -51,19 +52,28 @@ def test_phi3_logits_match_transformers_and_its_fused_tensors_read_split(tmp_pat
     assert logits_diff(load_stage(source), hf, 40) < 1e-4
 
 
-def test_longrope_takes_its_long_factors_past_the_original_context_as_transformers_does(tmp_path):
-    """transformers picks the factors by the sequence's length; flotilla by its table's (the context it serves,
-    as llama.cpp does): a model of 256 positions over an original 64 runs the long factors, which is what
-    transformers runs on a sequence past 64; a table of 64 runs the short ones, as on a shorter sequence."""
+def test_longrope_short_factors_within_the_original_context_long_ones_past_it(tmp_path):
+    """A sequence within the original context (64 here) gets transformers' logits (its short factors); past it a
+    position's rope takes the long factors (vLLM's decode does so: cached keys keep theirs), while transformers
+    recomputes the whole sequence with them: its logits at positions past 64 are what a table of long factors
+    alone gives."""
+    from flotilla.models.rope import RotaryEmbedding, longrope_inv_frequencies
+
     hf = make_hf_model(phi3_config(original_max_position_embeddings=64, rope_scaling=dict(LONGROPE)), seed=5)
     source = open_source(save_hf_model(hf, tmp_path / "phi3-long"))
     rope = source.config.rope_scaling
     assert rope.rope_type == "longrope" and rope.original_max_position_embeddings == 64
     assert rope.attention_factor == pytest.approx((1 + torch.log(torch.tensor(4.0)) / torch.log(torch.tensor(64.0))) ** 0.5)
-    ours = load_stage(source)
+    ours = load_stage(source)  # a table of 256 positions
+    assert logits_diff(ours, hf, 40) < 1e-4 and logits_diff(ours, hf, 64) < 1e-4
+    table = ours.rope
+    for p, factors in ((63, rope.short_factor), (64, rope.long_factor), (200, rope.long_factor)):
+        angles = p * longrope_inv_frequencies(16, source.config.rope_theta, factors)
+        assert torch.allclose(table.cos[p, :8], angles.cos() * rope.attention_factor, atol=1e-6), p
+    whole_long = RotaryEmbedding(16, 256, source.config.rope_theta, dataclasses.replace(
+        rope, original_max_position_embeddings=0))  # every position long: transformers' view of an 80-token sequence
+    ours.rope = whole_long
     assert logits_diff(ours, hf, 80) < 1e-4
-    ours.build_rope(64)
-    assert logits_diff(ours, hf, 40) < 1e-4
     back = ModelConfig.from_hf_dict(source.config.to_hf_dict())  # written as transformers reads it
     assert back.rope_scaling == rope
     from transformers import Phi3Config
@@ -145,7 +155,7 @@ def test_a_llama_cpp_phi3_gguf_runs_as_transformers(qtype, rope, tmp_path):
         assert source.config.rope_scaling.long_factor == tuple(LONGROPE["long_factor"])
     ours = load_stage(source)
     tolerance = 1e-4 if qtype == "F32" else 0.2  # Q8_0 rounds the weights
-    assert logits_diff(ours, hf, 80 if rope else 40) < tolerance
+    assert logits_diff(ours, hf, 40) < tolerance
     from flotilla.models.gguf_report import load_report
 
     assert load_report(source, ours)[0].startswith("GGUF phi3.gguf: ") and qtype in load_report(source, ours)[0]
@@ -153,6 +163,36 @@ def test_a_llama_cpp_phi3_gguf_runs_as_transformers(qtype, rope, tmp_path):
         plain = load_stage(open_source(path, native_gguf=False))
         ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(4))
         assert (our_logits(ours, ids) - our_logits(plain, ids)).abs().max() < 1e-3
+
+
+def test_a_dynamic_that_names_the_fused_modules_decides_for_them(tmp_path):
+    """GPTQModel and vLLM name a Phi-3's modules qkv_proj and gate_up_proj: a per-module override written so
+    applies to the fused linear (and a plain "-:" one keeps it in float), and each fused tensor is read once."""
+    from flotilla.models.config import QuantConfig
+    from flotilla.models.fused_names import SplitSource
+
+    hf = make_hf_model(phi3_config(num_hidden_layers=2), seed=11)
+    save_hf_model(hf, tmp_path / "phi3")
+    save_byte_tokenizer(tmp_path / "phi3")
+    r = subprocess.run(["quantize", "--bits", "4", "--group-size", "32", "--method", "rtn", str(tmp_path / "phi3"),
+                        "-o", str(tmp_path / "q")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    config = ModelConfig.from_hf_dir(tmp_path / "q")
+    dynamic = ((r"+:model\.layers\.0\.self_attn\.qkv_proj$", (("bits", 8),)), (r"-:model\.layers\.1\.mlp\.gate_up_proj$", ()))
+    quant = dataclasses.replace(config.quant, dynamic=dynamic)
+    cfg = config.with_quant(quant)
+    assert cfg.linear_quant("model.layers.0.self_attn.", ("q_proj", "k_proj", "v_proj")).bits == 8
+    assert cfg.linear_quant("model.layers.1.mlp.", ("gate_proj", "up_proj")) is None
+    assert cfg.linear_quant("model.layers.0.mlp.", ("gate_proj", "up_proj")).bits == 4
+    assert isinstance(quant, QuantConfig)
+    reads = []
+    source = open_source(tmp_path / "q")
+    assert isinstance(source, SplitSource)
+    inner_get = source.inner.get
+    source.inner.get = lambda name: reads.append(name) or inner_get(name)
+    load_stage(source)
+    fused = [n for n in reads if "qkv_proj" in n or "gate_up_proj" in n]
+    assert fused and len(fused) == len(set(fused)), sorted(fused)
 
 
 def test_phi3_variants_flotilla_does_not_run_are_refused_by_name(tmp_path):
@@ -165,3 +205,11 @@ def test_phi3_variants_flotilla_does_not_run_are_refused_by_name(tmp_path):
         ModelConfig.from_hf_dict(bad)
     window = ModelConfig.from_hf_dict({**d, "architectures": ["Phi3ForCausalLM"], "sliding_window": 128})
     assert window.sliding_window == 128 and window.max_model_len == 128  # every layer's window, as Mistral's
+    su = {**d, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": None,
+          "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    rope = ModelConfig.from_hf_dict(su).rope_scaling
+    assert rope.rope_type == "longrope" and rope.original_max_position_embeddings == 4096  # Phi3Config's default
+    llama = tiny_config("llama").to_dict()
+    with pytest.raises(FlotillaError, match="rope scaling type 'yarn' is not supported"):  # no alias outside Phi-3
+        ModelConfig.from_hf_dict({**llama, "architectures": ["LlamaForCausalLM"],
+                                  "rope_scaling": {"type": "yarn", "factor": 4.0}})

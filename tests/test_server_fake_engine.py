@@ -116,8 +116,8 @@ def test_drain_closes_websockets_with_1001():
 
 
 def test_a_body_that_stalls_gets_408_and_the_server_answers_others():
-    """A client that announces 100 bytes and sends 10 (a slowloris) gets a 408 once --body-timeout passes,
-    not a connection held for ever."""
+    """A client that announces 100 bytes and sends 10 (a slowloris) gets a 408 once the body timeout passes,
+    not a connection held for ever (ServerConfig.body_timeout, 60 s)."""
     async def go(server, s):
         host, port = server.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))

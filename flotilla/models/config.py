@@ -27,6 +27,9 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names, as transformers reads them for Phi-3
+# families whose checkpoints store q/k/v and gate/up as one tensor each, under these names (models/fused_names.py)
+FUSED_FAMILIES = ("phi3",)
+FUSED_LEAVES = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # longrope (Phi-3): per-frequency divisors for a context within the original one and past it, and the factor
-    # cos / sin are scaled by (given, or sqrt(1 + ln(factor) / ln(original)) as transformers computes it)
+    # longrope (Phi-3): per-frequency divisors for positions within the original context and past it (rope.py), and
+    # the factor cos / sin are scaled by (given, or sqrt(1 + ln(factor) / ln(original)) as transformers computes it)
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
@@ -48,10 +51,6 @@ class RopeScaling:
         "longrope": ("rope_type", "factor", "short_factor", "long_factor", "attention_factor"),
     }
 
-    def uses_long_factor(self, positions: int) -> bool:
-        """longrope: whether a context of `positions` takes the long factors (past the original context, as
-        transformers chooses by the sequence's length and llama.cpp by the context it serves)."""
-        return positions > self.original_max_position_embeddings
 
 
 DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")  # per-module overrides flotilla honours
@@ -252,6 +251,9 @@ class ModelConfig:
         `projections` (e.g. "model.layers.3.self_attn.", ("q_proj", "k_proj", "v_proj")), after any
         per-module `dynamic` override; None for a plain linear."""
         if isinstance(self.quant, QuantConfig):
+            leaves = tuple(p.rsplit(".", 1)[-1] for p in projections)
+            if self.family in FUSED_FAMILIES and leaves in FUSED_LEAVES:  # stored as one: its own name decides
+                return self.quant.for_module([(prefix + projections[0]).rsplit(".", 1)[0] + "." + FUSED_LEAVES[leaves]])
             return self.quant.for_module([prefix + p for p in projections])
         return self.quant
 
@@ -295,7 +297,9 @@ class ModelConfig:
         legacy = d.get("rope_scaling") or {}
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         max_pos = int(d.get("max_position_embeddings", 2048))
-        scaling = _rope_scaling(legacy or rope, where, max_pos, d.get("original_max_position_embeddings"))
+        # (Phi3Config's original context defaults to 4096)
+        original = d.get("original_max_position_embeddings") or (4096 if family == "phi3" else None)
+        scaling = _rope_scaling(legacy or rope, where, max_pos, original, aliases=family == "phi3")
         partial = next((f for f in (d.get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
                                     legacy.get("partial_rotary_factor")) if f not in (None, 1, 1.0)), 1.0)
         if partial != 1.0:
@@ -413,10 +417,11 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     return (int(window), from_layer) if layers > from_layer else (None, None)
 
 
-def _rope_scaling(d: dict, where: str, max_position_embeddings: int, top_original: int | None = None
-                  ) -> RopeScaling | None:
+def _rope_scaling(d: dict, where: str, max_position_embeddings: int, top_original: int | None = None,
+                  aliases: bool = False) -> RopeScaling | None:
     rope_type = d.get("rope_type") or d.get("type") or "default"
-    rope_type = ROPE_ALIASES.get(rope_type, rope_type)
+    if aliases:  # Phi-3's older names (only there: a Llama's "yarn" is YaRN, not supported)
+        rope_type = ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise FlotillaError(f"{where}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if rope_type == "default":

@@ -25,6 +25,7 @@ from flotilla.kernels.gptq import GPTQWeight
 
 from . import awq_layout, bnb_layout
 from .config import QuantConfig
+from .fused_names import fused_prefix
 from .weights import required_tensor_names
 
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -79,8 +80,8 @@ class ConvertedSource:
             first = min(self._stored)
             quant = dataclasses.replace(quant, group_size=bnb_layout.Bnb4State.read(inner.get, first, raw).blocksize)
         self._raw, self._quant = raw, quant
-        wanted = {n.removesuffix(".qweight") for n in required_tensor_names(inner.config.with_quant(quant))
-                  if n.endswith(".qweight")}
+        wanted = {fused_prefix(inner.config, n.removesuffix(".qweight"))  # (Phi-3: as its file names them)
+                  for n in required_tensor_names(inner.config.with_quant(quant)) if n.endswith(".qweight")}
         floats = sorted(p for p in wanted - self._stored if p + ".weight" in raw)  # the tool's skipped modules
         dynamic = tuple((f"-:{re.escape(p)}$", ()) for p in floats)
         self.config = inner.config.with_quant(dataclasses.replace(quant, dynamic=quant.dynamic + dynamic))

@@ -16,11 +16,10 @@ import torch
 
 from flotilla.errors import FlotillaError
 
-from .config import ModelConfig
+from .config import FUSED_FAMILIES, ModelConfig
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-FUSED_FAMILIES = ("phi3",)
 COLUMNS = ("qweight", "scales", "qzeros")  # GPTQ tensors whose columns are the outputs ([in / pack, out], …)
 
 
@@ -89,7 +88,10 @@ class SplitSource:
                 names.append(split)
                 start += size
         self._names = names
-        self._last: tuple[str, bool, object] | None = None  # the fused tensor read last: its parts come in a row
+        # the fused tensors of the layer read last (the loader asks for a layer's items projection by projection,
+        # each suffix in turn: every fused tensor is read once)
+        self._layer: str | None = None
+        self._read_tensors: dict[tuple[str, bool], object] = {}
 
     def __getattr__(self, name: str):  # opened_files, manifest, file_of, type_of, ...: the wrapped source's
         return getattr(self.inner, name)
@@ -107,7 +109,7 @@ class SplitSource:
         return self.inner.type_of(where[0] if where else name)
 
     def release(self) -> None:
-        self._last = None
+        self._layer, self._read_tensors = None, {}
         self.inner.release()
 
     def get(self, name: str) -> torch.Tensor:
@@ -122,9 +124,11 @@ class SplitSource:
         if where is None:
             return read(name)
         fused_name, start, size, suffix, prefix, fused = where
-        if self._last is None or self._last[:2] != (fused_name, native):
-            self._last = (fused_name, native, read(fused_name))
-        whole = self._last[2]
+        if prefix != self._layer:
+            self._layer, self._read_tensors = prefix, {}
+        whole = self._read_tensors.get((fused_name, native))
+        if whole is None:
+            whole = self._read_tensors[(fused_name, native)] = read(fused_name)
         total = sum(part_sizes(self.config, fused))
         pack = _pack(self.config, prefix, fused) if suffix == "qzeros" else 1
         rows = whole.shape[1] * (pack if suffix == "qzeros" else 1) if suffix in COLUMNS else whole.shape[0]
@@ -137,6 +141,17 @@ class SplitSource:
 def unwrapped(source):
     """The source under a SplitSource, or `source`."""
     return source.unwrapped() if isinstance(source, SplitSource) else source
+
+
+def fused_prefix(config: ModelConfig, projection: str) -> str:
+    """The checkpoint module `projection` (model.layers.0.self_attn.q_proj) is stored in: its fused one in a family
+    that stores fused tensors, else itself."""
+    if stores_fused(config):
+        for fused, parts in FUSED.items():
+            for part in parts:
+                if projection.endswith("." + part):
+                    return projection[: -len(part)] + fused
+    return projection
 
 
 def split_fused(source):

@@ -28,17 +28,28 @@ def llama3_freq_factors(head_dim: int, theta: float, s: RopeScaling) -> torch.Te
     return factors.float()
 
 
-def scaled_inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
-                           positions: int = 0) -> torch.Tensor:
-    """The inverse frequencies of a table of `positions` (longrope chooses its factors by it)."""
-    if scaling is not None and scaling.rope_type == "longrope":
-        factors = scaling.long_factor if scaling.uses_long_factor(positions) else scaling.short_factor
-        if len(factors) != head_dim // 2:
-            raise ValueError(f"longrope has {len(factors)} factors for a head of {head_dim} ({head_dim // 2} "
-                             "frequencies)")
-        # transformers computes these in fp32: 1 / (factor * theta ** (i / d))
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponent)
+def longrope_inv_frequencies(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """Phi-3's longrope with one set of factors, in fp32 as transformers computes it: 1 / (f_i theta^(2i / d))."""
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors for a head of {head_dim} ({head_dim // 2} frequencies)")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponent)
+
+
+def longrope_frequencies(head_dim: int, max_positions: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """The angles [P, D/2] of longrope: the short factors at positions within the original context, the long ones
+    past it. A sequence within the original context is what transformers computes for it (short factors; it picks
+    by the sequence's length); past it, a token's q and k take the long factors while the cached ones keep theirs,
+    as vLLM's decode does (it picks by the batch's positions)."""
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, longrope_inv_frequencies(head_dim, theta, s.short_factor))
+    k = s.original_max_position_embeddings
+    if max_positions > k:
+        freqs[k:] = torch.outer(t[k:], longrope_inv_frequencies(head_dim, theta, s.long_factor))
+    return freqs
+
+
+def scaled_inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     inv = inv_frequencies(head_dim, theta)
     if scaling is None:
         return inv.float()
@@ -57,9 +68,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
-        inv = scaled_inv_frequencies(head_dim, theta, scaling, max_positions)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [P, D/2]
+        if scaling is not None and scaling.rope_type == "longrope":
+            freqs = longrope_frequencies(head_dim, max_positions, theta, scaling)
+        else:
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, scaled_inv_frequencies(head_dim, theta, scaling))  # [P, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         if scaling is not None and scaling.attention_factor != 1.0:  # longrope scales both tables
             cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor

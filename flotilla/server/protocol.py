@@ -229,12 +229,12 @@ def parse_prompts(f: Fields, model: ModelInfo) -> list[list[int]]:
 
 
 def _seed(f: Fields) -> int | None:
-    """'seed': any 64-bit integer, as OpenAI and vLLM take it (folded into 0..2^63-2), except -1: llama.cpp's
+    """'seed': any 64-bit integer, as OpenAI and vLLM take it (folded into 0..2^63-1), except -1: llama.cpp's
     "a random seed"; or absent."""
     if f.raw("seed") == -1:
         return None
     seed = f.integer("seed", None, -2**63, 2**64 - 1, hint=" (-1 for a random one)")
-    return None if seed is None else seed % SEED_MAX
+    return None if seed is None else seed % (SEED_MAX + 1)  # 0..2^63-1 as given
 
 
 def _is_ids(items: list) -> bool:

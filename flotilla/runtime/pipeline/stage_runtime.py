@@ -34,6 +34,7 @@ from .activations import OWN_DTYPE, HostStaging, pack, unpack
 from .lane import LaneIn, LaneOut
 from .messages import Configure, LoadStage, Sampled, Step, StepResult
 from .step_codec import StageSequences, step_result
+from .wire import DEFAULT_MAX_FRAME
 
 
 def on_device(device: torch.device, fn, *args):
@@ -247,8 +248,10 @@ class StageRuntime:
                 return dataclasses.replace(msg, hidden=None, scales=None, lane_seq=seq, prev_mb=0, prev_rows=None)
             # a same-host link whose lane cannot take this step (not accepted yet, a prefill too large for its
             # slots): over the socket in the stage's own dtype, as the lane would have carried it, so that
-            # --wire-dtype (for the network) never changes a same-host pipeline's tokens
-            wire = OWN_DTYPE
+            # --wire-dtype (for the network) never changes a same-host pipeline's tokens; but within half a frame
+            # (an fp32 CPU stage's prefill chunk of 2048 x 8192 would be all of one)
+            if out.numel() * out.element_size() <= DEFAULT_MAX_FRAME // 2:
+                wire = OWN_DTYPE
         data, scales = self.staging.to_host(*pack(out, wire))
         times.output += time.perf_counter() - t2
         # (stage 0's input ids from the lane are this stage's own: the next one sees a plain step)

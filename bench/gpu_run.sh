@@ -22,7 +22,8 @@
 # offsets_decode: the 8B as Q4_K_M with FLOTILLA_GEMV_OFFSETS=0 and 1; features: bench/gpu_features.py (prompt
 # logprobs, Qwen3, the tokenizer endpoints on the GPU) and the Qwen3 8B decode beside the Llama 3 8B. group32: round
 # 22's CUDA-core plans with the tables a strip ahead (test_gemv, the GGUF GEMV sweep, the 8B as Q4_K_M and Q4_0
-# with FLOTILLA_GEMV_GROUP32 unset and =cores).
+# with FLOTILLA_GEMV_GROUP32 unset and =cores). group32on: round 23's default (those plans at 1 row) against
+# FLOTILLA_GEMV_GROUP32=0: test_gemv, the 8B as Q4_K_M, Q4_0 and Q8_0 at batch 1, 2, 4.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -181,6 +182,17 @@ if has group32; then  # round 22: the group-32 layouts' CUDA-core plans with the
       mark "group32: runtime bench --gguf $g FLOTILLA_GEMV_GROUP32=$E"
       FLOTILLA_GEMV_GROUP32=$E timeout 100 python3 -m flotilla.server.cli bench --random llama-3-8b --gguf $g \
         --batch ${GROUP32_BATCHES:-1,4,8} 2>&1 | tee -a "$OUT/group32_decode.log" | grep -vE "^\[|Writing"
+    done
+  done
+fi
+if has group32on; then  # round 23: the group-32 CUDA-core plans at 1 row on by default; checked against =0
+  mark "group32on: test_gemv"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py 2>&1 | tail -3
+  for g in ${GROUP32_MODELS:-Q4_K_M Q4_0 Q8_0}; do
+    for E in "" 0; do
+      mark "group32on: runtime bench --gguf $g FLOTILLA_GEMV_GROUP32=$E"
+      FLOTILLA_GEMV_GROUP32=$E timeout 100 python3 -m flotilla.server.cli bench --random llama-3-8b --gguf $g \
+        --batch ${GROUP32_BATCHES:-1,2,4} 2>&1 | tee -a "$OUT/group32on_decode.log" | grep -vE "^\[|Writing"
     done
   done
 fi

@@ -24,9 +24,10 @@
     FLOTILLA_GEMV_OFFSETS 1 (on, true, yes): the GGUF float-offset forms on the CUDA GEMV's tensor cores at 1-8
                          rows (read by flotilla.kernels.cuda.gemv; default off: slower than Triton in an H100
                          decode); 0 (off, false, no): off; anything else is an error (switch())
-    FLOTILLA_GEMV_GROUP32 cores (1, on, …): the group-32 / 16 layouts (the GGUF forms) on the CUDA GEMV's CUDA-core
-                         plans at 1-4 rows, each strip's scales and offsets loaded a strip ahead (read by
-                         flotilla.kernels.cuda.gemv; default off: not yet measured); 0 (off, …): off
+    FLOTILLA_GEMV_GROUP32 0 (off, false, no): the group-32 / 16 layouts (the GGUF forms) at 1 row keep the tensor-core
+                         ring or Triton, as before round 23; default (cores, 1, on, …): the CUDA GEMV's CUDA-core
+                         plans at 1 row, each strip's scales and offsets loaded a strip ahead (read by
+                         flotilla.kernels.cuda.gemv; measured faster on an H100)
     FLOTILLA_TOKEN       the shared secret of pipeline workers (`runtime worker`, `runtime serve --pp`)
     FLOTILLA_API_KEY     the server's API key, as an alternative to --api-key-file
     FLOTILLA_LANES       0: pipeline stages on one host (one GPU, or CPU processes) hand their

@@ -225,29 +225,35 @@ def test_crossovers_only_where_measured(monkeypatch):
     assert not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # slower than Triton on 4096x14336
     lay = repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu")
     gguf = gemv.geometry(lay, torch.float16)  # float offsets: the tensor-core plan (round 21)
-    on = gemv.OFFSET_MMA_MAX_ROWS if gemv.OFFSETS_ON else 0
+    on = gemv.OFFSET_MMA_MAX_ROWS if gemv.OFFSETS_ON else gemv.GROUP32_CORES_ROWS  # (then Triton)
     assert gguf.mode == gemv.OFF and gguf.mma and gemv.crossover(gguf, 4, torch.float16) == on
     assert gemv.choose_plan(1, 64, lay.words.shape[1], 132, 4, lay.rows_per_field, lay.rows_per_field) \
         == gemv.GemvPlan(8, 16, 8, 2)
     monkeypatch.setenv(gemv.OFFSETS_ENV, "on")
     assert gemv.crossover(gguf, 4, torch.float16) == gemv.OFFSET_MMA_MAX_ROWS  # turned on
     monkeypatch.setenv(gemv.OFFSETS_ENV, "0")
-    assert gemv.crossover(gguf, 4, torch.float16) == 0  # turned off: the Triton kernel
-    monkeypatch.setenv(gemv.GROUP32_ENV, "cores")  # the CUDA-core plans, tables a strip ahead (round 22)
-    assert gemv.tables_ahead(gguf, torch.float16) and gemv.crossover(gguf, 4, torch.float16) == 4
+    assert gemv.crossover(gguf, 4, torch.float16) == gemv.GROUP32_CORES_ROWS  # turned off: the Triton kernel past 1
+    # the CUDA-core plans at 1 row (round 23, on by default): tables a strip ahead but on 8-bit integer-zero layouts
+    assert gemv.GROUP32_CORES_ON and gemv.GROUP32_CORES_ROWS == 1
+    assert gemv.tables_ahead(gguf, 4, torch.float16) and gemv.crossover(gguf, 4, torch.float16) == 1
     q40 = gemv.geometry(repack_ggml(random_weight("Q4_0", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
                         torch.float16)
-    assert gemv.tables_ahead(q40, torch.float16) and gemv.crossover(q40, 4, torch.float16) == 8  # the ring past 4
+    assert gemv.tables_ahead(q40, 4, torch.float16) and gemv.crossover(q40, 4, torch.float16) == 8  # the ring past 1
+    q80 = gemv.geometry(repack_ggml(random_weight("Q8_0", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
+                        torch.float16)
+    assert gemv.group32_cores(q80, torch.float16) and not gemv.tables_ahead(q80, 8, torch.float16)
+    q5k = gemv.geometry(repack_ggml(random_weight("Q5_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
+                        torch.float16)
+    assert gemv.tables_ahead(q5k, 8, torch.float16)  # float offsets: ahead at 8 bits too
     monkeypatch.setenv(gemv.GROUP32_ENV, "core")
     with pytest.raises(ValueError, match="FLOTILLA_GEMV_GROUP32='core': expected one of"):
-        gemv.tables_ahead(gguf, torch.float16)
-    monkeypatch.setenv(gemv.GROUP32_ENV, "on")
-    assert not gemv.tables_ahead(g128, torch.float16) and gemv.crossover(g128, 4, torch.float16) == 8  # group 128
-    assert not gemv.tables_ahead(gguf, torch.bfloat16)
-    monkeypatch.setenv(gemv.GROUP32_ENV, "0")
-    assert not gemv.tables_ahead(gguf, torch.float16)
-    monkeypatch.delenv(gemv.GROUP32_ENV)
-    assert gemv.tables_ahead(gguf, torch.float16) == gemv.GROUP32_CORES_ON
+        gemv.tables_ahead(gguf, 4, torch.float16)
+    monkeypatch.setenv(gemv.GROUP32_ENV, "cores")
+    assert not gemv.group32_cores(g128, torch.float16) and gemv.crossover(g128, 4, torch.float16) == 8  # group 128
+    assert not gemv.group32_cores(gguf, torch.bfloat16)
+    monkeypatch.setenv(gemv.GROUP32_ENV, "0")  # off: round 22's picks
+    assert not gemv.tables_ahead(gguf, 4, torch.float16) and gemv.crossover(gguf, 4, torch.float16) == 0
+    assert gemv.crossover(q40, 4, torch.float16) == 8
     bf = gemv.geometry(repack_ggml(random_weight("Q4_K", 64, 256, seed=1, scale=0.01), torch.bfloat16, "cpu"),
                        torch.bfloat16)
     assert bf.mode == gemv.OFF and not bf.mma and gemv.crossover(bf, 4, torch.bfloat16) == 0  # CUDA cores: slower
@@ -471,7 +477,7 @@ def test_gguf_forms_run_the_gemv_where_it_measured_faster(qtype, monkeypatch):
     gw = random_weight(qtype, 256, 1024, seed=7, scale=0.01)
     kern = TritonLayoutKernel(repack_ggml(gw, torch.float16, "cuda"), torch.float16)
     rows = {"Q4_0": gemv.GROUP_MMA_MAX_ROWS, "Q8_0": gemv.GROUP_MMA_MAX_ROWS, "Q6_K": gemv.GROUP_CORES_MAX_ROWS,
-            "Q4_K": gemv.OFFSET_MMA_MAX_ROWS if gemv.OFFSETS_ON else 0}[qtype]
+            "Q4_K": gemv.OFFSET_MMA_MAX_ROWS if gemv.OFFSETS_ON else gemv.GROUP32_CORES_ROWS}[qtype]
     assert kern.gemv.max_rows == rows
     ref_w = gw.dequantize(torch.float32).to("cuda")
     for m in (1, 3, 4, 8, 9):

@@ -108,9 +108,14 @@ GROUP_MMA_MAX_ROWS, GROUP_CORES_MAX_ROWS = 8, 4
 # either way
 OFFSET_MMA_MAX_ROWS, OFFSETS_ENV, OFFSETS_ON = 8, "FLOTILLA_GEMV_OFFSETS", False
 # The layouts of one group a run at fp16 (group 32 / 16: the GGUF forms, GPTQ g32; float offsets included) on the
-# CUDA-core plans with each strip's tables loaded a strip ahead (TABLES_AHEAD), up to GROUP_CORES_MAX_ROWS rows, in
-# place of the tensor-core ring or Triton: FLOTILLA_GEMV_GROUP32=cores (round 22)
-GROUP32_ENV, GROUP32_CORES_ON = "FLOTILLA_GEMV_GROUP32", False
+# CUDA-core plans at GROUP32_CORES_ROWS row(s), in place of the tensor-core ring or Triton, each strip's tables
+# loaded a strip ahead (TABLES_AHEAD) except on 8-bit integer-zero layouts (Q8_0, Q6_K, Q5_0), whose plain plan
+# measured faster. Round 23 (H100, `PARTS=group32`): at 1 row Q4_K 8192x28672 81.2 against Triton's 90.0 µs,
+# 4096x14336 26.2 / 31.3; Q4_0 63.0 / 73.5 and 22.2 / 24.8 against the ring; Q5_K 112.5 / 150.7; Q8_0's plain
+# 4c2w 96.5 / 108.1 against the ring; the 8B decode at batch 1 as Q4_K_M 291.1 against 280.7 tok/s, as Q4_0 366.8
+# against 333.9. At 4 rows it lost (Q4_K_M 868.3 against 1016.6 at batch 4), so 2 rows on keep the usual plan.
+# FLOTILLA_GEMV_GROUP32=0 turns it off (round 22's default).
+GROUP32_ENV, GROUP32_CORES_ON, GROUP32_CORES_ROWS = "FLOTILLA_GEMV_GROUP32", True, 1
 
 class GemvUnsupported(ValueError):
     """The layout (or dtype) is one the GEMV does not read; the Triton kernel serves it."""
@@ -227,19 +232,24 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
     return Geometry(r.bit_length() - 1, rpg, tpg, magic, mode, mma)
 
 
-def tables_ahead(geo: Geometry, dtype: torch.dtype) -> bool:
-    """Whether a group-32 / 16 layout runs the CUDA-core plans with each strip's tables a strip ahead at 1 to
-    GROUP_CORES_MAX_ROWS rows (FLOTILLA_GEMV_GROUP32=cores)."""
+def group32_cores(geo: Geometry, dtype: torch.dtype) -> bool:
+    """Whether a group-32 / 16 layout runs the CUDA-core plans at 1 to GROUP32_CORES_ROWS rows
+    (FLOTILLA_GEMV_GROUP32, default on)."""
     return geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16 \
         and envs.switch(GROUP32_ENV, GROUP32_CORES_ON, also_on=("cores",))
+
+
+def tables_ahead(geo: Geometry, bits: int, dtype: torch.dtype) -> bool:
+    """Whether those CUDA-core plans load each strip's tables a strip ahead: not on 8-bit integer-zero layouts."""
+    return group32_cores(geo, dtype) and not (bits == 8 and geo.mode == SYM)
 
 
 def crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int = 0) -> int:
     """Up to how many rows the GEMV beats the Triton kernel on a layout of `weights` weights (in x out),
     as measured: 0 (never picked, though it runs when asked) for layouts of kinds not measured yet:
-    bf16 on blocks other than 32 words (group 32 or 16), float offsets on the CUDA cores."""
+    bf16 on blocks other than 32 words (group 32 or 16), float offsets past GROUP32_CORES_ROWS."""
     usual = _crossover(geo, bits, dtype, weights)
-    return max(GROUP_CORES_MAX_ROWS, usual) if tables_ahead(geo, dtype) else usual  # past 4 rows: the usual plan
+    return max(GROUP32_CORES_ROWS, usual) if group32_cores(geo, dtype) else usual  # then the usual plan
 
 
 def _crossover(geo: Geometry, bits: int, dtype: torch.dtype, weights: int) -> int:
@@ -358,7 +368,8 @@ class GemvKernel:
         self._dt = DTYPE_CODE[dtype]
         self._plans: dict[int, GemvPlan] = {}
         self.max_rows = crossover(self.geo, layout.bits, dtype, layout.in_features * layout.out_features)
-        self.ahead = tables_ahead(self.geo, dtype)  # read once, with max_rows: FLOTILLA_GEMV_GROUP32
+        self.cores = group32_cores(self.geo, dtype)  # read once, with max_rows: FLOTILLA_GEMV_GROUP32
+        self.ahead = tables_ahead(self.geo, layout.bits, dtype)
         self.wide_rows = wide_rows(self.geo, layout.bits, layout.in_features * layout.out_features)
         self.most_rows = WIDE_ROWS if self.geo.wide else ROW_TILES[-1]  # what it can run, picked or not
         probe = _Params(log2r=self.geo.log2r)
@@ -389,9 +400,10 @@ class GemvKernel:
         plan = self._plans.get(m)
         if plan is None:
             lay = self.layout
-            ahead = self.ahead and m <= GROUP_CORES_MAX_ROWS
+            cores = self.cores and m <= GROUP32_CORES_ROWS
+            ahead = cores and self.ahead
             plan = choose_plan(m, lay.out_features, lay.words.shape[1], self.num_sms, lay.bits,
-                               lay.rows_per_field if self.geo.mma and not ahead else 0, lay.rows_per_field)
+                               lay.rows_per_field if self.geo.mma and not cores else 0, lay.rows_per_field)
             plan = self._plans[m] = dataclasses.replace(plan, stages=TABLES_AHEAD) if ahead else plan
         return plan
 

@@ -213,3 +213,28 @@ def test_phi3_variants_flotilla_does_not_run_are_refused_by_name(tmp_path):
     with pytest.raises(FlotillaError, match="rope scaling type 'yarn' is not supported"):  # no alias outside Phi-3
         ModelConfig.from_hf_dict({**llama, "architectures": ["LlamaForCausalLM"],
                                   "rope_scaling": {"type": "yarn", "factor": 4.0}})
+
+
+def test_the_engine_runs_a_phi3_of_head_dim_96_greedy_as_transformers(tmp_path):
+    """Phi-3-mini's heads are 96 wide (3072 / 32), not a power of two: the engine's paged path (prefill, decode,
+    rope, the CPU kernels) gives transformers' greedy tokens."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+    from flotilla.runtime.sampling import SamplingParams
+
+    hf = make_hf_model(phi3_config(hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
+                                   intermediate_size=256), seed=1)
+    save_hf_model(hf, tmp_path / "p")
+    save_byte_tokenizer(tmp_path / "p")
+    engine = build_engine(load_model(tmp_path / "p", "cpu", "float32", progress=False), EngineArgs())
+    prompt = list(range(10, 30))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    got = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got += list(out.new_token_ids)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt):]

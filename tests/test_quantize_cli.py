@@ -66,6 +66,8 @@ BAD_INPUTS = {
     "out-inside-the-source": (["--out", "{src}/out"], ["inside the source model", "outside the source model"]),
     "out-deep-inside-the-source": (["--out", "{tmp}/link/sub/out"], ["inside the source model"]),  # via a symlink
     "act-order-rtn": (["--method", "rtn", "--act-order"], ["--act-order needs --method gptq"]),
+    "desc-act-rtn": (["--method", "rtn", "--desc-act"], ["--act-order needs --method gptq"]),  # GPTQ's name for it
+    "rotate-scope-alone": (["--rotate-scope", "r1"], ["--rotate-scope needs --rotate"]),
     "keep-no-pattern": (["--keep", "8"], ["expected BITS:PATTERN"]),
     "keep-narrower": (["--keep", "4:.*"], ["more than --bits 4"]),
     "keep-splits-a-merged-linear": (["--keep", "8:.*q_proj"], ["q_proj but not k_proj, v_proj", "share their bits"]),
@@ -278,3 +280,20 @@ def test_default_out_of_dot_and_dotdot_names_the_directory(tmp_path, monkeypatch
     monkeypatch.chdir(inner)
     assert default_out(Path(".."), QuantizeOptions(bits=8)) == tmp_path / "Llama-gptq-int8"
     assert default_out(Path("../../model.gguf"), QuantizeOptions()) == tmp_path / "model-gptq-int4"
+
+
+def test_options_this_run_does_not_use_are_said_and_a_short_calibration_text_too(tmp_path, capsys):
+    """--calib and --damp-percent with --method rtn change nothing: a note says so (the run goes on); a --calib text
+    shorter than --calib-samples x --calib-seq-len is said with the tokens it gives."""
+    src = tiny_model_dir(tmp_path / "model", seed=9)
+    calib = tmp_path / "short.txt"
+    calib.write_text("a short calibration text")
+    assert quantize_main([str(src), "-o", str(tmp_path / "r"), "--quiet", "--method", "rtn", "--calib", str(calib),
+                          "--calib-samples", "4", "--damp-percent", "0.1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --calib, --calib-samples ignored: --method rtn reads no calibration text" in err
+    assert "note: --damp-percent ignored" in err
+    assert quantize_main([str(src), "-o", str(tmp_path / "g"), "--quiet", "--calib", str(calib),
+                          "--calib-samples", "4", "--calib-seq-len", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "of the 4 x 64 = 256 asked for (--calib-samples x --calib-seq-len)" in err and "ignored" not in err

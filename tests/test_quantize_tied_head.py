@@ -102,6 +102,8 @@ def test_tied_head_checkpoint_stores_m_and_no_head(checkpoints):
     weights = 2 * (128 * (128 + 2 * 64) + 128 * 128 + 2 * 128 * 256 + 256 * 128)  # 2 layers' q/k/v, o, gate/up, down
     assert r_untied.bits_per_weight - r_tied.bits_per_weight == pytest.approx(16 * (320 - 128) * 128 / weights)
     assert r_tied.norm_matrix and not r_tied.untied_head and "kept the lm_head tied" in "\n".join(r_tied.lines())
+    said = "\n".join(checkpoints["head8-report"].lines())  # M and an int8 head apart: not "kept tied"
+    assert "kept the lm_head tied" not in said and "lm_head written apart at 8 bits" in said, said
 
 
 def test_tied_head_checkpoint_through_the_runtime_loader(checkpoints):

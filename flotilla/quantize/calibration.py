@@ -79,6 +79,10 @@ def tokens_from_file(path: Path, tokenizer, vocab_size: int, samples: int, seq_l
     if windows.shape[0] > samples:
         pick = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(seed))[:samples]
         windows = windows[pick.sort().values]
+    elif windows.numel() < samples * seq_len:  # GPTQModel warns of too few samples too
+        print(f"note: --calib {path} gives {windows.shape[0]} x {length} = {windows.numel():,} tokens of the "
+              f"{samples} x {seq_len} = {samples * seq_len:,} asked for (--calib-samples x --calib-seq-len); "
+              "a longer text calibrates better", file=sys.stderr)
     return windows
 
 

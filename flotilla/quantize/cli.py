@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how a group's scale is chosen: output searches the clipping range with the least error in "
                         "the linear's output on the calibration text, mse the one with the least weight error, minmax "
                         "spans the group's min to max (default output; mse for rtn, which has no calibration text)")
+    p.add_argument("--desc-act", action="store_true", dest="act_order", help=argparse.SUPPRESS)  # GPTQ's name
     p.add_argument("--act-order", action="store_true", help="GPTQ visits inputs by decreasing activation "
                    "energy (recorded in g_idx)")
     p.add_argument("--fp-targets", action="store_true",
@@ -134,6 +135,22 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
                            fp_targets=args.fp_targets)
 
 
+def ignored_options(args: argparse.Namespace, options: QuantizeOptions) -> list[str]:
+    """The options given that this run does not use, each said (the run goes on without them)."""
+    notes = []
+    if not options.needs_calibration:
+        given = [name for name, value, default in (("--calib", args.calib, None),
+                                                   ("--calib-samples", args.calib_samples, _DEFAULTS.calib_samples),
+                                                   ("--calib-seq-len", args.calib_seq_len, _DEFAULTS.calib_seq_len))
+                 if value != default]
+        if given:
+            notes.append(f"{', '.join(given)} ignored: --method {options.method} reads no calibration text (it does "
+                         "with --sensitive N)")
+    if options.method not in ("gptq", "awq+gptq") and args.damp_percent != _DEFAULTS.damp_percent:
+        notes.append(f"--damp-percent ignored: it damps GPTQ's Hessian, and --method {options.method} has none")
+    return notes
+
+
 def default_out(src: Path, options: QuantizeOptions) -> Path:
     """Where a checkpoint goes without -o: beside the source, `model/` -> `model-gptq-int4/`,
     `model.gguf` -> `model-gptq-int4/`. The path is made absolute first, `.` and `..` folded, so
@@ -186,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 torch.set_num_threads(args.threads)
             options = options_from_args(args)
+            for line in ignored_options(args, options):
+                print(f"note: {line}", file=sys.stderr)
             out = args.out if args.out is not None else default_out(Path(args.src), options)
             # said once SRC and OUT are checked: a missing SRC gets its error alone
             report = quantize_model(args.src, out, options, progress=not args.quiet,

@@ -92,6 +92,7 @@ class QuantizeOptions:
             (self.rotate_scope in ROTATE_SCOPES,
              f"--rotate-scope {self.rotate_scope!r} is not a scope; choose {', '.join(ROTATE_SCOPES)}"),
             (self.rotate or not self.rotate_all, "--rotate-all-channels needs --rotate"),
+            (self.rotate or self.rotate_scope == "r1+r2", "--rotate-scope needs --rotate"),
             (self.rotate or not self.rotate_tied_head, "--rotate-tied-head needs --rotate"),
             ("r1" in self.rotate_scope or not self.rotate_tied_head,
              f"--rotate-tied-head keeps the lm_head that R1 unties tied; --rotate-scope {self.rotate_scope} has no R1 "

@@ -146,7 +146,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         seconds=time.perf_counter() - start, peak_rss=peak_rss_bytes(), peak_gpu=peak_gpu_bytes(device),
         calib_tokens=0 if tokens is None else tokens.numel(), calib_from=calib_from, damp_raised=damp_raised,
         bits_per_weight=8 * linear_bytes / sum(u.weights for u in units(cfg)), untied_head=untied_head,
-        norm_matrix=norm_matrix,
+        norm_matrix=norm_matrix, head_bits=options.lm_head_bits,
         kept=tuple(f"{u.label}:{b}" for u, b in sorted(chosen.items(), key=lambda c: (c[0].layer, c[0].merged))))
 
 

@@ -64,6 +64,7 @@ class QuantizeReport:
     kept: tuple[str, ...] = ()  # "layer.linear:bits" of the linears above the base bit width
     untied_head: bool = False  # --rotate untied a tied lm_head: its own copy is in bits_per_weight
     norm_matrix: bool = False  # --rotate-tied-head: the final norm's hidden x hidden matrix is in bits_per_weight
+    head_bits: int | None = None  # --lm-head-bits: the lm_head written apart, quantized
 
     @property
     def fp16_bytes(self) -> int:
@@ -82,9 +83,14 @@ class QuantizeReport:
         ]
         if self.untied_head:
             lines.append("  rotation  untied the tied lm_head: its own copy is counted in the bits per weight above")
-        if self.norm_matrix:
+        if self.norm_matrix and self.head_bits:
+            lines.append(f"  rotation  the final norm's hidden x hidden matrix (counted in the bits per weight above) "
+                         f"and the lm_head written apart at {self.head_bits} bits (a flotilla-only checkpoint)")
+        elif self.norm_matrix:
             lines.append("  rotation  kept the lm_head tied: the final norm's hidden x hidden matrix is counted in the "
                          "bits per weight above (a flotilla-only checkpoint)")
+        if self.head_bits:
+            lines.append(f"  lm_head   quantized to {self.head_bits} bits (--lm-head-bits)")
         if self.kept:
             lines.append(f"  mixed     {len(self.kept)} linear(s) kept wider: {', '.join(self.kept)}")
         if self.damp_raised:

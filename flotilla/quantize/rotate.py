@@ -224,6 +224,9 @@ def rotated(source, kind: str, scope: str, seed: int, keep_outliers: bool = True
     if out.untied_head:
         head = f"a {head_bits}-bit" if head_bits else "an fp16"
         note += f"; the tied lm_head is untied ({head} lm_head is written; --rotate-tied-head keeps it tied)"
+    elif out.norm_matrix and head_bits:
+        note += (f"; the final norm's weight becomes a hidden x hidden matrix, and a {head_bits}-bit lm_head is "
+                 "written apart (--lm-head-bits)")
     elif out.norm_matrix:
         note += "; the lm_head stays tied (the final norm's weight becomes a hidden x hidden matrix)"
     print(note, file=sys.stderr)

@@ -154,6 +154,7 @@ class TensorParallel:
         check_gloo_interface()
         self.spec = spec
         self._closed = False
+        self.in_step = False  # rank 0 is inside a step: the other ranks may wait in its collectives
         self._tmp = tempfile.TemporaryDirectory(prefix="flotilla-tp-")
         init = Path(self._tmp.name, "rendezvous").as_uri()
         ctx = multiprocessing.get_context("spawn")
@@ -236,8 +237,10 @@ class TensorParallel:
                 conn.send_bytes(_pack("stop"))
             except OSError:
                 pass
+        # ranks left inside a step's collective (rank 0 interrupted mid-step, as by Ctrl-C) never read "stop": they
+        # are ended after a moment, not after the 10 s a rank gets to leave cleanly
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=0.5 if self.in_step else 10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
@@ -259,10 +262,13 @@ class TPExecutor:
 
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
         try:
+            self.tp.in_step = True
             self.tp.send(encode_step(step, hidden))
             if hidden is not None:
                 hidden = self.tp.group.broadcast(hidden.contiguous())
-            return self.runner.execute(step, hidden)
+            out = self.runner.execute(step, hidden)
+            self.tp.in_step = False
+            return out
         except (RuntimeError, OSError) as e:  # gloo's or NCCL's error text, or a broken pipe: say which rank died
             died = self.tp.rank_death(e)
             if died is None:

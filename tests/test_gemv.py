@@ -245,6 +245,8 @@ def test_crossovers_only_where_measured(monkeypatch):
     q5k = gemv.geometry(repack_ggml(random_weight("Q5_K", 64, 256, seed=1, scale=0.01), torch.float16, "cpu"),
                         torch.float16)
     assert gemv.tables_ahead(q5k, 8, torch.float16)  # float offsets: ahead at 8 bits too
+    zp = gemv.geometry(repack(weight(768, 48, 4, 32, False, False)), torch.float16)  # GPTQ g32 asym: not measured
+    assert zp.mode == gemv.ZP and not gemv.group32_cores(zp, torch.float16)
     monkeypatch.setenv(gemv.GROUP32_ENV, "core")
     with pytest.raises(ValueError, match="FLOTILLA_GEMV_GROUP32='core': expected one of"):
         gemv.tables_ahead(gguf, 4, torch.float16)

@@ -107,7 +107,7 @@ GROUP_MMA_MAX_ROWS, GROUP_CORES_MAX_ROWS = 8, 4
 # 1491.9 / 1814.6 at 8. Off by default: FLOTILLA_GEMV_OFFSETS=1 turns it on, =0 off; the plan runs when asked
 # either way
 OFFSET_MMA_MAX_ROWS, OFFSETS_ENV, OFFSETS_ON = 8, "FLOTILLA_GEMV_OFFSETS", False
-# The layouts of one group a run at fp16 (group 32 / 16: the GGUF forms, GPTQ g32; float offsets included) on the
+# The layouts of one group a run at fp16 (group 32 / 16: the GGUF forms, GPTQ g32 sym; float offsets included) on the
 # CUDA-core plans at GROUP32_CORES_ROWS row(s), in place of the tensor-core ring or Triton, each strip's tables
 # loaded a strip ahead (TABLES_AHEAD) except on 8-bit integer-zero layouts (Q8_0, Q6_K, Q5_0), whose plain plan
 # measured faster. Round 23 (H100, `PARTS=group32`): at 1 row Q4_K 8192x28672 81.2 against Triton's 90.0 µs,
@@ -234,8 +234,9 @@ def geometry(layout: TritonLayout, dtype: torch.dtype) -> Geometry:
 
 def group32_cores(geo: Geometry, dtype: torch.dtype) -> bool:
     """Whether a group-32 / 16 layout runs the CUDA-core plans at 1 to GROUP32_CORES_ROWS rows
-    (FLOTILLA_GEMV_GROUP32, default on)."""
-    return geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16 \
+    (FLOTILLA_GEMV_GROUP32, default on): the GGUF forms' modes (an integer zero constant, float offsets), as
+    measured; a GPTQ g32 asym checkpoint's own zeros (ZP) keep the usual plan."""
+    return geo.tpg == 1 and geo.log2r < 5 and dtype == torch.float16 and geo.mode != ZP \
         and envs.switch(GROUP32_ENV, GROUP32_CORES_ON, also_on=("cores",))
 
 

@@ -34,6 +34,7 @@ import multiprocessing.connection
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from pathlib import Path
 import msgpack
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from flotilla.errors import FlotillaError
 from flotilla.models.llama import Stage
@@ -323,6 +325,9 @@ def _join_group(spec: LaunchSpec, rank: int, init_method: str) -> None:
 def _worker_main(rank: int, spec: LaunchSpec, init_method: str, conn) -> None:
     """A rank other than 0: join the group, load this rank's share, then run the steps rank 0 sends."""
     serving = False
+    # tqdm's default lock is a multiprocessing semaphore: a rank ended inside a collective (after a Ctrl-C or a
+    # peer's death) would leave it to the resource tracker, which warns of it at exit; a thread lock is enough here
+    tqdm.set_lock(threading.RLock())
     try:
         if spec.device_for(rank).type == "cpu":
             torch.set_num_threads(spec.threads)

@@ -38,7 +38,7 @@ def test_bench_table_and_errors():
     assert lines[2].split()[0] == "1" and lines[2].split()[-1] == "no"
     bad = runtime("bench", "--random", "llama-9", "--device", "cpu")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, qwen3-8b, tiny, tiny-qwen3"
+    assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, qwen3-8b, phi-3-mini, tiny, tiny-qwen3"
     bad = runtime("bench", "--random", "tiny", "--batch", "1,x", "--device", "cpu")
     assert bad.returncode == 2 and "--batch '1,x': expected positive integers" in bad.stderr
     bad = runtime("bench", "some/model", "--bits", "8", "--device", "cpu")  # was ignored: the path ran as it was
@@ -142,3 +142,40 @@ def test_bench_random_gguf_cli():
     assert bad.returncode == 2 and "--gguf Q3_K: expected one of" in bad.stderr
     bad = runtime("bench", "--gguf", "Q4_0", "--device", "cpu")
     assert bad.returncode == 2 and "give --random SHAPE too" in bad.stderr
+
+
+def test_a_random_phi3_shape_decodes_and_writes_fused_checkpoints(monkeypatch, tmp_path):
+    """`runtime bench --random phi-3-mini`'s kind of model (heads 96 wide, fused q/k/v and gate/up) at a CPU size:
+    INT4 decodes, and its random checkpoint stores the fused names and loads back."""
+    import dataclasses
+
+    import safetensors
+    import torch
+
+    from flotilla.models.attention import DenseCausalAttention
+    from flotilla.models.sources import open_source
+    from flotilla.models.weights import load_stage
+    from flotilla.runtime import random_model
+    from flotilla.runtime.bench import run_batches
+
+    small = dataclasses.replace(random_model.SHAPES["phi-3-mini"], vocab_size=512, hidden_size=256,
+                                intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+    monkeypatch.setitem(random_model.SHAPES, "phi3-test", small)
+    model = random_model.build_random_model("phi3-test", bits=4, seed=1)
+    assert model.config.family == "phi3"
+    (r,) = run_batches(model, [2], prompt_len=4, tokens=4, graphs=False)
+    assert r.decode_tokens == 2 * 3 and r.tok_s > 0
+    out = tmp_path / "ckpt"
+    random_model.write_random_checkpoint("phi3-test", out)
+    names = set()
+    for f in out.glob("*.safetensors"):
+        with safetensors.safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    assert "model.layers.0.self_attn.qkv_proj.qweight" in names and "model.layers.1.mlp.gate_up_proj.scales" in names
+    assert not any("q_proj" in n or "gate_proj" in n for n in names)
+    loaded = load_stage(open_source(out))
+    ids = torch.arange(1, 6)
+    with torch.no_grad():
+        logits = loaded.compute_logits(loaded(ids, torch.arange(5), DenseCausalAttention(1, 5)))
+    assert logits.shape == (5, 512) and torch.isfinite(logits).all()

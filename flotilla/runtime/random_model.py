@@ -46,6 +46,12 @@ SHAPES: dict[str, ModelConfig] = {
                             head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                             tie_word_embeddings=False, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645,),
                             torch_dtype="bfloat16"),
+    # Phi-3-mini (3.8B): heads 96 wide, q/k/v and gate/up stored fused (its 2047-token window left out here)
+    "phi-3-mini": ModelConfig(architecture="Phi3ForCausalLM", vocab_size=32064, hidden_size=3072,
+                              intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=32, head_dim=96, rms_norm_eps=1e-5, rope_theta=10000.0,
+                              max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                              eos_token_ids=(32000, 32007), torch_dtype="bfloat16"),
     # small enough for CPU tests; every linear's input is a multiple of group size 128
     "tiny": ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -23,7 +23,8 @@
 # logprobs, Qwen3, the tokenizer endpoints on the GPU) and the Qwen3 8B decode beside the Llama 3 8B. group32: round
 # 22's CUDA-core plans with the tables a strip ahead (test_gemv, the GGUF GEMV sweep, the 8B as Q4_K_M and Q4_0
 # with FLOTILLA_GEMV_GROUP32 unset and =cores). group32on: round 23's default (those plans at 1 row) against
-# FLOTILLA_GEMV_GROUP32=0: test_gemv, the 8B as Q4_K_M, Q4_0 and Q8_0 at batch 1, 2, 4.
+# FLOTILLA_GEMV_GROUP32=0: test_gemv, the 8B as Q4_K_M, Q4_0 and Q8_0 at batch 1, 2, 4. phi3: Phi-3-mini's shape
+# INT4 at batch 1, 16, 64.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -195,6 +196,11 @@ if has group32on; then  # round 23: the group-32 CUDA-core plans at 1 row on by 
         --batch ${GROUP32_BATCHES:-1,2,4} 2>&1 | tee -a "$OUT/group32on_decode.log" | grep -vE "^\[|Writing"
     done
   done
+fi
+if has phi3; then  # Phi-3-mini's shape (heads 96 wide: torch's rope and KV store on the GPU), never run on a GPU
+  mark "phi3: runtime bench --random phi-3-mini"
+  timeout 200 python3 -m flotilla.server.cli bench --random phi-3-mini --bits 4 --batch ${PHI3_BATCHES:-1,16,64} \
+    2>&1 | tee "$OUT/phi3_decode.log" | grep -vE "^\[|Writing"
 fi
 if has features; then  # the features that had never run on a GPU (bench/gpu_features.py) and the Qwen3 decode
   mark "features: gpu_features"

@@ -29,7 +29,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names, as transformers reads them for Phi-3
 # families whose checkpoints store q/k/v and gate/up as one tensor each, under these names (models/fused_names.py)
 FUSED_FAMILIES = ("phi3",)
-FUSED_LEAVES = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# the same by leaf names: ("q_proj", "k_proj", "v_proj") -> "qkv_proj"
+FUSED_LEAVES = {tuple(p.rsplit(".", 1)[1] for p in parts): fused.rsplit(".", 1)[1] for fused, parts in FUSED.items()}
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 
-from .config import FUSED_FAMILIES, ModelConfig
-
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+from .config import FUSED, FUSED_FAMILIES, ModelConfig
 COLUMNS = ("qweight", "scales", "qzeros")  # GPTQ tensors whose columns are the outputs ([in / pack, out], …)
 
 

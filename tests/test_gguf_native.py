@@ -82,14 +82,15 @@ def test_a_mixture_of_experts_gguf_is_named_as_such(tmp_path):
         open_source(path)
 
 
-def test_gguf_sliding_window_caps_the_context_and_a_bad_eos_is_refused(tmp_path):
-    """llama.cpp's <arch>.attention.sliding_window caps the served context as an HF Mistral's config does;
+def test_gguf_sliding_window_is_read_and_a_bad_eos_is_refused(tmp_path):
+    """llama.cpp's <arch>.attention.sliding_window is every layer's window, as an HF Mistral's config says;
     an end token id outside the vocabulary is a corrupt file, said at open."""
     from flotilla.errors import FlotillaError
 
     hf = make_hf_model(tiny_config("llama"))
     cfg = open_source(write_llama_gguf(hf, tmp_path / "w.gguf", uint32s={"llama.attention.sliding_window": 64})).config
-    assert cfg.sliding_window == 64 and cfg.max_model_len == min(64, cfg.max_position_embeddings)
+    assert cfg.sliding_window == 64 and cfg.max_model_len == cfg.max_position_embeddings == 256
+    assert cfg.layer_window(0) == 64
     with pytest.raises(FlotillaError, match="end-of-text token id 99999 is outside"):
         open_source(write_llama_gguf(hf, tmp_path / "e.gguf", uint32s={"tokenizer.ggml.eot_token_id": 99999}))
 

@@ -90,7 +90,8 @@ def test_qwen_sliding_window_is_read_and_written_as_transformers_does():
     for family in ("qwen2", "qwen3"):
         cfg = ModelConfig.from_hf_dict(tiny_config(family, use_sliding_window=True, sliding_window=16,
                                                    max_window_layers=1).to_dict())
-        assert cfg.sliding_window == 16 and cfg.window_layers == 1 and cfg.max_model_len == 16
+        assert cfg.sliding_window == 16 and cfg.window_layers == 1 and cfg.max_model_len == 256
+        assert [cfg.layer_window(i) for i in range(3)] == [0, 16, 16]
         d = cfg.to_hf_dict()
         assert (d["use_sliding_window"], d["sliding_window"], d["max_window_layers"]) == (True, 16, 1)
         assert ModelConfig.from_hf_dict(d) == cfg

@@ -127,3 +127,54 @@ def test_decode_alone_and_in_a_padded_batch_agree():
                                        meta.query_lens[b:b + 1], BS, 1, int(meta.seq_lens[b]), 0, 0)
         out = paged_attention(q[b:b + 1], kc, vc, alone, scale=0.25)
         assert (out[0] - together[b]).abs().max().item() < 1e-6
+
+
+def windowed_reference(seqs, full_k, full_v, q, window):
+    """dense_reference where query i (position cached + i) sees keys cached + i - window < j <= cached + i."""
+    outs, row = [], 0
+    for (cached, qlen), k, v in zip(seqs, full_k, full_v):
+        qq = q[row:row + qlen].transpose(0, 1)
+        kk = k.repeat_interleave(G, dim=1).transpose(0, 1)
+        vv = v.repeat_interleave(G, dim=1).transpose(0, 1)
+        pos = torch.arange(qlen)[:, None] + cached
+        j = torch.arange(cached + qlen)[None, :]
+        mask = (j <= pos) & (j > pos - window)
+        outs.append(F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1))
+        row += qlen
+    return torch.cat(outs)
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_kernels(request, monkeypatch):
+    """The CPU decode in the compiled extension, or torch's gather and mask (FLOTILLA_KERNEL=dense)."""
+    from flotilla.kernels.cpu import ops
+
+    if request.param == "torch":
+        monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
+    ops.reset()
+    yield request.param
+    ops.reset()
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_sliding_window_matches_the_dense_window(case, window, cpu_kernels):
+    seqs = CASES[case]
+    kc, vc, full_k, full_v, q, k, v, meta = build(seqs)
+    store_kv(kc, vc, k, v, meta)
+    got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=window)
+    assert (got - windowed_reference(seqs, full_k, full_v, q, window)).abs().max().item() < 1e-5
+    # a window no sequence of the step reaches past is the plain causal attention, through the plain plan
+    longest = max(c + n for c, n in seqs)
+    assert meta.plan(window=longest) is meta.plan()
+    full = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=longest)
+    assert (full - dense_reference(seqs, full_k, full_v, q)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("case", ["one-decode", "one-prefill", "prefill-after-prefix"])
+def test_a_sliding_window_over_consecutive_blocks(case, cpu_kernels):
+    seqs = CASES[case]
+    kc, vc, full_k, full_v, q, k, v, meta = build(seqs, consecutive=True)
+    store_kv(kc, vc, k, v, meta)
+    got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=4)
+    assert (got - windowed_reference(seqs, full_k, full_v, q, 4)).abs().max().item() < 1e-5

@@ -28,3 +28,16 @@ def test_decodes_through_triton_match_the_torch_path(sms):
     got = triton_decode(q, kc, vc, 0.25)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("window", [1, 5, 700])
+@pytest.mark.parametrize("sms", [1, 64])
+def test_a_sliding_window_through_triton_matches_the_torch_path(sms, window):
+    """The kernel starts each sequence at seq_len - window (split-K over what is left); sequences shorter than
+    the window read all of theirs."""
+    seqs = [(9, 1), (0, 1), (1100, 1), (40, 1)]
+    kc, vc, _, _, q, k, v, meta = build(seqs, num_blocks=400)
+    store_kv(kc, vc, k, v, meta)
+    want = paged_attention(q, kc, vc, meta, scale=0.25, window=window)  # CPU tensors: the torch path
+    got = _TritonDecode.for_step(meta, sms=sms)(q, kc, vc, 0.25, window)
+    assert (got - want).abs().max().item() < 1e-4

@@ -204,7 +204,7 @@ def test_phi3_variants_flotilla_does_not_run_are_refused_by_name(tmp_path):
     with pytest.raises(FlotillaError, match="differ in length"):
         ModelConfig.from_hf_dict(bad)
     window = ModelConfig.from_hf_dict({**d, "architectures": ["Phi3ForCausalLM"], "sliding_window": 128})
-    assert window.sliding_window == 128 and window.max_model_len == 128  # every layer's window, as Mistral's
+    assert window.sliding_window == 128 and window.layer_window(0) == 128  # every layer's window, as Mistral's
     su = {**d, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": None,
           "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
     rope = ModelConfig.from_hf_dict(su).rope_scaling

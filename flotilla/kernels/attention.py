@@ -18,7 +18,11 @@ Two functions make the interface that other backends (a Triton decode kernel on 
 with the same signatures:
 
     store_kv(key_cache, value_cache, key, value, meta)      write this step's keys and values
-    paged_attention(query, key_cache, value_cache, meta, scale) -> [T, Hq, D]
+    paged_attention(query, key_cache, value_cache, meta, scale, window=0) -> [T, Hq, D]
+
+`window` > 0 is a sliding window (Mistral, Gemma 3's local layers, Qwen2's upper layers): the token at
+position i attends to the keys at positions i - window + 1 … i, as transformers' sliding-window mask and
+vLLM's do. The cache keeps every key (the blocks are not freed early); only the reads are limited.
 
 Per-step index tensors (gather indices, masks) are built once per step by `meta.plan()` and
 shared by every layer; the per-layer work is a store, two gathers and one SDPA per group. On
@@ -54,7 +58,7 @@ class PagedAttentionMetadata:
     max_prefill_query_len: int  # max query_len over the prefills (0 if none)
     max_prefill_seq_len: int  # max seq_len over the prefills (0 if none)
     first_block: int = -1  # one sequence whose blocks are consecutive ids: the first (no gather needed)
-    _plan: "_TorchPlan | None" = field(default=None, init=False, repr=False, compare=False)
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -64,10 +68,14 @@ class PagedAttentionMetadata:
     def num_prefills(self) -> int:
         return self.num_seqs - self.num_decodes
 
-    def plan(self, dtype: torch.dtype = torch.float32) -> "_TorchPlan":
-        if self._plan is None:
-            self._plan = _TorchPlan(self, dtype)
-        return self._plan
+    def plan(self, dtype: torch.dtype = torch.float32, window: int = 0) -> "_TorchPlan":
+        """The step's gathers and masks for layers of this `window` (0: the whole context), built once."""
+        if window and window >= max(self.max_decode_seq_len, self.max_prefill_seq_len):
+            window = 0  # no sequence of the step is longer than the window: the plain plan serves
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = _TorchPlan(self, dtype, window)
+        return plan
 
 
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -77,18 +85,19 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached tokens (this step's
-    included, so call `store_kv` first). query [T, Hq, D] -> [T, Hq, D]."""
-    plan = meta.plan(query.dtype)
+    included, so call `store_kv` first), over the last `window` of them where window > 0.
+    query [T, Hq, D] -> [T, Hq, D]."""
+    plan = meta.plan(query.dtype, window)
     hkv, d = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, hkv, d)  # [slots, Hkv, D]
     flat_v = value_cache.view(-1, hkv, d)
     parts = []
-    if meta.num_decodes and plan.triton_decode is not None:
-        parts.append(plan.triton_decode(query[:meta.num_decodes], key_cache, value_cache, scale))
+    if meta.num_decodes and plan.triton_decode is not None:  # the kernel gets the window itself (graph-safe)
+        parts.append(plan.triton_decode(query[:meta.num_decodes], key_cache, value_cache, scale, window))
     elif meta.num_decodes and plan.cpu_decode is not None:
-        parts.append(plan.cpu_decode(query[:meta.num_decodes], key_cache, value_cache, scale))
+        parts.append(plan.cpu_decode(query[:meta.num_decodes], key_cache, value_cache, scale, plan.window))
     elif meta.num_decodes:
         parts.append(_decode(query[:meta.num_decodes], flat_k, flat_v, plan, scale))
     if meta.num_prefills:
@@ -149,22 +158,27 @@ class _TorchPlan:
     """Gather indices and masks for one step, shared by all layers. Masks are additive (0 or
     -inf) so SDPA does not convert them per layer; a lone sequence needs none."""
 
-    def __init__(self, meta: PagedAttentionMetadata, dtype: torch.dtype):
+    def __init__(self, meta: PagedAttentionMetadata, dtype: torch.dtype, window: int = 0):
         bs, nd = meta.block_size, meta.num_decodes
-        self.dtype = dtype
+        self.dtype, self.window = dtype, window
         self.triton_decode = _TritonDecode.for_step(meta) if nd and meta.slot_mapping.is_cuda else None
         self.cpu_decode = _cpu_decode(meta) if nd and dtype == torch.float32 and not meta.slot_mapping.is_cuda else None
         self.contiguous = None  # slots of the lone sequence, when its blocks are consecutive
         if meta.first_block >= 0:
             n = max(meta.max_decode_seq_len, meta.max_prefill_seq_len)
-            self.contiguous = slice(meta.first_block * bs, meta.first_block * bs + n)
+            # a lone decode over a window reads only the window's keys: the slice's tail
+            first = max(0, n - window) if window and not meta.num_prefills else 0
+            self.contiguous = slice(meta.first_block * bs + first, meta.first_block * bs + n)
         self.decode_gather = self.decode_mask = None
         self.prefill_q_index = self.prefill_gather = self.prefill_mask = self.prefill_unpad = None
         self.prefill_causal = False
         if nd and self.contiguous is None and self.triton_decode is None:
             self.decode_gather, valid = _gather_index(meta.block_tables[:nd], meta.seq_lens[:nd],
                                                       meta.max_decode_seq_len, bs)
-            if nd > 1:
+            if window:  # key p is visible to the decode at seq_len - 1 iff p > seq_len - 1 - window
+                valid &= torch.arange(valid.shape[1], device=valid.device)[None, :] >= \
+                    (meta.seq_lens[:nd] - window)[:, None]
+            if nd > 1 or window:
                 self.decode_mask = _additive(valid, dtype)[:, None, None, :]  # [B, 1, 1, L]
         if meta.num_prefills:
             self._plan_prefill(meta)
@@ -176,7 +190,7 @@ class _TorchPlan:
         self.prefill_shape = (Bp, Q)
         if self.contiguous is None:
             self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, L, bs)
-        if Bp == 1 and Q == L:  # a fresh prompt: plain causal attention
+        if Bp == 1 and Q == L and not self.window:  # a fresh prompt: plain causal attention
             self.prefill_causal = True
             return
         starts = torch.cumsum(qlens, 0) - qlens  # first row of each sequence among the prefill rows
@@ -186,7 +200,10 @@ class _TorchPlan:
         # queries see key 0 only, so that no mask row is empty (SDPA gives NaN for one).
         last_visible = torch.where(q_valid, (seq_lens - qlens)[:, None] + i[None, :], 0)  # [Bp, Q]
         j = torch.arange(L, device=device)
-        self.prefill_mask = _additive(j[None, None, :] <= last_visible[:, :, None], self.dtype)[:, None]  # [Bp, 1, Q, L]
+        visible = j[None, None, :] <= last_visible[:, :, None]  # [Bp, Q, L]
+        if self.window:  # and key j > (the query's position) - window; a padding query keeps key 0
+            visible &= j[None, None, :] > last_visible[:, :, None] - self.window
+        self.prefill_mask = _additive(visible, self.dtype)[:, None]  # [Bp, 1, Q, L]
         if Bp > 1:
             self.prefill_q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
             tp = meta.slot_mapping.shape[0] - meta.num_decodes  # rows of the padded output that are real queries
@@ -216,8 +233,10 @@ class _TritonDecode:
         return cls(paged_attention_decode, meta.block_tables[:nd].to(torch.int32),
                    meta.seq_lens[:nd].to(torch.int32), splits)
 
-    def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float):
-        return self.kernel(q, key_cache, value_cache, self.tables, self.lens, scale=scale, num_splits=self.num_splits)
+    def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                 window: int = 0):
+        return self.kernel(q, key_cache, value_cache, self.tables, self.lens, scale=scale, num_splits=self.num_splits,
+                           window=window)
 
 
 def _cpu_decode(meta: PagedAttentionMetadata):

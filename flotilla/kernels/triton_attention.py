@@ -9,6 +9,7 @@
     context_lens  [B] int32                       tokens to attend to (>= 1; the new token's own
                                                   key and value must already be in the cache)
     scale         float, default D ** -0.5
+    window        > 0: attend to each sequence's last `window` tokens only (sliding window); 0: all
     num_splits    split each sequence's context over this many programs (flash-decoding) and
                   combine them in a second small kernel; 1 for short contexts or large batches
     -> out        [B, Hq, D] in q's dtype
@@ -30,7 +31,7 @@ from .triton_pdl import launch_args, pdl_enter
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
-    scale, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    scale, window, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
@@ -50,8 +51,9 @@ def _decode_kernel(
     # step's inputs, written before its first kernel (a kernel here starts only once the one before
     # the kernel before it has completed), so their two dependent loads leave the critical path
     ctx = tl.load(len_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    first = tl.maximum(ctx - window, 0)  # window: a huge value when there is none
+    per_split = tl.cdiv(tl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
     tok = start + offs_n
     page = tl.load(bt_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tok < end, other=0).to(tl.int64)
@@ -121,7 +123,7 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ob, stride_oh, num_he
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float | None = None, num_splits: int = 1,
-                           block_n: int = 64) -> torch.Tensor:
+                           block_n: int = 64, window: int = 0) -> torch.Tensor:
     """Decode attention over a paged KV cache (module docstring)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -142,7 +144,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ws_ml = torch.empty((batch * num_heads * num_splits * 2) if split else 1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, ws_acc, ws_ml, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, ws_acc, ws_ml, scale, window if window > 0 else 1 << 30,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),

@@ -11,19 +11,32 @@ import torch
 import torch.nn.functional as F
 
 
+def causal_mask(queries: int, keys: int, start: int, window: int, device) -> torch.Tensor | None:
+    """[queries, keys] bool: query i (at position start + i) sees key j iff j <= start + i, and, with a sliding
+    `window` > 0, j > start + i - window; None where plain causal attention of a lone query needs no mask."""
+    if queries == 1 and (not window or keys <= window):
+        return None
+    pos = torch.arange(queries, device=device)[:, None] + start
+    j = torch.arange(keys, device=device)[None, :]
+    visible = j <= pos
+    return visible & (j > pos - window) if window else visible
+
+
 class DenseCausalAttention:
     """The flattened tokens are `batch` sequences of `seq_len` tokens each, all starting at 0."""
 
     def __init__(self, batch: int, seq_len: int):
         self.batch, self.seq_len = batch, seq_len
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         B, L = self.batch, self.seq_len
         Hq, D = q.shape[1], q.shape[2]
         qb = q.view(B, L, Hq, D).transpose(1, 2)  # [B, Hq, L, D]
         kb = k.view(B, L, k.shape[1], D).transpose(1, 2)  # [B, Hkv, L, D]
         vb = v.view(B, L, v.shape[1], D).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=Hq != kb.shape[1])
+        mask = causal_mask(L, L, 0, window, q.device) if window and window < L else None
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=Hq != kb.shape[1])
         return out.transpose(1, 2).reshape(B * L, Hq, D)  # [T, Hq, D]
 
 
@@ -46,7 +59,7 @@ class LockstepKVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         B, start = self.batch, self.length
         n = q.shape[0] // B
         end = start + n
@@ -57,8 +70,6 @@ class LockstepKVCache:
         keys = self.k[layer][:, :end].transpose(1, 2)  # [B, Hkv, S, D]
         vals = self.v[layer][:, :end].transpose(1, 2)
         qb = q.view(B, n, *q.shape[1:]).transpose(1, 2)  # [B, Hq, n, D]
-        mask = None
-        if n > 1:  # query i of the step sees keys up to start + i
-            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        mask = causal_mask(n, end, start, window, q.device)  # query i of the step sees keys up to start + i
         out = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, enable_gqa=qb.shape[1] != keys.shape[1])
         return out.transpose(1, 2).reshape(B * n, *q.shape[1:])  # [T, Hq, D]

@@ -216,9 +216,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm (weight [head_dim]) on every q and k head before rope
     mlp_bias: bool = False
     rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None
-    # Qwen2 / Qwen3's max_window_layers: layers below it attend to the whole context, the rest to the window (flotilla
-    # caps the context at the window, where the two agree; kept to write it back)
+    sliding_window: int | None = None  # the layers that layer_window names attend to the last this many tokens
+    # Qwen2 / Qwen3's max_window_layers: layers below it attend to the whole context, the rest to the window
     window_layers: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -243,11 +242,18 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest context we serve: sliding-window attention is not implemented, so a model
-        with a window shorter than its context is capped at the window."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest context we serve: the model's own (its sliding-window layers attend within their window)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window that `layer` attends within, 0 for the whole context (as transformers' layer_types:
+        Mistral's and Phi-3's every layer, Qwen's from max_window_layers on)."""
+        window = self.sliding_window
+        if not window or window >= self.max_position_embeddings:
+            return 0  # no sequence is longer than the window: plain causal attention, with no mask to build
+        if self.window_layers is not None and layer < self.window_layers:
+            return 0
+        return window
 
     def linear_quant(self, prefix: str, projections: Sequence[str]) -> QuantConfig | GGUFQuant | None:
         """The quantization of the linear made of checkpoint projections `prefix` + each of

@@ -112,7 +112,7 @@ class GGUFSource:
         if bad:
             raise FlotillaError(f"{self.path}: GGUF end-of-text token id {bad[0]} is outside the {int(vocab)}-token "
                                 "vocabulary; the file's tokenizer metadata is corrupt")
-        window = self._field(f"{a}.attention.sliding_window")  # as llama.cpp writes Mistral's (served up to it)
+        window = self._field(f"{a}.attention.sliding_window")  # as llama.cpp writes Mistral's: every layer's
         return ModelConfig(
             architecture=_GGUF_ARCHS[a],
             vocab_size=int(vocab),

@@ -57,8 +57,9 @@ class AttentionBackend(Protocol):
     projection qkv [T, (Hq + 2 Hkv) D] and the rope tables [T, 1, D], rotating itself (the runtime's
     paged backend rotates and stores in one kernel); attention_output uses it where present."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq, D]. Stores k/v as it likes."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq, D]. Stores k/v as it likes. A layer with a
+        sliding window passes it (> 0): each query then sees only the last `window` keys up to its own."""
         ...
 
 
@@ -100,6 +101,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.out_sizes[0], self.qkv_proj.out_sizes[1]
         self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim
+        self.window = cfg.layer_window(layer)  # a sliding window (0: the whole context)
         if cfg.qk_norm:  # Qwen3: each q and k head normed before rope (the same weight for every head)
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -136,7 +138,7 @@ class DecoderLayer(nn.Module):
         return LayerOps(a.layer, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                         self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), gate_up,
                         linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
-                        fused or (lambda h: silu_mul(gate_up(h))), qk_norm)
+                        fused or (lambda h: silu_mul(gate_up(h))), qk_norm, a.window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -167,6 +169,7 @@ class LayerOps:
     # of the product
     gate_up_act: Callable[[torch.Tensor], torch.Tensor]
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3: the q and k heads' RMSNorm weights [D]
+    window: int = 0  # a sliding window this layer attends within (0: the whole context)
 
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -217,11 +220,12 @@ def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     qk_size = (hq + hkv) * d
     if ops.qk_norm is not None:
         qkv = _qk_normed(qkv, ops.qk_norm, hq * d, qk_size, d, ops.eps)
+    window = {"window": ops.window} if ops.window else {}  # only a windowed layer asks the backend for one
     attend_qkv = getattr(attn, "attend_qkv", None)
     if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
-        return attend_qkv(ops.layer, qkv, cos, sin, hq).reshape(T, hq * d)
+        return attend_qkv(ops.layer, qkv, cos, sin, hq, **window).reshape(T, hq * d)
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
-    out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d))  # [T, Hq, D]
+    out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d), **window)  # [T, Hq, D]
     return out.reshape(T, hq * d)
 
 

@@ -112,12 +112,6 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     cfg = lm.config
     spec_config = args.speculative_config
     max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
-    if cfg.sliding_window and cfg.sliding_window < cfg.max_position_embeddings:
-        note = (f"this model attends over a sliding window of {cfg.sliding_window} tokens, which flotilla does not "
-                f"implement: its context is capped at {cfg.sliding_window} of its {cfg.max_position_embeddings}")
-        log.info("%s", note)
-        if report is not None:
-            report(note)
     if args.max_model_len and args.max_model_len > cfg.max_model_len:
         note = f"--max-model-len {args.max_model_len} is past the model's context; serving {cfg.max_model_len}"
         log.info("%s", note)

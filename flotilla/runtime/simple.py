@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from flotilla.models.attention import causal_mask
 from flotilla.models.llama import CausalLM
 
 from .sampling import SamplingParams
@@ -34,7 +35,7 @@ class ContiguousKVCache:
     def end(self) -> None:
         self.length += self.step_len
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         start, end = self.length, self.length + q.shape[0]
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v
@@ -42,9 +43,7 @@ class ContiguousKVCache:
         vals = self.v[layer][:end].transpose(0, 1)
         qh = q.transpose(0, 1)  # [Hq, T, D]
         T, S = q.shape[0], end
-        mask = None
-        if T > 1:  # query i sees keys up to start + i
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        mask = causal_mask(T, S, start, window, q.device)  # query i sees keys up to start + i
         out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, enable_gqa=qh.shape[0] != keys.shape[0])
         return out.transpose(0, 1)  # [T, Hq, D]
 

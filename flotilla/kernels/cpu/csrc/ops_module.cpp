@@ -66,9 +66,11 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-// q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; block_tables [B, W]; seq_lens [B] -> [B, Hq, D]
+// q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; block_tables [B, W]; seq_lens [B] -> [B, Hq, D];
+// window > 0: each query reads only its sequence's last `window` keys (sliding-window attention)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [B, Hq, D]");
   TORCH_CHECK(key_cache.scalar_type() == at::kFloat && key_cache.dim() == 4 && key_cache.is_contiguous() &&
               value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
@@ -94,12 +96,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
     std::vector<const float*> k_rows, v_rows;
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / hq, h = i % hq, kv = h / group, L = len[b];
+      const int64_t b = i / hq, h = i % hq, kv = h / group;
+      const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0, L = len[b] - first;
       k_rows.resize(L), v_rows.resize(L), scores.resize(L);
-      for (int64_t p = 0; p < L; ++p) {
-        const int64_t slot = tab[b * W + p / bs] * bs + p % bs;
-        k_rows[p] = kc + (slot * hkv + kv) * d;
-        v_rows[p] = vc + (slot * hkv + kv) * d;
+      for (int64_t n = 0; n < L; ++n) {
+        const int64_t p = first + n, slot = tab[b * W + p / bs] * bs + p % bs;
+        k_rows[n] = kc + (slot * hkv + kv) * d;
+        v_rows[n] = vc + (slot * hkv + kv) * d;
       }
       attend_one(q.data_ptr<float>() + i * d, k_rows.data(), v_rows.data(), L, d, static_cast<float>(scale),
                  scores.data(), out.data_ptr<float>() + i * d);
@@ -118,7 +121,7 @@ void register_ops(pybind11::module_& m) {
   m.def("silu_mul", &silu_mul, py::arg("gate_up"));
   m.def("rope", &rope, py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"));
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
 }
 
 }  // namespace flotilla_cpu

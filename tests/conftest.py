@@ -118,7 +118,7 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
     import numpy as np
 
     cfg = hf_model.config
-    arch = cfg.model_type  # "llama" or "qwen3": llama.cpp's architecture names too
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)  # llama.cpp's architecture names
     w = gguf.GGUFWriter(str(path), arch)
     w.add_key_length(cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads)
     w.add_block_count(cfg.num_hidden_layers)
@@ -128,13 +128,20 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if "rope_theta" in cfg.rope_parameters:
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(2)
     for key, value in (uint32s or {}).items():
         w.add_uint32(key, value)
     rope = cfg.rope_parameters
-    if rope.get("rope_type") == "longrope":  # as llama.cpp's convert_hf_to_gguf writes Phi-3's
+    if arch == "gemma3":  # the global layers' rope; every sixth layer global (llama.cpp's rule, not written)
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        if rope["full_attention"].get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    elif rope.get("rope_type") == "longrope":  # as llama.cpp's convert_hf_to_gguf writes Phi-3's
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
         if rope.get("attention_factor") is not None:
             w.add_float32(f"{arch}.rope.scaling.attn_factor", rope["attention_factor"])
@@ -166,7 +173,11 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
                 a = permute(a, cfg.num_attention_heads)
             elif proj == "k_proj" and arch == "llama":
                 a = permute(a, cfg.num_key_value_heads)
-            out = f"blk.{parts[2]}.{names[proj]}.{parts[-1]}"
+            layer_names = {**names, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm":
+                           "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"} if arch == "gemma3" else names
+            out = f"blk.{parts[2]}.{layer_names[proj]}.{parts[-1]}"
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
             w.add_tensor(out, gguf.quants.quantize(np.ascontiguousarray(a), qt), raw_dtype=qt)
         else:

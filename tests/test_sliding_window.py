@@ -52,7 +52,6 @@ def test_the_engine_decodes_past_the_window_as_transformers(kernels, tmp_path, m
     from flotilla.kernels.cpu import ops
     from flotilla.runtime.engine_args import EngineArgs, build_engine
     from flotilla.runtime.loader import load_model
-    from flotilla.runtime.sampling import SamplingParams
 
     if kernels == "torch":
         monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
@@ -64,20 +63,30 @@ def test_the_engine_decodes_past_the_window_as_transformers(kernels, tmp_path, m
                           EngineArgs(block_size=4, max_num_batched_tokens=16))
     prefix = list(range(40, 60))
     prompts = {"a": prefix + [7, 8, 9], "b": list(range(100, 127)), "c": prefix + [11]}
-    got: dict[str, list[int]] = {k: [] for k in prompts}
+    got = greedy_rounds(engine, prompts, [["a", "b"], ["c"]], 14)  # "c" after "a" finished: its prefix is cached
+    ops.reset()
+    for name, prompt in prompts.items():
+        assert got[name] == transformers_greedy(hf, prompt, 14), name
 
-    def run(names):
+
+def greedy_rounds(engine, prompts: dict[str, list[int]], rounds: list[list[str]], max_tokens: int):
+    """Each round's requests added at once and run to the end, greedy: {name: generated ids}."""
+    from flotilla.runtime.sampling import SamplingParams
+
+    got: dict[str, list[int]] = {k: [] for k in prompts}
+    for names in rounds:
         for name in names:
-            engine.add_request(name, prompts[name], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+            engine.add_request(name, prompts[name], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                   ignore_eos=True))
         while engine.has_unfinished():
             for out in engine.step():
                 got[out.request_id] += list(out.new_token_ids)
-    run(["a", "b"])
-    run(["c"])  # after "a" finished: its prefix blocks are cached
-    ops.reset()
-    for name, prompt in prompts.items():
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(14):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert got[name] == ids[len(prompt):], name
+    return got
+
+
+def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

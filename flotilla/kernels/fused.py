@@ -107,6 +107,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's MLP activation: gelu(gate) (tanh approximation) * up of [gate | up] [..., 2 I] -> [..., I], in the
+    states' dtype as transformers computes it (torch's ops on every device)."""
+    inter = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :inter], approximate="tanh") * gate_up[..., inter:]
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if (x.dim() == 3 and d & (d - 1) == 0 and cos.shape == sin.shape == (x.shape[0], 1, d)

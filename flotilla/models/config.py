@@ -22,9 +22,22 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without its q/k/v bias, with an RMSNorm on each q and k head
     "Phi3ForCausalLM": "phi3",  # Llama's layer with q/k/v and gate/up stored fused (models/fused_names.py), longrope
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text model (models/llama.py's module docstring)
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# config.json's model_type of a family, where it is not the family's name
+_FAMILY_MODEL_TYPE = {"gemma3": "gemma3_text"}
+# Gemma3TextConfig's defaults, for the keys a config.json may leave out (a multimodal model's text_config does)
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "sliding_window": 4096,
+                    "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
+# a multimodal checkpoint whose text model flotilla runs: its text_config, its weights under these prefixes
+MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MULTIMODAL_PREFIXES = ("language_model.model.", "model.language_model.")  # transformers 4's, 5's -> "model."
+
+GEMMA_ACT = "gelu_pytorch_tanh"
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names, as transformers reads them for Phi-3
 # families whose checkpoints store q/k/v and gate/up as one tensor each, under these names (models/fused_names.py)
@@ -219,6 +232,11 @@ class ModelConfig:
     sliding_window: int | None = None  # the layers that layer_window names attend to the last this many tokens
     # Qwen2 / Qwen3's max_window_layers: layers below it attend to the whole context, the rest to the window
     window_layers: int | None = None
+    # Gemma 3: each layer's "sliding_attention" (the window, and rope_local_theta) or "full_attention"
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3's sliding layers' rope base (unscaled)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar ** -0.5
+    hidden_act: str = "silu"  # or Gemma's GEMMA_ACT
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
@@ -231,6 +249,26 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def norm_offset(self) -> float:
+        """Gemma's RMSNorms multiply by 1 + weight (the checkpoint's weight kept as it is)."""
+        return 1.0 if self.family == "gemma3" else 0.0
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma 3's layer: norms of the attention's and the MLP's outputs too."""
+        return self.family == "gemma3"
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Gemma's embedding is multiplied by sqrt(hidden)."""
+        return self.hidden_size ** 0.5 if self.family == "gemma3" else None
+
+    def layer_rope_local(self, layer: int) -> bool:
+        """Whether `layer` takes the sliding layers' rope (Gemma 3's rope_local_theta)."""
+        return self.rope_local_theta is not None and self.layer_types is not None \
+            and self.layer_types[layer] == "sliding_attention"
 
     @property
     def q_size(self) -> int:
@@ -252,6 +290,8 @@ class ModelConfig:
         if not window or window >= self.max_position_embeddings:
             return 0  # no sequence is longer than the window: plain causal attention, with no mask to build
         if self.window_layers is not None and layer < self.window_layers:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return 0
         return window
 
@@ -292,7 +332,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        outer = (d.get("architectures") or [None])[0] or {"gemma3": "Gemma3ForConditionalGeneration"}.get(
+            d.get("model_type"))
+        if outer in MULTIMODAL_TEXT:  # the text model of an image-text checkpoint (its vision tower is not read)
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise FlotillaError(f"{where}: {outer} without a text_config")
+            top = {k: d[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config",
+                                     "tie_word_embeddings") if d.get(k) is not None}
+            d = {**text, **{k: v for k, v in top.items() if k not in text}, "architectures": [MULTIMODAL_TEXT[outer]]}
         arch = _hf_architecture(d, where)
+        if ARCHITECTURES[arch] == "gemma3":
+            d = {**_GEMMA3_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in _GEMMA3_DEFAULTS}}
         family = ARCHITECTURES[arch]
 
         def req(key):
@@ -319,9 +370,13 @@ class ModelConfig:
         sliding, window_layers = _sliding_window(d, family, int(req("num_hidden_layers")))
         quant = QuantConfig.from_hf(d["quantization_config"], where) if d.get("quantization_config") else None
         head_dim = d.get("head_dim") or hidden // heads
-        if d.get("hidden_act", "silu") != "silu":
+        gemma: dict[str, Any] = {}
+        if family == "gemma3":
+            gemma = _gemma3_fields(d, where, int(req("num_hidden_layers")), max_pos)
+            rope_theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+        elif d.get("hidden_act", "silu") != "silu":
             raise FlotillaError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (expected 'silu')")
-        return cls(
+        return cls(**gemma,
             architecture=arch,
             vocab_size=int(req("vocab_size")),
             hidden_size=hidden,
@@ -336,7 +391,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)) and family != "qwen2",
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             mlp_bias=bool(d.get("mlp_bias", False)),
             rope_scaling=scaling,
             sliding_window=int(sliding) if sliding else None,
@@ -346,13 +401,14 @@ class ModelConfig:
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             quant=quant,
             final_norm_matrix=bool(d.get("flotilla_final_norm_matrix", False)),
+            extra={"multimodal": outer} if outer in MULTIMODAL_TEXT else {},
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers and vLLM read back as the same model."""
         d: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": self.family,
+            "model_type": _FAMILY_MODEL_TYPE.get(self.family, self.family),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -374,6 +430,13 @@ class ModelConfig:
             d["mlp_bias"] = self.mlp_bias
         if self.family == "qwen3":
             d["attention_bias"] = self.attention_bias
+        if self.family == "gemma3":  # as transformers 4 wrote it (transformers 5 reads it into rope_parameters)
+            d.pop("hidden_act")
+            scalar = self.query_pre_attn_scalar
+            d.update(hidden_activation=self.hidden_act, query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+                     rope_local_base_freq=self.rope_local_theta, layer_types=list(self.layer_types or ()),
+                     attention_bias=self.attention_bias, final_logit_softcapping=None, attn_logit_softcapping=None,
+                     rope_scaling=None)
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
         if self.family in ("qwen2", "qwen3"):
@@ -414,8 +477,8 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     window = d.get("sliding_window")
     if not window:
         return None, None
-    if family in ("mistral", "phi3"):  # every layer (transformers' Phi-3 masks by it too)
-        return int(window), None
+    if family in ("mistral", "phi3", "gemma3"):  # every layer (transformers' Phi-3 masks by it too); Gemma 3's
+        return int(window), None  # sliding layers (ModelConfig.layer_types)
     if not d.get("use_sliding_window"):
         return None, None
     types = d.get("layer_types")
@@ -424,6 +487,41 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
         return (int(window), first) if first is not None else (None, None)
     from_layer = int(d.get("max_window_layers", 28))
     return (int(window), from_layer) if layers > from_layer else (None, None)
+
+
+def _gemma3_fields(d: dict, where: str, layers: int, max_pos: int) -> dict[str, Any]:
+    """Gemma 3's own fields of ModelConfig, and its global rope (rope_theta, rope_scaling), from config.json as
+    transformers 5 writes it (layer_types, rope_parameters per layer type) or 4 did (sliding_window_pattern,
+    rope_theta, rope_local_base_freq, rope_scaling); what flotilla does not implement is refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise FlotillaError(f"{where}: {key} {d[key]} (Gemma 2's soft-capping) is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise FlotillaError(f"{where}: use_bidirectional_attention (an embedding model) is not supported")
+    act = d.get("hidden_activation") or d.get("hidden_act") or GEMMA_ACT
+    if act != GEMMA_ACT:
+        raise FlotillaError(f"{where}: hidden_activation {act!r} is not supported (expected {GEMMA_ACT!r})")
+    types = d.get("layer_types")
+    if not types:
+        pattern = int(d.get("sliding_window_pattern") or 6)  # every pattern-th layer attends to everything
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise FlotillaError(f"{where}: layer_types must name sliding_attention or full_attention for each of the "
+                            f"{layers} layers")
+    params = d.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per layer type
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        theta, local_theta = float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 10000.0))
+        if (local.get("rope_type") or "default") != "default":
+            raise FlotillaError(f"{where}: the sliding layers' rope_type {local.get('rope_type')!r} is not supported")
+        scaling = _rope_scaling(full, where, max_pos)
+    else:
+        theta = float(d.get("rope_theta", 1e6))
+        local_theta = float(d.get("rope_local_base_freq", 10000.0))
+        scaling = _rope_scaling(d.get("rope_scaling") or {}, where, max_pos)
+    return dict(layer_types=tuple(types), rope_local_theta=local_theta, hidden_act=act, rope_theta=theta,
+                rope_scaling=scaling,
+                query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256))
 
 
 def _rope_scaling(d: dict, where: str, max_position_embeddings: int, top_original: int | None = None,

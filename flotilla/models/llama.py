@@ -1,4 +1,6 @@
-"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3 (its q/k norms), SmolLM.
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3 (its q/k norms), Phi-3, SmolLM, and Gemma 3's
+text model (norms of 1 + weight, a norm after attention and after the MLP as well as before, gelu-tanh, the
+embedding scaled by sqrt(hidden), sliding-window layers with their own rope base).
 
 Tokens are flattened: a batch of sequences is one [T] vector of token ids (or [T, hidden] of
 hidden states for a later pipeline stage), with a [T] vector of positions. Attention goes through
@@ -16,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flotilla.kernels.fused import add_rms_norm, embed_rms_norm, rms_norm, silu_mul
+from flotilla.kernels.fused import add_rms_norm, embed_rms_norm, gelu_tanh_mul, rms_norm, silu_mul
 
 from .config import ModelConfig
 from .linear import QuantLinear, make_embedding, make_linear, make_lm_head
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, for_layer, model_rope
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,19 @@ class AttentionBackend(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`offset` 1.0: Gemma's norm, x / rms(x) * (1 + weight), its checkpoints' weight kept as they store it."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim) if not offset else torch.zeros(dim), requires_grad=False)
+        self.eps, self.offset = eps, offset
+
+    def scale(self) -> torch.Tensor:
+        """What x / rms(x) is multiplied by: the weight, or 1 + weight (in fp32, rounded to the weight's dtype)."""
+        return self.weight if not self.offset else (self.weight.float() + self.offset).to(self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)  # computed in fp32 for half inputs
+        return rms_norm(x, self.scale(), self.eps)  # computed in fp32 for half inputs
 
 
 class NormMatrix(nn.Module):
@@ -102,9 +110,13 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim
         self.window = cfg.layer_window(layer)  # a sliding window (0: the whole context)
-        if cfg.qk_norm:  # Qwen3: each q and k head normed before rope (the same weight for every head)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rope_index = 1 if cfg.layer_rope_local(layer) else 0  # Gemma 3's sliding layers: the second rope
+        # the attention's scale is the backends' head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5 is
+        # had by scaling q (through its norm's weight, frozen into LayerOps)
+        self.q_scale = (cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each q and k head normed before rope (the same weight for every head)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 class MLP(nn.Module):
@@ -117,15 +129,27 @@ class MLP(nn.Module):
                                         split="column")
         self.down_proj = make_linear(i, [h], b, cfg.linear_quant(prefix, ("down_proj",)), split="row")
         self.intermediate_size = self.gate_up_proj.out_sizes[0]  # the units this instance computes
+        self.act = cfg.hidden_act  # "silu" (silu(gate) * up) or Gemma's "gelu_pytorch_tanh"
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        off = cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama's norm before the MLP; Gemma's norm of the attention's output (its pre_feedforward_layernorm is
+        # the norm before the MLP, and post_feedforward_layernorm that of the MLP's output)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
         self.mlp = MLP(cfg, layer)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm whose output the MLP takes."""
+        return getattr(self, "pre_feedforward_layernorm", self.post_attention_layernorm)
 
     def ops(self, frozen: bool = False) -> "LayerOps":
         """This layer's weights and linears. Live modules (their hooks run: quantize's calibration
@@ -133,12 +157,22 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         linear = (lambda mod: mod.fn()) if frozen else (lambda mod: mod)
         gate_up = linear(m.gate_up_proj)
-        fused = m.gate_up_proj.silu_mul_fn() if frozen and hasattr(m.gate_up_proj, "silu_mul_fn") else None
-        qk_norm = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else None
-        return LayerOps(a.layer, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+        if m.act == "silu":
+            fused = m.gate_up_proj.silu_mul_fn() if frozen and hasattr(m.gate_up_proj, "silu_mul_fn") else None
+            act = fused or (lambda h: silu_mul(gate_up(h)))
+        else:
+            act = lambda h: gelu_tanh_mul(gate_up(h))  # noqa: E731
+        qk_norm = None
+        if hasattr(a, "q_norm"):
+            q = a.q_norm.scale()
+            qk_norm = (q if a.q_scale == 1.0 else (q.float() * a.q_scale).to(q.dtype), a.k_norm.scale())
+        out_norms = None
+        if hasattr(self, "post_feedforward_layernorm"):
+            out_norms = (self.post_attention_layernorm.scale(), self.post_feedforward_layernorm.scale())
+        return LayerOps(a.layer, self.input_layernorm.scale(), self.mlp_norm.scale(),
                         self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), gate_up,
                         linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
-                        fused or (lambda h: silu_mul(gate_up(h))), qk_norm, a.window)
+                        act, qk_norm, a.window, a.rope_index, out_norms)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -170,6 +204,9 @@ class LayerOps:
     gate_up_act: Callable[[torch.Tensor], torch.Tensor]
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3: the q and k heads' RMSNorm weights [D]
     window: int = 0  # a sliding window this layer attends within (0: the whole context)
+    rope_index: int = 0  # which of the model's rope tables this layer takes (rope.for_layer)
+    # Gemma's norms of the attention's and the MLP's outputs (before each residual add), their scales [hidden]
+    out_norms: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -196,8 +233,11 @@ def layer_normed(ops: LayerOps, x: torch.Tensor, h: torch.Tensor, cos: torch.Ten
                  attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
     """layer_residual on the input x whose input norm h is computed already."""
     out = attend_normed(ops, h, cos, sin, attn)
-    x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
-    return x, ops.down(ops.gate_up_act(h))  # silu(gate) * up of gate_up(h) [T, 2 * intermediate]
+    if ops.out_norms is None:
+        x, h = add_rms_norm(x, ops.o(out), ops.post_norm, ops.eps)  # x + o(out), and its norm
+        return x, ops.down(ops.gate_up_act(h))  # silu(gate) * up of gate_up(h) [T, 2 * intermediate]
+    x, h = add_rms_norm(x, rms_norm(ops.o(out), ops.out_norms[0], ops.eps), ops.post_norm, ops.eps)
+    return x, rms_norm(ops.down(ops.gate_up_act(h)), ops.out_norms[1], ops.eps)
 
 
 def attention_output(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -218,6 +258,7 @@ def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     T = qkv.shape[0]
     hq, hkv, d = ops.num_heads, ops.num_kv_heads, ops.head_dim
     qk_size = (hq + hkv) * d
+    cos, sin = for_layer(cos, sin, ops.rope_index)
     if ops.qk_norm is not None:
         qkv = _qk_normed(qkv, ops.qk_norm, hq * d, qk_size, d, ops.eps)
     window = {"window": ops.window} if ops.window else {}  # only a windowed layer asks the backend for one
@@ -272,8 +313,9 @@ class NormFusion:
             a, m = layer.self_attn, layer.mlp
             lin = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             if any(type(x) is not QuantLinear or not hasattr(x.kernel, "fuses_norm") for x in lin) \
-                    or m.gate_up_proj.bias is not None or any(x.kernel.dtype != torch.float16 for x in lin):
-                return None
+                    or m.gate_up_proj.bias is not None or any(x.kernel.dtype != torch.float16 for x in lin) \
+                    or m.act != "silu" or layer.input_layernorm.offset or hasattr(layer, "pre_feedforward_layernorm"):
+                return None  # (Gemma's layers: another activation, norms of 1 + weight and of the outputs)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != torch.float16 or w.device.type != "cuda" for w in norms):
                 return None
@@ -309,7 +351,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, cfg.quant) if stage.is_first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in stage.layers})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset) if stage.is_last else None
         self.norm_matrix = NormMatrix(cfg.hidden_size) if stage.is_last and cfg.final_norm_matrix else None
 
 
@@ -322,7 +364,7 @@ class CausalLM(nn.Module):
         self.stage = stage or Stage.whole(cfg.num_hidden_layers)
         self.model = DecoderStack(cfg, self.stage)
         self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.quant) if self.stage.is_last else None
-        self.rope: RotaryEmbedding | None = None
+        self.rope: RotaryEmbedding | None = None  # or rope.DualRotaryEmbedding (Gemma 3)
         self._frozen: list[LayerOps] | None = None
         self._fusion: list[NormFusion] | None = None  # with frozen ops: the residual and norm fusion
         self._fusion_rows: dict[int, bool] = {}  # rows -> whether every layer's fusion serves them
@@ -355,10 +397,13 @@ class CausalLM(nn.Module):
         device = next(self.parameters()).device
         n = max_positions or cfg.max_model_len
         with torch.device(device):
-            self.rope = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, cfg.rope_scaling)
+            self.rope = model_rope(cfg, n)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(token_ids)
+        x = self.model.embed_tokens(token_ids)
+        if self.config.embed_scale is not None:  # Gemma: times sqrt(hidden), rounded to the states' dtype first
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 sampled: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -379,7 +424,7 @@ class CausalLM(nn.Module):
             h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
             norm = self.model.norm
-            return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1])
+            return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.scale(), norm.eps)[1])
         return h if delta is None else h + delta
 
     def _fused_rows(self, rows: int) -> bool:
@@ -407,7 +452,7 @@ class CausalLM(nn.Module):
                 h = nr.resid
         if self.stage.is_last:
             norm = self.model.norm
-            return self.final_matrix(add_rms_norm(h, delta, norm.weight, norm.eps)[1])
+            return self.final_matrix(add_rms_norm(h, delta, norm.scale(), norm.eps)[1])
         return h + delta
 
     def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps | None,
@@ -417,7 +462,7 @@ class CausalLM(nn.Module):
         the embedding module's own."""
         table = self.model.embed_tokens
         ids, rows = sampled if sampled is not None else (None, None)
-        if type(table) is nn.Embedding and first is not None:
+        if type(table) is nn.Embedding and first is not None and self.config.embed_scale is None:
             return embed_rms_norm(table.weight, token_ids, first.input_norm, first.eps, ids, rows)
         x = self.embed(token_ids if rows is None else token_ids + ids.index_select(0, rows))
         return x, rms_norm(x, first.input_norm, first.eps) if first is not None else None

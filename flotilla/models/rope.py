@@ -105,3 +105,31 @@ class RotaryEmbedding(torch.nn.Module):
         # q [T, Hq, D], k [T, Hkv, D], positions [T]
         cos, sin = self.tables(positions, q.dtype)
         return self.apply(q, cos, sin), self.apply(k, cos, sin)
+
+
+class DualRotaryEmbedding(torch.nn.Module):
+    """Two rotaries for one model (Gemma 3): the global layers' (index 0: rope_theta, with the model's scaling)
+    and the sliding-window layers' (index 1: their own base, unscaled). `tables` stacks both: cos and sin
+    [2, T, 1, D]; each layer takes its own (`for_layer`)."""
+
+    def __init__(self, glob: RotaryEmbedding, local: RotaryEmbedding):
+        super().__init__()
+        self.glob, self.local = glob, local
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        c0, s0 = self.glob.tables(positions, dtype)
+        c1, s1 = self.local.tables(positions, dtype)
+        return torch.stack((c0, c1)), torch.stack((s0, s1))
+
+
+def for_layer(cos: torch.Tensor, sin: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (cos, sin) [T, 1, D] from a model's tables: DualRotaryEmbedding's [2, T, 1, D] hold one per index."""
+    return (cos[index], sin[index]) if cos.dim() == 4 else (cos, sin)
+
+
+def model_rope(cfg, max_positions: int) -> torch.nn.Module:
+    """The rotary of a model config (models.config.ModelConfig): one table, or Gemma 3's two."""
+    glob = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_local_theta is None:
+        return glob
+    return DualRotaryEmbedding(glob, RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, None))

@@ -22,7 +22,7 @@ import torch
 from flotilla.errors import FlotillaError
 
 from .checkpoint import INDEX_FILE, Manifest, is_checkpoint
-from .config import ModelConfig
+from .config import MULTIMODAL_PREFIXES, ModelConfig
 from .converted_source import converted
 from .fused_names import split_fused
 from .gguf_source import GGUFSource
@@ -40,6 +40,25 @@ class SafetensorsSource:
         self._verified: set[str] = set()
         self.opened_files: list[str] = []
         self._weight_map = self._read_weight_map()
+        self._stored: dict[str, str] = {}  # our name -> the file's, where they differ
+        if self.config.extra.get("multimodal"):
+            self._text_model_names()
+
+    def _text_model_names(self) -> None:
+        """An image-text checkpoint (Gemma 3 4B and up): its language model's tensors under the text model's
+        names, the vision tower's and the projector's left out."""
+        kept = {}
+        for name, file in self._weight_map.items():
+            ours = next(("model." + name[len(p):] for p in MULTIMODAL_PREFIXES if name.startswith(p)), None)
+            if ours is None and name in ("language_model.lm_head.weight", "lm_head.weight"):
+                ours = "lm_head.weight"
+            if ours is not None:
+                kept[ours] = file
+                self._stored[ours] = name
+        if not any(n.startswith("model.layers.") for n in kept):
+            raise FlotillaError(f"{self.path}: a {self.config.extra['multimodal']} checkpoint, but no tensor is named "
+                                f"as its language model's ({' or '.join(p + '…' for p in MULTIMODAL_PREFIXES)})")
+        self._weight_map = kept
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -97,7 +116,7 @@ class SafetensorsSource:
             raise FlotillaError(f"{self.path}: tensor {name!r} is missing")
         file = self._weight_map[name]
         try:
-            return self._open(file).get_tensor(name)
+            return self._open(file).get_tensor(self._stored.get(name, name))
         except FlotillaError:
             raise
         except Exception as e:

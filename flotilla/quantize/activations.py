@@ -9,6 +9,8 @@ layer over all of them stage by stage, the steps of models.llama.layer_step take
     down_proj     <- a = silu(gate) * up of gate_up_proj(h)  (kept: a)
     next layer    <- x + o_proj(...) + down_proj(a)          (replaces the hidden states)
 
+(Gemma 3: o_proj's and down_proj's outputs are normed before each add, and a = gelu(gate) * up.)
+
 and hands out each linear with its inputs. The caller may change a linear (quantize it) before
 asking for the next one: every later stage computes through it as changed, which is GPTQ's
 true-sequential order, yet each linear and the attention run once per token (not once per later
@@ -25,11 +27,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from flotilla.kernels.fused import add_rms_norm, rms_norm, silu_mul
+from flotilla.kernels.fused import add_rms_norm, rms_norm
 from flotilla.models.attention import DenseCausalAttention
 from flotilla.models.config import ModelConfig
 from flotilla.models.llama import DecoderLayer, attention_output
-from flotilla.models.rope import RotaryEmbedding
+from flotilla.models.rope import model_rope
 
 CHUNK_TOKENS = 4096
 
@@ -40,7 +42,7 @@ class CalibrationActivations:
         N, L, _ = hidden.shape
         self.chunk = max(1, CHUNK_TOKENS // L)
         with torch.device(hidden.device):
-            self.rope = RotaryEmbedding(config.head_dim, L, config.rope_theta, config.rope_scaling)
+            self.rope = model_rope(config, L)
         self.positions = torch.arange(L, device=hidden.device)
 
     @property
@@ -79,7 +81,10 @@ class CalibrationActivations:
 
             def post_attention():
                 for r, *_ in self._chunks():
-                    total, normed[r] = add_rms_norm(x[r], ops.o(attn_out[r]), ops.post_norm, ops.eps)
+                    o = ops.o(attn_out[r])
+                    if ops.out_norms is not None:
+                        o = rms_norm(o, ops.out_norms[0], ops.eps)
+                    total, normed[r] = add_rms_norm(x[r], o, ops.post_norm, ops.eps)
                     if advance:
                         x[r] = total
                     yield normed[r]
@@ -90,7 +95,7 @@ class CalibrationActivations:
 
             def mlp():
                 for r, *_ in self._chunks():
-                    a_r = silu_mul(ops.gate_up(normed[r]))  # silu(gate) * up
+                    a_r = ops.gate_up_act(normed[r])  # silu(gate) * up (Gemma: gelu)
                     if act is not None:
                         act[r] = a_r
                     yield a_r
@@ -99,7 +104,8 @@ class CalibrationActivations:
 
             if advance:
                 for r, *_ in self._chunks():
-                    x[r] = x[r] + ops.down(act[r])
+                    d = ops.down(act[r])
+                    x[r] = x[r] + (d if ops.out_norms is None else rms_norm(d, ops.out_norms[1], ops.eps))
 
 
 def _drained(linear: nn.Module, inputs: Iterator[torch.Tensor]) -> Iterator[tuple[nn.Module, Iterator[torch.Tensor]]]:

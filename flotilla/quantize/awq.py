@@ -92,7 +92,7 @@ def scale_sites(layer: DecoderLayer) -> list[ScaleSite]:
     sites = [ScaleSite("qkv_proj", a.qkv_proj, norm=layer.input_layernorm)]
     if a.num_kv_heads == a.num_heads:
         sites.append(ScaleSite("o_proj", a.o_proj, rows_of=a.qkv_proj, rows=a.qkv_proj.shard_slice(2)))
-    sites += [ScaleSite("gate_up_proj", m.gate_up_proj, norm=layer.post_attention_layernorm),
+    sites += [ScaleSite("gate_up_proj", m.gate_up_proj, norm=layer.mlp_norm),
               ScaleSite("down_proj", m.down_proj, rows_of=m.gate_up_proj, rows=m.gate_up_proj.shard_slice(1))]
     return sites
 
@@ -194,10 +194,12 @@ def search_scale(W: torch.Tensor, stats: InputStats, spec: GridSpec, group_size:
 def apply_scale(site: ScaleSite, s: torch.Tensor) -> None:
     """W <- W diag(s), the op before it <- itself / s; the layer's float outputs are unchanged."""
     if site.norm is not None:
-        old = site.norm.weight.float()
-        new = (old / s).half().float()  # what the checkpoint will hold
+        off = site.norm.offset  # Gemma's norm multiplies by 1 + weight
+        old = site.norm.scale().float()
+        held = (old / s - off).half().float()  # what the checkpoint will hold
+        new = held + off
         s = torch.where(new != 0, old / new, s)
-        site.norm.weight.copy_(new)
+        site.norm.weight.copy_(held)
     else:
         prev = site.rows_of
         prev.weight[site.rows] /= s.unsqueeze(1)

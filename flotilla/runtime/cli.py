@@ -281,6 +281,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_args(p)
     p.set_defaults(max_num_seqs=1)
     pipeline_cli.add_pipeline_args(p)  # as `runtime serve`'s: the chat's model over a pipeline of stages
+    p.epilog = "In the chat: " + CHAT_KEYS + "."
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -300,20 +301,28 @@ def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
     messages = list(system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("flotilla chat — Ctrl-C stops a reply (at the prompt: quits), Ctrl-D quits, /reset starts over",
-              file=sys.stderr)
+        try:
+            import readline  # noqa: F401  (input() then edits the line, keeps a history, and takes any length)
+        except ImportError:
+            pass
+        print("flotilla chat — " + CHAT_KEYS, file=sys.stderr)
     for turn in itertools.count():
-        if interactive:
-            print("> ", end="", flush=True, file=sys.stderr)
-        line = sys.stdin.readline()
-        if not line:
+        line = _read_message(interactive)
+        if line is None:
             return 0
         if not line.strip():
             continue
-        if line.strip() == "/reset":
-            messages = list(system)
+        command = line.strip()
+        if command in ("/quit", "/exit"):
+            return 0
+        if command == "/help":
+            print(CHAT_KEYS, file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
+        if command == "/reset":
+            messages = list(system)
+            print("[a new conversation]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
         ids, dropped = _fit_context(tok, messages, len(system), engine.config.context_len, params.max_tokens)
         if ids is None:
             # the count is the system prompt and this message through the template (a template may add a default
@@ -337,6 +346,35 @@ def _chat_loop(engine, args: argparse.Namespace, params: SamplingParams) -> int:
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+CHAT_KEYS = ("Ctrl-C stops a reply (at the prompt: quits), Ctrl-D or /quit quits, /reset starts over, a line ending "
+             "in \\ goes on on the next line")
+
+
+def _read_message(interactive: bool) -> str | None:
+    """The next message, or None at the end of the input. At a terminal: through input() (line editing, history,
+    no 4096-byte line limit of the terminal's own line mode), a line ending in a backslash continuing on the next
+    (as llama.cpp's interactive mode); piped: one line."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.rstrip("\n") if line else None
+    parts: list[str] = []
+    while True:
+        prompt = "> " if not parts else "… "
+        try:
+            if sys.stdout.isatty():
+                line = input(prompt)
+            else:  # the replies go elsewhere: the prompt to the terminal
+                print(prompt, end="", flush=True, file=sys.stderr)
+                line = input()
+        except EOFError:
+            print(file=sys.stderr)  # the shell's prompt on a line of its own
+            return None
+        if line.endswith("\\"):
+            parts.append(line[:-1])
+            continue
+        return "\n".join(parts + [line])
 
 
 def _fit_context(tok, messages: list[dict], keep: int, context_len: int, max_tokens: int):

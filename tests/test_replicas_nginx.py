@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -93,7 +94,7 @@ class Nginx:
         shipped = re.sub(r"^(\s*)listen \d+;", rf"\g<1>listen 127.0.0.1:{listen};", shipped, count=1, flags=re.M)
         (prefix / "temp").mkdir(parents=True)
         (prefix / "flotilla.conf").write_text(shipped)
-        self.error_log = prefix / "error.log"
+        self.error_log, self.access_log = prefix / "error.log", prefix / "access.log"
         user = f"user {getpass.getuser()};\n" if os.geteuid() == 0 else ""  # as this user, not nobody
         temps = "".join(f"    {kind}_temp_path {prefix}/temp/{kind};\n"
                         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
@@ -198,6 +199,8 @@ def test_streams_spread_over_both_replicas_and_survive_one_dying(cluster):
             return frames
     frames = asyncio.run(ws_turn())
     assert frames[0]["type"] == "start" and frames[-1]["usage"]["completion_tokens"] == 4
+    # the page's ?api_key= is never written to nginx's access log: /ws is not logged
+    assert "/v1/completions" in nginx.access_log.read_text() and "/ws" not in nginx.access_log.read_text()
 
     alive, dead = replicas
     dead.kill()
@@ -217,6 +220,14 @@ def test_streams_spread_over_both_replicas_and_survive_one_dying(cluster):
     while [c for c in children if running(c)]:
         assert time.monotonic() < deadline, f"processes of the stopped TP replica still run: {children}"
         time.sleep(0.2)
+
+    # both down now: nginx's JSON 503 in OpenAI's error shape, which clients parse, not its HTML page
+    request = urllib.request.Request(nginx.url + "/v1/completions", data=b'{"prompt": "hi", "max_tokens": 1}',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 503 and e.value.headers["Content-Type"] == "application/json"
+    assert json.loads(e.value.read())["error"]["message"] == "no flotilla replica is answering; retry shortly"
 
 
 def running(pid: int) -> bool:

@@ -204,3 +204,18 @@ def test_a_restart_binds_past_time_wait_and_listens():
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
         again.close()
+
+
+def test_a_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """The console scripts import their command (and torch) inside flotilla.entry: a Ctrl-C in that first second
+    ends with status 130, as one later does, not in an import's traceback."""
+    import sys
+
+    from flotilla import entry
+
+    (tmp_path / "slow_to_import.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        entry._interruptible("slow_to_import")
+    assert e.value.code == 130 and "Traceback" not in capsys.readouterr().err
+    assert "slow_to_import" not in sys.modules

@@ -146,6 +146,9 @@ def test_unknown_paths_and_methods(live):
     assert status == 404 and "POST /v1/chat/completions" in data["error"]["message"]
     status, _, data = request(live.url, "GET", "/v1/chat/completions")
     assert status == 405 and "use POST" in data["error"]["message"]
+    _, _, metrics = request(live.url, "GET", "/metrics")  # counted under its route, not as an unknown path
+    assert re.search(r'flotilla_requests_total\{endpoint="/v1/chat/completions",status="405"\} [1-9]', metrics)
+    assert re.search(r'flotilla_requests_total\{endpoint="unmatched",status="404"\} [1-9]', metrics)
     assert_good(live)
 
 
@@ -328,6 +331,9 @@ def test_405_names_the_allowed_methods_in_allow(live):
 def test_static_files_and_a_missing_one(live):
     status, headers, body = request(live.url, "GET", "/static/chat.js")
     assert status == 200 and "websocket" in body.lower()
+    status, headers, body = request(live.url, "GET", "/")  # the page: never inside another site's frame
+    assert status == 200 and headers["X-Frame-Options"] == "DENY"
+    assert headers["Content-Security-Policy"] == "frame-ancestors 'none'"
     for path in ("/static/nope.js", "/static/", "/static/..%2Fapp.py"):
         status, headers, data = request(live.url, "GET", path)
         assert status == 404 and data["error"]["type"] == "not_found_error", (path, data)

@@ -22,6 +22,7 @@ def test_vllm_names_carry_our_values_once():
     m.ttft.observe(0.03)
     m.ttft.observe(2.0)
     m.e2e.observe(4.0)
+    m.itl.observe(0.02)
     got = _scrape(m, EngineStats(num_running=2, num_waiting=1, kv_blocks_total=10, kv_blocks_free=4))
     pairs = {"vllm:num_requests_running": "flotilla_running_sequences",
              "vllm:num_requests_waiting": "flotilla_queue_depth",
@@ -34,7 +35,9 @@ def test_vllm_names_carry_our_values_once():
     assert got[("vllm:num_requests_running", M)] == 2 and got[("vllm:kv_cache_usage_perc", M)] == 0.6
     assert got[("vllm:prompt_tokens_total", M)] == 7 and got[("vllm:generation_tokens_total", M)] == 5
     for theirs, ours in (("vllm:time_to_first_token_seconds", "flotilla_time_to_first_token_seconds"),
-                         ("vllm:e2e_request_latency_seconds", "flotilla_request_duration_seconds")):
+                         ("vllm:e2e_request_latency_seconds", "flotilla_request_duration_seconds"),
+                         ("vllm:inter_token_latency_seconds", "flotilla_inter_token_latency_seconds"),
+                         ("vllm:time_per_output_token_seconds", "flotilla_inter_token_latency_seconds")):
         ours_samples = {(n.replace(ours, theirs), labels + M): v
                         for (n, labels), v in got.items() if n.startswith(ours + "_")}
         theirs_samples = {k: v for k, v in got.items() if k[0].startswith(theirs + "_")}

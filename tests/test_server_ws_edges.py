@@ -285,3 +285,29 @@ def test_a_frame_over_the_limit_gets_413_and_the_socket_stays_open():
     assert at_limit["type"] == "error" and at_limit["code"] == 400  # not a size refusal
     assert pong == {"type": "pong"} and reply[-1]["finish_reason"] == "length"
     assert closed == (aiohttp.WSMsgType.CLOSE, 1009)
+
+
+def test_a_ping_from_a_client_that_has_left_is_no_server_error():
+    """A pong (or the ready frame) to a socket reset under it: the client left, nothing to answer; before, the
+    reset escaped the handler, logged a traceback and counted the socket as a 500."""
+    from flotilla.server.websocket import _Conversation
+
+    class ResetSocket:
+        closed = False
+
+        async def send_json(self, frame):
+            raise ConnectionResetError("Cannot write to closing transport")
+
+    conversation = _Conversation(None, ResetSocket())
+    asyncio.run(conversation.on_text('{"type": "ping"}'))  # returns quietly
+
+
+def test_a_misspelt_field_on_the_websocket_is_named_in_the_log(caplog):
+    async def go(server, s):
+        ws = await connect(server, s)
+        await ws.send_json({**CHAT, "max_token": 2, "max_tokens": 2})
+        return await recv(ws)
+
+    with caplog.at_level(logging.WARNING, logger="flotilla.server"):
+        assert serve(Engine(), go)["type"] == "start"  # it runs, as over HTTP, without the field
+    assert any("fields ignored" in r.getMessage() and "'max_token'" in r.getMessage() for r in caplog.records)

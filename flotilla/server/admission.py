@@ -40,11 +40,11 @@ class Admission:
         self.check_open()
         if sequences > self.limit:  # never fits, however idle the server: not a retry
             raise ApiError(400, f"the request asks for {sequences} sequences (n x prompts) and this server holds at "
-                                f"most {self.limit} at once ({self.capacity} running slots + a queue of "
+                                f"most {self.limit} at once ({_slots(self.capacity)} + a queue of "
                                 f"{self.max_queue}); ask for fewer", code="too_many_sequences")
         if self.in_flight + sequences > self.limit:
             raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, "
-                                f"{self.capacity} running slots + a queue of {self.max_queue}); retry after "
+                                f"{_slots(self.capacity)} + a queue of {self.max_queue}); retry after "
                                 f"{self.retry_after}s", code="queue_full",
                            headers={"Retry-After": str(self.retry_after)})
         self.in_flight += sequences
@@ -63,3 +63,7 @@ class Admission:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def _slots(n: int) -> str:
+    return f"{n} running slot{'' if n == 1 else 's'}"

@@ -48,7 +48,9 @@ def build_app(state: ServerState, manage_engine: bool = True) -> web.Application
 
 
 async def _index(request: web.Request) -> web.FileResponse:
-    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+    # not inside another site's frame: a framed page runs with this server's origin (and a saved API key)
+    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache", "X-Frame-Options": "DENY",
+                                                            "Content-Security-Policy": "frame-ancestors 'none'"})
 
 
 STATIC_FILES = {p.name: p for p in STATIC.iterdir() if p.is_file()}  # the chat page's files, read at import

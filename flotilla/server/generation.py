@@ -3,6 +3,7 @@ recorded, and whatever is unfinished aborted when the consumer stops (client gon
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,6 +12,23 @@ from typing import AsyncIterator
 from .engine_client import EngineClient, StepOutput
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest
+
+log = logging.getLogger("flotilla.server")
+MAX_IGNORED_NAMED = 8  # ignored fields named in the log line
+_ignored_logged: set[tuple[str, ...]] = set()  # the sets of ignored fields said so far (at most 100)
+
+
+def log_ignored(req: GenerationRequest, rid: str) -> None:
+    """Name a request's fields this server does not use (a misspelt max_token, another server's option) in the
+    log, once per set of names (the last 100 sets remembered), as vLLM says them: the request still runs."""
+    if not req.ignored or req.ignored in _ignored_logged:
+        return
+    if len(_ignored_logged) >= 100:
+        _ignored_logged.clear()
+    _ignored_logged.add(req.ignored)
+    names = ", ".join(repr(k[:40]) for k in req.ignored[:MAX_IGNORED_NAMED])
+    more = f" and {len(req.ignored) - MAX_IGNORED_NAMED} more" if len(req.ignored) > MAX_IGNORED_NAMED else ""
+    log.warning("%s: fields ignored (not used by this server; said once): %s%s", rid, names, more)
 
 
 def new_request_id(prefix: str) -> str:

@@ -17,6 +17,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # seconds; TTFT on a CPU reaches seconds under load, inter-token latency is milliseconds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a whole request: minutes on a CPU (a long reply at a few tokens a second)
+E2E_BUCKETS = TTFT_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -157,7 +159,7 @@ class ServerMetrics:
         self.itl = Histogram("flotilla_inter_token_latency_seconds", "Time between consecutive tokens of a sequence",
                              ITL_BUCKETS)
         self.e2e = Histogram("flotilla_request_duration_seconds", "Time from arrival to the last token",
-                             TTFT_BUCKETS)
+                             E2E_BUCKETS)
         self.spec_draft = Counter("flotilla_spec_draft_tokens_total",
                                   "Speculative decoding: draft tokens verified by the target")
         self.spec_accepted = Counter("flotilla_spec_accepted_tokens_total",
@@ -194,6 +196,10 @@ class ServerMetrics:
                   "(flotilla_time_to_first_token_seconds)", self.ttft, m),
             Alias("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds "
                   "(flotilla_request_duration_seconds)", self.e2e, m),
+            Alias("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds "
+                  "(flotilla_inter_token_latency_seconds)", self.itl, m),
+            Alias("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (vLLM's older "
+                  "name of vllm:inter_token_latency_seconds)", self.itl, m),
         ]
 
     def all(self) -> list[Metric]:

@@ -51,7 +51,12 @@ def quiet_client_mistakes() -> None:
 
 def _endpoint(request: web.Request) -> str:
     resource = request.match_info.route.resource  # None for unmatched paths (aiohttp's system route)
-    return resource.canonical if resource is not None else "unmatched"
+    if resource is not None:
+        return resource.canonical
+    # a route's path with a method it does not take (a 405) keeps its endpoint; any other path is one label,
+    # so that a scan of random paths cannot grow the metric without bound
+    plain = {r.canonical for r in request.app.router.resources() if "{" not in r.canonical}
+    return request.path if request.path in plain else "unmatched"
 
 
 def _served(app: web.Application) -> str:

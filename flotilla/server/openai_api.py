@@ -9,7 +9,7 @@ from aiohttp import web
 
 from .engine_client import EngineUnavailable
 from .errors import ApiError
-from .generation import Generation, new_request_id
+from .generation import Generation, log_ignored, new_request_id
 from .protocol import GenerationRequest, parse_chat, parse_completion
 from .reasoning import ReasoningSplitter, prompt_end, split_reasoning
 from .responses import (EchoedPrompt, Shapes, TokenText, chat_logprobs, completion_logprobs, join_logprobs,
@@ -19,8 +19,6 @@ from .state import ServerState
 
 log = logging.getLogger("flotilla.server")
 
-MAX_IGNORED_NAMED = 8  # ignored fields named in the log line
-_ignored_logged: set[tuple[str, ...]] = set()  # the sets of ignored fields said so far (at most 100)
 LARGE_BODY = 32 * 1024  # bytes; larger requests are validated and tokenized off the event loop
 CANCELLED = "the request was cancelled because the server is shutting down; retry it"
 
@@ -73,13 +71,7 @@ class OpenAIRoutes:
         return parse(*args)
 
     async def _serve(self, request: web.Request, req: GenerationRequest, rid: str, arrival: float):
-        if req.ignored and req.ignored not in _ignored_logged:  # once per set (the last 100 sets remembered)
-            if len(_ignored_logged) >= 100:
-                _ignored_logged.clear()
-            _ignored_logged.add(req.ignored)  # (as vLLM says them: the request still runs, without them)
-            names = ", ".join(repr(k[:40]) for k in req.ignored[:MAX_IGNORED_NAMED])
-            more = f" and {len(req.ignored) - MAX_IGNORED_NAMED} more" if len(req.ignored) > MAX_IGNORED_NAMED else ""
-            log.warning("%s: fields ignored (not used by this server; said once): %s%s", rid, names, more)
+        log_ignored(req, rid)
         shapes = Shapes(req.kind, rid, req.model)
         with self.state.admission.admit(req.num_choices):
             async with Generation(self.state.engine, self.state.metrics, req, rid, arrival) as gen:

@@ -39,7 +39,7 @@ from flotilla.errors import FlotillaError
 from .engine_client import EngineUnavailable
 from .errors import ApiError, bad_request
 from .fields import Fields, describe, parse_json_object
-from .generation import Generation, new_request_id
+from .generation import Generation, log_ignored, new_request_id
 from .origins import refuse_websocket
 from .protocol import GenerationRequest, ModelInfo, parse_chat, parse_messages, render_chat
 from .reasoning import ReasoningSplitter, prompt_end
@@ -81,8 +81,12 @@ class ChatSocket:
             return ws
         self.state.websockets.add(ws)
         engine = self.state.engine
-        await ws.send_json({"type": "ready", "model": engine.model_name, "max_model_len": engine.max_model_len,
-                            "max_frame_bytes": limit})
+        try:
+            await ws.send_json({"type": "ready", "model": engine.model_name, "max_model_len": engine.max_model_len,
+                                "max_frame_bytes": limit})
+        except ConnectionResetError:  # the client left during the handshake
+            self.state.websockets.discard(ws)
+            return ws
         conversation = _Conversation(self.state, ws)
         try:
             async for msg in ws:
@@ -223,8 +227,12 @@ class _Conversation:
             return await self.on_chat(data, text)
         if kind == "cancel":
             return await self.cancel()
-        if kind == "ping":
-            return await self.ws.send_json({"type": "pong"})
+        if kind == "ping":  # (to a client that has left: nothing to answer, and no server error)
+            try:
+                await self.send({"type": "pong"})
+            except _SocketGone:
+                pass
+            return
         await self.error(bad_request(f"unknown frame type {describe(kind)}; use \"chat\", \"cancel\" or \"ping\"",
                                      param="type"))
 
@@ -267,6 +275,7 @@ class _Conversation:
         """One reply: "start", its deltas and "done"; a failure after "start" is an error frame and then
         "done" with finish_reason "error", so a client always sees its reply end."""
         reply = _Reply(new_request_id("chat"), arrival)
+        log_ignored(req, reply.id)  # as over HTTP: a misspelt field is named in the log
         started: Generation | None = None
         try:
             with self.state.admission.admit(1):

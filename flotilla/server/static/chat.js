@@ -85,12 +85,13 @@
       case "delta":
         if (!state.reply || state.reply.discard || f.id !== state.reply.id) break;
         if (state.reply.first === null) state.reply.first = performance.now();
+        const follow = atBottom();  // follow the stream only while the reader is at its end
         if (f.reasoning) showReasoning(state.reply, f.reasoning);
         state.reply.text += f.text;
         state.reply.deltas += 1;
         state.reply.body.textContent = state.reply.text;
         showLiveStats();
-        scrollDown();
+        if (follow) scrollDown();
         break;
       case "done":
         if (state.reply && f.id === state.reply.id) finishReply(f);
@@ -230,6 +231,11 @@
   }
 
   function scrollDown() { els.messages.scrollTop = els.messages.scrollHeight; }
+  // within a line of the end: a reader who scrolled up to read is left where they are
+  function atBottom() {
+    const m = els.messages;
+    return m.scrollHeight - m.scrollTop - m.clientHeight < 24;
+  }
 
   // ------------------------------------------------------------------------ inputs
   els.form.addEventListener("submit", (ev) => {

@@ -24,7 +24,8 @@
 # 22's CUDA-core plans with the tables a strip ahead (test_gemv, the GGUF GEMV sweep, the 8B as Q4_K_M and Q4_0
 # with FLOTILLA_GEMV_GROUP32 unset and =cores). group32on: round 23's default (those plans at 1 row) against
 # FLOTILLA_GEMV_GROUP32=0: test_gemv, the 8B as Q4_K_M, Q4_0 and Q8_0 at batch 1, 2, 4. phi3: Phi-3-mini's shape
-# INT4 at batch 1, 16, 64.
+# INT4 at batch 1, 16, 64. gemma3: sliding-window attention and Gemma 3 on the GPU (tests/test_window_cuda.py), then
+# Gemma 3 4B's shape INT4 at batch 1, 16, 64.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -201,6 +202,13 @@ if has phi3; then  # Phi-3-mini's shape (heads 96 wide: torch's rope and KV stor
   mark "phi3: runtime bench --random phi-3-mini"
   timeout 200 python3 -m flotilla.server.cli bench --random phi-3-mini --bits 4 --batch ${PHI3_BATCHES:-1,16,64} \
     2>&1 | tee "$OUT/phi3_decode.log" | grep -vE "^\[|Writing"
+fi
+if has gemma3; then  # the sliding window in the Triton decode and the prefill masks; Gemma 3 (never run on a GPU)
+  mark "gemma3: test_window_cuda"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_window_cuda.py 2>&1 | tail -4
+  mark "gemma3: runtime bench --random gemma-3-4b"
+  timeout 200 python3 -m flotilla.server.cli bench --random gemma-3-4b --bits 4 --batch ${GEMMA3_BATCHES:-1,16,64} \
+    2>&1 | tee "$OUT/gemma3_decode.log" | grep -vE "^\[|Writing"
 fi
 if has features; then  # the features that had never run on a GPU (bench/gpu_features.py) and the Qwen3 decode
   mark "features: gpu_features"

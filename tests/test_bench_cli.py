@@ -38,7 +38,7 @@ def test_bench_table_and_errors():
     assert lines[2].split()[0] == "1" and lines[2].split()[-1] == "no"
     bad = runtime("bench", "--random", "llama-9", "--device", "cpu")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, qwen3-8b, phi-3-mini, tiny, tiny-qwen3"
+    assert bad.stderr.strip() == "error: unknown model shape 'llama-9'; valid: llama-3-8b, llama-3-70b, qwen3-8b, phi-3-mini, gemma-3-4b, tiny, tiny-qwen3"
     bad = runtime("bench", "--random", "tiny", "--batch", "1,x", "--device", "cpu")
     assert bad.returncode == 2 and "--batch '1,x': expected positive integers" in bad.stderr
     bad = runtime("bench", "some/model", "--bits", "8", "--device", "cpu")  # was ignored: the path ran as it was
@@ -179,3 +179,41 @@ def test_a_random_phi3_shape_decodes_and_writes_fused_checkpoints(monkeypatch, t
     with torch.no_grad():
         logits = loaded.compute_logits(loaded(ids, torch.arange(5), DenseCausalAttention(1, 5)))
     assert logits.shape == (5, 512) and torch.isfinite(logits).all()
+
+
+def test_a_random_gemma3_shape_decodes_and_writes_its_norms(monkeypatch, tmp_path):
+    """`runtime bench --random gemma-3-4b`'s kind of model (output norms, gelu, two ropes, sliding layers) at a CPU
+    size: INT4 decodes past its window, and its random checkpoint holds the four norms a layer and loads back."""
+    import dataclasses
+
+    import safetensors
+    import torch
+
+    from flotilla.models.attention import DenseCausalAttention
+    from flotilla.models.sources import open_source
+    from flotilla.models.weights import load_stage
+    from flotilla.runtime import random_model
+    from flotilla.runtime.bench import run_batches
+
+    small = dataclasses.replace(random_model.SHAPES["gemma-3-4b"], vocab_size=512, hidden_size=256,
+                                intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                max_position_embeddings=512, sliding_window=4)
+    monkeypatch.setitem(random_model.SHAPES, "gemma3-test", small)
+    model = random_model.build_random_model("gemma3-test", bits=4, seed=1, num_layers=7)
+    assert model.config.family == "gemma3" and model.config.layer_types[5] == "full_attention"
+    assert model.config.layer_types[6] == "sliding_attention"
+    (r,) = run_batches(model, [2], prompt_len=6, tokens=6, graphs=False)
+    assert r.decode_tokens == 2 * 5 and r.tok_s > 0
+    out = tmp_path / "ckpt"
+    random_model.write_random_checkpoint("gemma3-test", out, num_layers=2)
+    names = set()
+    for f in out.glob("*.safetensors"):
+        with safetensors.safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    assert {"model.layers.1.pre_feedforward_layernorm.weight", "model.layers.1.post_feedforward_layernorm.weight",
+            "model.layers.0.self_attn.q_norm.weight"} <= names
+    loaded = load_stage(open_source(out))
+    ids = torch.arange(1, 9)
+    with torch.no_grad():
+        logits = loaded.compute_logits(loaded(ids, torch.arange(8), DenseCausalAttention(1, 8)))
+    assert logits.shape == (8, 512) and torch.isfinite(logits).all()

@@ -26,7 +26,7 @@ from flotilla.errors import FlotillaError
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight
 from flotilla.kernels.gptq import pack_rows
 from flotilla.models.checkpoint import CheckpointWriter
-from flotilla.models.config import GGUFQuant, ModelConfig, QuantConfig
+from flotilla.models.config import GEMMA_ACT, GGUFQuant, ModelConfig, QuantConfig, RopeScaling
 from flotilla.models.gguf_linear import GGUFLinear, GGUFTable
 from flotilla.models.linear import Linear, QuantLinear
 from flotilla.models.llama import CausalLM, RMSNorm
@@ -52,6 +52,17 @@ SHAPES: dict[str, ModelConfig] = {
                               num_key_value_heads=32, head_dim=96, rms_norm_eps=1e-5, rope_theta=10000.0,
                               max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
                               eos_token_ids=(32000, 32007), torch_dtype="bfloat16"),
+    # Gemma 3 4B's text model: 34 layers, 256-wide heads, five sliding layers (1024 tokens, rope base 10k) to a global
+    # one (rope 1M, linear x8), output norms, gelu; the lm_head stored apart here (Gemma ties it to the embedding)
+    "gemma-3-4b": ModelConfig(architecture="Gemma3ForCausalLM", vocab_size=262208, hidden_size=2560,
+                              intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                              num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                              max_position_embeddings=131072, tie_word_embeddings=False, qk_norm=True,
+                              rope_scaling=RopeScaling("linear", factor=8.0), sliding_window=1024,
+                              layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                for i in range(34)),
+                              rope_local_theta=10000.0, query_pre_attn_scalar=256.0, hidden_act=GEMMA_ACT,
+                              bos_token_id=2, eos_token_ids=(1, 106), torch_dtype="bfloat16"),
     # small enough for CPU tests; every linear's input is a multiple of group size 128
     "tiny": ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -91,6 +102,9 @@ def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: i
         if num_layers < 1:
             raise FlotillaError(f"--layers {num_layers}: a model needs at least one layer")
         cfg = replace(cfg, num_hidden_layers=num_layers)
+        if cfg.layer_types is not None:  # Gemma's pattern, period p (its first global layer's), over the new depth
+            p = cfg.layer_types.index("full_attention") + 1
+            cfg = replace(cfg, layer_types=tuple(cfg.layer_types[i % p] for i in range(num_layers)))
     if head_bits is not None and (bits == 16 or head_bits not in (4, 8)):
         raise FlotillaError(f"--head-bits {head_bits}: expected 4 or 8, on a quantized model (--bits 4 or 8)")
     quant = None if bits == 16 else QuantConfig(bits=bits, group_size=group_size, sym=True, method="rtn")
@@ -119,7 +133,7 @@ def build_random_model(name: str, bits: int = 4, device: torch.device | str = "c
             if mod.bias is not None:
                 mod.bias.zero_()
         elif isinstance(mod, RMSNorm):
-            mod.weight.fill_(1.0)
+            mod.weight.fill_(1.0 - mod.offset)  # a scale of 1 (Gemma's norms: 1 + weight)
     model.model.embed_tokens.weight.normal_(0, 1.0, generator=gen)
     if not isinstance(model.lm_head, QuantLinear):
         model.lm_head.weight.normal_(0, cfg.hidden_size ** -0.5, generator=gen)
@@ -318,6 +332,9 @@ def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_siz
             if cfg.qk_norm:  # a Qwen3 shape: its q and k heads' norms
                 tensors.update({f"{p}self_attn.{norm}.weight": torch.ones(cfg.head_dim, dtype=torch.float16)
                                 for norm in ("q_norm", "k_norm")})
+            if cfg.sandwich_norms:  # Gemma 3: the norms before the MLP and of the MLP's output
+                tensors.update({f"{p}{norm}.weight": torch.ones(h, dtype=torch.float16)
+                                for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm")})
             for proj, n_in, n_out in _projections(cfg):
                 tensors.update(gptq(f"{p}{proj}", n_in, n_out, bits))
             w.add_layer(str(layer), tensors)

@@ -190,3 +190,25 @@ def test_the_text_model_of_an_image_text_gemma3_checkpoint_runs(tmp_path):
         ref = mm(input_ids=ids).logits
     got = our_logits(load_stage(source), ids)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_gemma3_calibration_states_and_dtype_are_the_models(tmp_path):
+    """quantize's calibration enters layer 0 with the model's own embedding (times sqrt(hidden)); a GPU runs
+    Gemma 3 in bf16 unless told otherwise (its activations pass fp16's range); an image-text config's outer end
+    tokens win over its text_config's."""
+    from flotilla.quantize.pipeline import _activations
+    from flotilla.runtime.loader import default_dtype
+
+    hf = make_hf_model(gemma3_config(num_hidden_layers=1), seed=3)
+    source = open_source(save_hf_model(hf, tmp_path / "g"))
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    acts = _activations(source, tokens, source.config, torch.device("cpu"))
+    with torch.no_grad():
+        assert torch.allclose(acts.hidden, hf.model.embed_tokens(tokens).float())
+    assert default_dtype(torch.device("cuda", 0), source.config) == torch.bfloat16
+    assert default_dtype(torch.device("cuda", 0), ModelConfig.from_hf_dict(
+        {**gemma3_config().to_dict(), "architectures": ["LlamaForCausalLM"], "model_type": "llama"})) == torch.float16
+    assert default_dtype(torch.device("cpu"), source.config) == torch.float32
+    outer = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+             "text_config": {**gemma3_config().to_dict(), "eos_token_id": 1}}
+    assert ModelConfig.from_hf_dict(outer).eos_token_ids == (1, 106)

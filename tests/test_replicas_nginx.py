@@ -227,6 +227,7 @@ def test_streams_spread_over_both_replicas_and_survive_one_dying(cluster):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(request, timeout=30)
     assert e.value.code == 503 and e.value.headers["Content-Type"] == "application/json"
+    assert e.value.headers["Retry-After"] == "1"
     assert json.loads(e.value.read())["error"]["message"] == "no flotilla replica is answering; retry shortly"
 
 

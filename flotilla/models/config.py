@@ -340,7 +340,9 @@ class ModelConfig:
                 raise FlotillaError(f"{where}: {outer} without a text_config")
             top = {k: d[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config",
                                      "tie_word_embeddings") if d.get(k) is not None}
-            d = {**text, **{k: v for k, v in top.items() if k not in text}, "architectures": [MULTIMODAL_TEXT[outer]]}
+            # the outer ids win: a re-saved text_config may hold eos 1 alone, where the model's ends are [1, 106]
+            keep_text = {k: v for k, v in top.items() if k not in text or k in ("eos_token_id", "bos_token_id")}
+            d = {**text, **keep_text, "architectures": [MULTIMODAL_TEXT[outer]]}
         arch = _hf_architecture(d, where)
         if ARCHITECTURES[arch] == "gemma3":
             d = {**_GEMMA3_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in _GEMMA3_DEFAULTS}}

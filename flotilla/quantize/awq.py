@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flotilla.kernels.fused import silu_mul
+from flotilla.kernels.fused import gelu_tanh_mul, silu_mul
 from flotilla.kernels.gptq import group_width
 from flotilla.models.linear import Linear
 from flotilla.models.llama import DecoderLayer, RMSNorm
@@ -151,19 +151,20 @@ def output_error(W: torch.Tensor, s: torch.Tensor, H: torch.Tensor, spec: GridSp
 
 
 def mlp_output_error(W: torch.Tensor, s: torch.Tensor, X: torch.Tensor, down: torch.Tensor, ref: torch.Tensor,
-                     H: torch.Tensor, spec: GridSpec, group_size: int) -> float:
+                     H: torch.Tensor, spec: GridSpec, group_size: int, act=silu_mul) -> float:
     """‖down(silu(gate')·up') − ref‖² over the rows of X [T, in], gate'/up' from the merged gate/up
     weight W [2I, in] rounded as Q(W diag(s)) diag(s)⁻¹ (H: the Hessian of all its inputs, for the
     output grid); `down` [hidden, I] stays float."""
     Wq = scaled_rounding(W, s, H, spec, group_size).div_(s)
-    return float(((silu_mul(X @ Wq.T) @ down.T) - ref).pow_(2).sum())
+    return float(((act(X @ Wq.T) @ down.T) - ref).pow_(2).sum())
 
 
 def search_scale(W: torch.Tensor, stats: InputStats, spec: GridSpec, group_size: int,
-                 down: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+                 down: torch.Tensor | None = None, act=silu_mul) -> tuple[torch.Tensor, float]:
     """The s of least output error for W [out, in] (see the module docstring), and its α (-1: s = 1).
     With `down` (the MLP's down_proj weight), W is the merged gate/up, scored at the MLP's output on
-    stats.rows; else by its own output error."""
+    stats.rows (`act`: the MLP's activation of [gate | up], silu's or Gemma's gelu); else by its own output
+    error."""
     W = W.float()
     x_mean, w_mean = stats.abs_mean.to(W.device), weight_magnitude(W, group_size)
     H = stats.hessian.hessian()
@@ -174,10 +175,10 @@ def search_scale(W: torch.Tensor, stats: InputStats, spec: GridSpec, group_size:
             return output_error(W, s, H, spec, group_size)
     else:
         X, down = stats.rows, down.float()
-        ref = silu_mul(X @ W.T) @ down.T  # [T, hidden]: the float MLP
+        ref = act(X @ W.T) @ down.T  # [T, hidden]: the float MLP
 
         def error(s):
-            return mlp_output_error(W, s, X, down, ref, H, spec, group_size)
+            return mlp_output_error(W, s, X, down, ref, H, spec, group_size, act)
     best_s, best_alpha = torch.ones_like(x_mean), -1.0
     best_err = error(best_s)
     for i in range(GRID):
@@ -229,8 +230,9 @@ def scale_layer(layer: DecoderLayer, acts: CalibrationActivations,
     for site in sites:
         bits, group_size, sym = config_of(site.linear)
         down = layer.mlp.down_proj.weight if site.linear is gate_up else None
+        act = silu_mul if layer.mlp.act == "silu" else gelu_tanh_mul
         s, alpha = search_scale(site.linear.weight, stats.pop(site.linear), GridSpec(bits, sym, grid), group_size,
-                                down)
+                                down, act)
         if alpha >= 0:
             apply_scale(site, s)
         chosen[site.name] = alpha

@@ -151,9 +151,13 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
 
 
 def _activations(source, tokens: torch.Tensor, cfg: ModelConfig, device: torch.device) -> CalibrationActivations:
-    """The calibration hidden states entering layer 0: embed(tokens) in fp32 [N, L, hidden]."""
+    """The calibration hidden states entering layer 0: embed(tokens) in fp32 [N, L, hidden] (Gemma's times
+    sqrt(hidden), rounded to the table's dtype first, as CausalLM.embed computes it)."""
     embed = source.get(EMBED)  # in the source's dtype: no fp32 copy of the whole table
-    return CalibrationActivations(F.embedding(tokens, embed).to(device=device, dtype=torch.float32), cfg)
+    x = F.embedding(tokens, embed)
+    if cfg.embed_scale is not None:
+        x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+    return CalibrationActivations(x.to(device=device, dtype=torch.float32), cfg)
 
 
 def check_model(cfg: ModelConfig, options: QuantizeOptions, where: str) -> None:

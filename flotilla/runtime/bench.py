@@ -167,6 +167,12 @@ def _model(args: argparse.Namespace) -> tuple[CausalLM, str]:
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
+    if args.random is not None and args.dtype in (None, "auto"):  # as load_model picks it (Gemma 3: bf16)
+        from .loader import default_dtype
+        from .random_model import SHAPES
+
+        if args.random in SHAPES:
+            dtype = default_dtype(device, SHAPES[args.random])
     if args.random is None:
         if args.gguf is not None:
             raise FlotillaError(f"--gguf {args.gguf} builds a random model: give --random SHAPE too "

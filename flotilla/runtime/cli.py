@@ -370,7 +370,7 @@ def _read_message(interactive: bool) -> str | None:
                 line = input()
         except EOFError:
             print(file=sys.stderr)  # the shell's prompt on a line of its own
-            return None
+            return "\n".join(parts) if parts else None  # (what was typed before a continued line's Ctrl-D goes)
         if line.endswith("\\"):
             parts.append(line[:-1])
             continue

@@ -36,8 +36,12 @@ class LoadedModel:
     parallel: Any = None  # a runtime.tp.TensorParallel when this process is rank 0 of a TP group
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "cpu" else torch.float16
+def default_dtype(device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+    """fp32 on a CPU; on a GPU fp16, but bf16 for Gemma 3, whose activations pass fp16's range (vLLM refuses
+    fp16 for it)."""
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if config is not None and config.family == "gemma3" else torch.float16
 
 
 def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -84,6 +88,8 @@ def load_model(model: str | Path | None, device: str | torch.device | None = Non
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # this thread's kernel builds, launches and graph captures go to that GPU
     source = open_source(path)
+    if dtype in (None, "auto"):
+        dt = default_dtype(dev, source.config)
     if progress is None:
         progress = sys.stderr.isatty()
     m = load_stage(source, stage, dev, dt, progress=progress, keep_source=keep_source)

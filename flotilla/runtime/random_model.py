@@ -277,7 +277,7 @@ def build_random_gguf_model(name: str, mix: str = "Q4_K_M", device: torch.device
             mod.prepare(dtype, device)
     for mod in model.modules():
         if isinstance(mod, RMSNorm):
-            mod.weight.fill_(1.0)
+            mod.weight.fill_(1.0 - mod.offset)
     embed, head = model.model.embed_tokens, model.lm_head
     embed.load("weight", 0, weight("token_embd", 0, cfg.vocab_size, cfg.hidden_size, std=1.0))
     embed.prepare(dtype, device)
@@ -323,17 +323,18 @@ def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_siz
     def normal(rows: int, std: float) -> torch.Tensor:
         return torch.empty(rows, h, device=device).normal_(0, std, generator=gen).half()
 
+    def unit(n: int) -> torch.Tensor:  # a norm weight that scales by 1 (Gemma's norms: 1 + weight)
+        return torch.full((n,), 1.0 - cfg.norm_offset, dtype=torch.float16)
+
     with CheckpointWriter(out, cfg, force=True) as w:
         w.add_layer("embed", {"model.embed_tokens.weight": normal(cfg.vocab_size, 1.0)})
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
-            tensors = {f"{p}{norm}.weight": torch.ones(h, dtype=torch.float16)
-                       for norm in ("input_layernorm", "post_attention_layernorm")}
+            tensors = {f"{p}{norm}.weight": unit(h) for norm in ("input_layernorm", "post_attention_layernorm")}
             if cfg.qk_norm:  # a Qwen3 shape: its q and k heads' norms
-                tensors.update({f"{p}self_attn.{norm}.weight": torch.ones(cfg.head_dim, dtype=torch.float16)
-                                for norm in ("q_norm", "k_norm")})
+                tensors.update({f"{p}self_attn.{norm}.weight": unit(cfg.head_dim) for norm in ("q_norm", "k_norm")})
             if cfg.sandwich_norms:  # Gemma 3: the norms before the MLP and of the MLP's output
-                tensors.update({f"{p}{norm}.weight": torch.ones(h, dtype=torch.float16)
+                tensors.update({f"{p}{norm}.weight": unit(h)
                                 for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm")})
             for proj, n_in, n_out in _projections(cfg):
                 tensors.update(gptq(f"{p}{proj}", n_in, n_out, bits))
@@ -341,7 +342,7 @@ def write_random_checkpoint(name: str, out: str | Path, bits: int = 4, group_siz
         head_quant = cfg.quant.head_quant()
         head = (gptq("lm_head", h, cfg.vocab_size, head_quant.bits) if head_quant is not None
                 else {"lm_head.weight": normal(cfg.vocab_size, h ** -0.5)})
-        w.add_layer("head", {"model.norm.weight": torch.ones(h, dtype=torch.float16), **head})
+        w.add_layer("head", {"model.norm.weight": unit(h), **head})
         return w.commit()
 
 

@@ -145,7 +145,9 @@ def test_runtime_script_has_serve_and_runtime_does_not_import_the_server():
     code = "import sys, flotilla.runtime.cli as c; c.build_parser(c.COMMANDS); print(any(m.startswith('flotilla.server') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), check=True)
     assert out.stdout.strip() == "False"
-    assert 'runtime = "flotilla.server.cli:main"' in (REPO / "pyproject.toml").read_text()
+    # the console script imports the server's command table (through flotilla.entry, quiet on an early Ctrl-C)
+    assert 'runtime = "flotilla.entry:runtime"' in (REPO / "pyproject.toml").read_text()
+    assert 'return _interruptible("flotilla.server.cli")' in (REPO / "flotilla" / "entry.py").read_text()
 
 
 def test_port_in_use_is_one_line_exit_2_before_the_model_loads(smollm2_gguf):

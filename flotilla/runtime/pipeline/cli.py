@@ -223,8 +223,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-timeout", type=float, default=60.0,
                    help="seconds a lost stage may take to come back before its requests fail (default 60); a "
                         "local worker (no --hosts) silent this long, at least 30 s, is killed and started again")
-    g.add_argument("--wire-dtype", default="fp16", choices=list(WIRE_DTYPES),
-                   help="activations between stages: fp16, bf16, or int8 (per-token scaled; half the bytes)")
+    g.add_argument("--wire-dtype", default=None, choices=list(WIRE_DTYPES),
+                   help="activations between stages: fp16, bf16, or int8 (per-token scaled; half the bytes); default "
+                        "fp16, but bf16 for Gemma 3, whose activations pass fp16's range")
     g.add_argument("--spin-us", type=int, default=None, metavar="US",
                    help="poll for the next message this many microseconds before sleeping: the head while steps "
                         "are in flight, and local workers (see `runtime worker --spin-us`); costs a core each while "
@@ -338,10 +339,12 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
 
     from .partition import parse_layers
 
-    num_layers = open_source(model).config.num_hidden_layers
+    config = open_source(model).config
+    num_layers = config.num_hidden_layers
     if args.stage_timeout <= 0:  # (PipelineSettings says it too, but only after the local workers started)
         raise FlotillaError(f"--stage-timeout must be > 0 seconds, got {args.stage_timeout:g}")
-    check_wire_dtype(args.wire_dtype)
+    wire_dtype = args.wire_dtype or ("bf16" if config.family == "gemma3" else "fp16")
+    check_wire_dtype(wire_dtype)
     if pp > num_layers:
         raise FlotillaError(f"--pp {pp} is more stages than the model's {num_layers} layers")
     layers = parse_layers(args.layers, num_layers, pp) if args.layers else None
@@ -358,7 +361,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
         report(f"starting {pp} local workers ({local.describe()}){polling}")
         hosts = local.start()
     settings = PipelineSettings(tuple(hosts), LinkSettings(token, client_ssl), tuple(layers) if layers else None,
-                                args.wire_dtype, args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0,
+                                wire_dtype, args.dtype, stage_timeout=args.stage_timeout, spin_us=spin_us or 0,
                                 mps_advice=local is None)
     try:
         engine = build_pipeline_engine(model, EngineArgs.from_args(args), settings, report, device=args.device)

@@ -135,6 +135,10 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
     for key, value in (uint32s or {}).items():
         w.add_uint32(key, value)
     rope = cfg.rope_parameters
+    if arch == "gemma2":  # every second layer global (llama.cpp's rule, not written); the soft-capping
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
     if arch == "gemma3":  # the global layers' rope; every sixth layer global (llama.cpp's rule, not written)
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         w.add_sliding_window(cfg.sliding_window)
@@ -174,9 +178,10 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
             elif proj == "k_proj" and arch == "llama":
                 a = permute(a, cfg.num_key_value_heads)
             layer_names = {**names, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm":
-                           "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"} if arch == "gemma3" else names
+                           "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"} if arch.startswith("gemma") \
+                else names
             out = f"blk.{parts[2]}.{layer_names[proj]}.{parts[-1]}"
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
             a = a + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
             w.add_tensor(out, gguf.quants.quantize(np.ascontiguousarray(a), qt), raw_dtype=qt)

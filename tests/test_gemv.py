@@ -386,7 +386,7 @@ class OwnValue:
     """An attention backend where each token attends to itself alone: what differs between two runs
     of a model is then what the test changed."""
 
-    def attend(self, layer, q, k, v, window=0):
+    def attend(self, layer, q, k, v, window=0, softcap=0.0):
         return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
 
 

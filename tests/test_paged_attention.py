@@ -178,3 +178,33 @@ def test_a_sliding_window_over_consecutive_blocks(case, cpu_kernels):
     store_kv(kc, vc, k, v, meta)
     got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=4)
     assert (got - windowed_reference(seqs, full_k, full_v, q, 4)).abs().max().item() < 1e-5
+
+
+def capped_reference(seqs, full_k, full_v, q, softcap, window=0):
+    """windowed_reference with each score s capped at softcap * tanh(s / softcap) (Gemma 2), computed by hand."""
+    outs, row = [], 0
+    for (cached, qlen), k, v in zip(seqs, full_k, full_v):
+        qq = q[row:row + qlen].transpose(0, 1)
+        kk = k.repeat_interleave(G, dim=1).transpose(0, 1)
+        vv = v.repeat_interleave(G, dim=1).transpose(0, 1)
+        s = qq @ kk.transpose(-1, -2) / math.sqrt(D)
+        s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(qlen)[:, None] + cached
+        j = torch.arange(cached + qlen)[None, :]
+        visible = (j <= pos) & ((j > pos - window) if window else True)
+        outs.append((s.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1))
+        row += qlen
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_soft_capped_scores_match_the_hand_computed_attention(case, window, cpu_kernels):
+    seqs = CASES[case]
+    kc, vc, full_k, full_v, q, k, v, meta = build(seqs)
+    q = q * 4  # scores large enough for the cap to bite
+    store_kv(kc, vc, k, v, meta)
+    got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=window, softcap=2.0)
+    assert (got - capped_reference(seqs, full_k, full_v, q, 2.0, window)).abs().max().item() < 1e-5
+    plain = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=window)
+    assert (got - plain).abs().max().item() > 1e-2  # the cap changed the result

@@ -41,3 +41,14 @@ def test_a_sliding_window_through_triton_matches_the_torch_path(sms, window):
     want = paged_attention(q, kc, vc, meta, scale=0.25, window=window)  # CPU tensors: the torch path
     got = _TritonDecode.for_step(meta, sms=sms)(q, kc, vc, 0.25, window)
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("sms", [1, 64])
+def test_soft_capped_scores_through_triton_match_the_torch_path(sms):
+    seqs = [(9, 1), (0, 1), (1100, 1), (40, 1)]
+    kc, vc, _, _, q, k, v, meta = build(seqs, num_blocks=400)
+    q = q * 4
+    store_kv(kc, vc, k, v, meta)
+    want = paged_attention(q, kc, vc, meta, scale=0.25, window=300, softcap=2.0)  # CPU tensors: the torch path
+    got = _TritonDecode.for_step(meta, sms=sms)(q, kc, vc, 0.25, 300, 2.0)
+    assert (got - want).abs().max().item() < 1e-4

@@ -47,7 +47,7 @@ def greedy_on(path, device: str, prompts, n: int):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_the_engine_on_the_gpu_decodes_past_the_window_as_transformers(family, tmp_path):
-    from test_gemma3 import gemma3_config
+    from test_gemma import gemma3_config
     from test_sliding_window import transformers_greedy
 
     config = gemma3_config() if family == "gemma3" else tiny_config("mistral", sliding_window=8, head_dim=32)

@@ -18,11 +18,12 @@ Two functions make the interface that other backends (a Triton decode kernel on 
 with the same signatures:
 
     store_kv(key_cache, value_cache, key, value, meta)      write this step's keys and values
-    paged_attention(query, key_cache, value_cache, meta, scale, window=0) -> [T, Hq, D]
+    paged_attention(query, key_cache, value_cache, meta, scale, window=0, softcap=0) -> [T, Hq, D]
 
 `window` > 0 is a sliding window (Mistral, Gemma 3's local layers, Qwen2's upper layers): the token at
 position i attends to the keys at positions i - window + 1 … i, as transformers' sliding-window mask and
-vLLM's do. The cache keeps every key (the blocks are not freed early); only the reads are limited.
+vLLM's do. The cache keeps every key (the blocks are not freed early); only the reads are limited. `softcap` > 0 (Gemma 2) caps each score s at
+softcap * tanh(s / softcap) before the softmax: the torch path then computes the attention itself (`sdpa`).
 
 Per-step index tensors (gather indices, masks) are built once per step by `meta.plan()` and
 shared by every layer; the per-layer work is a store, two gathers and one SDPA per group. On
@@ -85,7 +86,7 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached tokens (this step's
     included, so call `store_kv` first), over the last `window` of them where window > 0.
     query [T, Hq, D] -> [T, Hq, D]."""
@@ -95,29 +96,29 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     flat_v = value_cache.view(-1, hkv, d)
     parts = []
     if meta.num_decodes and plan.triton_decode is not None:  # the kernel gets the window itself (graph-safe)
-        parts.append(plan.triton_decode(query[:meta.num_decodes], key_cache, value_cache, scale, window))
+        parts.append(plan.triton_decode(query[:meta.num_decodes], key_cache, value_cache, scale, window, softcap))
     elif meta.num_decodes and plan.cpu_decode is not None:
-        parts.append(plan.cpu_decode(query[:meta.num_decodes], key_cache, value_cache, scale, plan.window))
+        parts.append(plan.cpu_decode(query[:meta.num_decodes], key_cache, value_cache, scale, plan.window, softcap))
     elif meta.num_decodes:
-        parts.append(_decode(query[:meta.num_decodes], flat_k, flat_v, plan, scale))
+        parts.append(_decode(query[:meta.num_decodes], flat_k, flat_v, plan, scale, softcap))
     if meta.num_prefills:
-        parts.append(_prefill(query[meta.num_decodes:], flat_k, flat_v, plan, scale))
+        parts.append(_prefill(query[meta.num_decodes:], flat_k, flat_v, plan, scale, softcap))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: "_TorchPlan",
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float = 0.0) -> torch.Tensor:
     # One query per sequence; the G query heads that share a kv head become G query rows.
     B, hq, d = q.shape
     hkv = flat_k.shape[1]
     qg = q.view(B, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     k, v = _keys_values(flat_k, flat_v, plan.decode_gather, plan.contiguous)  # [B, Hkv, L, D]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask, scale=scale)  # [B, Hkv, G, D]
+    out = sdpa(qg, k, v, attn_mask=plan.decode_mask, scale=scale, softcap=softcap)  # [B, Hkv, G, D]
     return out.reshape(B, hq, d)
 
 
 def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: "_TorchPlan",
-             scale: float) -> torch.Tensor:
+             scale: float, softcap: float = 0.0) -> torch.Tensor:
     # Queries padded to [Bp, Qmax]; key j is visible to query i of sequence b iff
     # j <= start_b + i, where start_b is the number of tokens cached before this step.
     Bp, Q = plan.prefill_shape
@@ -128,10 +129,32 @@ def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: 
     else:
         qp = q.index_select(0, plan.prefill_q_index.view(-1)).view(Bp, Q, hq, d).transpose(1, 2)  # [Bp, Hq, Q, D]
     k, v = _keys_values(flat_k, flat_v, plan.prefill_gather, plan.contiguous)  # [Bp, Hkv, L, D]
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, is_causal=plan.prefill_causal,
-                                         scale=scale, enable_gqa=hq != hkv)  # [Bp, Hq, Q, D]
+    out = sdpa(qp, k, v, attn_mask=plan.prefill_mask, is_causal=plan.prefill_causal, scale=scale,
+               enable_gqa=hq != hkv, softcap=softcap)  # [Bp, Hq, Q, D]
     out = out.transpose(1, 2).reshape(Bp * Q, hq, d)
     return out if plan.prefill_unpad is None else out.index_select(0, plan.prefill_unpad)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+         softcap: float = 0.0) -> torch.Tensor:
+    """torch's scaled_dot_product_attention (q [..., Hq, Q, D], k / v [..., Hkv, S, D]; a bool or additive mask);
+    with `softcap` > 0 computed here in fp32, each score s capped at softcap * tanh(s / softcap) before the softmax
+    (Gemma 2's soft-capping, which SDPA has no option for)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if k.shape[-3] != q.shape[-3]:  # grouped-query heads: each kv head serves q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = q.float() @ k.float().transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = softcap * torch.tanh(s / softcap)
+    if is_causal:  # query i (of Q, the last of S keys) sees keys up to S - Q + i
+        Q, S = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(~torch.ones(Q, S, dtype=torch.bool, device=s.device).tril(S - Q), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
 
 
 def _keys_values(flat_k: torch.Tensor, flat_v: torch.Tensor, gather: "_Gather", contiguous: slice | None):
@@ -234,9 +257,9 @@ class _TritonDecode:
                    meta.seq_lens[:nd].to(torch.int32), splits)
 
     def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
-                 window: int = 0):
+                 window: int = 0, softcap: float = 0.0):
         return self.kernel(q, key_cache, value_cache, self.tables, self.lens, scale=scale, num_splits=self.num_splits,
-                           window=window)
+                           window=window, softcap=softcap)
 
 
 def _cpu_decode(meta: PagedAttentionMetadata):

@@ -10,6 +10,7 @@
                                                   key and value must already be in the cache)
     scale         float, default D ** -0.5
     window        > 0: attend to each sequence's last `window` tokens only (sliding window); 0: all
+    softcap       > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
     num_splits    split each sequence's context over this many programs (flash-decoding) and
                   combine them in a second small kernel; 1 for short contexts or large batches
     -> out        [B, Hq, D] in q's dtype
@@ -35,6 +36,7 @@ def _decode_kernel(
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,6 +78,8 @@ def _decode_kernel(
         after = tok + BLOCK_N  # the next run's pages, in flight while this run is computed
         page = tl.load(bt_ptr + b * stride_bt + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP > 0:  # softcap * tanh(s / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) (finite for any y)
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFTCAP)) + 1.0))
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -123,7 +127,7 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ob, stride_oh, num_he
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float | None = None, num_splits: int = 1,
-                           block_n: int = 64, window: int = 0) -> torch.Tensor:
+                           block_n: int = 64, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention over a paged KV cache (module docstring)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -149,7 +153,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, num_warps=4, **launch_args(q, batch))
+        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, SOFTCAP=float(softcap), num_warps=4, **launch_args(q, batch))
     if split:
         _combine_kernel[(batch, num_heads)](
             ws_acc, ws_ml, out, out.stride(0), out.stride(1), num_heads,

@@ -8,7 +8,8 @@ paged backends live in `flotilla.runtime`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from flotilla.kernels.attention import sdpa
 
 
 def causal_mask(queries: int, keys: int, start: int, window: int, device) -> torch.Tensor | None:
@@ -28,15 +29,15 @@ class DenseCausalAttention:
     def __init__(self, batch: int, seq_len: int):
         self.batch, self.seq_len = batch, seq_len
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         B, L = self.batch, self.seq_len
         Hq, D = q.shape[1], q.shape[2]
         qb = q.view(B, L, Hq, D).transpose(1, 2)  # [B, Hq, L, D]
         kb = k.view(B, L, k.shape[1], D).transpose(1, 2)  # [B, Hkv, L, D]
         vb = v.view(B, L, v.shape[1], D).transpose(1, 2)
         mask = causal_mask(L, L, 0, window, q.device) if window and window < L else None
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=Hq != kb.shape[1])
+        out = sdpa(qb, kb, vb, attn_mask=mask, is_causal=mask is None, enable_gqa=Hq != kb.shape[1], softcap=softcap)
         return out.transpose(1, 2).reshape(B * L, Hq, D)  # [T, Hq, D]
 
 
@@ -59,7 +60,8 @@ class LockstepKVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         B, start = self.batch, self.length
         n = q.shape[0] // B
         end = start + n
@@ -71,5 +73,5 @@ class LockstepKVCache:
         vals = self.v[layer][:, :end].transpose(1, 2)
         qb = q.view(B, n, *q.shape[1:]).transpose(1, 2)  # [B, Hq, n, D]
         mask = causal_mask(n, end, start, window, q.device)  # query i of the step sees keys up to start + i
-        out = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, enable_gqa=qb.shape[1] != keys.shape[1])
+        out = sdpa(qb, keys, vals, attn_mask=mask, enable_gqa=qb.shape[1] != keys.shape[1], softcap=softcap)
         return out.transpose(1, 2).reshape(B * n, *q.shape[1:])  # [T, Hq, D]

@@ -23,12 +23,21 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without its q/k/v bias, with an RMSNorm on each q and k head
     "Phi3ForCausalLM": "phi3",  # Llama's layer with q/k/v and gate/up stored fused (models/fused_names.py), longrope
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text model (models/llama.py's module docstring)
+    "Gemma2ForCausalLM": "gemma2",  # Gemma 3's layer without q/k norms, one rope, with Gemma 2's soft-capping
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "gemma2": "Gemma2ForCausalLM"}
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 # config.json's model_type of a family, where it is not the family's name
 _FAMILY_MODEL_TYPE = {"gemma3": "gemma3_text"}
-# Gemma3TextConfig's defaults, for the keys a config.json may leave out (a multimodal model's text_config does)
+# Gemma2Config's / Gemma3TextConfig's defaults, for the keys a config.json may leave out (a multimodal model's
+# text_config does)
+_GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 8192, "tie_word_embeddings": True, "sliding_window": 4096,
+                    "query_pre_attn_scalar": 256, "rope_theta": 10000.0, "final_logit_softcapping": 30.0,
+                    "attn_logit_softcapping": 50.0}
 _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
                     "max_position_embeddings": 131072, "tie_word_embeddings": True, "sliding_window": 4096,
@@ -232,8 +241,10 @@ class ModelConfig:
     sliding_window: int | None = None  # the layers that layer_window names attend to the last this many tokens
     # Qwen2 / Qwen3's max_window_layers: layers below it attend to the whole context, the rest to the window
     window_layers: int | None = None
-    # Gemma 3: each layer's "sliding_attention" (the window, and rope_local_theta) or "full_attention"
+    # Gemma: each layer's "sliding_attention" (the window; Gemma 3's rope_local_theta) or "full_attention"
     layer_types: tuple[str, ...] | None = None
+    attn_softcap: float | None = None  # Gemma 2: each attention score s -> cap * tanh(s / cap)
+    final_softcap: float | None = None  # Gemma 2: each logit -> cap * tanh(logit / cap)
     rope_local_theta: float | None = None  # Gemma 3's sliding layers' rope base (unscaled)
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar ** -0.5
     hidden_act: str = "silu"  # or Gemma's GEMMA_ACT
@@ -253,17 +264,17 @@ class ModelConfig:
     @property
     def norm_offset(self) -> float:
         """Gemma's RMSNorms multiply by 1 + weight (the checkpoint's weight kept as it is)."""
-        return 1.0 if self.family == "gemma3" else 0.0
+        return 1.0 if self.family in GEMMA_FAMILIES else 0.0
 
     @property
     def sandwich_norms(self) -> bool:
-        """Gemma 3's layer: norms of the attention's and the MLP's outputs too."""
-        return self.family == "gemma3"
+        """Gemma 2 / 3's layer: norms of the attention's and the MLP's outputs too."""
+        return self.family in GEMMA_FAMILIES
 
     @property
     def embed_scale(self) -> float | None:
         """Gemma's embedding is multiplied by sqrt(hidden)."""
-        return self.hidden_size ** 0.5 if self.family == "gemma3" else None
+        return self.hidden_size ** 0.5 if self.family in GEMMA_FAMILIES else None
 
     def layer_rope_local(self, layer: int) -> bool:
         """Whether `layer` takes the sliding layers' rope (Gemma 3's rope_local_theta)."""
@@ -344,8 +355,9 @@ class ModelConfig:
             keep_text = {k: v for k, v in top.items() if k not in text or k in ("eos_token_id", "bos_token_id")}
             d = {**text, **keep_text, "architectures": [MULTIMODAL_TEXT[outer]]}
         arch = _hf_architecture(d, where)
-        if ARCHITECTURES[arch] == "gemma3":
-            d = {**_GEMMA3_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in _GEMMA3_DEFAULTS}}
+        if ARCHITECTURES[arch] in GEMMA_FAMILIES:
+            defaults = _GEMMA3_DEFAULTS if ARCHITECTURES[arch] == "gemma3" else _GEMMA2_DEFAULTS
+            d = {**defaults, **{k: v for k, v in d.items() if v is not None or k not in defaults}}
         family = ARCHITECTURES[arch]
 
         def req(key):
@@ -373,8 +385,8 @@ class ModelConfig:
         quant = QuantConfig.from_hf(d["quantization_config"], where) if d.get("quantization_config") else None
         head_dim = d.get("head_dim") or hidden // heads
         gemma: dict[str, Any] = {}
-        if family == "gemma3":
-            gemma = _gemma3_fields(d, where, int(req("num_hidden_layers")), max_pos)
+        if family in GEMMA_FAMILIES:
+            gemma = _gemma_fields(d, where, family, int(req("num_hidden_layers")), max_pos)
             rope_theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         elif d.get("hidden_act", "silu") != "silu":
             raise FlotillaError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (expected 'silu')")
@@ -432,13 +444,15 @@ class ModelConfig:
             d["mlp_bias"] = self.mlp_bias
         if self.family == "qwen3":
             d["attention_bias"] = self.attention_bias
-        if self.family == "gemma3":  # as transformers 4 wrote it (transformers 5 reads it into rope_parameters)
+        if self.family in GEMMA_FAMILIES:  # as transformers 4 wrote it (transformers 5 reads it into rope_parameters)
             d.pop("hidden_act")
             scalar = self.query_pre_attn_scalar
             d.update(hidden_activation=self.hidden_act, query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
-                     rope_local_base_freq=self.rope_local_theta, layer_types=list(self.layer_types or ()),
-                     attention_bias=self.attention_bias, final_logit_softcapping=None, attn_logit_softcapping=None,
+                     layer_types=list(self.layer_types or ()), attention_bias=self.attention_bias,
+                     final_logit_softcapping=self.final_softcap, attn_logit_softcapping=self.attn_softcap,
                      rope_scaling=None)
+            if self.family == "gemma3":
+                d["rope_local_base_freq"] = self.rope_local_theta
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
         if self.family in ("qwen2", "qwen3"):
@@ -479,7 +493,7 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     window = d.get("sliding_window")
     if not window:
         return None, None
-    if family in ("mistral", "phi3", "gemma3"):  # every layer (transformers' Phi-3 masks by it too); Gemma 3's
+    if family in ("mistral", "phi3", *GEMMA_FAMILIES):  # every layer (transformers' Phi-3 masks by it too); Gemma's
         return int(window), None  # sliding layers (ModelConfig.layer_types)
     if not d.get("use_sliding_window"):
         return None, None
@@ -491,27 +505,35 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     return (int(window), from_layer) if layers > from_layer else (None, None)
 
 
-def _gemma3_fields(d: dict, where: str, layers: int, max_pos: int) -> dict[str, Any]:
-    """Gemma 3's own fields of ModelConfig, and its global rope (rope_theta, rope_scaling), from config.json as
-    transformers 5 writes it (layer_types, rope_parameters per layer type) or 4 did (sliding_window_pattern,
-    rope_theta, rope_local_base_freq, rope_scaling); what flotilla does not implement is refused."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if d.get(key) is not None:
-            raise FlotillaError(f"{where}: {key} {d[key]} (Gemma 2's soft-capping) is not supported")
+def _gemma_fields(d: dict, where: str, family: str, layers: int, max_pos: int) -> dict[str, Any]:
+    """Gemma 2 / 3's own fields of ModelConfig, and the global rope (rope_theta, rope_scaling), from config.json as
+    transformers 5 writes it (layer_types; Gemma 3's rope_parameters per layer type) or 4 did (Gemma 3's
+    sliding_window_pattern, rope_theta, rope_local_base_freq, rope_scaling); what flotilla does not implement is
+    refused."""
+    caps = {}
+    for key, field_name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        cap = d.get(key)
+        if cap is not None and (not isinstance(cap, (int, float)) or cap <= 0):
+            raise FlotillaError(f"{where}: {key} must be a positive number or null, got {cap!r}")
+        caps[field_name] = float(cap) if cap else None
     if d.get("use_bidirectional_attention"):
         raise FlotillaError(f"{where}: use_bidirectional_attention (an embedding model) is not supported")
     act = d.get("hidden_activation") or d.get("hidden_act") or GEMMA_ACT
     if act != GEMMA_ACT:
         raise FlotillaError(f"{where}: hidden_activation {act!r} is not supported (expected {GEMMA_ACT!r})")
     types = d.get("layer_types")
-    if not types:
-        pattern = int(d.get("sliding_window_pattern") or 6)  # every pattern-th layer attends to everything
+    if not types:  # every pattern-th layer attends to everything (Gemma 2: every second)
+        pattern = int(d.get("sliding_window_pattern") or (6 if family == "gemma3" else 2))
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise FlotillaError(f"{where}: layer_types must name sliding_attention or full_attention for each of the "
                             f"{layers} layers")
     params = d.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers 5: one rope per layer type
+    if family == "gemma2":  # one rope for every layer
+        theta = float(params.get("rope_theta") or d.get("rope_theta") or 10000.0)
+        scaling = _rope_scaling(d.get("rope_scaling") or params, where, max_pos)
+        local_theta = None
+    elif "full_attention" in params:  # transformers 5: one rope per layer type
         full, local = params["full_attention"], params.get("sliding_attention") or {}
         theta, local_theta = float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 10000.0))
         if (local.get("rope_type") or "default") != "default":
@@ -522,7 +544,7 @@ def _gemma3_fields(d: dict, where: str, layers: int, max_pos: int) -> dict[str, 
         local_theta = float(d.get("rope_local_base_freq", 10000.0))
         scaling = _rope_scaling(d.get("rope_scaling") or {}, where, max_pos)
     return dict(layer_types=tuple(types), rope_local_theta=local_theta, hidden_act=act, rope_theta=theta,
-                rope_scaling=scaling,
+                rope_scaling=scaling, **caps,
                 query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256))
 
 

@@ -15,7 +15,7 @@ import torch
 from flotilla.errors import FlotillaError
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight, decode, is_supported
 
-from .config import GEMMA_ACT, GGUFQuant, ModelConfig, RopeScaling, longrope
+from .config import GEMMA_ACT, GEMMA_FAMILIES, GGUFQuant, ModelConfig, RopeScaling, longrope
 from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 
 _GGUF_LAYER_NAMES = {
@@ -42,7 +42,7 @@ _GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_pro
 _GGUF_GEMMA3_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 _ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # not weights
 GGUF_DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized: read as they are (fp32)
 
@@ -88,7 +88,8 @@ class GGUFSource:
         if name in _GGUF_GLOBAL_NAMES:
             return _GGUF_GLOBAL_NAMES[name]
         parts = name.split(".")
-        names = {**_GGUF_LAYER_NAMES, **{"phi3": _GGUF_PHI3_NAMES, "gemma3": _GGUF_GEMMA3_NAMES}.get(self.arch, {})}
+        names = {**_GGUF_LAYER_NAMES, **{"phi3": _GGUF_PHI3_NAMES, "gemma3": _GGUF_GEMMA3_NAMES,
+                                          "gemma2": _GGUF_GEMMA3_NAMES}.get(self.arch, {})}
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
             return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         if name in _ROPE_TABLES:
@@ -117,7 +118,7 @@ class GGUFSource:
             raise FlotillaError(f"{self.path}: GGUF end-of-text token id {bad[0]} is outside the {int(vocab)}-token "
                                 "vocabulary; the file's tokenizer metadata is corrupt")
         window = self._field(f"{a}.attention.sliding_window")  # as llama.cpp writes Mistral's: every layer's
-        gemma = self._gemma3(int(n_layers), int(hidden), int(heads), int(head_dim)) if a == "gemma3" else {}
+        gemma = self._gemma(int(n_layers), int(hidden), int(heads), int(head_dim)) if a in GEMMA_FAMILIES else {}
         return ModelConfig(**gemma,
             architecture=_GGUF_ARCHS[a],
             vocab_size=int(vocab),
@@ -140,12 +141,13 @@ class GGUFSource:
             sliding_window=int(window) if window else None,
         )
 
-    def _gemma3(self, n_layers: int, hidden: int, heads: int, head_dim: int) -> dict:
-        """Gemma 3's fields of ModelConfig as llama.cpp runs the file: every sixth layer global (or the file's
-        sliding_window_pattern), the sliding layers' rope base 10000 (or rope.freq_base_swa), the attention scale
-        1 / sqrt(head_dim) but the 27B's (62 layers) 1 / sqrt(hidden / heads), or the file's attention.scale."""
+    def _gemma(self, n_layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+        """Gemma 2 / 3's fields of ModelConfig as llama.cpp runs the file: every second (Gemma 3: sixth) layer
+        global, or the file's sliding_window_pattern; Gemma 3's sliding layers' rope base 10000 (or
+        rope.freq_base_swa); the attention scale 1 / sqrt(head_dim) but the 27Bs' (Gemma 2: 46 layers, Gemma 3: 62)
+        1 / sqrt(hidden / heads), or the file's attention.scale; Gemma 2's soft-capping."""
         a = self.arch
-        pattern = self._field(f"{a}.attention.sliding_window_pattern", 6)
+        pattern = self._field(f"{a}.attention.sliding_window_pattern", 6 if a == "gemma3" else 2)
         if isinstance(pattern, (list, tuple)):  # one flag a layer: True where it slides
             types = ["sliding_attention" if p else "full_attention" for p in pattern]
         else:
@@ -154,9 +156,14 @@ class GGUFSource:
             raise FlotillaError(f"{self.path}: {a}.attention.sliding_window_pattern names {len(types)} layers of "
                                 f"{n_layers}")
         scale = self._field(f"{a}.attention.scale")
-        scalar = 1.0 / float(scale) ** 2 if scale else float(hidden // heads if n_layers == 62 else head_dim)
-        return dict(layer_types=tuple(types), rope_local_theta=float(self._field(f"{a}.rope.freq_base_swa", 10000.0)),
-                    query_pre_attn_scalar=scalar, hidden_act=GEMMA_ACT)
+        big = n_layers == (62 if a == "gemma3" else 46)
+        scalar = 1.0 / float(scale) ** 2 if scale else float(hidden // heads if big else head_dim)
+        caps = {name: float(self._field(f"{a}.{key}")) if self._field(f"{a}.{key}") else None
+                for name, key in (("attn_softcap", "attn_logit_softcapping"),
+                                  ("final_softcap", "final_logit_softcapping"))}
+        local = float(self._field(f"{a}.rope.freq_base_swa", 10000.0)) if a == "gemma3" else None
+        return dict(layer_types=tuple(types), rope_local_theta=local, query_pre_attn_scalar=scalar,
+                    hidden_act=GEMMA_ACT, **caps)
 
     def _rope_scaling(self, head_dim: int) -> RopeScaling | None:
         a = self.arch
@@ -263,7 +270,7 @@ class GGUFSource:
         heads = self._permuted_heads(name)
         if heads is not None:
             w = _unpermute(w, heads)
-        if self.arch == "gemma3" and name.endswith("norm.weight"):
+        if self.arch in GEMMA_FAMILIES and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp's 1 + w back to the checkpoint's w (models/llama.RMSNorm adds the 1)
         return torch.from_numpy(np.array(w, copy=True, order="C"))
 

@@ -110,6 +110,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim
         self.window = cfg.layer_window(layer)  # a sliding window (0: the whole context)
+        self.softcap = cfg.attn_softcap or 0.0  # Gemma 2's soft-capping of the scores
         self.rope_index = 1 if cfg.layer_rope_local(layer) else 0  # Gemma 3's sliding layers: the second rope
         # the attention's scale is the backends' head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5 is
         # had by scaling q (through its norm's weight, frozen into LayerOps)
@@ -172,7 +173,8 @@ class DecoderLayer(nn.Module):
         return LayerOps(a.layer, self.input_layernorm.scale(), self.mlp_norm.scale(),
                         self.input_layernorm.eps, linear(a.qkv_proj), linear(a.o_proj), gate_up,
                         linear(m.down_proj), a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
-                        act, qk_norm, a.window, a.rope_index, out_norms)
+                        act, qk_norm, a.window, a.rope_index, out_norms, a.softcap,
+                        a.q_scale if qk_norm is None else 1.0)  # (with q norms: folded into q's)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -207,6 +209,8 @@ class LayerOps:
     rope_index: int = 0  # which of the model's rope tables this layer takes (rope.for_layer)
     # Gemma's norms of the attention's and the MLP's outputs (before each residual add), their scales [hidden]
     out_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    softcap: float = 0.0  # Gemma 2: each attention score s -> softcap * tanh(s / softcap)
+    q_scale: float = 1.0  # q times this before attention (Gemma 2's query_pre_attn_scalar, with no q norm to fold into)
 
 
 def layer_step(ops: LayerOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -261,7 +265,10 @@ def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     cos, sin = for_layer(cos, sin, ops.rope_index)
     if ops.qk_norm is not None:
         qkv = _qk_normed(qkv, ops.qk_norm, hq * d, qk_size, d, ops.eps)
-    window = {"window": ops.window} if ops.window else {}  # only a windowed layer asks the backend for one
+    elif ops.q_scale != 1.0:  # (the projection's own output: scaled in place)
+        qkv[:, :hq * d] *= ops.q_scale
+    # only a windowed (soft-capped) layer asks the backend for it
+    window = {**({"window": ops.window} if ops.window else {}), **({"softcap": ops.softcap} if ops.softcap else {})}
     attend_qkv = getattr(attn, "attend_qkv", None)
     if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
         return attend_qkv(ops.layer, qkv, cos, sin, hq, **window).reshape(T, hq * d)
@@ -475,5 +482,7 @@ class CausalLM(nn.Module):
         return normed if m is None else F.linear(normed, m.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
-        return (self._logits or self.lm_head)(hidden).float()
+        """[N, hidden] -> fp32 logits [N, vocab] (Gemma 2's soft-capped: cap * tanh(logit / cap))."""
+        logits = (self._logits or self.lm_head)(hidden).float()
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap).mul_(cap)

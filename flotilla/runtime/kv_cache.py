@@ -169,15 +169,16 @@ class PagedAttentionBackend:
     def __init__(self, cache: KVCache, meta: PagedAttentionMetadata, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         kc, vc = self.cache.key[layer], self.cache.value[layer]
         store_kv(kc, vc, k, v, self.meta)
-        return paged_attention(q, kc, vc, self.meta, self.scale, window)
+        return paged_attention(q, kc, vc, self.meta, self.scale, window, softcap)
 
     def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   num_heads: int, window: int = 0) -> torch.Tensor:
+                   num_heads: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """`attend` of the unrotated projection qkv [T, (Hq + 2 Hkv) D]: rope, the store of k and v and
         the attention, the first two in one kernel on CUDA (kernels/fused.py rope_store_kv)."""
         kc, vc = self.cache.key[layer], self.cache.value[layer]
         q = rope_store_kv(qkv, cos, sin, num_heads, kc, vc, self.meta.slot_mapping)
-        return paged_attention(q, kc, vc, self.meta, self.scale, window)
+        return paged_attention(q, kc, vc, self.meta, self.scale, window, softcap)

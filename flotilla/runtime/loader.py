@@ -10,7 +10,7 @@ import torch
 
 from flotilla.errors import FlotillaError
 from flotilla.models import parallel_state
-from flotilla.models.config import ModelConfig
+from flotilla.models.config import GEMMA_FAMILIES, ModelConfig
 from flotilla.models.gguf_report import load_report
 from flotilla.models.fused_names import unwrapped
 from flotilla.models.gguf_source import GGUFSource
@@ -41,7 +41,7 @@ def default_dtype(device: torch.device, config: ModelConfig | None = None) -> to
     fp16 for it)."""
     if device.type == "cpu":
         return torch.float32
-    return torch.bfloat16 if config is not None and config.family == "gemma3" else torch.float16
+    return torch.bfloat16 if config is not None and config.family in GEMMA_FAMILIES else torch.float16
 
 
 def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
+from flotilla.kernels.attention import sdpa
 from flotilla.models.attention import causal_mask
 from flotilla.models.llama import CausalLM
 
@@ -35,7 +35,8 @@ class ContiguousKVCache:
     def end(self) -> None:
         self.length += self.step_len
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         start, end = self.length, self.length + q.shape[0]
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v
@@ -44,7 +45,7 @@ class ContiguousKVCache:
         qh = q.transpose(0, 1)  # [Hq, T, D]
         T, S = q.shape[0], end
         mask = causal_mask(T, S, start, window, q.device)  # query i sees keys up to start + i
-        out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, enable_gqa=qh.shape[0] != keys.shape[0])
+        out = sdpa(qh, keys, vals, attn_mask=mask, enable_gqa=qh.shape[0] != keys.shape[0], softcap=softcap)
         return out.transpose(0, 1)  # [T, Hq, D]
 
 

@@ -83,6 +83,6 @@ class CpuDecode:
         return cls(meta.block_tables[:nd].contiguous(), meta.seq_lens[:nd].contiguous())
 
     def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 scale: float, window: int = 0) -> torch.Tensor:
+                 scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         return extension().decode_attention(q.contiguous(), key_cache, value_cache, self.block_tables,
-                                            self.seq_lens, scale, window)
+                                            self.seq_lens, scale, window, softcap)

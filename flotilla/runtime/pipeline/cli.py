@@ -343,7 +343,7 @@ def pipeline_engine_from_args(args: argparse.Namespace, report=None):
     num_layers = config.num_hidden_layers
     if args.stage_timeout <= 0:  # (PipelineSettings says it too, but only after the local workers started)
         raise FlotillaError(f"--stage-timeout must be > 0 seconds, got {args.stage_timeout:g}")
-    wire_dtype = args.wire_dtype or ("bf16" if config.family == "gemma3" else "fp16")
+    wire_dtype = args.wire_dtype or ("bf16" if config.embed_scale is not None else "fp16")  # Gemma: bf16
     check_wire_dtype(wire_dtype)
     if pp > num_layers:
         raise FlotillaError(f"--pp {pp} is more stages than the model's {num_layers} layers")

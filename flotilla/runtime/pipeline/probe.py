@@ -39,7 +39,7 @@ GRAPH_CALLS = 8  # calls per replayed CUDA graph
 class _NoAttention:
     """Attention stand-in for the probe: the linears dominate a decode step's time."""
 
-    def attend(self, layer, q, k, v, window=0):
+    def attend(self, layer, q, k, v, window=0, softcap=0.0):
         return q
 
 

@@ -106,11 +106,13 @@ void rope_rows(const float* x, int64_t xt, int64_t xh, const float* c, const flo
 }
 
 void attend_one(const float* q, const float* const* k_rows, const float* const* v_rows, int64_t L, int64_t d,
-                float scale, float* scores, float* out) {
+                float scale, float* scores, float* out, float softcap) {
   int64_t p = 0;
   if (d % 8 == 0)
     for (; p + 8 <= L; p += 8) dot8(q, k_rows + p, d, scale, scores + p);
   for (; p < L; ++p) scores[p] = dot(q, k_rows[p], d) * scale;
+  if (softcap > 0.0f)
+    for (p = 0; p < L; ++p) scores[p] = softcap * std::tanh(scores[p] / softcap);
   float top = -INFINITY;
   for (p = 0; p < L; ++p) top = std::fmax(top, scores[p]);
   float total = 0.0f;

@@ -21,8 +21,9 @@ void rope_rows(const float* x, int64_t xt, int64_t xh, const float* c, const flo
                int64_t heads, int64_t d);
 
 // One query head of a decode: out[d] = sum_p softmax_p(scale * q . k_p) v_p over the L keys whose
-// rows are k_rows[p], v_rows[p] (each d floats).
+// rows are k_rows[p], v_rows[p] (each d floats); softcap > 0: each score s becomes softcap * tanh(s / softcap)
+// first (Gemma 2's soft-capping).
 void attend_one(const float* q, const float* const* k_rows, const float* const* v_rows, int64_t L, int64_t d,
-                float scale, float* scores, float* out);
+                float scale, float* scores, float* out, float softcap = 0.0f);
 
 }  // namespace flotilla_cpu

@@ -70,7 +70,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // window > 0: each query reads only its sequence's last `window` keys (sliding-window attention)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [B, Hq, D]");
   TORCH_CHECK(key_cache.scalar_type() == at::kFloat && key_cache.dim() == 4 && key_cache.is_contiguous() &&
               value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
@@ -105,7 +105,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
         v_rows[n] = vc + (slot * hkv + kv) * d;
       }
       attend_one(q.data_ptr<float>() + i * d, k_rows.data(), v_rows.data(), L, d, static_cast<float>(scale),
-                 scores.data(), out.data_ptr<float>() + i * d);
+                 scores.data(), out.data_ptr<float>() + i * d, static_cast<float>(softcap));
     }
   });
   return out;
@@ -121,7 +121,8 @@ void register_ops(pybind11::module_& m) {
   m.def("silu_mul", &silu_mul, py::arg("gate_up"));
   m.def("rope", &rope, py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
 }
 
 }  // namespace flotilla_cpu

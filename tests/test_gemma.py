@@ -1,7 +1,8 @@
 """Gemma 3's text model (Gemma3ForCausalLM, llama.cpp's gemma3 GGUF) against transformers: norms of 1 + weight, a
 norm after attention and after the MLP, gelu-tanh, the embedding times sqrt(hidden), q/k norms, the attention
 scale of query_pre_attn_scalar, sliding-window layers with their own rope base and every sixth layer global with
-the model's (linearly scaled) rope."""
+the model's (linearly scaled) rope; and Gemma 2 (Gemma2ForCausalLM, llama.cpp's gemma2 GGUF): the same layer without
+q/k norms, one rope, every second layer global, its attention scores and logits soft-capped."""
 from __future__ import annotations
 
 import pytest
@@ -73,8 +74,8 @@ def test_a_transformers_4_gemma3_config_is_read():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 \\(Gemma 2's soft-capping\\) is not supported"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping must be a positive number or null, got -1.0"),
+    ({"attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive number or null, got '50'"),
     ({"use_bidirectional_attention": True}, "an embedding model"),
     ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
 ])
@@ -212,3 +213,63 @@ def test_gemma3_calibration_states_and_dtype_are_the_models(tmp_path):
     outer = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
              "text_config": {**gemma3_config().to_dict(), "eos_token_id": 1}}
     assert ModelConfig.from_hf_dict(outer).eos_token_ids == (1, 106)
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 2
+def gemma2_config(**overrides):
+    from transformers import Gemma2Config
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=256, sliding_window=8,
+                query_pre_attn_scalar=24, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                attn_logit_softcapping=3.0, final_logit_softcapping=4.0)  # small caps: the tanh bites
+    base.update(overrides)
+    return Gemma2Config(**base)
+
+
+def test_gemma2_logits_match_transformers(tmp_path):
+    """Gemma 2: Gemma 3's layer without q/k norms and with one rope, every second layer global, the attention
+    scores and the logits soft-capped."""
+    hf = make_hf_model(gemma2_config(), seed=8)
+    source = open_source(save_hf_model(hf, tmp_path / "g2"))
+    cfg = source.config
+    assert cfg.family == "gemma2" and (cfg.attn_softcap, cfg.final_softcap) == (3.0, 4.0)
+    assert [cfg.layer_window(i) for i in range(4)] == [8, 0, 8, 0] and cfg.rope_local_theta is None
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = our_logits(load_stage(source), ids)
+    assert got.abs().max().item() <= 4.0 and (got - ref).abs().max().item() < 1e-4
+
+
+def test_a_gemma2_gguf_matches_transformers(tmp_path):
+    hf = make_hf_model(gemma2_config(query_pre_attn_scalar=32), seed=6)
+    source = open_source(write_llama_gguf(hf, tmp_path / "g2.gguf"))
+    assert source.config.family == "gemma2" and source.config.attn_softcap == 3.0
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (our_logits(load_stage(source), ids) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+def test_the_engine_decodes_a_gemma2_as_transformers(kernels, tmp_path, monkeypatch):
+    from flotilla.kernels.cpu import ops
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+    from test_sliding_window import greedy_rounds, transformers_greedy
+
+    if kernels == "torch":
+        monkeypatch.setenv("FLOTILLA_KERNEL", "dense")
+    ops.reset()
+    hf = make_hf_model(gemma2_config(), seed=10)
+    save_hf_model(hf, tmp_path / "g2")
+    save_byte_tokenizer(tmp_path / "g2")
+    engine = build_engine(load_model(tmp_path / "g2", "cpu", "float32", progress=False),
+                          EngineArgs(block_size=4, max_num_batched_tokens=16))
+    prompts = {"a": list(range(30, 52)), "b": list(range(90, 101)), "c": list(range(30, 52)) + [5]}
+    got = greedy_rounds(engine, prompts, [["a", "b"], ["c"]], 12)
+    ops.reset()
+    for name, prompt in prompts.items():
+        assert got[name] == transformers_greedy(hf, prompt, 12), name

@@ -1,6 +1,6 @@
 """Sliding-window attention and Gemma 3 on a GPU (skipped without one): the Triton decode's window and the
 prefill masks against the CPU torch path, and the engine's greedy tokens (CUDA graphs, the fused rope + KV store,
-Gemma 3's two ropes) against transformers on the CPU."""
+Gemma 3's two ropes, Gemma 2's soft-capping in the Triton decode) against transformers on the CPU."""
 from __future__ import annotations
 
 import math
@@ -45,12 +45,13 @@ def greedy_on(path, device: str, prompts, n: int):
     return greedy_rounds(engine, prompts, [list(prompts)], n)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma2"])
 def test_the_engine_on_the_gpu_decodes_past_the_window_as_transformers(family, tmp_path):
-    from test_gemma import gemma3_config
+    from test_gemma import gemma2_config, gemma3_config
     from test_sliding_window import transformers_greedy
 
-    config = gemma3_config() if family == "gemma3" else tiny_config("mistral", sliding_window=8, head_dim=32)
+    config = {"gemma3": gemma3_config, "gemma2": gemma2_config}.get(
+        family, lambda: tiny_config("mistral", sliding_window=8, head_dim=32))()
     hf = make_hf_model(config, seed=11)
     save_hf_model(hf, tmp_path / "m")
     save_byte_tokenizer(tmp_path / "m")

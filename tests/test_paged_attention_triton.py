@@ -41,6 +41,10 @@ def test_a_sliding_window_through_triton_matches_the_torch_path(sms, window):
     want = paged_attention(q, kc, vc, meta, scale=0.25, window=window)  # CPU tensors: the torch path
     got = _TritonDecode.for_step(meta, sms=sms)(q, kc, vc, 0.25, window)
     assert (got - want).abs().max().item() < 1e-4
+    # split by what a sequence reads: the window, where it is shorter than the longest context (1101)
+    split = _TritonDecode.for_step(meta, sms=sms, window=window)
+    assert split.num_splits == (1 if sms == 1 or window < 1024 else 2)
+    assert (split(q, kc, vc, 0.25, window) - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("sms", [1, 64])

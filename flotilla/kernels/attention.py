@@ -184,7 +184,7 @@ class _TorchPlan:
     def __init__(self, meta: PagedAttentionMetadata, dtype: torch.dtype, window: int = 0):
         bs, nd = meta.block_size, meta.num_decodes
         self.dtype, self.window = dtype, window
-        self.triton_decode = _TritonDecode.for_step(meta) if nd and meta.slot_mapping.is_cuda else None
+        self.triton_decode = _TritonDecode.for_step(meta, window=window) if nd and meta.slot_mapping.is_cuda else None
         self.cpu_decode = _cpu_decode(meta) if nd and dtype == torch.float32 and not meta.slot_mapping.is_cuda else None
         self.contiguous = None  # slots of the lone sequence, when its blocks are consecutive
         if meta.first_block >= 0:
@@ -244,7 +244,8 @@ class _TritonDecode:
         self.kernel, self.tables, self.lens, self.num_splits = kernel, tables, lens, num_splits
 
     @classmethod
-    def for_step(cls, meta: PagedAttentionMetadata, sms: int | None = None) -> "_TritonDecode | None":
+    def for_step(cls, meta: PagedAttentionMetadata, sms: int | None = None, window: int = 0) -> "_TritonDecode | None":
+        """(`window`: the layers' sliding window, which bounds what a sequence reads: the splits follow it.)"""
         try:
             from .triton_attention import paged_attention_decode
         except ImportError:  # no Triton: the torch path
@@ -252,7 +253,8 @@ class _TritonDecode:
         nd = meta.num_decodes
         if sms is None:
             sms = torch.cuda.get_device_properties(meta.slot_mapping.device).multi_processor_count
-        splits = max(1, min(16, meta.max_decode_seq_len // 512, sms // max(1, nd)))
+        longest = min(meta.max_decode_seq_len, window) if window else meta.max_decode_seq_len
+        splits = max(1, min(16, longest // 512, sms // max(1, nd)))
         return cls(paged_attention_decode, meta.block_tables[:nd].to(torch.int32),
                    meta.seq_lens[:nd].to(torch.int32), splits)
 

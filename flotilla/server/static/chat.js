@@ -11,6 +11,7 @@
   const store = window.localStorage;
   const state = { ws: null, history: [], reply: null, retry: 0, maxModelLen: null, maxFrameBytes: null };
   const DEFAULT_MAX_TOKENS = 512;
+  const DEFAULT_TEMPERATURE = 0.7;  // the settings field's own default: an emptied field means it, not the API's 1.0
 
   // ---------------------------------------------------------------------- settings
   for (const [el, key] of [[els.system, "system"], [els.temperature, "temperature"],
@@ -33,7 +34,10 @@
     const ws = new WebSocket(url);
     state.ws = ws;
     setStatus("connecting");
-    ws.onopen = () => { state.retry = 0; };
+    ws.onopen = () => {
+      if (state.retry >= 2) showBanner("");  // back after a reconnecting notice
+      state.retry = 0;
+    };
     ws.onmessage = (ev) => onFrame(JSON.parse(ev.data));
     ws.onclose = (ev) => {
       setStatus("closed");
@@ -46,10 +50,13 @@
       if (ev.code === 1008) {
         els.keyRow.hidden = false;
         els.settings.hidden = false;
-        showBanner(`${ev.reason || "unauthorized"} — enter the API key in Settings.`);
+        showBanner(key ? "The server refused that API key — check it in Settings."
+                       : `${ev.reason || "unauthorized"} — enter the API key in Settings.`);
         els.apiKey.addEventListener("change", connect, { once: true });
         return;
       }
+      // the server is down or restarting: say so while the page tries again (from the second failed try on)
+      if (state.retry >= 1 && ev.code !== 1009) showBanner("The server is not answering; reconnecting…");
       const delay = Math.min(8000, 500 * 2 ** state.retry++);
       setTimeout(connect, delay);
     };
@@ -166,7 +173,7 @@
     messages.push(...state.history.map(({ role, content }) => ({ role, content })), { role: "user", content: text });
     const frame = { type: "chat", messages, fit_context: true };
     const t = parseFloat(els.temperature.value);
-    if (!Number.isNaN(t)) frame.temperature = t;
+    frame.temperature = Number.isNaN(t) ? DEFAULT_TEMPERATURE : t;
     const m = parseInt(els.maxTokens.value, 10);
     frame.max_tokens = Math.min(Number.isNaN(m) || m < 1 ? DEFAULT_MAX_TOKENS : m, replyCap());
     const data = JSON.stringify(frame);
@@ -198,8 +205,13 @@
       r.thinking.box.open = !r.text;  // folded once there is an answer
     }
     if (r.text) state.history.push({ role: "assistant", content: r.text, el: r.el });
-    // nothing came back (refused, stopped at once, or only thinking): later sends leave the question out
-    else state.history.pop();
+    else {  // nothing came back (refused, stopped at once, or only thinking): later sends leave the question out
+      const asked = state.history.pop();
+      if (f.finish_reason === "error" && !r.id && asked && !els.input.value) {  // refused: the text back in the box
+        els.input.value = asked.content;
+        autosize();
+      }
+    }
     const meta = document.createElement("span");
     meta.className = "meta";
     const tokens = f.usage ? f.usage.completion_tokens : r.deltas;

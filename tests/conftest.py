@@ -137,8 +137,9 @@ def write_llama_gguf(hf_model, path: Path, qtype: str = "F32", uint32s: dict | N
     rope = cfg.rope_parameters
     if arch == "gemma2":  # every second layer global (llama.cpp's rule, not written); the soft-capping
         w.add_sliding_window(cfg.sliding_window)
-        w.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
-        w.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # (None: a file from before llama.cpp wrote them)
+            if getattr(cfg, key) is not None:
+                w.add_float32(f"gemma2.{key}", getattr(cfg, key))
     if arch == "gemma3":  # the global layers' rope; every sixth layer global (llama.cpp's rule, not written)
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         w.add_sliding_window(cfg.sliding_window)

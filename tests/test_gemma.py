@@ -253,3 +253,20 @@ def test_a_gemma2_gguf_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
     assert (our_logits(load_stage(source), ids) - ref).abs().max().item() < 1e-4
+
+
+def test_gemma2_soft_caps_null_and_absent():
+    """A config.json's null cap is no cap (as transformers reads it), a left-out one Gemma2Config's default; a GGUF
+    file written before llama.cpp stored the caps takes llama.cpp's 50 / 30 (and its window, 4096)."""
+    d = {**gemma2_config().to_dict(), "architectures": ["Gemma2ForCausalLM"]}
+    none = ModelConfig.from_hf_dict({**d, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (none.attn_softcap, none.final_softcap) == (None, None)
+    assert ModelConfig.from_hf_dict(none.to_hf_dict()) == none
+    absent = {k: v for k, v in d.items() if not k.endswith("_softcapping")}
+    assert (ModelConfig.from_hf_dict(absent).attn_softcap, ModelConfig.from_hf_dict(absent).final_softcap) == (50.0, 30.0)
+
+
+def test_an_old_gemma2_gguf_takes_llama_cpps_caps(tmp_path):
+    hf = make_hf_model(gemma2_config(attn_logit_softcapping=None, final_logit_softcapping=None), seed=1)
+    cfg = open_source(write_llama_gguf(hf, tmp_path / "old.gguf")).config
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)

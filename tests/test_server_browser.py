@@ -151,6 +151,7 @@ def test_a_refused_message_leaves_the_chat_history(live, page):
     page.press("#input", "Enter")
     page.wait_for_selector('.msg.assistant[data-finish="error"]', timeout=60_000)
     assert page.input_value("#input") == "word " * 9000  # the refused text is back in the box, to shorten
+    assert page.locator(".msg.user").count() == 0  # and not left in the chat as if it had been asked
     page.fill("#input", "Say hello.")
     page.press("#input", "Enter")
     page.wait_for_selector('.msg.assistant[data-finish="length"], .msg.assistant[data-finish="stop"]',

@@ -149,9 +149,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     s = q.float() @ k.float().transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     s = softcap * torch.tanh(s / softcap)
-    if is_causal:  # query i (of Q, the last of S keys) sees keys up to S - Q + i
+    if is_causal:  # (as torch's: the queries are the keys' positions, so Q == S)
         Q, S = s.shape[-2], s.shape[-1]
-        s = s.masked_fill(~torch.ones(Q, S, dtype=torch.bool, device=s.device).tril(S - Q), float("-inf"))
+        if Q != S:
+            raise ValueError(f"sdpa: is_causal with {Q} queries over {S} keys; give a mask")
+        s = s.masked_fill(~torch.ones(Q, S, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
     return (s.softmax(-1) @ v.float()).to(q.dtype)

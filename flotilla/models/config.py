@@ -357,7 +357,9 @@ class ModelConfig:
         arch = _hf_architecture(d, where)
         if ARCHITECTURES[arch] in GEMMA_FAMILIES:
             defaults = _GEMMA3_DEFAULTS if ARCHITECTURES[arch] == "gemma3" else _GEMMA2_DEFAULTS
-            d = {**defaults, **{k: v for k, v in d.items() if v is not None or k not in defaults}}
+            # a key left out, or null, takes the default; but a null soft-cap means none (as transformers reads it)
+            d = {**defaults, **{k: v for k, v in d.items()
+                                if v is not None or k not in defaults or k.endswith("_softcapping")}}
         family = ARCHITECTURES[arch]
 
         def req(key):

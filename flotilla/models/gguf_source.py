@@ -117,7 +117,8 @@ class GGUFSource:
         if bad:
             raise FlotillaError(f"{self.path}: GGUF end-of-text token id {bad[0]} is outside the {int(vocab)}-token "
                                 "vocabulary; the file's tokenizer metadata is corrupt")
-        window = self._field(f"{a}.attention.sliding_window")  # as llama.cpp writes Mistral's: every layer's
+        # as llama.cpp writes Mistral's: every layer's (a Gemma 2 file without it: llama.cpp's 4096)
+        window = self._field(f"{a}.attention.sliding_window", 4096 if a == "gemma2" else None)
         gemma = self._gemma(int(n_layers), int(hidden), int(heads), int(head_dim)) if a in GEMMA_FAMILIES else {}
         return ModelConfig(**gemma,
             architecture=_GGUF_ARCHS[a],
@@ -158,9 +159,12 @@ class GGUFSource:
         scale = self._field(f"{a}.attention.scale")
         big = n_layers == (62 if a == "gemma3" else 46)
         scalar = 1.0 / float(scale) ** 2 if scale else float(hidden // heads if big else head_dim)
-        caps = {name: float(self._field(f"{a}.{key}")) if self._field(f"{a}.{key}") else None
-                for name, key in (("attn_softcap", "attn_logit_softcapping"),
-                                  ("final_softcap", "final_logit_softcapping"))}
+        # Gemma 2 files written before llama.cpp stored the caps: its defaults, 50 and 30
+        defaults = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if a == "gemma2" else {}
+        caps = {}
+        for name, key in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping")):
+            cap = self._field(f"{a}.{key}", defaults.get(key))
+            caps[name] = float(cap) if cap else None
         local = float(self._field(f"{a}.rope.freq_base_swa", 10000.0)) if a == "gemma3" else None
         return dict(layer_types=tuple(types), rope_local_theta=local, query_pre_attn_scalar=scalar,
                     hidden_act=GEMMA_ACT, **caps)

@@ -59,9 +59,11 @@ class AttentionBackend(Protocol):
     projection qkv [T, (Hq + 2 Hkv) D] and the rope tables [T, 1, D], rotating itself (the runtime's
     paged backend rotates and stores in one kernel); attention_output uses it where present."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq, D]. Stores k/v as it likes. A layer with a
-        sliding window passes it (> 0): each query then sees only the last `window` keys up to its own."""
+        sliding window passes it (> 0): each query then sees only the last `window` keys up to its own; Gemma 2's
+        layers pass `softcap` (> 0): each score s becomes softcap * tanh(s / softcap) before the softmax."""
         ...
 
 

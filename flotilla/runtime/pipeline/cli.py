@@ -225,7 +225,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                         "local worker (no --hosts) silent this long, at least 30 s, is killed and started again")
     g.add_argument("--wire-dtype", default=None, choices=list(WIRE_DTYPES),
                    help="activations between stages: fp16, bf16, or int8 (per-token scaled; half the bytes); default "
-                        "fp16, but bf16 for Gemma 3, whose activations pass fp16's range")
+                        "fp16, but bf16 for Gemma 2 / 3, whose activations pass fp16's range")
     g.add_argument("--spin-us", type=int, default=None, metavar="US",
                    help="poll for the next message this many microseconds before sleeping: the head while steps "
                         "are in flight, and local workers (see `runtime worker --spin-us`); costs a core each while "

@@ -207,9 +207,12 @@
     if (r.text) state.history.push({ role: "assistant", content: r.text, el: r.el });
     else {  // nothing came back (refused, stopped at once, or only thinking): later sends leave the question out
       const asked = state.history.pop();
-      if (f.finish_reason === "error" && !r.id && asked && !els.input.value) {  // refused: the text back in the box
-        els.input.value = asked.content;
-        autosize();
+      if (f.finish_reason === "error" && !r.id && asked) {  // refused: the text back in the box, not in the chat
+        asked.el.remove();
+        if (!els.input.value) {
+          els.input.value = asked.content;
+          autosize();
+        }
       }
     }
     const meta = document.createElement("span");

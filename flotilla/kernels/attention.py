@@ -22,8 +22,9 @@ with the same signatures:
 
 `window` > 0 is a sliding window (Mistral, Gemma 3's local layers, Qwen2's upper layers): the token at
 position i attends to the keys at positions i - window + 1 … i, as transformers' sliding-window mask and
-vLLM's do. The cache keeps every key (the blocks are not freed early); only the reads are limited. `softcap` > 0 (Gemma 2) caps each score s at
-softcap * tanh(s / softcap) before the softmax: the torch path then computes the attention itself (`sdpa`).
+vLLM's do. The cache keeps every key (the blocks are not freed early); only the reads are limited.
+`softcap` > 0 (Gemma 2) caps each score s at softcap * tanh(s / softcap) before the softmax: the torch path
+then computes the attention itself (`sdpa`).
 
 Per-step index tensors (gather indices, masks) are built once per step by `meta.plan()` and
 shared by every layer; the per-layer work is a store, two gathers and one SDPA per group. On

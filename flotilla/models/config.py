@@ -47,6 +47,11 @@ MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 MULTIMODAL_PREFIXES = ("language_model.model.", "model.language_model.")  # transformers 4's, 5's -> "model."
 
 GEMMA_ACT = "gelu_pytorch_tanh"
+
+
+def gemma_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's layers by a pattern: every pattern-th layer global (Gemma 2: 2, Gemma 3: 6), the rest sliding."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names, as transformers reads them for Phi-3
 # families whose checkpoints store q/k/v and gate/up as one tensor each, under these names (models/fused_names.py)
@@ -525,8 +530,7 @@ def _gemma_fields(d: dict, where: str, family: str, layers: int, max_pos: int) -
         raise FlotillaError(f"{where}: hidden_activation {act!r} is not supported (expected {GEMMA_ACT!r})")
     types = d.get("layer_types")
     if not types:  # every pattern-th layer attends to everything (Gemma 2: every second)
-        pattern = int(d.get("sliding_window_pattern") or (6 if family == "gemma3" else 2))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        types = gemma_layer_types(layers, int(d.get("sliding_window_pattern") or (6 if family == "gemma3" else 2)))
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise FlotillaError(f"{where}: layer_types must name sliding_attention or full_attention for each of the "
                             f"{layers} layers")

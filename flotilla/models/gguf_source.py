@@ -15,7 +15,7 @@ import torch
 from flotilla.errors import FlotillaError
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight, decode, is_supported
 
-from .config import GEMMA_ACT, GEMMA_FAMILIES, GGUFQuant, ModelConfig, RopeScaling, longrope
+from .config import GEMMA_ACT, GEMMA_FAMILIES, GGUFQuant, ModelConfig, RopeScaling, gemma_layer_types, longrope
 from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 
 _GGUF_LAYER_NAMES = {
@@ -152,7 +152,7 @@ class GGUFSource:
         if isinstance(pattern, (list, tuple)):  # one flag a layer: True where it slides
             types = ["sliding_attention" if p else "full_attention" for p in pattern]
         else:
-            types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n_layers)]
+            types = gemma_layer_types(n_layers, int(pattern))
         if len(types) != n_layers:
             raise FlotillaError(f"{self.path}: {a}.attention.sliding_window_pattern names {len(types)} layers of "
                                 f"{n_layers}")

@@ -1,6 +1,6 @@
-"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3 (its q/k norms), Phi-3, SmolLM, and Gemma 3's
-text model (norms of 1 + weight, a norm after attention and after the MLP as well as before, gelu-tanh, the
-embedding scaled by sqrt(hidden), sliding-window layers with their own rope base).
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3 (its q/k norms), Phi-3, SmolLM, and Gemma 2 / 3
+(norms of 1 + weight, a norm after attention and after the MLP as well as before, gelu-tanh, the embedding scaled
+by sqrt(hidden), sliding-window layers; Gemma 3's with their own rope base, Gemma 2's soft-capping).
 
 Tokens are flattened: a batch of sequences is one [T] vector of token ids (or [T, hidden] of
 hidden states for a later pipeline stage), with a [T] vector of positions. Attention goes through
@@ -269,13 +269,12 @@ def attend_projected(ops: LayerOps, qkv: torch.Tensor, cos: torch.Tensor, sin: t
         qkv = _qk_normed(qkv, ops.qk_norm, hq * d, qk_size, d, ops.eps)
     elif ops.q_scale != 1.0:  # (the projection's own output: scaled in place)
         qkv[:, :hq * d] *= ops.q_scale
-    # only a windowed (soft-capped) layer asks the backend for it
-    window = {**({"window": ops.window} if ops.window else {}), **({"softcap": ops.softcap} if ops.softcap else {})}
     attend_qkv = getattr(attn, "attend_qkv", None)
     if attend_qkv is not None:  # rope inside the backend (AttentionBackend)
-        return attend_qkv(ops.layer, qkv, cos, sin, hq, **window).reshape(T, hq * d)
+        return attend_qkv(ops.layer, qkv, cos, sin, hq, ops.window, ops.softcap).reshape(T, hq * d)
     qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(T, hq + hkv, d), cos, sin)  # q and k are adjacent: rotate both
-    out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d), **window)  # [T, Hq, D]
+    out = attn.attend(ops.layer, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(T, hkv, d), ops.window,
+                      ops.softcap)  # [T, Hq, D]
     return out.reshape(T, hq * d)
 
 
@@ -375,6 +374,7 @@ class CausalLM(nn.Module):
         self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.quant) if self.stage.is_last else None
         self.rope: RotaryEmbedding | None = None  # or rope.DualRotaryEmbedding (Gemma 3)
         self._frozen: list[LayerOps] | None = None
+        self._final_scale: torch.Tensor | None = None  # with frozen ops: the final norm's scale, computed once
         self._fusion: list[NormFusion] | None = None  # with frozen ops: the residual and norm fusion
         self._fusion_rows: dict[int, bool] = {}  # rows -> whether every layer's fusion serves them
         self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -386,6 +386,7 @@ class CausalLM(nn.Module):
         `logits`, if given, computes the logits in place of the lm_head module (a faster kernel
         for the same weights: the lm head's `logits_fn`)."""
         self._frozen = [layer.ops(frozen=True) for layer in self.model.layers.values()]
+        self._final_scale = self.model.norm.scale() if self.model.norm is not None else None  # (Gemma's: 1 + w)
         self._logits = logits
         self._fusion = NormFusion.build(list(self.model.layers.values()))
         self._fusion_rows = {}
@@ -433,7 +434,10 @@ class CausalLM(nn.Module):
             h, delta = layer_residual(ops, h, delta, cos, sin, attn)
         if self.stage.is_last:
             norm = self.model.norm
-            return self.final_matrix(norm(h) if delta is None else add_rms_norm(h, delta, norm.scale(), norm.eps)[1])
+            if delta is None:
+                return self.final_matrix(norm(h))
+            scale = norm.scale() if self._frozen is None else self._final_scale
+            return self.final_matrix(add_rms_norm(h, delta, scale, norm.eps)[1])
         return h if delta is None else h + delta
 
     def _fused_rows(self, rows: int) -> bool:
@@ -461,7 +465,7 @@ class CausalLM(nn.Module):
                 h = nr.resid
         if self.stage.is_last:
             norm = self.model.norm
-            return self.final_matrix(add_rms_norm(h, delta, norm.scale(), norm.eps)[1])
+            return self.final_matrix(add_rms_norm(h, delta, self._final_scale, norm.eps)[1])
         return h + delta
 
     def _embed_normed(self, token_ids: torch.Tensor, first: LayerOps | None,

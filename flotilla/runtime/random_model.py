@@ -26,7 +26,7 @@ from flotilla.errors import FlotillaError
 from flotilla.kernels.ggml import GGML_FORMATS, GGMLWeight
 from flotilla.kernels.gptq import pack_rows
 from flotilla.models.checkpoint import CheckpointWriter
-from flotilla.models.config import GEMMA_ACT, GGUFQuant, ModelConfig, QuantConfig, RopeScaling
+from flotilla.models.config import GEMMA_ACT, GGUFQuant, ModelConfig, QuantConfig, RopeScaling, gemma_layer_types
 from flotilla.models.gguf_linear import GGUFLinear, GGUFTable
 from flotilla.models.linear import Linear, QuantLinear
 from flotilla.models.llama import CausalLM, RMSNorm
@@ -59,8 +59,7 @@ SHAPES: dict[str, ModelConfig] = {
                               num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
                               max_position_embeddings=131072, tie_word_embeddings=False, qk_norm=True,
                               rope_scaling=RopeScaling("linear", factor=8.0), sliding_window=1024,
-                              layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                                for i in range(34)),
+                              layer_types=gemma_layer_types(34, 6),
                               rope_local_theta=10000.0, query_pre_attn_scalar=256.0, hidden_act=GEMMA_ACT,
                               bos_token_id=2, eos_token_ids=(1, 106), torch_dtype="bfloat16"),
     # small enough for CPU tests; every linear's input is a multiple of group size 128
@@ -102,9 +101,8 @@ def shape_config(name: str, bits: int = 16, group_size: int = 128, num_layers: i
         if num_layers < 1:
             raise FlotillaError(f"--layers {num_layers}: a model needs at least one layer")
         cfg = replace(cfg, num_hidden_layers=num_layers)
-        if cfg.layer_types is not None:  # Gemma's pattern, period p (its first global layer's), over the new depth
-            p = cfg.layer_types.index("full_attention") + 1
-            cfg = replace(cfg, layer_types=tuple(cfg.layer_types[i % p] for i in range(num_layers)))
+        if cfg.layer_types is not None:  # Gemma's pattern (its first global layer's position) over the new depth
+            cfg = replace(cfg, layer_types=gemma_layer_types(num_layers, cfg.layer_types.index("full_attention") + 1))
     if head_bits is not None and (bits == 16 or head_bits not in (4, 8)):
         raise FlotillaError(f"--head-bits {head_bits}: expected 4 or 8, on a quantized model (--bits 4 or 8)")
     quant = None if bits == 16 else QuantConfig(bits=bits, group_size=group_size, sym=True, method="rtn")

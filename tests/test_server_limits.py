@@ -187,6 +187,14 @@ def test_health_and_metrics(live):
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and buckets[-1][0] == float("inf")
         assert counts[-1] == samples[(hist + "_count", ())] > 0
+    # the completion above ran out of max_tokens: a finished "length" sequence of 4 generated tokens
+    assert samples[("flotilla_request_success_total", (("finished_reason", "length"),))] >= 1
+    assert ("flotilla_request_success_total", (("finished_reason", "abort"),)) in samples
+    assert samples[("flotilla_request_generation_tokens_bucket", (("le", "5"),))] >= 1
+    queried = samples[("flotilla_prefix_cache_queries_total", ())]
+    assert queried >= samples[("flotilla_request_prompt_tokens_sum", ())] > 0
+    assert 0 <= samples[("flotilla_prefix_cache_hits_total", ())] <= queried
+    assert ("flotilla_preemptions_total", ()) in samples
 
 
 LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')

@@ -51,6 +51,26 @@ def test_vllm_names_carry_our_values_once():
     assert _scrape(m, EngineStats(0, 0, 10, 10))[("vllm:generation_tokens_total", M)] == 6
 
 
+def test_vllm_request_counts_preemptions_and_prefix_cache():
+    m = ServerMetrics()
+    m.name_model("tiny-model")
+    got = _scrape(m, EngineStats(0, 0, 10, 10))
+    for reason in ("stop", "length", "abort"):  # a series for each reason from the start, as vLLM's
+        assert got[("vllm:request_success_total", (("finished_reason", reason),) + M)] == 0
+    m.finished.inc(1, "stop")
+    m.request_prompt.observe(30)
+    m.request_generation.observe(7)
+    got = _scrape(m, EngineStats(0, 0, 10, 10, preemptions=2, prefix_cache_queries=100, prefix_cache_hits=64))
+    assert got[("vllm:request_success_total", (("finished_reason", "stop"),) + M)] == 1
+    assert got[("flotilla_request_success_total", (("finished_reason", "stop"),))] == 1
+    assert got[("vllm:request_prompt_tokens_bucket", (("le", "20"),) + M)] == 0
+    assert got[("vllm:request_prompt_tokens_bucket", (("le", "50"),) + M)] == 1
+    assert got[("vllm:request_generation_tokens_sum", M)] == 7
+    assert got[("vllm:num_preemptions_total", M)] == got[("flotilla_preemptions_total", ())] == 2
+    assert got[("vllm:prefix_cache_queries_total", M)] == 100 and got[("vllm:prefix_cache_hits_total", M)] == 64
+    assert "# TYPE vllm:request_success_total counter" in m.render()
+
+
 def test_a_stage_gauge_per_pipeline_stage_only_for_a_pipeline():
     m = ServerMetrics()
     m.name_model("tiny-model")

@@ -64,6 +64,7 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (prefix-cache hits excluded, recomputation included)
     generation_tokens_total: int
     cached_tokens_total: int  # tokens served by the prefix cache at admissions
+    cache_queried_tokens_total: int  # prompt tokens looked up in the prefix cache at admissions
     preemptions_total: int
     requests_finished_total: dict[str, int]  # by finish reason
     steps_total: int
@@ -366,6 +367,7 @@ class LLMEngine:
             prompt_tokens_total=self._counters["prompt"],
             generation_tokens_total=self._counters["generation"],
             cached_tokens_total=self.scheduler.num_cached_tokens_total,
+            cache_queried_tokens_total=self.scheduler.num_queried_tokens_total,
             preemptions_total=self.scheduler.num_preemptions,
             requests_finished_total=dict(self._finished),
             steps_total=self._counters["steps"],

@@ -87,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # arrival order
         self.num_preemptions = 0
         self.num_cached_tokens_total = 0  # tokens served by the prefix cache at admissions
+        self.num_queried_tokens_total = 0  # tokens looked up there at admissions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -140,6 +141,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.num_cached_tokens_total += num_cached
+            self.num_queried_tokens_total += seq.num_tokens
             self.running.append(seq)
             self._add(out, seq, n)
             budget -= n

@@ -76,6 +76,9 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since the start
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verify_steps: int = 0  # sequence-steps that verified drafts
+    preemptions: int = 0  # sequences preempted since the start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admissions
+    prefix_cache_hits: int = 0  # of those, found
     stages: tuple[StageState, ...] = ()  # a pipeline's stages; empty in one process
 
     @property
@@ -199,7 +202,7 @@ class EngineClient:
         stages = tuple(StageState(*st) for st in stage_status()) if stage_status is not None else ()
         return EngineStats(s.num_running, s.num_waiting, s.num_total_blocks, s.num_free_blocks,
                            s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_verify_steps_total,
-                           stages)
+                           s.preemptions_total, s.cache_queried_tokens_total, s.cached_tokens_total, stages)
 
     def fatal(self) -> list[str]:
         """What keeps this engine from ever serving again (its loop stopped, a tensor-parallel rank died, a

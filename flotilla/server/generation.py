@@ -128,6 +128,9 @@ class Generation:
         if out.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.finished.inc(1, out.finish_reason)
+            self.metrics.request_prompt.observe(choice.prompt_tokens)
+            self.metrics.request_generation.observe(choice.completion_tokens)
         return choice
 
     def engine_ids(self) -> list[str]:

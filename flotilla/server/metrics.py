@@ -20,6 +20,9 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 # a whole request: minutes on a CPU (a long reply at a few tokens a second)
 E2E_BUCKETS = TTFT_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# tokens of one request's prompt or reply: 1, 2, 5, 10, 20, 50, ... 500 000 (vLLM's 1-2-5 series)
+TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5))
+FINISH_REASONS = ("stop", "length", "abort")  # shown at 0 before the first, so that rate() has a series
 
 
 def _escape(value: str) -> str:
@@ -160,6 +163,20 @@ class ServerMetrics:
                              ITL_BUCKETS)
         self.e2e = Histogram("flotilla_request_duration_seconds", "Time from arrival to the last token",
                              E2E_BUCKETS)
+        self.finished = Counter("flotilla_request_success_total", "Sequences finished, by finish reason (stop, "
+                                "length, abort); each choice of an n > 1 request counts", ("finished_reason",))
+        for reason in FINISH_REASONS:
+            self.finished.inc(0, reason)
+        self.request_prompt = Histogram("flotilla_request_prompt_tokens", "Prompt tokens of each finished sequence",
+                                        TOKEN_BUCKETS)
+        self.request_generation = Histogram("flotilla_request_generation_tokens",
+                                            "Generated tokens of each finished sequence", TOKEN_BUCKETS)
+        self.preemptions = Counter("flotilla_preemptions_total",
+                                   "Sequences preempted for KV blocks (their work is recomputed when they resume)")
+        self.cache_queries = Counter("flotilla_prefix_cache_queries_total",
+                                     "Prompt tokens looked up in the prefix cache at admissions")
+        self.cache_hits = Counter("flotilla_prefix_cache_hits_total",
+                                  "Of those, tokens found there (not computed again)")
         self.spec_draft = Counter("flotilla_spec_draft_tokens_total",
                                   "Speculative decoding: draft tokens verified by the target")
         self.spec_accepted = Counter("flotilla_spec_accepted_tokens_total",
@@ -200,12 +217,25 @@ class ServerMetrics:
                   "(flotilla_inter_token_latency_seconds)", self.itl, m),
             Alias("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (vLLM's older "
                   "name of vllm:inter_token_latency_seconds)", self.itl, m),
+            Alias("vllm:request_success_total", "Count of successfully processed requests "
+                  "(flotilla_request_success_total)", self.finished, m),
+            Alias("vllm:request_prompt_tokens", "Number of prefill tokens processed "
+                  "(flotilla_request_prompt_tokens)", self.request_prompt, m),
+            Alias("vllm:request_generation_tokens", "Number of generation tokens processed "
+                  "(flotilla_request_generation_tokens)", self.request_generation, m),
+            Alias("vllm:num_preemptions_total", "Cumulative number of preemption from the engine "
+                  "(flotilla_preemptions_total)", self.preemptions, m),
+            Alias("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens "
+                  "(flotilla_prefix_cache_queries_total)", self.cache_queries, m),
+            Alias("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens "
+                  "(flotilla_prefix_cache_hits_total)", self.cache_hits, m),
         ]
 
     def all(self) -> list[Metric]:
         return [self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
                 self.queue_depth, self.running, self.kv_usage, self.kv_free, self.kv_total, self.ttft, self.itl,
-                self.e2e, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step,
+                self.e2e, self.finished, self.request_prompt, self.request_generation, self.preemptions,
+                self.cache_queries, self.cache_hits, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step,
                 self.stage_up, *self.vllm]
 
     def update_engine(self, stats, in_flight: int) -> None:
@@ -215,6 +245,9 @@ class ServerMetrics:
         self.kv_free.set(stats.kv_blocks_free)
         self.kv_total.set(stats.kv_blocks_total)
         self.in_flight.set(in_flight)
+        self.preemptions.set_total(stats.preemptions)
+        self.cache_queries.set_total(stats.prefix_cache_queries)
+        self.cache_hits.set_total(stats.prefix_cache_hits)
         self.spec_draft.set_total(stats.spec_draft_tokens)
         self.spec_accepted.set_total(stats.spec_accepted_tokens)
         self.spec_steps.set_total(stats.spec_verify_steps)

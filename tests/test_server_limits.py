@@ -195,6 +195,10 @@ def test_health_and_metrics(live):
     assert queried >= samples[("flotilla_request_prompt_tokens_sum", ())] > 0
     assert 0 <= samples[("flotilla_prefix_cache_hits_total", ())] <= queried
     assert ("flotilla_preemptions_total", ()) in samples
+    finished = sum(v for (n, _), v in samples.items() if n == "flotilla_request_success_total")
+    for phase in ("prefill", "decode", "inference"):  # every finished sequence that had a token
+        assert 1 <= samples[(f"flotilla_request_{phase}_time_seconds_count", ())] <= finished
+    assert samples[("flotilla_request_queue_time_seconds_count", ())] >= 1
 
 
 LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')

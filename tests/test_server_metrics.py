@@ -69,6 +69,8 @@ def test_vllm_request_counts_preemptions_and_prefix_cache():
     assert got[("vllm:num_preemptions_total", M)] == got[("flotilla_preemptions_total", ())] == 2
     assert got[("vllm:prefix_cache_queries_total", M)] == 100 and got[("vllm:prefix_cache_hits_total", M)] == 64
     assert "# TYPE vllm:request_success_total counter" in m.render()
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert f"# TYPE vllm:request_{phase}_time_seconds histogram" in m.render()
 
 
 def test_a_stage_gauge_per_pipeline_stage_only_for_a_pipeline():

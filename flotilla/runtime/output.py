@@ -30,6 +30,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    queue_time: float | None = None  # seconds from its arrival in the engine to its first admission
     error: str | None = None  # why the engine had to end the request (e.g. a pipeline stage stayed down)
     # on the first output after the prompt, when asked for (SamplingParams.prompt_logprobs): per prompt
     # position, None at 0, then (logprob, rank, [(token id, logprob) of the likeliest]) of the token there
@@ -113,7 +114,8 @@ class OutputProcessor:
         """The output for one new token of `seq` (already appended); returns it with the finish
         reason, which a stop string may set."""
         out = RequestOutput(seq.request_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
-                            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens)
+                            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                            queue_time=_queue_time(seq))
         if logprob is not None:
             out.logprobs, out.top_logprobs = [logprob], [top or []]
         state = self.states.get(seq.request_id)
@@ -136,16 +138,21 @@ class OutputProcessor:
     def prompt_only(self, seq: Sequence) -> RequestOutput:
         """The output of a request for no tokens (max_tokens 0), finished once its prompt is computed."""
         out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=0,
-                            num_cached_tokens=seq.num_cached_tokens)
+                            num_cached_tokens=seq.num_cached_tokens, queue_time=_queue_time(seq))
         self._finish(out, FinishReason.LENGTH)
         return out
 
     def aborted(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
-                            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens)
+                            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                            queue_time=_queue_time(seq))
         self._finish(out, FinishReason.ABORT)
         return out
 
     def _finish(self, out: RequestOutput, reason: FinishReason) -> None:
         out.finished, out.finish_reason = True, reason.value
         self.states.pop(out.request_id, None)
+
+
+def _queue_time(seq: Sequence) -> float | None:
+    return None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time

@@ -27,6 +27,7 @@ table back over the rejected ones after the step.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -139,6 +140,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.num_cached_tokens_total += num_cached
             self.num_queried_tokens_total += seq.num_tokens

@@ -40,6 +40,7 @@ class Sequence:
         self.request_id = request_id
         self.arrival = next(_arrivals)  # FCFS order
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # its first admission (time.monotonic())
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -56,6 +56,7 @@ class StepOutput:
     text_offsets: tuple[int, ...] = ()  # per token: where the text it completed starts in the output
     # on the first output, when asked for: per prompt position, None at 0, then (logprob, rank, top) of its token
     prompt_logprobs: tuple | None = None
+    queue_time: float | None = None  # seconds it waited in the engine before its first admission
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def _convert(out: RequestOutput) -> StepOutput:
         logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in zip(out.new_token_ids, out.logprobs, tops))
     return StepOutput(tuple(out.new_token_ids), out.text, out.finish_reason if out.finished else None, logprobs,
                       out.stop_reason if out.finished else None, tuple(out.text_offsets or ()),
-                      tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None)
+                      tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None, out.queue_time)
 
 
 class EngineClient:

@@ -49,6 +49,8 @@ class Choice:
     echoed: int | None = None  # echo: the prompt text's length, once it went out (a stream's first chunk)
     reasoning: object = None  # a stream's ReasoningSplitter (serve --reasoning-parser)
     last_time: float | None = None
+    first_time: float | None = None  # its first token's
+    queue_time: float | None = None  # the engine's, once it said
 
 
 class Generation:
@@ -114,9 +116,13 @@ class Generation:
         now = time.perf_counter()
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
+        if choice.queue_time is None and out.queue_time is not None:
+            choice.queue_time = out.queue_time
+            self.metrics.queue_time.observe(out.queue_time)
         k = len(out.token_ids)
         if k:
             if choice.last_time is None:
+                choice.first_time = now
                 self.metrics.ttft.observe(now - self.arrival)
                 if k > 1:
                     self.metrics.itl.observe(0.0, k - 1)
@@ -131,6 +137,11 @@ class Generation:
             self.metrics.finished.inc(1, out.finish_reason)
             self.metrics.request_prompt.observe(choice.prompt_tokens)
             self.metrics.request_generation.observe(choice.completion_tokens)
+            if choice.first_time is not None and choice.queue_time is not None:
+                # the phases as vLLM's: admitted -> first token (prefill), first -> last token (decode)
+                self.metrics.prefill_time.observe(max(0.0, choice.first_time - self.arrival - choice.queue_time))
+                self.metrics.decode_time.observe(now - choice.first_time)
+                self.metrics.inference_time.observe(max(0.0, now - self.arrival - choice.queue_time))
         return choice
 
     def engine_ids(self) -> list[str]:

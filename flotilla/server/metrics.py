@@ -171,6 +171,14 @@ class ServerMetrics:
                                         TOKEN_BUCKETS)
         self.request_generation = Histogram("flotilla_request_generation_tokens",
                                             "Generated tokens of each finished sequence", TOKEN_BUCKETS)
+        self.queue_time = Histogram("flotilla_request_queue_time_seconds",
+                                    "Time each sequence waited in the engine before its first admission", E2E_BUCKETS)
+        self.prefill_time = Histogram("flotilla_request_prefill_time_seconds",
+                                      "Time from each sequence's admission to its first token", E2E_BUCKETS)
+        self.decode_time = Histogram("flotilla_request_decode_time_seconds",
+                                     "Time from each sequence's first token to its last", E2E_BUCKETS)
+        self.inference_time = Histogram("flotilla_request_inference_time_seconds",
+                                        "Time from each sequence's admission to its last token", E2E_BUCKETS)
         self.preemptions = Counter("flotilla_preemptions_total",
                                    "Sequences preempted for KV blocks (their work is recomputed when they resume)")
         self.cache_queries = Counter("flotilla_prefix_cache_queries_total",
@@ -223,6 +231,14 @@ class ServerMetrics:
                   "(flotilla_request_prompt_tokens)", self.request_prompt, m),
             Alias("vllm:request_generation_tokens", "Number of generation tokens processed "
                   "(flotilla_request_generation_tokens)", self.request_generation, m),
+            Alias("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request "
+                  "(flotilla_request_queue_time_seconds)", self.queue_time, m),
+            Alias("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request "
+                  "(flotilla_request_prefill_time_seconds)", self.prefill_time, m),
+            Alias("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request "
+                  "(flotilla_request_decode_time_seconds)", self.decode_time, m),
+            Alias("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request "
+                  "(flotilla_request_inference_time_seconds)", self.inference_time, m),
             Alias("vllm:num_preemptions_total", "Cumulative number of preemption from the engine "
                   "(flotilla_preemptions_total)", self.preemptions, m),
             Alias("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens "
@@ -234,7 +250,8 @@ class ServerMetrics:
     def all(self) -> list[Metric]:
         return [self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
                 self.queue_depth, self.running, self.kv_usage, self.kv_free, self.kv_total, self.ttft, self.itl,
-                self.e2e, self.finished, self.request_prompt, self.request_generation, self.preemptions,
+                self.e2e, self.finished, self.request_prompt, self.request_generation, self.queue_time,
+                self.prefill_time, self.decode_time, self.inference_time, self.preemptions,
                 self.cache_queries, self.cache_hits, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step,
                 self.stage_up, *self.vllm]
 

@@ -151,3 +151,72 @@ def test_reset_prefix_cache_forgets_free_blocks_only():
     assert bm.get_computed_blocks(seq("a2", list(range(33))))[1] == 0
     assert bm.get_computed_blocks(seq("b2", list(range(100, 133))))[1] == 32
     bm.check_integrity()
+
+
+def test_a_sliding_window_gives_back_the_blocks_behind_it():
+    """Every layer attends to the last 6 tokens, blocks of 4. A step computing positions from p on reads
+    keys from p - 5 on: the blocks ending before that go back to the pool (cached ones findable until
+    reused), the null block taking their place in the table; worked by hand."""
+    bm = BlockManager(num_blocks=9, block_size=4, window=6)  # the null block + 8
+    s = seq("s", list(range(100, 110)))  # positions 0-9: blocks 1 (0-3), 2 (4-7), 3 (8-9)
+    assert admit(bm, s) == ([], [1, 2, 3])  # the prefill's first query (position 0) reads from 0: nothing goes
+    assert bm.num_free_blocks == 5
+
+    def decode(token: int) -> list[int]:  # one decode step: the token at position num_tokens - 1
+        s.append_token(token)
+        new = bm.allocate_slots(s, 1)
+        s.num_computed_tokens += 1
+        bm.check_integrity()
+        return new.block_ids
+
+    assert decode(110) == [] and s.block_table == [0, 2, 3]  # position 10 reads 5-10: block 1 (0-3) goes
+    assert bm.num_free_blocks == 6 and bm.num_window_released == 1
+    assert bm.pool.blocks[1].hash is not None and free_order(bm)[-1] == 1  # cached, evicted last
+    assert decode(111) == [] and s.block_table == [0, 2, 3]  # position 11 reads 6-11: block 2 (4-7) stays
+    assert decode(112) == [4] and s.block_table == [0, 2, 3, 4]  # position 12 reads 7-12
+    assert decode(113) == [] and s.block_table == [0, 0, 3, 4]  # position 13 reads 8-13: block 2 goes
+    assert bm.num_free_blocks == 6 and bm.num_window_released == 2
+
+    # a later prompt with the same first 8 tokens finds them in the prefix cache: their blocks come back from
+    # the free queue, and the new sequence gives them up again as it moves past them
+    t = seq("t", list(range(100, 108)) + [7, 7, 7])
+    computed, n = bm.get_computed_blocks(t)
+    assert (computed.block_ids, n) == ([1, 2], 8)
+    assert bm.allocate_slots(t, 3, computed).block_ids == [5] and t.block_table == [1, 2, 5]  # 8-10 read from 3
+    t.num_computed_tokens = 11
+    for token in (7, 7):
+        t.append_token(token)
+        bm.allocate_slots(t, 1)
+        t.num_computed_tokens += 1
+    assert t.block_table == [0, 2, 5, 6] and bm.pool.blocks[1].ref_cnt == 0  # position 12 reads from 7
+    bm.check_integrity()
+
+    bm.free(s)  # the null entries are not released again
+    bm.free(t)
+    assert bm.num_free_blocks == 8
+    bm.check_integrity()
+
+
+def test_a_window_releases_blocks_within_a_chunked_prefill_and_a_truncation_keeps_them():
+    bm = BlockManager(num_blocks=9, block_size=4, window=6, enable_caching=False)
+    s = seq("s", list(range(24)))
+    assert bm.allocate_slots(s, 12).block_ids == [1, 2, 3]  # chunk 0-11
+    s.num_computed_tokens = 12
+    # chunk 12-23: its first query (12) reads from 7, so block 1 (0-3) goes and block 2 (4-7) stays
+    assert bm.allocate_slots(s, 12).block_ids == [4, 5, 6] and s.block_table == [0, 2, 3, 4, 5, 6]
+    s.num_computed_tokens = 24
+    assert free_order(bm)[0] == 1  # uncached: the front of the queue
+    s.token_ids += [1, 2, 3]  # a speculative step: a token and two drafts at 24-26
+    # 24 reads from 19: blocks 2-4 (4-15) go, after the new block is taken (block 1 again, the queue's front)
+    assert bm.allocate_slots(s, 3).block_ids == [1] and s.block_table == [0, 0, 0, 0, 5, 6, 1]
+    assert free_order(bm)[:3] == [2, 3, 4]
+    s.num_computed_tokens = 25  # both drafts rejected: the sequence's computed tokens rolled back to 25
+    bm.truncate(s)
+    assert s.block_table == [0, 0, 0, 0, 5, 6, 1]
+    s.num_computed_tokens = 24  # and to 24: the block past position 23 goes
+    bm.truncate(s)
+    assert s.block_table == [0, 0, 0, 0, 5, 6]
+    bm.check_integrity()
+    bm.free(s)
+    assert bm.num_free_blocks == 8
+    bm.check_integrity()

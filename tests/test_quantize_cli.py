@@ -181,6 +181,12 @@ def test_force_replaces_an_existing_checkpoint(src, tmp_path):
     assert os.access(next(out.glob("model-*.safetensors")), os.R_OK)
 
 
+def test_the_outputs_missing_parents_are_made(src, tmp_path):
+    out = tmp_path / "runs" / "today" / "q"  # as mkdir -p
+    assert quantize_main([str(src), "-o", str(out), "--quiet", "--method", "rtn", "--bits", "8"]) == 0
+    assert open_source(out).config.quant.bits == 8
+
+
 def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(src, tmp_path, monkeypatch, capsys):
     """--force replaces an empty directory or a model checkpoint; a directory of other files, one with
     subdirectories beside a model, the current directory and the source's own directory are refused

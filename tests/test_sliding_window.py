@@ -13,28 +13,36 @@ from flotilla.models.weights import load_stage
 from conftest import make_hf_model, save_byte_tokenizer, save_hf_model, tiny_config
 from test_models import our_logits
 
-WINDOWED = {
-    "mistral": ("mistral", dict(sliding_window=8, head_dim=32)),
+WINDOWED = {  # family, config, each layer's window
+    "mistral": ("mistral", dict(sliding_window=8, head_dim=32), [8, 8, 8]),
     # the first layer attends to the whole context, the two above it through the window
-    "qwen2-upper-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen2-upper-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), [0, 8, 8]),
+    # transformers 5 follows layer_types where given, whatever max_window_layers says
+    "qwen2-alternating": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                          [8, 0, 8]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(WINDOWED))
 def test_windowed_logits_match_transformers(case, tmp_path):
-    family, overrides = WINDOWED[case]
+    family, overrides, expected = WINDOWED[case]
     hf = make_hf_model(tiny_config(family, **overrides), seed=3)
     source = open_source(save_hf_model(hf, tmp_path / case))
     assert source.config.max_model_len == 256  # the whole context is served, not the window
     windows = [source.config.layer_window(i) for i in range(3)]
-    assert windows == ([8, 8, 8] if family == "mistral" else [0, 8, 8])
+    assert windows == expected
+    # only where every layer slides may the cache give back what falls behind the window
+    assert source.config.kv_window == (8 if all(expected) else 0)
+    assert [ModelConfig.from_hf_dict(source.config.to_hf_dict()).layer_window(i) for i in range(3)] == expected
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
     got = our_logits(load_stage(source), ids)
     assert (got - ref).abs().max().item() < 1e-4
     # the window matters here: the same weights with every layer attending to everything differ
-    full = make_hf_model(tiny_config(family, **{**overrides, "sliding_window": None, "use_sliding_window": False}),
+    full = make_hf_model(tiny_config(family, **{**overrides, "sliding_window": None, "use_sliding_window": False,
+                                                "layer_types": None}),
                          seed=3)
     with torch.no_grad():
         assert (full(ids).logits - ref).abs().max().item() > 1e-2
@@ -65,6 +73,9 @@ def test_the_engine_decodes_past_the_window_as_transformers(kernels, tmp_path, m
     prompts = {"a": prefix + [7, 8, 9], "b": list(range(100, 127)), "c": prefix + [11]}
     got = greedy_rounds(engine, prompts, [["a", "b"], ["c"]], 14)  # "c" after "a" finished: its prefix is cached
     ops.reset()
+    # every layer slides: the blocks behind the window went back to the pool as the sequences moved on
+    assert engine.config.sliding_window == 8 and engine.block_manager.num_window_released >= 3 * 5
+    assert engine.stats().cached_tokens_total == 20
     for name, prompt in prompts.items():
         assert got[name] == transformers_greedy(hf, prompt, 14), name
 
@@ -81,6 +92,7 @@ def greedy_rounds(engine, prompts: dict[str, list[int]], rounds: list[list[str]]
         while engine.has_unfinished():
             for out in engine.step():
                 got[out.request_id] += list(out.new_token_ids)
+            engine.check_integrity()
     return got
 
 

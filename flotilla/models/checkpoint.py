@@ -218,8 +218,12 @@ class CheckpointWriter:
                 raise FlotillaError(f"{out}: {why}; --force replaces only an empty directory or a model "
                                     "checkpoint: pick another -o, or move that directory away yourself")
         parent = out.parent
-        if not parent.is_dir():
-            raise FlotillaError(f"{parent}: the output's parent directory does not exist")
+        if parent.exists() and not parent.is_dir():
+            raise FlotillaError(f"{parent}: the output's parent is not a directory")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)  # as `mkdir -p`: -o runs/today/model makes runs/today
+        except OSError as e:
+            raise FlotillaError(f"{parent}: cannot create the output's parent directory: {e.strerror or e}") from None
         probe = parent / f".{out.name}.probe-{os.getpid()}"
         try:
             probe.mkdir()

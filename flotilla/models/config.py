@@ -299,6 +299,14 @@ class ModelConfig:
         """Longest context we serve: the model's own (its sliding-window layers attend within their window)."""
         return self.max_position_embeddings
 
+    @property
+    def kv_window(self) -> int:
+        """Where every layer attends within a sliding window (Mistral 7B v0.1, Phi-3), the widest of them: a
+        sequence's keys further back than that are read by no layer again. 0 where any layer reads the whole
+        context (Gemma's global layers, Qwen2's lower ones)."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return max(windows) if windows and all(windows) else 0
+
     def layer_window(self, layer: int) -> int:
         """The sliding window that `layer` attends within, 0 for the whole context (as transformers' layer_types:
         Mistral's and Phi-3's every layer, Qwen's from max_window_layers on)."""
@@ -391,13 +399,15 @@ class ModelConfig:
         sliding, window_layers = _sliding_window(d, family, int(req("num_hidden_layers")))
         quant = QuantConfig.from_hf(d["quantization_config"], where) if d.get("quantization_config") else None
         head_dim = d.get("head_dim") or hidden // heads
-        gemma: dict[str, Any] = {}
+        extra: dict[str, Any] = {}  # the fields of some families only
         if family in GEMMA_FAMILIES:
-            gemma = _gemma_fields(d, where, family, int(req("num_hidden_layers")), max_pos)
-            rope_theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
-        elif d.get("hidden_act", "silu") != "silu":
+            extra = _gemma_fields(d, where, family, int(req("num_hidden_layers")), max_pos)
+            rope_theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
+        elif family in ("qwen2", "qwen3") and (types := _qwen_layer_types(d, where, int(req("num_hidden_layers")))):
+            extra["layer_types"] = types  # each layer's attention (ModelConfig.layer_window)
+        if family not in GEMMA_FAMILIES and d.get("hidden_act", "silu") != "silu":
             raise FlotillaError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (expected 'silu')")
-        return cls(**gemma,
+        return cls(**extra,
             architecture=arch,
             vocab_size=int(req("vocab_size")),
             hidden_size=hidden,
@@ -466,6 +476,8 @@ class ModelConfig:
             d["use_sliding_window"] = bool(self.sliding_window)
             if self.sliding_window:
                 d["max_window_layers"] = self.window_layers or 0
+                if self.layer_types is not None:  # a pattern that max_window_layers cannot say
+                    d["layer_types"] = list(self.layer_types)
         if self.rope_scaling is not None:
             r = asdict(self.rope_scaling)
             keep = RopeScaling.KEYS[self.rope_scaling.rope_type]
@@ -485,7 +497,8 @@ def _hf_architecture(d: dict, where: str) -> str:
     if archs:
         arch = archs[0]
         if arch not in ARCHITECTURES:
-            raise FlotillaError(f"{where}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+            names = [*ARCHITECTURES, *(f"{m} (its text model)" for m in MULTIMODAL_TEXT)]
+            raise FlotillaError(f"{where}: unsupported architecture {arch!r}; supported: {', '.join(names)}")
         return arch
     model_type = d.get("model_type")
     if model_type not in _MODEL_TYPES:
@@ -505,11 +518,24 @@ def _sliding_window(d: dict, family: str, layers: int) -> tuple[int | None, int 
     if not d.get("use_sliding_window"):
         return None, None
     types = d.get("layer_types")
-    if isinstance(types, list) and types:
+    if isinstance(types, list) and types:  # _qwen_layer_types keeps them where they are not a suffix
         first = next((i for i, t in enumerate(types) if t == "sliding_attention"), None)
         return (int(window), first) if first is not None else (None, None)
     from_layer = int(d.get("max_window_layers", 28))
     return (int(window), from_layer) if layers > from_layer else (None, None)
+
+
+def _qwen_layer_types(d: dict, where: str, layers: int) -> tuple[str, ...] | None:
+    """Qwen2 / Qwen3's layer_types, where they name sliding layers that max_window_layers cannot (not just the
+    layers from some index on: an alternating pattern); None where it can, or where no layer slides."""
+    types = d.get("layer_types")
+    if not d.get("sliding_window") or not d.get("use_sliding_window") or not isinstance(types, list) or not types:
+        return None
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise FlotillaError(f"{where}: layer_types must name sliding_attention or full_attention for each of the "
+                            f"{layers} layers")
+    first = next((i for i, t in enumerate(types) if t == "sliding_attention"), layers)
+    return None if all(t == "sliding_attention" for t in types[first:]) else tuple(types)
 
 
 def _gemma_fields(d: dict, where: str, family: str, layers: int, max_pos: int) -> dict[str, Any]:

@@ -217,8 +217,8 @@ def rotated(source, kind: str, scope: str, seed: int, keep_outliers: bool = True
     """`source` rotated (--rotate KIND --rotate-scope SCOPE [--rotate-tied-head]); says on stderr what was used
     (`head_bits`: --lm-head-bits, the untied head's width as written)."""
     if source.config.sandwich_norms:
-        raise FlotillaError("--rotate: Gemma 3 norms the attention's and the MLP's outputs before the residual adds, "
-                            "which a rotation of the residual stream does not pass through; quantize it without "
+        raise FlotillaError("--rotate: Gemma 2 and 3 norm the attention's and the MLP's outputs before the residual "
+                            "adds, which a rotation of the residual stream does not pass through; quantize it without "
                             "--rotate")
     rot = Rotation.build(source, kind, scope, seed, keep_outliers)
     out = RotatedSource(source, rot, tied_head)

@@ -76,7 +76,7 @@ def bench_engine(model: CausalLM, batch: int, context: int, prefill_tokens: int,
     cache = KVCache(spec, num_blocks, device)
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=context,
                           scheduler=SchedulerConfig(batch, max(prefill_tokens, batch)), enable_prefix_caching=False,
-                          overlap=overlap)
+                          overlap=overlap, sliding_window=cfg.kv_window)
     bucket = bucket_for(batch, BUCKETS)
     if sizes is None:
         sizes = (bucket,) if bucket is not None else ()
@@ -141,7 +141,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from .cli import add_threads_arg  # runtime.cli imports this module
 
     add_threads_arg(p)
-    p.add_argument("--dtype", default="auto", help="activation dtype (default: float32 on CPU, float16 on GPU)")
+    p.add_argument("--dtype", default="auto",
+                   help="activation dtype (default: float32 on CPU; on a GPU float16, bfloat16 for Gemma 2 / 3)")
     p.add_argument("--batch", default="1", help="comma-separated concurrent streams, e.g. 1,16,64 (default 1)")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per stream (default 128)")
     p.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens per stream (default 32)")

@@ -5,6 +5,14 @@ token ids), so two sequences share a cached block only if everything before it m
 Blocks are cached as soon as a step that fills them is scheduled (their keys and values are
 written by that step's forward, before any later read).
 
+A sliding window (`window` > 0: every layer of the model attends to the last `window` tokens only) lets
+a sequence give back the blocks that fall wholly behind it: once a step computes positions from c on, no
+read of that step or a later one reaches a position before c - window + 1, so the blocks that end before it
+are released (a cached one stays findable in the prefix cache until the pool reuses it) and the null block
+takes their place in the table. A step still running on the device when the next one is scheduled (the
+overlapped decode) reads a window that starts one token earlier, but on the same stream as the next step's
+writes, so a block released for the next step is rewritten only after that read.
+
 The scheduler sees allocation results only as `KVBlocks`, an opaque value it can count and pass
 back; it never reaches into the pool.
 """
@@ -43,11 +51,14 @@ _NO_BLOCKS = KVBlocks()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, window: int = 0):
         self.block_size = block_size
+        self.window = window  # every layer's sliding window, in tokens (0: some layer reads the whole context)
         self.pool = BlockPool(num_blocks, enable_caching)
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashed: dict[str, int] = {}  # per table: its leading blocks known to hold a hash
+        self._dropped: dict[str, int] = {}  # per table: its leading blocks given back (behind the window)
+        self.num_window_released = 0  # blocks given back behind a window, since the start
 
     # ------------------------------------------------------------------ queries
     @property
@@ -117,12 +128,28 @@ class BlockManager:
             seq.block_table = [b.block_id for b in table]
         if self.pool.enable_caching:  # only blocks of real tokens: never a speculative step's drafts
             self._cache_full_blocks(seq, table, min(total, seq.num_tokens) // self.block_size)
+        if self.window:
+            self._release_behind_window(seq, table, total - num_new_tokens)
         return new
+
+    def _release_behind_window(self, seq: Sequence, table: list[KVBlock], first: int) -> None:
+        """Give back the table's blocks that end before position first - window + 1, the earliest key that a
+        step computing positions from `first` on reads (module docstring)."""
+        behind = (first - self.window + 1) // self.block_size  # blocks wholly before that position
+        done = self._dropped.get(seq.request_id, 0)
+        if behind <= done:
+            return
+        self.pool.release(reversed(table[done:behind]))  # the head last: the likelier to be shared
+        null = self.pool.null_block
+        table[done:behind] = [null] * (behind - done)  # `table` is this manager's own list
+        self._dropped[seq.request_id] = behind
+        self.num_window_released += behind - done
+        seq.block_table = [b.block_id for b in table]  # a new list: a step may hold on to the old one
 
     def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], full: int) -> None:
         """Offer the table's first `full` blocks to the prefix cache, from the first one that
         holds no hash yet (a block in a table never loses its hash, so the ones before it are done)."""
-        i = self._hashed.get(seq.request_id, 0)
+        i = max(self._hashed.get(seq.request_id, 0), self._dropped.get(seq.request_id, 0))
         if i >= full:
             return
         hashes = self.block_hashes(seq, full)
@@ -137,7 +164,8 @@ class BlockManager:
         requests are likelier to share."""
         table = self._tables.pop(seq.request_id, [])
         self._hashed.pop(seq.request_id, None)
-        self.pool.release(reversed(table))
+        dropped = self._dropped.pop(seq.request_id, 0)  # the null block stands in for those
+        self.pool.release(reversed(table[dropped:]))
         seq.block_table = []
 
     def truncate(self, seq: Sequence) -> None:
@@ -161,7 +189,9 @@ class BlockManager:
         """The pool's invariants, plus: every block's ref_cnt equals the number of block tables
         that hold it, and each table's ids match its sequence's view."""
         refs: dict[int, int] = {}
-        for table in self._tables.values():
-            for b in table:
+        for rid, table in self._tables.items():
+            dropped = self._dropped.get(rid, 0)
+            assert all(b is self.pool.null_block for b in table[:dropped]), f"{rid}: a released block is still held"
+            for b in table[dropped:]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         self.pool.check_integrity(refs)

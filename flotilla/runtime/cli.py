@@ -79,7 +79,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, float32, float16, bfloat16 "
-                                                   "(default: float32 on CPU, float16 on GPU)")
+                                                   "(default: float32 on CPU; on a GPU float16, bfloat16 for Gemma 2 / 3)")
 
 
 CHAT_TEMPERATURE = 0.7  # the chat's default, as the browser chat page's (greedy replies of a small model loop)

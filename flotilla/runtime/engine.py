@@ -47,6 +47,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enable_prefix_caching: bool = True
     overlap: bool | None = None  # launch each decode before the last one's tokens are read (None: where the executor prefers it)
+    # every layer attends within this many tokens (ModelConfig.kv_window; 0: not so): the blocks behind it are given back
+    sliding_window: int = 0
 
     @property
     def context_len(self) -> int:
@@ -120,7 +122,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self.vocab_size = vocab_size
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.outputs = OutputProcessor(tokenizer)
         self.seqs: dict[str, Sequence] = {}

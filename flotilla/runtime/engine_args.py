@@ -130,7 +130,8 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
         report(line)
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-                          enable_prefix_caching=args.enable_prefix_caching, overlap=None if args.overlap else False)
+                          enable_prefix_caching=args.enable_prefix_caching, overlap=None if args.overlap else False,
+                          sliding_window=cfg.kv_window)
     # CUDA graphs on one device; TP ranks step eagerly (the collectives stay outside graphs). A
     # verify step (each sequence's token and up to K drafts) replays them too: buckets of tokens.
     query_len = 1 + spec_config.num_speculative_tokens if spec_config is not None else 1

@@ -44,7 +44,8 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
     config = EngineConfig(num_blocks=pipeline.num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching,
-                          overlap=None if args.overlap else False)  # None: with one micro-batch in flight
+                          overlap=None if args.overlap else False,  # None: with one micro-batch in flight
+                          sliding_window=cfg.kv_window)
     spec = None
     try:
         if args.speculative_config is not None:

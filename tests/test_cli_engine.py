@@ -228,3 +228,23 @@ def test_user_mistakes_are_named_before_any_model_loads(tmp_path):
     (tmp_path / "SmolLM2.Q4_1.gguf").write_bytes(b"")
     p = runtime("generate", str(tmp_path), "-p", "hi")
     assert p.returncode == 2 and f"give the file itself: {tmp_path / 'SmolLM2.Q4_1.gguf'}" in p.stderr, p.stderr
+
+
+def test_a_chat_template_of_ones_own_replaces_the_models(smollm2_gguf, tmp_path):
+    """--chat-template (as vLLM's): a file or the template itself; this one drops the user's words for a prompt
+    of its own, whose greedy continuation says so."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ 'The capital of France is' }}")
+    for value in (str(template), "{{ 'The capital of France is' }}"):
+        p = runtime("generate", str(smollm2_gguf), "--chat", "-p", "Tell me a joke", "--chat-template", value,
+                    "--max-tokens", "4", "--kv-cache-memory", "32MiB", "--temperature", "0")
+        assert p.returncode == 0, p.stderr
+        assert "Paris" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("value, said", [("{% for m in messages %}{{ m.content }", "--chat-template: line 1: "),
+                                         ("no-such-template.jinja", "no such file, and not a Jinja template")])
+def test_a_bad_chat_template_is_one_line_before_the_model_loads(value, said):
+    p = runtime("generate", "/nonexistent/model", "--chat", "-p", "hi", "--chat-template", value)
+    assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -46,6 +46,13 @@ class Tokenizer:
         template = getattr(self.hf, "chat_template", None)
         return template if isinstance(template, str) else None
 
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja, as a tokenizer_config's) instead of the model's own."""
+        check_chat_template(template)
+        self.hf.chat_template = template
+        if hasattr(self.hf, "_template"):  # FileTokenizer's compiled one
+            self.hf._template = None
+
     def special_token(self, name: str) -> str | None:
         """A special token's text by its tokenizer_config name (bos_token, eos_token, pad_token, ...), or None."""
         special = getattr(self.hf, "special_tokens", None)  # FileTokenizer's
@@ -275,3 +282,41 @@ def _gguf_tokenizer(path: Path):
     except OSError:
         return hf  # a read-only cache only costs the conversion next time
     return _from_directory(cached)  # as every later run will read it
+
+
+def check_chat_template(template: str, where: str = "--chat-template") -> None:
+    """A FlotillaError naming the line where `template` is not valid Jinja."""
+    import jinja2
+
+    from .tokenizer_files import _compile
+
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise FlotillaError(f"{where}: line {e.lineno}: {e.message}") from None
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's value, as vLLM reads its own: a file holding the template, else the template itself
+    (where it has Jinja's {{ or {%); checked before any model loads."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FlotillaError(f"--chat-template {value}: cannot read it: {e}") from None
+        if path.suffix == ".json":  # chat_template.json, as transformers writes it
+            try:
+                text = json.loads(text)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise FlotillaError(f"--chat-template {value}: expected a JSON object with a \"chat_template\" "
+                                    "string") from None
+        where = f"--chat-template {value}"
+    elif "{{" in value or "{%" in value:
+        text, where = value, "--chat-template"
+    else:
+        raise FlotillaError(f"--chat-template {value}: no such file, and not a Jinja template (one has {{{{ or {{%)")
+    if not isinstance(text, str) or not text.strip():
+        raise FlotillaError(f"{where}: the template is empty")
+    check_chat_template(text, where)
+    return text

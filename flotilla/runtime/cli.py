@@ -82,6 +82,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                                    "(default: float32 on CPU; on a GPU float16, bfloat16 for Gemma 2 / 3)")
 
 
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", metavar="TEMPLATE",
+                   help="render chats with this Jinja template instead of the model's: a file (.jinja, or a "
+                        "chat_template.json) or the template itself, as vLLM's --chat-template")
+
+
+def chat_template_arg(args: argparse.Namespace) -> str | None:
+    """--chat-template's text, read and checked (before the model loads); None when not given."""
+    from flotilla.models.tokenizer import read_chat_template
+
+    value = getattr(args, "chat_template", None)
+    return read_chat_template(value) if value else None
+
+
+def use_chat_template(tokenizer, template: str | None) -> None:
+    if template is not None and tokenizer is not None:
+        tokenizer.set_chat_template(template)
+
+
 CHAT_TEMPERATURE = 0.7  # the chat's default, as the browser chat page's (greedy replies of a small model loop)
 
 
@@ -149,13 +168,16 @@ def _engine(args: argparse.Namespace):
     from .engine_args import EngineArgs, build_engine
 
     engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
+    template = chat_template_arg(args)
     report = say_line
     if pipeline_cli.is_pipeline(args):
         # local workers' own log: errors only (their notices would land in the middle of a streamed reply)
         args.worker_log_level = "error"
-        return pipeline_cli.pipeline_engine_from_args(args, report)
-    lm = load_with_progress(args, _say_on_terminal)
-    return build_engine(lm, engine_args, report=report)
+        engine = pipeline_cli.pipeline_engine_from_args(args, report)
+    else:
+        engine = build_engine(load_with_progress(args, _say_on_terminal), engine_args, report=report)
+    use_chat_template(engine.tokenizer, template)
+    return engine
 
 
 def _stream(engine, request_id: str, ids: list[int], params: SamplingParams, out=sys.stdout, stop=None):
@@ -213,6 +235,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", "-p", help="the prompt text (or --file, or the prompt piped on stdin)")
     src.add_argument("--file", "-f", metavar="FILE", help="read the prompt from FILE ('-': stdin), as llama.cpp's -f")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    add_chat_template_arg(p)
     add_sampling_args(p, max_tokens=128)
     EngineArgs.add_args(p)
     p.set_defaults(max_num_seqs=1)  # one request: the KV cache needs room for one context only
@@ -277,6 +300,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_tp_args(p)
     p.add_argument("--system", default=None, help="a system prompt")
+    add_chat_template_arg(p)
     add_sampling_args(p, max_tokens=512, temperature=CHAT_TEMPERATURE)
     EngineArgs.add_args(p)
     p.set_defaults(max_num_seqs=1)

@@ -21,7 +21,8 @@ from typing import AsyncIterator
 from flotilla.errors import FlotillaError
 from flotilla.progress import say_line
 from flotilla.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from flotilla.runtime.cli import add_model_args, load_with_progress
+from flotilla.runtime.cli import add_chat_template_arg, add_model_args, chat_template_arg, load_with_progress, \
+    use_chat_template
 from flotilla.runtime.engine import LLMEngine
 from flotilla.runtime.engine_args import EngineArgs, build_engine
 from flotilla.runtime.loader import LoadedModel
@@ -97,6 +98,7 @@ class EngineStats:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_chat_template_arg(p)
     add_tp_args(p)
     EngineArgs.add_args(p)  # includes --max-model-len
     add_pipeline_args(p)
@@ -130,13 +132,16 @@ class EngineClient:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineClient":
         engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
+        template = chat_template_arg(args)
         if is_pipeline(args):  # with --tp M, every local stage is a group of M processes
             from flotilla.runtime.default_model import resolve_model_path
 
             llm = pipeline_engine_from_args(args, say_line)
+            use_chat_template(llm.tokenizer, template)
             return cls(llm, args.served_model_name or _default_name(resolve_model_path(args.model)))
         lm = load_with_progress(args, lambda line: print(f"flotilla: {line}", flush=True))  # stdout: the log
         llm = build_engine(lm, engine_args, report=say_line)
+        use_chat_template(llm.tokenizer, template)
         return cls(llm, args.served_model_name or _default_name(lm.path), parallel=lm.parallel)
 
     @classmethod

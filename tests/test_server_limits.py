@@ -12,6 +12,8 @@ import aiohttp
 import openai
 import pytest
 
+import flotilla
+
 from server_harness import start_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -271,6 +273,11 @@ def test_api_key(smollm2_gguf):
         assert request(server.url, "GET", "/metrics")[0] == 200  # as vLLM's: Prometheus scrapes with no token
         status, _, health = request(server.url, "GET", "/health")
         assert status == 200 and health["status"] == "ok" and health["auth_required"] is True
+        for method in ("GET", "POST"):  # vLLM's /ping: the same answer
+            status, _, ping = request(server.url, method, "/ping")
+            assert status == 200 and ping["status"] == "ok"
+        status, _, version = request(server.url, "GET", "/version")
+        assert status == 200 and version == {"version": flotilla.__version__}
         assert request(server.url, "GET", "/")[0] == 200  # the page itself holds no secret
         with openai.OpenAI(base_url=server.api, api_key="sekrit", max_retries=0) as client:
             r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
@@ -328,7 +335,7 @@ def test_404_lists_every_endpoint_the_server_has(live):
     assert status == 404 and data["error"]["code"] == "not_found", data
     msg = data["error"]["message"]
     for endpoint in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
-                     "GET /ws", "GET /health", "GET /metrics", "POST /tokenize", "POST /detokenize",
+                     "GET /ws", "GET /health", "GET /ping", "POST /ping", "GET /version", "GET /metrics", "POST /tokenize", "POST /detokenize",
                      "GET /tokenizer_info", "GET /"):
         assert endpoint in msg, (endpoint, msg)
     assert "HEAD" not in msg and "/static" not in msg

@@ -1,9 +1,11 @@
-"""The aiohttp application: routes, middleware, the chat page, /health and /metrics."""
+"""The aiohttp application: routes, middleware, the chat page, /health (and /ping), /version and /metrics."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from aiohttp import WSCloseCode, web
+
+from flotilla import __version__
 
 from .metrics import CONTENT_TYPE
 from .errors import ApiError
@@ -24,7 +26,11 @@ def build_app(state: ServerState, manage_engine: bool = True) -> web.Application
     OpenAIRoutes(state).register(app)
     TokenizerRoutes(state).register(app)
     ChatSocket(state).register(app)
-    app.router.add_get("/health", _health(state))
+    health = _health(state)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # vLLM's (SageMaker's) name for it, GET or POST
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics(state))
     app.router.add_get("/", _index)
     app.router.add_get("/static/{name}", _static)
@@ -62,6 +68,10 @@ async def _static(request: web.Request) -> web.FileResponse:
         raise ApiError(404, f"no such file {request.path[:200]}; the chat page's files are "
                             f"{', '.join('/static/' + n for n in sorted(STATIC_FILES))}", code="not_found")
     return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
 
 
 def _health(state: ServerState):

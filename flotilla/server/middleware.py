@@ -20,7 +20,7 @@ log = logging.getLogger("flotilla.server")
 
 # open with --api-key, as vLLM's key guards /v1/* only (Prometheus scrapes /metrics without a token);
 # /ws checks the key itself (a browser cannot set its headers)
-OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico", "/ws")
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/", "/favicon.ico", "/ws")
 OPEN_PREFIXES = ("/static/",)
 
 

@@ -208,3 +208,18 @@ def test_soft_capped_scores_match_the_hand_computed_attention(case, window, cpu_
     assert (got - capped_reference(seqs, full_k, full_v, q, 2.0, window)).abs().max().item() < 1e-5
     plain = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=window)
     assert (got - plain).abs().max().item() > 1e-2  # the cap changed the result
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_soft_capped_scores_in_slices_of_queries_are_the_same(case, monkeypatch):
+    """sdpa's soft-capped path bounds the fp32 scores it holds (a long prefill's): in slices of queries down to one
+    row, the same attention."""
+    from flotilla.kernels import attention
+
+    seqs = CASES[case]
+    kc, vc, full_k, full_v, q, k, v, meta = build(seqs)
+    store_kv(kc, vc, k, v, meta)
+    whole = paged_attention(q * 4, kc, vc, meta, scale=1 / math.sqrt(D), window=3, softcap=2.0)
+    monkeypatch.setattr(attention, "SOFTCAP_SCORES", 1)
+    sliced = paged_attention(q * 4, kc, vc, meta, scale=1 / math.sqrt(D), window=3, softcap=2.0)
+    assert (sliced - whole).abs().max().item() < 1e-6

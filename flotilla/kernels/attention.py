@@ -136,6 +136,9 @@ def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: 
     return out if plan.prefill_unpad is None else out.index_select(0, plan.prefill_unpad)
 
 
+SOFTCAP_SCORES = 1 << 25  # fp32 scores (128 MiB) that sdpa's soft-capped path holds at once
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
          softcap: float = 0.0) -> torch.Tensor:
@@ -148,16 +151,25 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
     if k.shape[-3] != q.shape[-3]:  # grouped-query heads: each kv head serves q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    s = q.float() @ k.float().transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    s = softcap * torch.tanh(s / softcap)
+    Q, S = q.shape[-2], k.shape[-2]
     if is_causal:  # (as torch's: the queries are the keys' positions, so Q == S)
-        Q, S = s.shape[-2], s.shape[-1]
         if Q != S:
             raise ValueError(f"sdpa: is_causal with {Q} queries over {S} keys; give a mask")
-        s = s.masked_fill(~torch.ones(Q, S, dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
-    return (s.softmax(-1) @ v.float()).to(q.dtype)
+        attn_mask = torch.ones(Q, S, dtype=torch.bool, device=q.device).tril()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    # the fp32 scores of a long prefill in slices of queries, each [..., rows, S] (a 1024-token chunk over an
+    # 8192-token context and 32 heads would be 1 GiB at once)
+    rows = max(1, SOFTCAP_SCORES // max(1, S * q[..., :1, :1].numel()))
+    out = []
+    for a in range(0, Q, rows):
+        s = q[..., a:a + rows, :].float() @ kt
+        s.mul_(scale / softcap).tanh_().mul_(softcap)
+        if attn_mask is not None:
+            m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., a:a + rows, :]
+            s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m.float())
+        out.append((s.softmax(-1) @ vf).to(q.dtype))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
 
 def _keys_values(flat_k: torch.Tensor, flat_v: torch.Tensor, gather: "_Gather", contiguous: slice | None):

@@ -13,9 +13,11 @@ from flotilla.kernels.attention import PagedAttentionMetadata, paged_attention, 
 BS, HKV, G, D = 4, 2, 3, 16
 
 
-def build(seqs, num_blocks=64, seed=0, consecutive=False):
+def build(seqs, num_blocks=64, seed=0, consecutive=False, released_behind=0):
     """seqs: [(cached_len, query_len)] with decodes (query_len 1) first. Returns the caches
-    (with the cached prefixes written), the full per-sequence k/v, this step's q/k/v and meta."""
+    (with the cached prefixes written), the full per-sequence k/v, this step's q/k/v and meta.
+    `released_behind` (a window): each table's blocks wholly behind the window of its first query are the null
+    block, as the block manager leaves them, and their old blocks hold garbage."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     free = list(range(1, num_blocks))
@@ -41,6 +43,10 @@ def build(seqs, num_blocks=64, seed=0, consecutive=False):
         qs.append(torch.randn(qlen, HKV * G, D, generator=gen))
         ks.append(k[cached:])
         vs.append(v[cached:])
+    if released_behind:
+        for (cached, _), table in zip(seqs, tables):
+            for i in range(max(0, cached - released_behind + 1) // BS):
+                kc[table[i]], vc[table[i]], table[i] = float("nan"), float("nan"), 0  # reused by another sequence
     width = max(len(t) for t in tables)
     nd = next((i for i, (_, q) in enumerate(seqs) if q != 1), len(seqs))
     dec, pre = seqs[:nd], seqs[nd:]
@@ -55,6 +61,8 @@ def build(seqs, num_blocks=64, seed=0, consecutive=False):
         max_prefill_query_len=max((q for _, q in pre), default=0),
         max_prefill_seq_len=max((c + q for c, q in pre), default=0),
         first_block=tables[0][0] if consecutive and len(seqs) == 1 else -1,
+        min_decode_pos=min((c for c, _ in dec), default=0),
+        min_prefill_pos=min((c for c, _ in pre), default=0),
     )
     return kc, vc, full_k, full_v, torch.cat(qs), torch.cat(ks), torch.cat(vs), meta
 
@@ -169,6 +177,21 @@ def test_a_sliding_window_matches_the_dense_window(case, window, cpu_kernels):
     assert meta.plan(window=longest) is meta.plan()
     full = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=longest)
     assert (full - dense_reference(seqs, full_k, full_v, q)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_window_reads_nothing_of_the_blocks_given_back_behind_it(case, window, cpu_kernels):
+    """The blocks behind each sequence's window are the null block in its table and their old blocks hold NaN
+    (another sequence's now): nothing of theirs reaches the output (the torch path gathers from the first block
+    a query of the step can see; the kernels read each sequence's window)."""
+    seqs = CASES[case]
+    kc, vc, full_k, full_v, q, k, v, meta = build(seqs, released_behind=window)
+    if len(seqs) == 1:  # a lone sequence's step reads no null block either (no padding): not gathered at all
+        kc[0], vc[0] = float("nan"), float("nan")
+    store_kv(kc, vc, k, v, meta)
+    got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(D), window=window)
+    assert (got - windowed_reference(seqs, full_k, full_v, q, window)).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("case", ["one-decode", "one-prefill", "prefill-after-prefix"])

@@ -60,6 +60,10 @@ class PagedAttentionMetadata:
     max_prefill_query_len: int  # max query_len over the prefills (0 if none)
     max_prefill_seq_len: int  # max seq_len over the prefills (0 if none)
     first_block: int = -1  # one sequence whose blocks are consecutive ids: the first (no gather needed)
+    # the smallest position of a decode's query, and of a prefill's first query: under a sliding window no key
+    # before (it - window + 1) is read, so the torch path gathers from there (0: from the start)
+    min_decode_pos: int = 0
+    min_prefill_pos: int = 0
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -187,8 +191,8 @@ def _keys_values(flat_k: torch.Tensor, flat_v: torch.Tensor, gather: "_Gather", 
 
 @dataclass(frozen=True)
 class _Gather:
-    blocks: torch.Tensor  # [B, nb] the blocks holding each sequence's first `length` positions
-    length: int  # L: the longest sequence of the group
+    blocks: torch.Tensor  # [B, nb] the blocks holding `length` positions of each sequence (from a block's start)
+    length: int  # L: the longest sequence of the group, less the positions skipped
     block_size: int
 
 
@@ -201,20 +205,24 @@ class _TorchPlan:
         self.dtype, self.window = dtype, window
         self.triton_decode = _TritonDecode.for_step(meta, window=window) if nd and meta.slot_mapping.is_cuda else None
         self.cpu_decode = _cpu_decode(meta) if nd and dtype == torch.float32 and not meta.slot_mapping.is_cuda else None
+        # under a window, the whole blocks before the earliest key any query of the step reads are not gathered
+        self.decode_skip = max(0, meta.min_decode_pos - window + 1) // bs if window else 0
+        self.prefill_skip = max(0, meta.min_prefill_pos - window + 1) // bs if window else 0
         self.contiguous = None  # slots of the lone sequence, when its blocks are consecutive
         if meta.first_block >= 0:
             n = max(meta.max_decode_seq_len, meta.max_prefill_seq_len)
-            # a lone decode over a window reads only the window's keys: the slice's tail
-            first = max(0, n - window) if window and not meta.num_prefills else 0
+            # a lone decode over a window reads only the window's keys: the slice's tail; a prefill from its skip
+            first = max(0, n - window) if window and not meta.num_prefills else self.prefill_skip * bs
             self.contiguous = slice(meta.first_block * bs + first, meta.first_block * bs + n)
         self.decode_gather = self.decode_mask = None
         self.prefill_q_index = self.prefill_gather = self.prefill_mask = self.prefill_unpad = None
         self.prefill_causal = False
         if nd and self.contiguous is None and self.triton_decode is None:
             self.decode_gather, valid = _gather_index(meta.block_tables[:nd], meta.seq_lens[:nd],
-                                                      meta.max_decode_seq_len, bs)
+                                                      meta.max_decode_seq_len, bs, self.decode_skip)
             if window:  # key p is visible to the decode at seq_len - 1 iff p > seq_len - 1 - window
-                valid &= torch.arange(valid.shape[1], device=valid.device)[None, :] >= \
+                first = self.decode_skip * bs
+                valid &= torch.arange(first, first + valid.shape[1], device=valid.device)[None, :] >= \
                     (meta.seq_lens[:nd] - window)[:, None]
             if nd > 1 or window:
                 self.decode_mask = _additive(valid, dtype)[:, None, None, :]  # [B, 1, 1, L]
@@ -226,8 +234,9 @@ class _TorchPlan:
         qlens, seq_lens = meta.query_lens[nd:], meta.seq_lens[nd:]
         Q, L, device = meta.max_prefill_query_len, meta.max_prefill_seq_len, qlens.device
         self.prefill_shape = (Bp, Q)
+        first = self.prefill_skip * bs  # the first key gathered
         if self.contiguous is None:
-            self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, L, bs)
+            self.prefill_gather, _ = _gather_index(meta.block_tables[nd:], seq_lens, L, bs, self.prefill_skip)
         if Bp == 1 and Q == L and not self.window:  # a fresh prompt: plain causal attention
             self.prefill_causal = True
             return
@@ -235,9 +244,9 @@ class _TorchPlan:
         i = torch.arange(Q, device=device)
         q_valid = i[None, :] < qlens[:, None]  # [Bp, Q]
         # key j is visible to query i iff j <= (tokens cached before the step) + i. Padding
-        # queries see key 0 only, so that no mask row is empty (SDPA gives NaN for one).
-        last_visible = torch.where(q_valid, (seq_lens - qlens)[:, None] + i[None, :], 0)  # [Bp, Q]
-        j = torch.arange(L, device=device)
+        # queries see the first key gathered only, so that no mask row is empty (SDPA gives NaN for one).
+        last_visible = torch.where(q_valid, (seq_lens - qlens)[:, None] + i[None, :], first)  # [Bp, Q]
+        j = torch.arange(first, L, device=device)
         visible = j[None, None, :] <= last_visible[:, :, None]  # [Bp, Q, L]
         if self.window:  # and key j > (the query's position) - window; a padding query keeps key 0
             visible &= j[None, None, :] > last_visible[:, :, None] - self.window
@@ -289,12 +298,12 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _gather_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, bs: int):
-    """What to gather for positions 0..max_len-1 of each sequence (whole blocks), and which
-    positions are valid (< seq_len). Blocks past a sequence's end are the null block or stale
-    ones: safe to read, and masked out."""
+def _gather_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, bs: int, skip: int = 0):
+    """What to gather for positions skip * bs … max_len - 1 of each sequence (whole blocks: the first `skip` are
+    left out), and which positions are valid (< seq_len). Blocks past a sequence's end, or given back behind
+    its window, are the null block or stale ones: safe to read, and masked out."""
     nb = -(-max_len // bs)
-    blocks = block_tables[:, :nb].contiguous()  # [B, nb]
-    pos = torch.arange(max_len, device=block_tables.device)
-    valid = pos[None, :] < seq_lens[:, None]  # [B, max_len]
-    return _Gather(blocks, max_len, bs), valid
+    blocks = block_tables[:, skip:nb].contiguous()  # [B, nb - skip]
+    pos = torch.arange(skip * bs, max_len, device=block_tables.device)
+    valid = pos[None, :] < seq_lens[:, None]  # [B, max_len - skip * bs]
+    return _Gather(blocks, max_len - skip * bs, bs), valid

@@ -327,6 +327,8 @@ def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tupl
         max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
         max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
         first_block=_first_if_consecutive(step.block_tables[0]) if B == 1 else -1,
+        min_decode_pos=int(starts[:nd].min()) if nd else 0,
+        min_prefill_pos=int(starts[nd:].min()) if nd < B else 0,
     )
     return _to(positions, device), meta
 

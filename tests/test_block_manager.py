@@ -220,3 +220,38 @@ def test_a_window_releases_blocks_within_a_chunked_prefill_and_a_truncation_keep
     bm.free(s)
     assert bm.num_free_blocks == 8
     bm.check_integrity()
+
+
+def test_under_a_window_a_prefix_hit_needs_only_the_blocks_its_next_query_reads():
+    """A conversation's earlier turn was cached; its head block was evicted since (the pool reused it). Without a
+    window that voids the whole hit; under one, the next query reads only the last window: the hit stands, the
+    null block in place of the evicted head. Worked by hand: blocks of 4, window 6."""
+    bm = BlockManager(num_blocks=9, block_size=4, window=6)
+    turn = list(range(100, 116))  # 16 tokens: blocks 1-4
+    s = seq("s", turn)
+    assert admit(bm, s) == ([], [1, 2, 3, 4])
+    bm.free(s)
+    assert free_order(bm)[-4:] == [4, 3, 2, 1]  # cached, tail first
+    head = bm.pool.blocks[1]
+    bm.pool.free_queue.remove(head)  # the pool reused block 1 for someone else, who gave it back: its hash is gone
+    bm.pool._uncache(head)
+    bm.pool.free_queue.push_front(head)
+    bm.check_integrity()
+
+    t = seq("t", turn + [7, 7])  # the next turn: 18 tokens
+    computed, n = bm.get_computed_blocks(t)
+    # 4 blocks hit: the next query (position 16) reads 11-16, blocks 3-4 (of the cached 2-4); block 1 stands as null
+    assert (computed.block_ids, n) == ([0, 2, 3, 4], 16)
+    new = bm.allocate_slots(t, 2, computed)
+    t.num_computed_tokens = 18
+    assert new.block_ids == [1] and t.block_table == [0, 0, 3, 4, 1]  # 16 reads from 11: block 2 goes too
+    bm.check_integrity()
+    bm.free(t)
+    bm.check_integrity()
+
+    plain = BlockManager(num_blocks=9, block_size=4)  # without a window the same evicted head voids the hit
+    u = seq("u", turn)
+    admit(plain, u)
+    plain.free(u)
+    plain.pool._uncache(plain.pool.blocks[1])
+    assert plain.get_computed_blocks(seq("v", turn + [7, 7])) == (KVBlocks(), 0)

@@ -243,8 +243,12 @@ def test_a_chat_template_of_ones_own_replaces_the_models(smollm2_gguf, tmp_path)
 
 
 @pytest.mark.parametrize("value, said", [("{% for m in messages %}{{ m.content }", "--chat-template: line 1: "),
-                                         ("no-such-template.jinja", "no such file, and not a Jinja template")])
+                                         ("{% for m in messages %}" + "x" * 300 + "{{ m.content }",
+                                          "--chat-template: line 1: "),  # longer than a file name may be
+                                         ("no-such-template.jinja", "no such file, and not a Jinja template"),
+                                         ("{{ 'x' }}", "add --chat")])
 def test_a_bad_chat_template_is_one_line_before_the_model_loads(value, said):
-    p = runtime("generate", "/nonexistent/model", "--chat", "-p", "hi", "--chat-template", value)
+    chat = ["--chat"] if said != "add --chat" else []
+    p = runtime("generate", "/nonexistent/model", *chat, "-p", "hi", "--chat-template", value)
     assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr

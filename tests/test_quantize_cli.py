@@ -62,6 +62,8 @@ BAD_INPUTS = {
     "empty-calib-jsonl": (["--calib", "{tmp}/empty.jsonl"], ["holds no text"]),
     "missing-tensor": (["--src", "{broken}"], ["model.layers.1.mlp.up_proj.weight", "missing"]),
     "out-not-writable": (["--out", "/sys/flotilla-quantize-out"], ["not writable"]),
+    "out-deep-not-writable": (["--out", "/sys/flotilla-quantize/runs/out"], ["/sys: not writable"]),
+    "out-under-a-file": (["--out", "{tmp}/empty.txt/runs/out"], ["empty.txt: not a directory"]),
     "out-exists": (["--out", "{tmp}/exists"], ["already exists", "--force"]),
     "out-inside-the-source": (["--out", "{src}/out"], ["inside the source model", "outside the source model"]),
     "out-deep-inside-the-source": (["--out", "{tmp}/link/sub/out"], ["inside the source model"]),  # via a symlink
@@ -182,7 +184,9 @@ def test_force_replaces_an_existing_checkpoint(src, tmp_path):
 
 
 def test_the_outputs_missing_parents_are_made(src, tmp_path):
-    out = tmp_path / "runs" / "today" / "q"  # as mkdir -p
+    out = tmp_path / "runs" / "today" / "q"  # as mkdir -p, once the writing starts
+    assert quantize_main([str(src), "-o", str(out), "--quiet", "--method", "rtn", "--bits", "3"]) == 2
+    assert not (tmp_path / "runs").exists()  # a refused run makes nothing
     assert quantize_main([str(src), "-o", str(out), "--quiet", "--method", "rtn", "--bits", "8"]) == 0
     assert open_source(out).config.quant.bits == 8
 

@@ -210,6 +210,8 @@ def test_models_list_and_retrieve(live, client):
 
 
 def test_client_disconnect_aborts_the_request(live):
+    aborted = live.state.metrics.finished.get("abort")
+
     async def run():
         async with aiohttp.ClientSession() as s:
             body = {"model": live.engine.model_name, "prompt": "Count to a thousand:", "max_tokens": 2000,
@@ -230,6 +232,7 @@ def test_client_disconnect_aborts_the_request(live):
         return False
     assert asyncio.run(run())
     assert live.stats().kv_blocks_free == live.stats().kv_blocks_total
+    assert live.state.metrics.finished.get("abort") == aborted + 1  # counted once, as an abort
 
 
 def test_client_disconnect_aborts_a_non_streaming_request(live):

@@ -17,16 +17,12 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from flotilla.models.sources import open_source
-from flotilla.models.weights import load_stage
 from flotilla.quantize.options import QuantizeOptions
 from flotilla.quantize.pipeline import quantize_model
-from flotilla.runtime.model_runner import logits_kernel
 
 from conftest import REPO, make_hf_model, save_hf_model, tiny_config
 from quantize_helpers import cli_env, tiny_model_dir
-from tp_helpers import (PROMPTS, greedy_tokens, logits_of, prompt_logprobs, rank_logits, start_tp_server, token_batch,
-                        write_int4)
+from tp_helpers import PROMPTS, greedy_tokens, prompt_logprobs, rank_logits, start_tp_server, write_int4
 
 ATOL = 1e-4
 
@@ -57,13 +53,6 @@ def rotated_tied_head(root: Path) -> Path:
     src = tiny_model_dir(root / "tied", seed=5, tie_word_embeddings=True, tokenizer=False)
     quantize_model(src, root / "rotated-tied-head", options, progress=False)
     return root / "rotated-tied-head"
-
-
-def tp1_logits(path: Path, frozen: bool) -> torch.Tensor:
-    model = load_stage(open_source(path))
-    if frozen:
-        model.freeze(logits_kernel(model, torch.device("cpu")))
-    return logits_of(model, token_batch(model.config.vocab_size), 2)
 
 
 def run_ranks(world: int, dirs: list[Path], tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -187,7 +176,7 @@ def test_smollm2_tp2_is_one_line_naming_the_heads(smollm2_gguf):
 @pytest.mark.slow
 def test_smollm2_int4_tp3_equals_tp1(smollm2_int4, tmp_path):
     got = run_ranks(3, [smollm2_int4], tmp_path)
-    ref = tp1_logits(smollm2_int4, frozen=False)
+    ref = got["0.tp1"]
     for path in ("live", "frozen"):
         err = (got[f"0.{path}"] - ref).abs().max().item()
         print(f"SmolLM2 INT4 ({path}): max |TP=3 - TP=1| = {err:.2e} (logits up to {ref.abs().max().item():.1f})")

@@ -109,8 +109,11 @@ def rank_logits(rank: int, world: int, init: str, model_dirs: list[str], out_dir
         out[f"{i}.live"] = logits_of(model, ids, 2)
         model.freeze(logits_kernel(model, torch.device("cpu")))
         out[f"{i}.frozen"] = logits_of(model, ids, 2)
-        if rank == 0:  # the TP=1 reference by the same code as the TP=2 logits (the parent's may predate an edit)
-            out[f"{i}.tp1"] = logits_of(load_stage(open_source(d)), ids, 2)
+        if rank == 0:  # the TP=1 references by the same code as the TP logits (the parent's may predate an edit)
+            whole = load_stage(open_source(d))
+            out[f"{i}.tp1"] = logits_of(whole, ids, 2)
+            whole.freeze(logits_kernel(whole, torch.device("cpu")))
+            out[f"{i}.tp1.frozen"] = logits_of(whole, ids, 2)
         if i == 0:  # pipeline stages, each split over the same group
             n = model.config.num_hidden_layers
             with tensor_parallel(group):

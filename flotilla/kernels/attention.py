@@ -6,7 +6,8 @@ Cache layout, one pair per layer:
 
 Token p of a sequence lives in block `block_table[p // block_size]` at offset `p % block_size`,
 i.e. at flat slot `block_table[p // block_size] * block_size + p % block_size`. Block 0 is the
-null block: padding entries of a block table point at it and nothing is ever written there.
+null block: padding entries of a block table point at it, and so do the entries of blocks given back behind a
+sliding window; nothing but padding rows (a CUDA graph's) is written there, and it is never read unmasked.
 
 A step's batch is B sequences. Sequence b brings `query_lens[b]` new tokens, flattened in batch
 order into T = sum(query_lens) rows, at positions `seq_lens[b] - query_lens[b] … seq_lens[b] - 1`
@@ -22,7 +23,9 @@ with the same signatures:
 
 `window` > 0 is a sliding window (Mistral, Gemma 3's local layers, Qwen2's upper layers): the token at
 position i attends to the keys at positions i - window + 1 … i, as transformers' sliding-window mask and
-vLLM's do. The cache keeps every key (the blocks are not freed early); only the reads are limited.
+vLLM's do. Where every layer slides, the block manager gives back the blocks behind the window (the null block
+takes their place); the torch path gathers from the first block any query of the step can see, the kernels
+read each sequence's window.
 `softcap` > 0 (Gemma 2) caps each score s at softcap * tanh(s / softcap) before the softmax: the torch path
 then computes the attention itself (`sdpa`).
 

@@ -190,6 +190,7 @@ class CheckpointWriter:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         with self._write_errors():
+            self.out.parent.mkdir(parents=True, exist_ok=True)  # -o runs/today/model makes runs/today, as mkdir -p
             self.tmp.mkdir()  # last: from here on the caller's `with` (or abort) owns it
 
     @staticmethod
@@ -217,13 +218,9 @@ class CheckpointWriter:
             if why:
                 raise FlotillaError(f"{out}: {why}; --force replaces only an empty directory or a model "
                                     "checkpoint: pick another -o, or move that directory away yourself")
-        parent = out.parent
-        if parent.exists() and not parent.is_dir():
-            raise FlotillaError(f"{parent}: the output's parent is not a directory")
-        try:
-            parent.mkdir(parents=True, exist_ok=True)  # as `mkdir -p`: -o runs/today/model makes runs/today
-        except OSError as e:
-            raise FlotillaError(f"{parent}: cannot create the output's parent directory: {e.strerror or e}") from None
+        parent = existing_ancestor(out)  # missing folders between are made when the writing starts (mkdir -p)
+        if not parent.is_dir():
+            raise FlotillaError(f"{parent}: not a directory, so {out} cannot be made under it")
         probe = parent / f".{out.name}.probe-{os.getpid()}"
         try:
             probe.mkdir()
@@ -280,7 +277,7 @@ class CheckpointWriter:
         calls it before calibrating; the writer itself only advises once a write fails)."""
         need = CheckpointWriter.space_needed(size_hint, shard_size)
         try:
-            free = shutil.disk_usage(out.parent).free
+            free = shutil.disk_usage(existing_ancestor(out)).free
         except OSError:
             return
         if need > free:
@@ -410,6 +407,14 @@ class CheckpointWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         if self._old is not None and self._old.exists() and not self.out.exists():
             os.replace(self._old, self.out)
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest folder above `path` that exists (its parent, unless folders between are still to be made)."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
 
 
 def _free_name(parent: Path, name: str) -> Path:

@@ -300,7 +300,11 @@ def read_chat_template(value: str) -> str:
     """--chat-template's value, as vLLM reads its own: a file holding the template, else the template itself
     (where it has Jinja's {{ or {%); checked before any model loads."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a long inline template: a name too long for the file system
+        is_file = False
+    if is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

@@ -89,13 +89,32 @@ class BlockManager:
         tokens. At least one token is always left to compute (its logits are needed)."""
         if not self.pool.enable_caching or seq.needs_prompt_logprobs:  # a cached block gives no logits
             return KVBlocks(), 0
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        if self.window:
+            return self._window_hit(hashes)
         hits = []
-        for h in self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for h in hashes:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
             hits.append(block)
         return KVBlocks(tuple(hits)), len(hits) * self.block_size
+
+    def _window_hit(self, hashes: list[bytes]) -> tuple[KVBlocks, int]:
+        """Under a sliding window a hit of n blocks needs only the blocks that the first query after it (position
+        n * block_size) reads: those from (n * block_size - window + 1) on; the ones before may be gone (evicted)
+        and stand as the null block. The longest such hit, as vLLM's sliding-window manager finds it."""
+        bs, blocks, run = self.block_size, [], 0
+        best, best_run = 0, 0  # the longest hit, and the cached blocks that end it
+        for n, h in enumerate(hashes, 1):
+            block = self.pool.get_cached_block(h)
+            blocks.append(block)
+            run = run + 1 if block is not None else 0
+            if run and run >= n - max(0, n * bs - self.window + 1) // bs:
+                best, best_run = n, run
+        null = self.pool.null_block
+        hit = [null] * (best - best_run) + blocks[best - best_run:best]
+        return KVBlocks(tuple(hit)), best * bs
 
     def free_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> int:
         """Free blocks that `allocate_slots(seq, num_new_tokens, computed)` would use up
@@ -121,9 +140,12 @@ class BlockManager:
             num_new = max(0, self.blocks_for(total) - len(table) - len(computed))
             if num_new + sum(1 for b in computed.blocks if b.ref_cnt == 0) > self.pool.num_free_blocks:
                 return None
-            self.pool.touch(computed.blocks)
+            gone = sum(b is self.pool.null_block for b in computed.blocks)  # a window hit's head (_window_hit)
+            self.pool.touch(computed.blocks[gone:])
             new = KVBlocks(tuple(self.pool.take(num_new)))
             table = table + list(computed.blocks) + list(new.blocks)
+            if gone:
+                self._dropped[seq.request_id] = gone
             self._tables[seq.request_id] = table
             seq.block_table = [b.block_id for b in table]
         if self.pool.enable_caching:  # only blocks of real tokens: never a speculative step's drafts

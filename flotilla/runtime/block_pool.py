@@ -2,7 +2,8 @@
 
 Invariants (`check_integrity` verifies all of them):
 
-- Block 0 is the null block: never handed out, never freed; block tables are padded with it.
+- Block 0 is the null block: never handed out, never freed; block tables are padded with it, and it
+  stands in for the blocks a sequence gave back behind a sliding window.
 - A block is in the free queue if and only if its ref_cnt is 0 (the null block aside).
 - The free queue is in eviction order: the front is taken first. A freed block that holds a
   cached full block keeps its hash (a later request may revive it with `touch`) until it is

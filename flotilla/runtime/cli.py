@@ -168,6 +168,8 @@ def _engine(args: argparse.Namespace):
     from .engine_args import EngineArgs, build_engine
 
     engine_args = EngineArgs.from_args(args)  # checks the engine flags before the model loads
+    if getattr(args, "chat_template", None) and getattr(args, "chat", True) is False:
+        raise FlotillaError("--chat-template renders a chat: add --chat (the prompt as a user turn)")
     template = chat_template_arg(args)
     report = say_line
     if pipeline_cli.is_pipeline(args):

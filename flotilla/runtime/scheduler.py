@@ -144,7 +144,8 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.num_cached_tokens_total += num_cached
-            self.num_queried_tokens_total += seq.num_tokens
+            if self.block_manager.pool.enable_caching and not seq.needs_prompt_logprobs:  # looked up (as vLLM counts)
+                self.num_queried_tokens_total += seq.num_tokens
             self.running.append(seq)
             self._add(out, seq, n)
             budget -= n

@@ -64,6 +64,7 @@ class Generation:
         self.choices = {i: Choice(i, len(p)) for i, p, _ in request.choices()}
         self._streams: list = []
         self._tasks: list[asyncio.Task] = []
+        self._closed = False
         metrics.prompt_tokens.inc(self.prompt_tokens)
 
     @property
@@ -155,6 +156,9 @@ class Generation:
 
     async def close(self) -> None:
         """Abort whatever has not finished; safe to call twice."""
+        if not self._closed:  # a dropped client's choices, or an n > 1 request's after one choice failed
+            self._closed = True
+            self.metrics.finished.inc(sum(c.finish_reason is None for c in self.choices.values()), "abort")
         for stream in self._streams:
             await stream.aclose()
         for task in self._tasks:

@@ -73,6 +73,8 @@ class DraftProposer:
                                   graph_query_len=graph_query_len)
         self.cache = cache
         self.block_size = cache.spec.block_size
+        # no sliding-window release: a round's later passes would give back blocks that a rollback to its first
+        # accepted token reads again
         self.blocks = BlockManager(num_blocks, self.block_size, enable_caching=False)
         self.states: dict[str, _DraftSeq] = {}
         self.vocab_size = model.config.vocab_size

@@ -6,8 +6,11 @@ Both sides keep a mirror of every running sequence, keyed by a small integer han
 - block tables: a step carries only the block ids appended since the sequence's previous step
   (a new handle carries its whole table). A table that shares a first part with the one the
   workers hold but then differs (rejected drafts gave their last block back, or the sequence was
-  preempted and re-admitted with its prefix cached) is trimmed to that part (`trims`) and
-  extended; one that shares nothing gets a new handle, and the old one is dropped.
+  preempted and re-admitted with its prefix cached, or blocks behind a sliding window were given back
+  and the null block took their place) is trimmed to that part (`trims`) and extended; one that
+  shares nothing (its first block given back) gets a new handle, and the old one is dropped. So
+  under a sliding window a sequence resends its table, about window / block_size ids, once a block
+  falls behind it (every block_size tokens).
 - sampling parameters: sent once, with the sequence's first sampling step, and kept by the last
   stage; the index of the token being sampled (which seeds its random draw) follows from the
   step's positions. Penalties need the tokens generated so far: they come with the parameters,

@@ -331,12 +331,12 @@ def test_a_body_that_is_not_json_gets_415(live):
 
 
 def test_404_lists_every_endpoint_the_server_has(live):
-    status, _, data = request(live.url, "GET", "/version")
+    status, _, data = request(live.url, "GET", "/v1/embeddings")
     assert status == 404 and data["error"]["code"] == "not_found", data
     msg = data["error"]["message"]
     for endpoint in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
-                     "GET /ws", "GET /health", "GET /ping", "POST /ping", "GET /version", "GET /metrics", "POST /tokenize", "POST /detokenize",
-                     "GET /tokenizer_info", "GET /"):
+                     "GET /ws", "GET /health", "GET /ping", "POST /ping", "GET /version", "GET /metrics",
+                     "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /"):
         assert endpoint in msg, (endpoint, msg)
     assert "HEAD" not in msg and "/static" not in msg
 

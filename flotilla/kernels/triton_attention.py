@@ -36,7 +36,7 @@ def _decode_kernel(
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, PRECISION: tl.constexpr = "tf32",
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,7 +77,7 @@ def _decode_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         after = tok + BLOCK_N  # the next run's pages, in flight while this run is computed
         page = tl.load(bt_ptr + b * stride_bt + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         if SOFTCAP > 0:  # softcap * tanh(s / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) (finite for any y)
             s = SOFTCAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFTCAP)) + 1.0))
         s = tl.where(t_ok[None, :], s, float("-inf"))
@@ -85,7 +85,7 @@ def _decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -153,7 +153,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, SOFTCAP=float(softcap), num_warps=4, **launch_args(q, batch))
+        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, SOFTCAP=float(softcap),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 as fp32 (tf32 rounds to 10 bits)
+        num_warps=4, **launch_args(q, batch))
     if split:
         _combine_kernel[(batch, num_heads)](
             ws_acc, ws_ml, out, out.stride(0), out.stride(1), num_heads,

@@ -68,8 +68,10 @@ def make_hf_model(config, seed: int = 0):
     torch.manual_seed(seed)
     from flotilla.runtime.random_model import randomize
 
-    # larger-than-init weights so that errors show up in the logits
-    return randomize(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    # larger-than-init weights so that errors show up in the logits; eager attention, the reference's: a transformers
+    # whose default is SDPA leaves Gemma 2's attention soft-cap out (the device image's did: every token differed)
+    return randomize(AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                      attn_implementation="eager").eval())
 
 
 @pytest.fixture

@@ -198,14 +198,15 @@ if has group32on; then  # round 23: the group-32 CUDA-core plans at 1 row on by 
     done
   done
 fi
-if has phi3; then  # Phi-3-mini's shape (heads 96 wide: torch's rope and KV store on the GPU), never run on a GPU
+if has phi3; then  # Phi-3-mini's shape (heads 96 wide: torch's rope and KV store on the GPU; round 24)
   mark "phi3: runtime bench --random phi-3-mini"
   timeout 200 python3 -m flotilla.server.cli bench --random phi-3-mini --bits 4 --batch ${PHI3_BATCHES:-1,16,64} \
     2>&1 | tee "$OUT/phi3_decode.log" | grep -vE "^\[|Writing"
 fi
-if has gemma3; then  # the sliding window in the Triton decode and the prefill masks; Gemma 3 (never run on a GPU)
+if has gemma3; then  # the sliding window in the Triton decode and the prefill masks; Gemma 3 (round 26)
   mark "gemma3: test_window_cuda"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_window_cuda.py 2>&1 | tail -4
+  timeout 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_window_cuda.py > "$OUT/window_cuda.log" 2>&1
+  tail -15 "$OUT/window_cuda.log"
   mark "gemma3: runtime bench --random gemma-3-4b"
   timeout 200 python3 -m flotilla.server.cli bench --random gemma-3-4b --bits 4 --batch ${GEMMA3_BATCHES:-1,16,64} \
     2>&1 | tee "$OUT/gemma3_decode.log" | grep -vE "^\[|Writing"

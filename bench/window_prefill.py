@@ -78,14 +78,18 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "m", args.window, max(lens) + 16)
-        prefill_time(path, min(lens), args.chunk, False)  # warm-up (the CPU kernels' first load)
+        for peer in (False, True):  # warm-up, each way once (the CPU kernels' first load, the first plans)
+            prefill_time(path, min(lens), args.chunk, peer)
         for n in lens:
+            runs = {False: [], True: []}
+            for i in range(args.repeats):  # interleaved, each first in turn: a slow moment hits both
+                for peer in ((False, True) if i % 2 == 0 else (True, False)):
+                    runs[peer].append(prefill_time(path, n, args.chunk, peer))
             for peer in (False, True):
-                runs = [prefill_time(path, n, args.chunk, peer) for _ in range(args.repeats)]
-                secs = statistics.median(r[0] for r in runs)
+                secs = statistics.median(r[0] for r in runs[peer])
                 rows.append({"prompt": n, "window": args.window, "gather": "whole context" if peer else "window",
                              "seconds": round(secs, 3), "prefill_tok_s": round(n / secs, 1),
-                             "blocks_given_back": runs[0][1]})
+                             "blocks_given_back": runs[peer][0][1]})
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -174,11 +174,11 @@ class ServerMetrics:
         self.queue_time = Histogram("flotilla_request_queue_time_seconds",
                                     "Time each sequence waited in the engine before its first admission", E2E_BUCKETS)
         self.prefill_time = Histogram("flotilla_request_prefill_time_seconds",
-                                      "Time from each sequence's admission to its first token", E2E_BUCKETS)
+                                      "Time to each sequence's first token less its queue time", E2E_BUCKETS)
         self.decode_time = Histogram("flotilla_request_decode_time_seconds",
                                      "Time from each sequence's first token to its last", E2E_BUCKETS)
         self.inference_time = Histogram("flotilla_request_inference_time_seconds",
-                                        "Time from each sequence's admission to its last token", E2E_BUCKETS)
+                                        "Time to each sequence's last token less its queue time", E2E_BUCKETS)
         self.preemptions = Counter("flotilla_preemptions_total",
                                    "Sequences preempted for KV blocks (their work is recomputed when they resume)")
         self.cache_queries = Counter("flotilla_prefix_cache_queries_total",

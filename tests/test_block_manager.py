@@ -240,11 +240,14 @@ def test_under_a_window_a_prefix_hit_needs_only_the_blocks_its_next_query_reads(
 
     t = seq("t", turn + [7, 7])  # the next turn: 18 tokens
     computed, n = bm.get_computed_blocks(t)
-    # 4 blocks hit: the next query (position 16) reads 11-16, blocks 3-4 (of the cached 2-4); block 1 stands as null
-    assert (computed.block_ids, n) == ([0, 2, 3, 4], 16)
+    # 4 blocks hit: the next query (position 16) reads 11-16, blocks 3-4 (of the cached 2-4): the null block stands
+    # for the evicted block 1 and for block 2, which it does not read (taken, it would only be given back)
+    assert (computed.block_ids, n) == ([0, 0, 3, 4], 16)
+    assert bm.free_blocks_needed(t, 2, computed) == 3  # a new block, and the two cached free ones taken back
     new = bm.allocate_slots(t, 2, computed)
     t.num_computed_tokens = 18
-    assert new.block_ids == [1] and t.block_table == [0, 0, 3, 4, 1]  # 16 reads from 11: block 2 goes too
+    assert new.block_ids == [1] and t.block_table == [0, 0, 3, 4, 1]
+    assert bm.pool.blocks[2].ref_cnt == 0 and bm.pool.blocks[2].hash is not None  # still cached, still free
     bm.check_integrity()
     bm.free(t)
     bm.check_integrity()

@@ -102,8 +102,8 @@ class BlockManager:
 
     def _window_hit(self, hashes: list[bytes]) -> tuple[KVBlocks, int]:
         """Under a sliding window a hit of n blocks needs only the blocks that the first query after it (position
-        n * block_size) reads: those from (n * block_size - window + 1) on; the ones before may be gone (evicted)
-        and stand as the null block. The longest such hit, as vLLM's sliding-window manager finds it."""
+        n * block_size) reads: those from (n * block_size - window + 1) on; the ones before (evicted or not) stand
+        as the null block. The longest such hit, as vLLM's sliding-window manager finds it."""
         bs, blocks, run = self.block_size, [], 0
         best, best_run = 0, 0  # the longest hit, and the cached blocks that end it
         for n, h in enumerate(hashes, 1):
@@ -112,9 +112,9 @@ class BlockManager:
             run = run + 1 if block is not None else 0
             if run and run >= n - max(0, n * bs - self.window + 1) // bs:
                 best, best_run = n, run
-        null = self.pool.null_block
-        hit = [null] * (best - best_run) + blocks[best - best_run:best]
-        return KVBlocks(tuple(hit)), best * bs
+        # from the first block the next query reads (cached blocks before it would be taken only to be given back)
+        start = max(best - best_run, max(0, best * bs - self.window + 1) // bs)
+        return KVBlocks((self.pool.null_block,) * start + tuple(blocks[start:best])), best * bs
 
     def free_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> int:
         """Free blocks that `allocate_slots(seq, num_new_tokens, computed)` would use up
@@ -214,6 +214,7 @@ class BlockManager:
         for rid, table in self._tables.items():
             dropped = self._dropped.get(rid, 0)
             assert all(b is self.pool.null_block for b in table[:dropped]), f"{rid}: a released block is still held"
+            assert all(b is not self.pool.null_block for b in table[dropped:]), f"{rid}: the null block past the released"
             for b in table[dropped:]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         self.pool.check_integrity(refs)

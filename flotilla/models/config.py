@@ -531,11 +531,15 @@ def _qwen_layer_types(d: dict, where: str, layers: int) -> tuple[str, ...] | Non
     types = d.get("layer_types")
     if not d.get("sliding_window") or not d.get("use_sliding_window") or not isinstance(types, list) or not types:
         return None
+    _check_layer_types(types, where, layers)
+    first = next((i for i, t in enumerate(types) if t == "sliding_attention"), layers)
+    return None if all(t == "sliding_attention" for t in types[first:]) else tuple(types)
+
+
+def _check_layer_types(types, where: str, layers: int) -> None:
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise FlotillaError(f"{where}: layer_types must name sliding_attention or full_attention for each of the "
                             f"{layers} layers")
-    first = next((i for i, t in enumerate(types) if t == "sliding_attention"), layers)
-    return None if all(t == "sliding_attention" for t in types[first:]) else tuple(types)
 
 
 def _gemma_fields(d: dict, where: str, family: str, layers: int, max_pos: int) -> dict[str, Any]:
@@ -557,9 +561,7 @@ def _gemma_fields(d: dict, where: str, family: str, layers: int, max_pos: int) -
     types = d.get("layer_types")
     if not types:  # every pattern-th layer attends to everything (Gemma 2: every second)
         types = gemma_layer_types(layers, int(d.get("sliding_window_pattern") or (6 if family == "gemma3" else 2)))
-    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise FlotillaError(f"{where}: layer_types must name sliding_attention or full_attention for each of the "
-                            f"{layers} layers")
+    _check_layer_types(types, where, layers)
     params = d.get("rope_parameters") or {}
     if family == "gemma2":  # one rope for every layer
         theta = float(params.get("rope_theta") or d.get("rope_theta") or 10000.0)

@@ -47,8 +47,8 @@ class Tokenizer:
         return template if isinstance(template, str) else None
 
     def set_chat_template(self, template: str) -> None:
-        """Render chats with `template` (Jinja, as a tokenizer_config's) instead of the model's own."""
-        check_chat_template(template)
+        """Render chats with `template` (Jinja, as a tokenizer_config's; `read_chat_template` checked it) instead of
+        the model's own."""
         self.hf.chat_template = template
         if hasattr(self.hf, "_template"):  # FileTokenizer's compiled one
             self.hf._template = None

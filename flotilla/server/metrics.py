@@ -248,12 +248,8 @@ class ServerMetrics:
         ]
 
     def all(self) -> list[Metric]:
-        return [self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
-                self.queue_depth, self.running, self.kv_usage, self.kv_free, self.kv_total, self.ttft, self.itl,
-                self.e2e, self.finished, self.request_prompt, self.request_generation, self.queue_time,
-                self.prefill_time, self.decode_time, self.inference_time, self.preemptions,
-                self.cache_queries, self.cache_hits, self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_rate, self.spec_per_step,
-                self.stage_up, *self.vllm]
+        """Every metric of ours, in the order they were made, then vLLM's names."""
+        return [m for m in vars(self).values() if isinstance(m, Metric)] + self.vllm
 
     def update_engine(self, stats, in_flight: int) -> None:
         self.queue_depth.set(stats.num_waiting)

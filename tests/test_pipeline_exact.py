@@ -198,3 +198,28 @@ def test_a_neighbour_aborted_mid_flight_keeps_the_prompt_logprobs(ckpt, prompts,
     (scored, got), _ = two_stages(ckpt, prompts, tmp_path, 0.0, run,
                                   dataclasses.replace(ARGS, max_num_batched_tokens=16))
     assert len(got) == len(scored) and got[0] is None and all(e is not None for e in got[1:])
+
+
+def test_a_sliding_window_model_through_a_lane_equals_pp1(ckpt, prompts, tmp_path, monkeypatch):
+    """Mistral's shape (every layer in an 8-token window), 4-token blocks: the head gives back the blocks
+    behind the window and the workers learn of it as counts (Step.nulls), each sequence keeping its handle;
+    the ring's logits equal pp=1's."""
+    import shutil
+
+    from flotilla.runtime.pipeline.step_codec import StepEncoder
+    win = tmp_path / "window"
+    shutil.copytree(ckpt, win)
+    cfg = json.loads((win / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8)
+    (win / "config.json").write_text(json.dumps(cfg))
+    args = dataclasses.replace(ARGS, block_size=4)
+    sent, encode = [], StepEncoder.encode
+    monkeypatch.setattr(StepEncoder, "encode", lambda self, *a, **k: sent.append(encode(self, *a, **k)) or sent[-1])
+    ring, _ = two_stages(win, prompts, tmp_path, 0.0, args=args)
+    assert any(m.nulls for m in sent) and len({h for m in sent for h in m.handles}) == len(prompts)
+    lm = load_model(win, "cpu", "float32", with_tokenizer=False, progress=False)
+    engine = build_engine(lm, args)
+    plain = top2(engine, prompts)
+    assert engine.scheduler.block_manager.num_window_released > 0
+    assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in plain]
+    assert largest_gap(ring, plain) <= EXACT

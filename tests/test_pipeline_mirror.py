@@ -65,3 +65,27 @@ def test_a_stage_on_graph_inputs_equals_the_engines_steps_through_a_preemption()
             want = engine.logits(s)
             got = stage.logits(mirror.apply(enc.encode(s, 1, i), is_last=False))
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"step {i}")
+
+
+def test_blocks_released_behind_a_sliding_window_travel_as_a_count():
+    """The head's table loses its first blocks to the null block as a window slides: the workers' mirror
+    gets a count (Step.nulls), not the table again, and ends with the head's table."""
+    enc, mirror = StepEncoder(), StageSequences()
+    tables = [[3, 4, 5], [0, 4, 5], [0, 4, 5, 6], [0, 0, 5, 6], [0, 0, 0, 6, 7]]
+    for i, table in enumerate(tables):
+        msg = enc.encode(_decode(table, 10 + 4 * i), 1, i)
+        got = mirror.apply(msg, is_last=False)
+        assert got.block_tables == [table]
+        assert not msg.trims and not msg.dropped and msg.handles == [1]
+        assert sum(len(b) for b in msg.blocks) == (3 if i == 0 else len(table) - len(tables[i - 1]))
+    assert enc.encode(_decode(tables[-1], 30), 1, 9).nulls is None  # nothing new released: no count
+
+
+def test_a_window_release_and_a_regrown_tail_in_one_step():
+    """Nulls at the head and a different tail (rejected drafts gave the last block back, a new one taken):
+    the count, then a trim, then the new block."""
+    enc, mirror = StepEncoder(), StageSequences()
+    mirror.apply(enc.encode(_decode([3, 4, 5], 10), 1, 0), is_last=False)
+    msg = enc.encode(_decode([0, 4, 9], 14), 1, 1)
+    assert msg.nulls == [[1, 1]] and msg.trims == [[1, 2]] and msg.blocks == [[9]]
+    assert mirror.apply(msg, is_last=False).block_tables == [[0, 4, 9]]

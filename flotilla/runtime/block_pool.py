@@ -76,12 +76,15 @@ class FreeBlockQueue:
             b = b.next
 
 
+NULL_BLOCK_ID = 0  # the null block's id in every pool (and in a pipeline's block tables)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.ref_cnt = 1  # pinned
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}

@@ -250,6 +250,9 @@ class Step:
     # the hidden states (then `hidden` is None); at stage 0, set by its gate, step `prev_mb`'s ids
     lane_seq: int = 0
     prompt_logprobs: list[PromptRows] | None = None  # per sequence; None: no prompt logprobs in this step
+    # [handle, n]: the table's first n ids become the null block (given back behind a sliding window); applied
+    # before the trims
+    nulls: list[list[int]] | None = None
 
 
 @message("device_lane")

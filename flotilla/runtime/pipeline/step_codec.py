@@ -6,11 +6,10 @@ Both sides keep a mirror of every running sequence, keyed by a small integer han
 - block tables: a step carries only the block ids appended since the sequence's previous step
   (a new handle carries its whole table). A table that shares a first part with the one the
   workers hold but then differs (rejected drafts gave their last block back, or the sequence was
-  preempted and re-admitted with its prefix cached, or blocks behind a sliding window were given back
-  and the null block took their place) is trimmed to that part (`trims`) and extended; one that
-  shares nothing (its first block given back) gets a new handle, and the old one is dropped. So
-  under a sliding window a sequence resends its table, about window / block_size ids, once a block
-  falls behind it (every block_size tokens).
+  preempted and re-admitted with its prefix cached) is trimmed to that part (`trims`) and extended;
+  one that shares nothing gets a new handle, and the old one is dropped. Blocks given back behind a
+  sliding window (the null block took their place at the table's head) travel as a count (`nulls`),
+  so a sliding window costs two ints a sequence every block_size tokens, not its table again.
 - sampling parameters: sent once, with the sequence's first sampling step, and kept by the last
   stage; the index of the token being sampled (which seeds its random draw) follows from the
   step's positions. Penalties need the tokens generated so far: they come with the parameters,
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flotilla.runtime.block_pool import NULL_BLOCK_ID
 from flotilla.runtime.model_runner import StepInput
 from flotilla.runtime.sampler import SamplerOutput, SamplingBatch
 
@@ -70,12 +70,17 @@ class StepEncoder:
     def encode(self, step: StepInput, epoch: int, mb: int, prev_mb: int = 0, feed: bool = False) -> Step:
         """`prev_mb`: the step whose sampled ids `step.prev_rows` point at (an overlapped decode);
         `feed`: the last stage sends this step's ids to stage 0 (a decode may follow it that way)."""
-        handles, blocks, sampling, trims = [], [], [], []
+        handles, blocks, sampling, trims, nulls = [], [], [], [], []
         spec = step.spec_token_ids or [[]] * step.num_seqs
         row = 0
         for b, rid in enumerate(step.request_ids):
             table = step.block_tables[b]
             known = self._known.get(rid)
+            if known is not None and table[:len(known.table)] != known.table:
+                head = _null_head(table, len(known.table))
+                if head and known.table[:head] != table[:head]:  # given back behind a sliding window
+                    nulls.append([known.handle, head])
+                    known.table[:head] = table[:head]
             if known is not None and table[:len(known.table)] != known.table:
                 keep = _common_prefix(table, known.table)
                 if keep:
@@ -104,7 +109,17 @@ class StepEncoder:
                     prev_mb if step.prev_rows is not None else 0,
                     list(step.prev_rows) if step.prev_rows is not None else None, feed,
                     prompt_logprobs=[PromptRows(k, list(ids)) for k, ids in step.prompt_logprobs]
-                    if step.prompt_logprobs is not None else None)
+                    if step.prompt_logprobs is not None else None, nulls=nulls or None)
+
+
+def _null_head(table: list[int], limit: int) -> int:
+    """How many of the table's first `limit` ids are the null block."""
+    n = 0
+    for x in table[:limit]:
+        if x != NULL_BLOCK_ID:
+            break
+        n += 1
+    return n
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -220,6 +235,10 @@ class StageSequences:
             self.sampling.pop(h, None)
         for p in msg.sampling:
             self.sampling[p.handle] = _Sampling(p, list(p.output_ids), tuple(zip(p.bias_ids, p.bias_values)))
+        for handle, n in msg.nulls or ():
+            if handle not in self.tables or not 0 < n <= len(self.tables[handle]):
+                raise ValueError(f"step {msg.mb}: a bad count of released blocks {[handle, n]}")
+            self.tables[handle] = [NULL_BLOCK_ID] * n + self.tables[handle][n:]  # a new list (as a trim's)
         for trim in msg.trims or ():
             if len(trim) != 2 or trim[0] not in self.tables or not 0 < trim[1] <= len(self.tables[trim[0]]):
                 raise ValueError(f"step {msg.mb}: a bad table trim {trim}")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 11  # 2: speculative steps (drafts, draft distributions, table trims, accepted drafts);
+PROTOCOL_VERSION = 12  # 2: speculative steps (drafts, draft distributions, table trims, accepted drafts);
 #                      3: decode graphs per stage (Configure), shared memory and TP in WorkerInfo;
 #                      4: LoadStage sizes the KV pool as a single-process run does (context, sequences);
 #                      5: StepResults on a result connection of their own (ResultsLink);
@@ -31,6 +31,7 @@ PROTOCOL_VERSION = 11  # 2: speculative steps (drafts, draft distributions, tabl
 #                      9: WorkerInfo.mps (stages sharing a GPU without MPS are named)
 #                     10: SeqSampling's logit bias, min_tokens and end tokens
 #                     11: prompt logprobs (Step/StepResult.prompt_logprobs)
+#                     12: Step.nulls (blocks behind a sliding window given back, not a resent table)
 DEFAULT_MAX_FRAME = 64 << 20  # 64 MiB: a prefill chunk of 2048 tokens x 8192 hidden in fp16 is 32 MiB
 MAX_TENSOR_DIMS = 8
 FRAME_HEADER = struct.Struct(">I")

@@ -68,7 +68,7 @@ def check_attention(seed: int = 0, hq: int = 32, hkv: int = 8) -> str:
     for device, dtype in (("cpu", torch.float32), ("cuda", torch.float16)):
         dev = torch.device(device)
         kd, vd = kc.to(dev, dtype), vc.to(dev, dtype)
-        _, meta = prepare_step(step, bs, dev)
+        _, meta, _ = prepare_step(step, bs, dev)
         store_kv(kd, vd, k.to(dev, dtype), v.to(dev, dtype), meta)
         outs[device] = paged_attention(q.to(dev, dtype), kd, vd, meta, d ** -0.5)
     nd = step.num_decodes
@@ -87,7 +87,7 @@ def _prefill(model, batch: int, prompt_len: int, seed: int, max_len: int):
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
     blocks = -(-prompt_len // runner.block_size)
     s = step_input(prompts, [0] * batch, [[1 + b * blocks + i for i in range(blocks)] for b in range(batch)])
-    positions, meta = prepare_step(s, runner.block_size, runner.device)
+    positions, meta, _ = prepare_step(s, runner.block_size, runner.device)
     x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
     return lambda: runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
 
@@ -143,7 +143,7 @@ def check_graphs(model, batch: int = 5, prompt_len: int = 40, steps: int = 3) ->
     tables = [[1 + b * blocks + i for i in range(blocks)][::-1] for b in range(batch)]  # not consecutive
 
     def eager(s: StepInput) -> torch.Tensor:
-        positions, meta = prepare_step(s, bs, runner.device)
+        positions, meta, _ = prepare_step(s, bs, runner.device)
         x = torch.tensor(s.token_ids, dtype=torch.long, device=runner.device)
         return runner.compute_logits(s, model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
 

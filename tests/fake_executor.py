@@ -42,7 +42,7 @@ class EchoKVExecutor:
 
     def execute(self, step: StepInput) -> SamplerOutput:
         self.steps.append(step)
-        positions, meta = prepare_step(step, self.block_size, torch.device("cpu"))
+        positions, meta, _ = prepare_step(step, self.block_size, torch.device("cpu"))
         assert not (meta.slot_mapping < self.block_size).any(), "a token was written to the null block"
         tokens = list(step.token_ids)
         if step.prev_rows is not None:  # tokens the last launched step sampled

@@ -34,7 +34,7 @@ class SpecEchoExecutor(EchoKVExecutor):
     def execute(self, step: StepInput) -> SamplerOutput:
         self.steps.append(step)
         spec = step.spec_token_ids or [[] for _ in step.request_ids]  # steps without drafts: k = 0 everywhere
-        _, meta = prepare_step(step, self.block_size, torch.device("cpu"))
+        _, meta, _ = prepare_step(step, self.block_size, torch.device("cpu"))
         assert not (meta.slot_mapping < self.block_size).any(), "a token was written to the null block"
         self.cache[meta.slot_mapping] = torch.tensor(step.token_ids)
         predictions, drafts = [], []

@@ -122,7 +122,7 @@ def step(new_tokens, starts, tables, sample=True) -> StepInput:
 
 
 def eager_logits(runner: ModelRunner, s: StepInput) -> torch.Tensor:
-    positions, meta = prepare_step(s, runner.block_size, runner.device)
+    positions, meta, _ = prepare_step(s, runner.block_size, runner.device)
     x = torch.tensor(s.token_ids, dtype=torch.long)
     return runner.compute_logits(s, runner.model(x, positions, PagedAttentionBackend(runner.cache, meta, runner.scale)))
 

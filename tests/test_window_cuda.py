@@ -59,3 +59,28 @@ def test_the_engine_on_the_gpu_decodes_past_the_window_as_transformers(family, t
     got = greedy_on(tmp_path / "m", "cuda:0", prompts, 24)
     for name, prompt in prompts.items():
         assert got[name] == transformers_greedy(hf, prompt, 24), name
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_the_hybrid_cache_on_the_gpu_gives_the_plain_caches_tokens(family, tmp_path):
+    """Gemma's sliding and global layers in groups of their own blocks (HybridBlockManager), with CUDA graphs and
+    the Triton decode, past the window and through prefix hits: the same greedy tokens as every block kept."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+    from test_gemma import gemma2_config, gemma3_config
+    from test_sliding_window import greedy_rounds
+
+    hf = make_hf_model(gemma3_config() if family == "gemma3" else gemma2_config(), seed=13)
+    save_hf_model(hf, tmp_path / "m")
+    save_byte_tokenizer(tmp_path / "m")
+    prompts = {"a": list(range(30, 60)), "b": list(range(70, 83)), "c": list(range(30, 60)) + [9, 8]}
+    got = {}
+    for hybrid in (False, True):
+        engine = build_engine(load_model(tmp_path / "m", "cuda:0", "float32", progress=False),
+                              EngineArgs(block_size=16, max_num_batched_tokens=64, kv_cache_memory="64MiB",
+                                         disable_hybrid_kv_cache_manager=not hybrid))
+        assert ("hybrid:" in engine.kv_cache_report) == hybrid
+        got[hybrid] = greedy_rounds(engine, prompts, [["a", "b"], ["c"]], 40)
+        if hybrid:
+            assert engine.block_manager.num_window_released > 0
+    assert got[True] == got[False]

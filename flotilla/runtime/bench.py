@@ -17,6 +17,7 @@ import argparse
 import json
 import random
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,7 +27,7 @@ from flotilla.models.llama import CausalLM
 
 from .cuda_graphs import BUCKETS, bucket_for
 from .engine import EngineConfig, LLMEngine
-from .kv_cache import KVCache, KVCacheSpec
+from .kv_cache import KVCache, KVCacheSpec, hybrid_groups, window_blocks
 from .model_runner import ModelRunner
 from .random_model import (BITS, GGUF_MIXES, SHAPES, build_random_gguf_model, build_random_model, gguf_mix,
                            weight_bytes)
@@ -64,19 +65,25 @@ class DecodeRun:
 
 def bench_engine(model: CausalLM, batch: int, context: int, prefill_tokens: int, graphs: bool = True,
                  block_size: int = 16, overlap: bool | None = None,
-                 sizes: tuple[int, ...] | None = None) -> LLMEngine:
+                 sizes: tuple[int, ...] | None = None, hybrid: bool = True) -> LLMEngine:
     """An engine for `batch` concurrent sequences of up to `context` tokens, whose KV cache holds
     exactly that, with one CUDA graph for the bucket that serves `batch` (on CUDA, `graphs`; or
-    the buckets `sizes`). `overlap`: EngineConfig's (None: on where it pays, a GPU)."""
+    the buckets `sizes`). `overlap`: EngineConfig's (None: on where it pays, a GPU). `hybrid`: a model
+    with both sliding-window and whole-context layers gets the hybrid cache, as `runtime serve` gives it."""
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     device = model.model.embed_tokens.weight.device
     spec = KVCacheSpec(tuple(model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, block_size)
-    num_blocks = batch * -(-context // block_size) + 1  # + the null block
+    per = -(-context // block_size)
+    groups, windows = hybrid_groups(spec.layers, cfg.layer_window) if hybrid else ((), ())
+    if groups:  # each group's blocks: every one of a whole-context group, at most its window's of a sliding one
+        spec = dataclasses.replace(spec, groups=groups, group_windows=windows)
+        per = sum(min(per, window_blocks(w, block_size, max(prefill_tokens, batch))) if w else per for w in windows)
+    num_blocks = batch * per + 1  # + the null block
     cache = KVCache(spec, num_blocks, device)
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=context,
                           scheduler=SchedulerConfig(batch, max(prefill_tokens, batch)), enable_prefix_caching=False,
-                          overlap=overlap, sliding_window=cfg.kv_window)
+                          overlap=overlap, sliding_window=cfg.kv_window, group_windows=windows)
     bucket = bucket_for(batch, BUCKETS)
     if sizes is None:
         sizes = (bucket,) if bucket is not None else ()
@@ -111,10 +118,10 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, tokens: int, seed: i
 
 
 def run_batches(model: CausalLM, batches: list[int], prompt_len: int, tokens: int, graphs: bool = True,
-                overlap: bool | None = None):
+                overlap: bool | None = None, hybrid: bool = True):
     """One DecodeRun per batch size, each on its own engine (warmed up first)."""
     for b in batches:
-        engine = bench_engine(model, b, prompt_len + tokens, b * prompt_len, graphs, overlap=overlap)
+        engine = bench_engine(model, b, prompt_len + tokens, b * prompt_len, graphs, overlap=overlap, hybrid=hybrid)
         measure(engine, b, prompt_len, min(tokens, 8), seed=1)  # warm-up: compile, allocate
         yield measure(engine, b, prompt_len, tokens, seed=2)
         del engine
@@ -149,6 +156,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-overlap", action="store_true",
                    help="each decode step waits for its tokens before the next is launched (default on a GPU: overlap)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="a model with sliding-window and whole-context layers (Gemma 2 and 3): every layer keeps "
+                        "every block, as `serve --disable-hybrid-kv-cache-manager`")
     p.add_argument("--json", action="store_true", help="one JSON object per batch size")
 
 
@@ -219,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
               f"prompt {args.prompt_len} + {args.tokens} tokens per stream", flush=True)
         print(f"{'batch':>5} {'tok/s':>10} {'tok/s/stream':>13} {'ms/step':>8} {'graphs':>6} {'overlap':>7}", flush=True)
     overlap = False if args.no_overlap else None
-    for r in run_batches(model, batches, args.prompt_len, args.tokens, graphs=not args.enforce_eager, overlap=overlap):
+    for r in run_batches(model, batches, args.prompt_len, args.tokens, graphs=not args.enforce_eager, overlap=overlap,
+                         hybrid=not args.disable_hybrid_kv_cache_manager):
         if args.json:
             print(json.dumps({"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                               **r.row()}), flush=True)

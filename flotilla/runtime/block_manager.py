@@ -50,17 +50,12 @@ class KVBlocks:
 _NO_BLOCKS = KVBlocks()
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, window: int = 0):
-        self.block_size = block_size
-        self.window = window  # every layer's sliding window, in tokens (0: some layer reads the whole context)
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self._tables: dict[str, list[KVBlock]] = {}
-        self._hashed: dict[str, int] = {}  # per table: its leading blocks known to hold a hash
-        self._dropped: dict[str, int] = {}  # per table: its leading blocks given back (behind the window)
-        self.num_window_released = 0  # blocks given back behind a window, since the start
+class _OnePool:
+    """What a manager over one BlockPool (`self.pool`) answers from it."""
 
-    # ------------------------------------------------------------------ queries
+    pool: BlockPool
+    block_size: int
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
@@ -73,8 +68,44 @@ class BlockManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def has_room(self, seq: Sequence, num_new_tokens: int, computed=KVBlocks(), keep: float = 0.0) -> bool:
+        """Whether `allocate_slots(seq, num_new_tokens, computed)` would leave at least `keep` (a fraction of
+        the pool) of the blocks free."""
+        return self.num_free_blocks - self.free_blocks_needed(seq, num_new_tokens, computed) >= int(keep * self.num_blocks)
+
+    def has_room_for_decodes(self, seqs: list[Sequence]) -> bool:
+        """Whether one more token for each of `seqs` fits the free blocks."""
+        return sum(self.free_blocks_needed(seq, 1) for seq in seqs) <= self.num_free_blocks
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached free block; returns how many were forgotten."""
+        return self.pool.reset_prefix_cache()
+
+
+class BlockManager(_OnePool):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, window: int = 0,
+                 pool: BlockPool | None = None, group: int = 0):
+        """`pool`, `group`: one group of layers of a HybridBlockManager, whose groups share one pool: the
+        sequence's table of group g > 0 is `seq.group_tables[g]`, and its blocks' prefix-cache keys are the
+        chained hashes marked with g (the same tokens' keys and values in other layers are other blocks)."""
+        self.block_size = block_size
+        self.window = window  # every layer's sliding window, in tokens (0: some layer reads the whole context)
+        self.group = group
+        self._salt = bytes([group]) if group else b""
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._hashed: dict[str, int] = {}  # per table: its leading blocks known to hold a hash
+        self._dropped: dict[str, int] = {}  # per table: its leading blocks given back (behind the window)
+        self.num_window_released = 0  # blocks given back behind a window, since the start
+
+    # ------------------------------------------------------------------ queries
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of the sequence's first num_blocks full blocks (computed once)."""
@@ -94,7 +125,7 @@ class BlockManager:
             return self._window_hit(hashes)
         hits = []
         for h in hashes:
-            block = self.pool.get_cached_block(h)
+            block = self.pool.get_cached_block(h + self._salt)
             if block is None:
                 break
             hits.append(block)
@@ -107,7 +138,7 @@ class BlockManager:
         bs, blocks, run = self.block_size, [], 0
         best, best_run = 0, 0  # the longest hit, and the cached blocks that end it
         for n, h in enumerate(hashes, 1):
-            block = self.pool.get_cached_block(h)
+            block = self.pool.get_cached_block(h + self._salt)
             blocks.append(block)
             run = run + 1 if block is not None else 0
             if run and run >= n - max(0, n * bs - self.window + 1) // bs:
@@ -147,7 +178,7 @@ class BlockManager:
             if gone:
                 self._dropped[seq.request_id] = gone
             self._tables[seq.request_id] = table
-            seq.block_table = [b.block_id for b in table]
+            self._set_ids(seq, [b.block_id for b in table])
         if self.pool.enable_caching:  # only blocks of real tokens: never a speculative step's drafts
             self._cache_full_blocks(seq, table, min(total, seq.num_tokens) // self.block_size)
         if self.window:
@@ -166,7 +197,7 @@ class BlockManager:
         table[done:behind] = [null] * (behind - done)  # `table` is this manager's own list
         self._dropped[seq.request_id] = behind
         self.num_window_released += behind - done
-        seq.block_table = [b.block_id for b in table]  # a new list: a step may hold on to the old one
+        self._set_ids(seq, [b.block_id for b in table])  # a new list: a step may hold on to the old one
 
     def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], full: int) -> None:
         """Offer the table's first `full` blocks to the prefix cache, from the first one that
@@ -179,7 +210,7 @@ class BlockManager:
             i += 1
         self._hashed[seq.request_id] = i
         for j in range(i, full):
-            self.pool.cache(table[j], hashes[j])
+            self.pool.cache(table[j], hashes[j] + self._salt)
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks; its tail is evicted before its head, which other
@@ -188,7 +219,7 @@ class BlockManager:
         self._hashed.pop(seq.request_id, None)
         dropped = self._dropped.pop(seq.request_id, 0)  # the null block stands in for those
         self.pool.release(reversed(table[dropped:]))
-        seq.block_table = []
+        self._set_ids(seq, [])
 
     def truncate(self, seq: Sequence) -> None:
         """Give back the blocks past the sequence's computed tokens (the slots of rejected draft
@@ -202,19 +233,134 @@ class BlockManager:
         self.pool.release(reversed(table[keep:]))
         self._tables[seq.request_id] = table[:keep]
         self._hashed[seq.request_id] = min(self._hashed.get(seq.request_id, 0), keep)
-        seq.block_table = seq.block_table[:keep]
+        self._set_ids(seq, [b.block_id for b in table[:keep]])
 
     def holds(self, seq: Sequence) -> bool:
         return seq.request_id in self._tables
 
+    def _set_ids(self, seq: Sequence, ids: list[int]) -> None:
+        if self.group:
+            seq.group_tables[self.group] = ids
+        else:
+            seq.block_table = ids
+
     def check_integrity(self) -> None:
         """The pool's invariants, plus: every block's ref_cnt equals the number of block tables
         that hold it, and each table's ids match its sequence's view."""
-        refs: dict[int, int] = {}
+        self.pool.check_integrity(self._refs())
+
+    def _refs(self, refs: dict[int, int] | None = None) -> dict[int, int]:
+        """Block id -> the tables that hold it, added to `refs`."""
+        refs = {} if refs is None else refs
         for rid, table in self._tables.items():
             dropped = self._dropped.get(rid, 0)
             assert all(b is self.pool.null_block for b in table[:dropped]), f"{rid}: a released block is still held"
             assert all(b is not self.pool.null_block for b in table[dropped:]), f"{rid}: the null block past the released"
             for b in table[dropped:]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        return refs
+
+
+@dataclass(frozen=True)
+class HybridBlocks:
+    """A prefix hit of a HybridBlockManager: per group, the same n blocks' worth of tokens."""
+
+    groups: tuple[KVBlocks, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.groups[0]) if self.groups else 0
+
+
+class HybridBlockManager(_OnePool):
+    """Block tables for a model whose layers are of two kinds (Gemma 2 and 3, Qwen's alternating layers): some read
+    the whole context, some attend within a sliding window. As vLLM's hybrid allocator does, the layers are dealt
+    into groups of one kind and of equal size (the smaller kind's count; a kind's last group may have empty
+    places); a block holds one group's keys and values, so every block of the one pool is the same size and any
+    group can take any block. Each group has its own table for each sequence: group 0 `seq.block_table`, group
+    g `seq.group_tables[g]`, all covering the same tokens block for block. A sliding group gives back the blocks
+    behind its window (BlockManager's window) and keeps about window / block_size blocks a sequence however long
+    it grows; a whole-context group keeps every block. So a long sequence costs the whole-context layers'
+    share of a plain cache's memory, a short one about the plain cost (the empty places aside).
+
+    Every change is made in every group or in none: an allocation is checked against the pool for all groups
+    before any takes a block. A prefix hit is the longest prefix that every group holds: every block of it in a
+    whole-context group, the blocks its next query reads in a sliding one (BlockManager._window_hit)."""
+
+    def __init__(self, num_blocks: int, windows: tuple[int, ...], block_size: int = 16, enable_caching: bool = True):
+        """`windows`: each group's sliding window (0: the whole context); group 0 reads the whole context."""
+        if not windows or windows[0] or not any(windows) or len(windows) > 255:
+            raise ValueError(f"a hybrid block manager needs a whole-context group 0 and a sliding one, got {windows}")
+        self.block_size, self.window = block_size, 0  # `window`: as BlockManager's (not every layer slides)
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.groups = [BlockManager(num_blocks, block_size, enable_caching, w, self.pool, g)
+                       for g, w in enumerate(windows)]
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_window_released(self) -> int:
+        return sum(g.num_window_released for g in self.groups)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[HybridBlocks, int]:
+        first, _ = self.groups[0].get_computed_blocks(seq)
+        n = len(first)
+        hits: list[KVBlocks] = []
+        while n:  # the longest n every group holds: a group's best below n may leave another short; again
+            hits = []
+            for group in self.groups:
+                if group.window:
+                    blocks, tokens = group._window_hit(seq.block_hashes[:n])
+                else:
+                    blocks, tokens = group.get_computed_blocks(seq)
+                    blocks, tokens = KVBlocks(blocks.blocks[:n]), min(tokens, n * self.block_size)
+                hits.append(blocks)
+                if tokens < n * self.block_size:
+                    n = tokens // self.block_size
+                    break
+            else:
+                return HybridBlocks(tuple(hits)), n * self.block_size
+        return HybridBlocks(), 0
+
+    def free_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed: HybridBlocks = HybridBlocks()) -> int:
+        return sum(g.free_blocks_needed(seq, num_new_tokens, c) for g, c in zip(self.groups, _each(computed, self)))
+
+    # ------------------------------------------------------------------ changes
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed: HybridBlocks = HybridBlocks()) -> KVBlocks | None:
+        """BlockManager.allocate_slots in every group, or None (nothing changed) where the pool is short.
+        Returns group 0's new blocks."""
+        if not self.has_room(seq, num_new_tokens, computed):
+            return None
+        news = [g.allocate_slots(seq, num_new_tokens, c) for g, c in zip(self.groups, _each(computed, self))]
+        assert all(new is not None for new in news)
+        return news[0]
+
+    def free(self, seq: Sequence) -> None:
+        for g in self.groups:
+            g.free(seq)
+
+    def truncate(self, seq: Sequence) -> None:
+        for g in self.groups:
+            g.truncate(seq)
+
+    def holds(self, seq: Sequence) -> bool:
+        return self.groups[0].holds(seq)
+
+    def check_integrity(self) -> None:
+        refs: dict[int, int] = {}
+        for g in self.groups:
+            g._refs(refs)
         self.pool.check_integrity(refs)
+        first = self.groups[0]._tables
+        for g in self.groups[1:]:
+            assert g._tables.keys() == first.keys(), f"group {g.group} holds other sequences than group 0"
+            for rid, table in first.items():
+                assert len(table) == len(g._tables[rid]), f"{rid}: group {g.group}'s table covers other tokens"
+
+
+def _each(computed, manager: HybridBlockManager) -> tuple[KVBlocks, ...]:
+    if isinstance(computed, HybridBlocks) and computed.groups:
+        return computed.groups
+    if len(computed):
+        raise ValueError("a hybrid manager's prefix hit is a HybridBlocks")
+    return (_NO_BLOCKS,) * len(manager.groups)

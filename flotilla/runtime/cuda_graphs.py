@@ -13,7 +13,9 @@ all rows' keys and values before attending). T new tokens take the bucket n >= T
 
     token_ids [n] | positions [n] | slot_mapping [n] | seq_lens [n] | prev_rows [n] | block_tables [n, W]
 
-(W = blocks of the longest context served) and a pinned host twin. A step fills the host twin
+(W = blocks of the longest context served) and a pinned host twin. A hybrid cache of G groups of
+layers (HybridBlockManager: a table per group) adds the slot mappings of groups 1..G-1 [n] after
+prev_rows, and each row's tables of those groups after its block table: [n, G * W]. A step fills the host twin
 with numpy, sends it in one asynchronous copy and replays the graph, which writes fp32 logits
 [n, vocab] (or, before the last stage, hidden states [n, hidden]) into the bucket's static
 output. Nothing here waits on the device: reading the sampled token ids (the sampler's
@@ -84,52 +86,64 @@ class DecodeInputs:
     """The static inputs of one bucket: device views into one int64 buffer, a pinned host twin."""
 
     def __init__(self, size: int, width: int, block_size: int, device: torch.device,
-                 hidden: tuple[int, torch.dtype] | None = None, no_prev: int = 0):
+                 hidden: tuple[int, torch.dtype] | None = None, no_prev: int = 0, groups: int = 1):
         """`hidden` = (hidden_size, dtype): a later pipeline stage's static input [n, hidden_size].
-        `no_prev`: the entry of the sampled-ids buffer that stays 0 (rows whose token is known)."""
+        `no_prev`: the entry of the sampled-ids buffer that stays 0 (rows whose token is known).
+        `groups` > 1: the steps bring the tables of a hybrid cache's groups 1.. too (StepInput.group_tables)."""
         self.size, self.width, self.block_size, self.no_prev = size, width, block_size, no_prev
-        numel = size * (_FIELDS + width)
+        self.groups = groups
+        self._nf = _FIELDS + groups - 1  # the fields: the other groups' slot mappings after the others
+        self._row = width * groups  # a table row: the block table, then the other groups' tables
+        numel = size * (self._nf + self._row)
         cuda = device.type == "cuda"
         self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)
         self.host_buf = torch.zeros(numel, dtype=torch.int64, pin_memory=cuda)
         self._host = self.host_buf.numpy()
         self._copied = torch.cuda.Event() if cuda else None
         n = size
-        fields = self.device_buf[:_FIELDS * n].view(_FIELDS, n)
-        self.token_ids, self.positions, self.slot_mapping, self.seq_lens, self.prev_rows = fields  # [n] each
-        self.block_tables = self.device_buf[_FIELDS * n:].view(n, width)  # [n, W]
+        fields = self.device_buf[:self._nf * n].view(self._nf, n)
+        self.token_ids, self.positions, self.slot_mapping, self.seq_lens, self.prev_rows = fields[:_FIELDS]  # [n] each
+        rows = self.device_buf[self._nf * n:].view(n, self._row)
+        self.block_tables = rows[:, :width]  # [n, W] (a strided view where other groups' tables follow)
+        self.group_slot_mappings = list(fields[_FIELDS:])  # [n] each, of groups 1..
+        self.group_block_tables = [rows[:, g * width:(g + 1) * width] for g in range(1, groups)]  # [n, W] each
         self.query_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden[0], dtype=hidden[1], device=device) if hidden else None  # [n, H]
         *self._fields, self._tables = self._views()
         # what each table row holds, here and on the device: (the sequence's list, its length),
         # or None for zeros (every row at first)
-        self._rows: list[tuple[object, int] | None] = [None] * n
+        self._rows: list[tuple | None] = [None] * n  # per group: (the list, its length)
         self._used = 0  # rows at and past this one are zeros
-        self.fill([], [], [])  # all padding
+        self.fill([], [], [], group_tables=[[]] * (groups - 1) if groups > 1 else None)  # all padding
 
     def _views(self) -> tuple[np.ndarray, ...]:
         n = self.size
-        return (*self._host[:_FIELDS * n].reshape(_FIELDS, n), self._host[_FIELDS * n:].reshape(n, self.width))
+        return (*self._host[:self._nf * n].reshape(self._nf, n), self._host[self._nf * n:].reshape(n, self._row))
 
     def host_views(self) -> tuple[np.ndarray, ...]:
         """(token_ids, positions, slot_mapping, seq_lens, block_tables) of the host twin."""
-        tok, pos, slot, lens, _, tables = self._views()
-        return tok, pos, slot, lens, tables
+        tok, pos, slot, lens, _, *_, tables = self._views()
+        return tok, pos, slot, lens, tables[:, :self.width]
 
     def fill(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
-             query_lens: list[int] | None = None, prev_rows: list[int] | None = None) -> None:
+             query_lens: list[int] | None = None, prev_rows: list[int] | None = None,
+             group_tables: list[list[list[int]]] | None = None) -> None:
         """Write one step and send it to the device: sequence b's new tokens (one each, or
         query_lens[b]) sit at positions starts[b], starts[b] + 1, ...; T = len(token_ids) <= size
-        rows, one per token, each with its sequence's block table. `prev_rows` (one token per
-        sequence only): per row, the row of the previous launched step whose sampled id is its
-        token (token_ids holds 0 there), or -1 (token_ids holds it)."""
+        rows, one per token, each with its sequence's block table (and its tables of groups 1..:
+        given where and only where the inputs have `groups` > 1). `prev_rows` (one token per
+        sequence only): per row, the row of the previous launched step whose sampled id is its token
+        (token_ids holds 0 there), or -1 (token_ids holds it)."""
+        if len(group_tables or ()) != self.groups - 1:
+            raise ValueError(f"graph inputs of {self.groups} groups of layers with the tables of "
+                             f"{1 + len(group_tables or ())}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy from the host twin (long done: its step was sampled)
-        T, bs = len(token_ids), self.block_size
-        tok, pos, slot, lens, prev = self._fields
+        T, bs, W = len(token_ids), self.block_size, self.width
+        tok, pos, slot, lens, prev = self._fields[:_FIELDS]
         tables = self._tables
         if query_lens is None or T == len(starts):  # one token per sequence: rows are sequences
-            last = self._write_tables(block_tables)
+            last = self._write_tables(block_tables, group_tables or [])
             pos[:T] = starts
         else:
             qlens = np.asarray(query_lens, dtype=np.int64)
@@ -139,9 +153,12 @@ class DecodeInputs:
             tables.fill(0)
             for b, t in enumerate(block_tables):
                 tables[b, :len(t)] = t
+            for g, group in enumerate(group_tables or (), 1):
+                for b, t in enumerate(group):
+                    tables[b, g * W:g * W + len(t)] = t
             tables[:T] = tables[seq_of_row]  # sequence tables (rows < B) -> one per token; gather copies
             last = max(T, self._used)
-            self._rows = [(_MIXED, 0)] * T + [None] * (self.size - T)  # rows hold no sequence's list now
+            self._rows = [((_MIXED, 0),) * self.groups] * T + [None] * (self.size - T)  # rows hold no sequence's list now
             self._used = T
         tok[:T], tok[T:] = token_ids, 0
         prev[:] = self.no_prev
@@ -152,8 +169,12 @@ class DecodeInputs:
         s = pos[:T]
         slot[:T] = tables[np.arange(T), s // bs] * bs + s % bs
         slot[T:] = 0
+        for g in range(1, self.groups):
+            gslot = self._fields[_FIELDS + g - 1]
+            gslot[:T] = tables[np.arange(T), g * W + s // bs] * bs + s % bs
+            gslot[T:] = 0
         lens[:T], lens[T:] = s + 1, 1
-        end = _FIELDS * self.size + last * self.width  # the fields and the table rows written
+        end = self._nf * self.size + last * self._row  # the fields and the table rows written
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -170,23 +191,25 @@ class DecodeInputs:
             prev = self._fields[4]
             prev[:T] = prev_rows
             prev[:T][prev[:T] < 0] = self.no_prev
-            end = _FIELDS * self.size  # the fields' rows, prev_rows the last of them
+            end = _FIELDS * self.size  # the fields' rows up to prev_rows
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
-    def _write_tables(self, block_tables: list[list[int]]) -> int:
-        """Write sequence b's table into row b, zeros into the rows past them; a row that holds
-        the same list (same object, same length) is left as it is. Returns 1 + the last row
-        written (0: none)."""
-        tables, rows, last = self._tables, self._rows, 0
+    def _write_tables(self, block_tables: list[list[int]], group_tables: list[list[list[int]]] = ()) -> int:
+        """Write sequence b's tables into row b, zeros into the rows past them; a row that holds the
+        same lists (same objects, same lengths) is left as it is. Returns 1 + the last row written
+        (0: none)."""
+        tables, rows, last, W = self._tables, self._rows, 0, self.width
         for b, t in enumerate(block_tables):
+            lists = (t, *(group[b] for group in group_tables))
             held = rows[b]
-            if held is not None and held[0] is t and held[1] == len(t):
+            if held is not None and all(h is x and n == len(x) for (h, n), x in zip(held, lists)):
                 continue
-            tables[b, :len(t)] = t
-            tables[b, len(t):] = 0
-            rows[b] = (t, len(t))
+            for g, x in enumerate(lists):
+                tables[b, g * W:g * W + len(x)] = x
+                tables[b, g * W + len(x):(g + 1) * W] = 0
+            rows[b] = tuple((x, len(x)) for x in lists)
             last = b + 1
         B = len(block_tables)
         for b in range(B, self._used):
@@ -203,6 +226,16 @@ class DecodeInputs:
             slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
             query_lens=self.query_lens, block_size=self.block_size, num_decodes=self.size,
             max_decode_seq_len=self.width * self.block_size, max_prefill_query_len=0, max_prefill_seq_len=0)
+
+    def group_metadata(self) -> list[PagedAttentionMetadata] | None:
+        """The same over the tables of groups 1.. (None for inputs of one group)."""
+        if self.groups == 1:
+            return None
+        return [PagedAttentionMetadata(
+            slot_mapping=slots, block_tables=tables, seq_lens=self.seq_lens, query_lens=self.query_lens,
+            block_size=self.block_size, num_decodes=self.size, max_decode_seq_len=self.width * self.block_size,
+            max_prefill_query_len=0, max_prefill_seq_len=0)
+            for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)]
 
 
 class _Bucket:
@@ -255,7 +288,7 @@ class DecodeGraphRunner:
 
     def run(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
             query_lens: list[int] | None = None, hidden: torch.Tensor | None = None,
-            prev_rows: list[int] | None = None) -> torch.Tensor:
+            prev_rows: list[int] | None = None, group_tables: list[list[list[int]]] | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab] on the last stage, else hidden states [T, hidden]: one row per
         new token (a view of the bucket's static output: read it before the next step). A later
         stage passes the previous stage's hidden states [T, hidden] on this device. `prev_rows`:
@@ -268,18 +301,18 @@ class DecodeGraphRunner:
                 raise ValueError(f"a stage after the first replays with hidden states for its {T} tokens")
             # from the device, or from pinned host memory (one copy in); rows T.. keep finite stale values
             bucket.inputs.hidden[:T].copy_(hidden, non_blocking=True)
-        bucket.inputs.fill(token_ids, starts, block_tables, query_lens, prev_rows)
+        bucket.inputs.fill(token_ids, starts, block_tables, query_lens, prev_rows, group_tables)
         return bucket.replay()[:T]
 
     def stage(self, token_ids: list[int], starts: list[int], block_tables: list[list[int]],
-              query_lens: list[int] | None = None) -> None:
+              query_lens: list[int] | None = None, group_tables: list[list[list[int]]] | None = None) -> None:
         """Write a first stage's step into its bucket's static inputs ahead of time, its token ids
         still unknown (`run_staged` brings them and replays)."""
         if not self.model.stage.is_first:
             raise ValueError("only a first stage's steps are staged ahead (a later one needs its hidden states)")
         T = len(token_ids)
         self._staged = (self.buckets[bucket_for(T, self.sizes)], T)
-        self._staged[0].inputs.fill(token_ids, starts, block_tables, query_lens)
+        self._staged[0].inputs.fill(token_ids, starts, block_tables, query_lens, group_tables=group_tables)
 
     def run_staged(self, token_ids: list[int], prev_rows: list[int] | None = None) -> torch.Tensor:
         """The staged step with its token ids (and `prev_rows`, see `DecodeInputs.fill`): the
@@ -292,7 +325,7 @@ class DecodeGraphRunner:
         return bucket.replay()[:T]
 
     def _forward(self, inputs: DecodeInputs) -> torch.Tensor:
-        backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale)
+        backend = PagedAttentionBackend(self.cache, inputs.metadata(), self.scale, inputs.group_metadata())
         if self.model.stage.is_first:  # row r's token: token_ids[r] + sampled[prev_rows[r]] (known, or the last step's id)
             h = self.model(inputs.token_ids, inputs.positions, backend, sampled=(self.sampled, inputs.prev_rows))
         else:
@@ -302,7 +335,8 @@ class DecodeGraphRunner:
     def _inputs(self, n: int) -> DecodeInputs:
         cfg = self.model.config
         hidden = None if self.model.stage.is_first else (cfg.hidden_size, self.cache.spec.dtype)
-        return DecodeInputs(n, self.width, self.block_size, self.cache.device, hidden, self.sampled.numel() - 1)
+        return DecodeInputs(n, self.width, self.block_size, self.cache.device, hidden, self.sampled.numel() - 1,
+                            groups=max(1, len(self.cache.spec.groups)))
 
     @torch.inference_mode()
     def _eager(self, n: int) -> _Bucket:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from flotilla.errors import FlotillaError
 from flotilla.models.tokenizer import Tokenizer
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, HybridBlockManager
 from .model_runner import LaunchedStep, StepInput
 from .output import OutputProcessor, RequestOutput
 from .sampler import SamplerOutput, SamplingBatch
@@ -49,6 +49,9 @@ class EngineConfig:
     overlap: bool | None = None  # launch each decode before the last one's tokens are read (None: where the executor prefers it)
     # every layer attends within this many tokens (ModelConfig.kv_window; 0: not so): the blocks behind it are given back
     sliding_window: int = 0
+    # a hybrid cache (HybridBlockManager): each group of layers' sliding window (0: the whole context), group 0's
+    # table the sequences' block_table; (): one table a sequence
+    group_windows: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:
@@ -122,8 +125,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self.vocab_size = vocab_size
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          config.sliding_window)
+        if config.group_windows:
+            self.block_manager = HybridBlockManager(config.num_blocks, config.group_windows, config.block_size,
+                                                    config.enable_prefix_caching)
+        else:
+            self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                              config.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.outputs = OutputProcessor(tokenizer)
         self.seqs: dict[str, Sequence] = {}
@@ -252,11 +259,17 @@ class LLMEngine:
             starts=[s.start for s in out.scheduled],
             query_lens=[1] * n,
             block_tables=[seq.block_table for seq in seqs],
+            group_tables=self._group_tables(seqs),
             num_decodes=n,
             sample=[True] * n,
             sampling=sampling,
             prev_rows=[row[id(seq)] for seq in seqs],
         )
+
+    def _group_tables(self, seqs: list[Sequence]) -> list[list[list[int]]] | None:
+        """A hybrid cache's tables of groups 1, 2, ... (StepInput.group_tables)."""
+        groups = range(1, len(self.config.group_windows))
+        return [[seq.group_tables[g] for seq in seqs] for g in groups] if groups else None
 
     # ------------------------------------------------------------------ steps
     def _step_input(self, out: SchedulerOutput) -> StepInput:
@@ -282,6 +295,7 @@ class LLMEngine:
             starts=[s.start for s in out.scheduled],
             query_lens=[s.num_new_tokens for s in out.scheduled],
             block_tables=[s.seq.block_table for s in out.scheduled],  # replaced when they grow, never changed in place
+            group_tables=self._group_tables([s.seq for s in out.scheduled]),
             num_decodes=out.num_decodes,
             sample=[s.samples for s in out.scheduled],
             sampling=SamplingBatch.build(sampling_rows, steps, self.eos_token_ids),

@@ -3,6 +3,7 @@ around a loaded model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -12,7 +13,8 @@ from flotilla.errors import FlotillaError
 
 from .cuda_graphs import capture_sizes
 from .engine import EngineConfig, LLMEngine
-from .kv_cache import CPU_SHARED_TOKENS, DEFAULT_FRACTION, KVCache, KVCacheSpec, parse_memory, plan_kv_cache
+from .kv_cache import (CPU_SHARED_TOKENS, DEFAULT_FRACTION, KVCache, KVCacheSpec, hybrid_groups, hybrid_plan,
+                       parse_memory, plan_kv_cache)
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig
@@ -36,6 +38,9 @@ class EngineArgs:
     overlap: bool = True  # on a GPU (or a ring of one micro-batch), launch each decode before the last one's tokens are read
     speculative: str | None = None  # "ngram" or "draft:PATH" (see runtime/spec)
     num_speculative_tokens: int = 4
+    # a model whose layers are of two kinds (some attend within a sliding window): keep every block for every
+    # layer, as before the hybrid cache (HybridBlockManager), instead of the window's blocks for the sliding ones
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         """Bad values fail here, before any model is loaded, with the flag to fix."""
@@ -82,6 +87,10 @@ class EngineArgs:
                             "the next is launched first, and the host's work hides behind the GPU's); in a "
                             "pipeline with one micro-batch in flight, wait for each step's tokens before sending "
                             "the next (default: the last stage feeds them to stage 0)")
+        g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="for a model with both sliding-window and global layers (Gemma 2 and 3): keep every "
+                            "token's keys and values for every layer (default: the sliding-window layers keep "
+                            "only their window's, in a pool of their own, so more tokens fit the same memory)")
         g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
                             "lower-bit copy of the target, same tokenizer); the output distribution is the target's")
@@ -102,6 +111,7 @@ class EngineArgs:
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                    overlap=args.overlap,
+                   disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
                    speculative=args.speculative,
                    num_speculative_tokens=cls.num_speculative_tokens if k is None else k)
 
@@ -123,6 +133,11 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     plan = plan_kv_cache(spec, lm.device, max_len, args.max_num_seqs, args.kv_cache_memory, args.kv_cache_fraction,
                          shares)
     num_blocks = plan.num_blocks
+    groups, windows = hybrid_groups(spec.layers, cfg.layer_window) if use_hybrid(lm, args) else ((), ())
+    if groups:
+        spec = dataclasses.replace(spec, groups=groups, group_windows=windows)
+        num_blocks, fit = hybrid_plan(spec, plan, max_len, args.max_num_seqs, args.max_num_batched_tokens)
+        max_len = min(max_len, fit)
     cache = KVCache(spec, num_blocks, lm.device)
     line = f"{spec.describe(num_blocks)} [{plan.reason}]"
     log.info("%s", line)
@@ -131,7 +146,7 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching, overlap=None if args.overlap else False,
-                          sliding_window=cfg.kv_window)
+                          sliding_window=cfg.kv_window, group_windows=windows)
     # CUDA graphs on one device; TP ranks step eagerly (the collectives stay outside graphs). A
     # verify step (each sequence's token and up to K drafts) replays them too: buckets of tokens.
     query_len = 1 + spec_config.num_speculative_tokens if spec_config is not None else 1
@@ -141,12 +156,23 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     executor = lm.parallel.executor(runner) if lm.parallel else runner  # rank 0 sends each step to the others
     decoder = None
     if spec_config is not None:  # after the target's cache: a draft's pool matches its size
-        decoder = build_spec_decoder(spec_config, lm, num_blocks, args.block_size, args.max_num_seqs, report,
+        # a hybrid pool's blocks hold one group of layers: the draft's (one table a sequence) holds as many tokens
+        # as the target's whole-context groups can
+        whole = sum(1 for w in windows if not w) if groups else 1
+        decoder = build_spec_decoder(spec_config, lm, (num_blocks - 1) // whole + 1, args.block_size,
+                                     args.max_num_seqs, report,
                                      enforce_eager=args.enforce_eager or lm.parallel is not None,
                                      max_model_len=config.context_len)
     engine = LLMEngine(executor, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size, decoder)
     engine.kv_cache_report = line
     return engine
+
+
+def use_hybrid(lm: LoadedModel, args: EngineArgs) -> bool:
+    """Whether this engine's cache is hybrid (HybridBlockManager): a model with both sliding-window and
+    whole-context layers, unless --disable-hybrid-kv-cache-manager, or tensor parallelism (its ranks step the
+    one table; they keep every block)."""
+    return not args.disable_hybrid_kv_cache_manager and lm.parallel is None
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], params) -> list[list[int]]:

@@ -6,6 +6,7 @@ stage; a stage holds blocks only for its own layers.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -53,11 +54,20 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int = 16
+    # a hybrid cache (HybridBlockManager): `layers` dealt into groups of one kind and of equal size, each group's
+    # layers in the order of its places (None: an empty place), and each group's sliding window (0: the whole
+    # context); a block then holds one group's keys and values. (): a block holds every layer's
+    groups: tuple[tuple[int | None, ...], ...] = ()
+    group_windows: tuple[int, ...] = ()
+
+    @property
+    def layers_per_block(self) -> int:
+        return len(self.groups[0]) if self.groups else len(self.layers)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.layers_per_block * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
@@ -65,9 +75,34 @@ class KVCacheSpec:
     def describe(self, num_blocks: int) -> str:
         mib = num_blocks * self.bytes_per_block / 2**20
         usable = num_blocks - 1  # block 0 is the null block (block_pool): padding, never holds a token
-        return (f"KV cache: {usable} blocks x {self.block_size} tokens = {usable * self.block_size} tokens "
-                f"(+1 padding block), {mib:.1f} MiB ({self.bytes_per_block / 1024:.1f} KiB a block, "
-                f"{len(self.layers)} layers)")
+        if not self.groups:
+            return (f"KV cache: {usable} blocks x {self.block_size} tokens = {usable * self.block_size} tokens "
+                    f"(+1 padding block), {mib:.1f} MiB ({self.bytes_per_block / 1024:.1f} KiB a block, "
+                    f"{len(self.layers)} layers)")
+        whole = sum(1 for w in self.group_windows if not w)
+        return (f"KV cache: {usable} blocks x {self.block_size} tokens (+1 padding block), {mib:.1f} MiB "
+                f"({self.bytes_per_block / 1024:.1f} KiB a block of {self.layers_per_block} layers); hybrid: "
+                f"{whole} whole-context and {len(self.groups) - whole} sliding-window groups of layers "
+                f"(window {max(self.group_windows)}), room for about {usable // whole * self.block_size} tokens "
+                f"of sequences longer than the window")
+
+
+def hybrid_groups(layers: tuple[int, ...], window_of) -> tuple[tuple[tuple[int | None, ...], ...], tuple[int, ...]]:
+    """KVCacheSpec.groups and group_windows for `layers`, whose sliding windows are window_of(layer) (0: the
+    whole context): each kind dealt in order into groups of the smaller kind's count, whole-context groups first;
+    ((), ()) where the layers are all of one kind."""
+    whole = [layer for layer in layers if not window_of(layer)]
+    sliding = [layer for layer in layers if window_of(layer)]
+    if not whole or not sliding:
+        return (), ()
+    size = min(len(whole), len(sliding))
+    groups, windows = [], []
+    for kind in (whole, sliding):
+        for i in range(0, len(kind), size):
+            part = kind[i:i + size]
+            groups.append(tuple(part) + (None,) * (size - len(part)))
+            windows.append(max(window_of(layer) for layer in part))
+    return tuple(groups), tuple(windows)
 
 
 def plan_num_blocks(spec: KVCacheSpec, device: torch.device, memory: str | int | None = None,
@@ -143,15 +178,21 @@ class KVCache:
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
         self.spec, self.num_blocks, self.device = spec, num_blocks, torch.device(device)
-        # [layers, (k, v), blocks, block_size, Hkv, D]
-        shape = (len(spec.layers), 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # [places, (k, v), blocks, block_size, Hkv, D]: a place per layer, or per place of a group (a hybrid
+        # cache's groups share the places' tensors, each group in its own blocks)
+        shape = (spec.layers_per_block, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
             self.storage = zero_pages(shape, spec.dtype)
         else:
             self.storage = torch.zeros(shape, dtype=spec.dtype, device=device)
-        index = {layer: i for i, layer in enumerate(spec.layers)}
-        self.key = {layer: self.storage[i, 0] for layer, i in index.items()}
-        self.value = {layer: self.storage[i, 1] for layer, i in index.items()}
+        self.group_of: dict[int, int] = {}  # a hybrid cache's layer -> its group (PagedAttentionBackend)
+        places = {layer: i for i, layer in enumerate(spec.layers)}
+        for g, group in enumerate(spec.groups):
+            for i, layer in enumerate(group):
+                if layer is not None:
+                    places[layer], self.group_of[layer] = i, g
+        self.key = {layer: self.storage[i, 0] for layer, i in places.items()}
+        self.value = {layer: self.storage[i, 1] for layer, i in places.items()}
 
     @property
     def reserved_bytes(self) -> int:
@@ -166,19 +207,63 @@ class PagedAttentionBackend:
     """The model's attention backend for one step: store this step's keys and values, then attend
     through the block tables."""
 
-    def __init__(self, cache: KVCache, meta: PagedAttentionMetadata, scale: float):
+    def __init__(self, cache: KVCache, meta: PagedAttentionMetadata, scale: float,
+                 group_metas: list[PagedAttentionMetadata] | None = None):
+        """`group_metas`: a hybrid cache's step over the tables of its groups 1, 2, ... (StepInput.group_tables);
+        `meta` is group 0's."""
+        if len(cache.spec.groups) != (1 + len(group_metas) if group_metas is not None else 0):
+            raise ValueError(f"a cache of {len(cache.spec.groups)} groups of layers with the tables of "
+                             f"{1 + len(group_metas) if group_metas is not None else 0}")
         self.cache, self.meta, self.scale = cache, meta, scale
+        self.metas = [meta, *(group_metas or ())]
+
+    def _meta(self, layer: int) -> PagedAttentionMetadata:
+        return self.metas[self.cache.group_of.get(layer, 0)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
-        kc, vc = self.cache.key[layer], self.cache.value[layer]
-        store_kv(kc, vc, k, v, self.meta)
-        return paged_attention(q, kc, vc, self.meta, self.scale, window, softcap)
+        kc, vc, meta = self.cache.key[layer], self.cache.value[layer], self._meta(layer)
+        store_kv(kc, vc, k, v, meta)
+        return paged_attention(q, kc, vc, meta, self.scale, window, softcap)
 
     def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    num_heads: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """`attend` of the unrotated projection qkv [T, (Hq + 2 Hkv) D]: rope, the store of k and v and
         the attention, the first two in one kernel on CUDA (kernels/fused.py rope_store_kv)."""
-        kc, vc = self.cache.key[layer], self.cache.value[layer]
-        q = rope_store_kv(qkv, cos, sin, num_heads, kc, vc, self.meta.slot_mapping)
-        return paged_attention(q, kc, vc, self.meta, self.scale, window, softcap)
+        kc, vc, meta = self.cache.key[layer], self.cache.value[layer], self._meta(layer)
+        q = rope_store_kv(qkv, cos, sin, num_heads, kc, vc, meta.slot_mapping)
+        return paged_attention(q, kc, vc, meta, self.scale, window, softcap)
+
+
+def window_blocks(window: int, block_size: int, max_num_batched_tokens: int) -> int:
+    """The most blocks a sliding-window group holds for one sequence during a step: from its window's first token
+    to the step's last (a prefill chunk of up to max_num_batched_tokens), 2 more for the ends falling inside a
+    block, 1 more for the new blocks taken before the old ones go back (HybridBlockManager)."""
+    return -(-(window - 1 + max_num_batched_tokens) // block_size) + 3
+
+
+def hybrid_plan(spec: KVCacheSpec, plain: KVCachePlan, max_model_len: int, max_num_seqs: int,
+                max_num_batched_tokens: int) -> tuple[int, int]:
+    """(blocks, longest context) of a hybrid cache (`spec.groups`) in the memory of `plain`, the plan of a cache
+    whose blocks hold every layer: as many blocks of one group's size as that memory holds, up to what max_num_seqs
+    sequences of max_model_len tokens take; the longest context is what one sequence alone can reach."""
+    whole = dataclasses.replace(spec, groups=(), group_windows=())
+    budget = plain.num_blocks * whole.bytes_per_block
+    per = -(-max_model_len // spec.block_size)  # blocks of one whole-context group for one sequence
+    wide = [min(per, window_blocks(w, spec.block_size, max_num_batched_tokens)) for w in spec.group_windows if w]
+    nwhole = len(spec.groups) - len(wide)
+    cap = max_num_seqs * (nwhole * per + sum(wide)) + 1
+    n = max(2, min(cap, budget // spec.bytes_per_block))
+    usable = n - 1
+    if usable >= nwhole * per + sum(wide):
+        return n, max_model_len
+    k = 0  # blocks of a whole-context group for the longest sequence that fits alone
+    lo, hi = 0, per
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if nwhole * mid + sum(min(mid, w) for w in wide) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    k = lo
+    return n, k * spec.block_size

@@ -45,6 +45,9 @@ class StepInput:
     # prompt logprobs (SamplingParams.prompt_logprobs), per sequence: (how many likeliest tokens, the prompt
     # tokens that its first rows predict: those after start, up to the prompt's last); None: none this step
     prompt_logprobs: list[tuple[int, list[int]]] | None = None
+    # a hybrid cache (HybridBlockManager): per group of layers after the first, its tables, block for block as
+    # block_tables (a sliding-window group's hold the null block behind the window); None: one table a sequence
+    group_tables: list[list[list[int]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -138,7 +141,7 @@ class ModelRunner:
         staged=True)` with the ids replays it; any other step in between undoes this)."""
         if not self.model.stage.is_first or not self._replays(step) or step.prompt_logprobs is not None:
             return False  # (prompt logprobs read the hidden states: never a replay)
-        self.graphs.stage(step.token_ids, step.starts, step.block_tables, step.query_lens)
+        self.graphs.stage(step.token_ids, step.starts, step.block_tables, step.query_lens, step.group_tables)
         return True
 
     @torch.inference_mode()
@@ -207,8 +210,8 @@ class ModelRunner:
         return self._replay(step) if self._replays(step) else self.compute_logits(step, self._forward(step, None))
 
     def _forward(self, step: StepInput, hidden: torch.Tensor | None) -> torch.Tensor:
-        positions, meta = prepare_step(step, self.block_size, self.device)
-        attn = PagedAttentionBackend(self.cache, meta, self.scale)
+        positions, meta, group_metas = prepare_step(step, self.block_size, self.device)
+        attn = PagedAttentionBackend(self.cache, meta, self.scale, group_metas)
         if not self.model.stage.is_first:
             return self.model(hidden, positions, attn)
         x = _to(np.asarray(step.token_ids, dtype=np.int64), self.device)  # [T]
@@ -230,7 +233,7 @@ class ModelRunner:
             out = self.graphs.run_staged(step.token_ids, step.prev_rows)
         else:
             out = self.graphs.run(step.token_ids, step.starts, step.block_tables, step.query_lens, hidden,
-                                  step.prev_rows)
+                                  step.prev_rows, step.group_tables)
         if not self.model.stage.is_last:
             return out
         logits, rows = out, logit_rows(step)  # [T, vocab]
@@ -298,25 +301,35 @@ def logits_kernel(model: CausalLM, device: torch.device):
     return model.lm_head.logits_fn(device) if model.stage.is_last else None
 
 
-def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tuple[torch.Tensor, PagedAttentionMetadata]:
-    """Positions [T] and the attention metadata of a step. Built on the host with numpy (small
-    arrays; torch's threaded CPU ops cost more than they compute here), then moved to the device."""
+def prepare_step(step: StepInput, block_size: int, device: torch.device
+                 ) -> tuple[torch.Tensor, PagedAttentionMetadata, list[PagedAttentionMetadata] | None]:
+    """Positions [T] and the attention metadata of a step (and of its group tables, or None). Built on the
+    host with numpy (small arrays; torch's threaded CPU ops cost more than they compute here), then moved to
+    the device."""
     bs, nd, B, T = block_size, step.num_decodes, step.num_seqs, step.num_tokens
     starts = np.asarray(step.starts, dtype=np.int64)
     qlens = np.asarray(step.query_lens, dtype=np.int64)
-    tables = np.zeros((B, max(len(t) for t in step.block_tables)), dtype=np.int64)  # [B, W], 0 = null block
-    for b, t in enumerate(step.block_tables):
-        tables[b, :len(t)] = t
     if nd == T:  # decodes only: one token per sequence
-        positions = starts
-        slots = tables[np.arange(B), starts // bs] * bs + starts % bs
+        positions, seq_of_token = starts, np.arange(B)
     else:
         seq_of_token = np.repeat(np.arange(B), qlens)  # [T]
         first_row = np.cumsum(qlens) - qlens
         positions = starts[seq_of_token] + np.arange(T) - first_row[seq_of_token]
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
     seq_lens = starts + qlens
-    meta = PagedAttentionMetadata(
+
+    def metadata(block_tables: list[list[int]]) -> PagedAttentionMetadata:
+        tables = np.zeros((B, max(len(t) for t in block_tables)), dtype=np.int64)  # [B, W], 0 = null block
+        for b, t in enumerate(block_tables):
+            tables[b, :len(t)] = t
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        return _metadata(block_tables, tables, slots, seq_lens, qlens, starts, bs, nd, B, device)
+
+    groups = [metadata(t) for t in step.group_tables] if step.group_tables is not None else None
+    return _to(positions, device), metadata(step.block_tables), groups
+
+
+def _metadata(block_tables, tables, slots, seq_lens, qlens, starts, bs, nd, B, device) -> PagedAttentionMetadata:
+    return PagedAttentionMetadata(
         slot_mapping=_to(slots, device),
         block_tables=_to(tables, device),
         seq_lens=_to(seq_lens, device),
@@ -326,11 +339,10 @@ def prepare_step(step: StepInput, block_size: int, device: torch.device) -> tupl
         max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
         max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
         max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
-        first_block=_first_if_consecutive(step.block_tables[0]) if B == 1 else -1,
+        first_block=_first_if_consecutive(block_tables[0]) if B == 1 else -1,
         min_decode_pos=int(starts[:nd].min()) if nd else 0,
         min_prefill_pos=int(starts[nd:].min()) if nd < B else 0,
     )
-    return _to(positions, device), meta
 
 
 def _first_if_consecutive(table: list[int]) -> int:

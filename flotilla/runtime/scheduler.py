@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager, KVBlocks
+from .block_manager import BlockManager, HybridBlockManager, HybridBlocks, KVBlocks
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -81,7 +81,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | HybridBlockManager):
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()  # arrival order
@@ -144,7 +144,7 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.num_cached_tokens_total += num_cached
-            if self.block_manager.pool.enable_caching and not seq.needs_prompt_logprobs:  # looked up (as vLLM counts)
+            if self.block_manager.enable_caching and not seq.needs_prompt_logprobs:  # looked up (as vLLM counts)
                 self.num_queried_tokens_total += seq.num_tokens
             self.running.append(seq)
             self._add(out, seq, n)
@@ -163,7 +163,7 @@ class Scheduler:
             return None
         seqs = [seq for seq in live if not seq.ends_for_length_after(1)]
         bm = self.block_manager
-        if not seqs or sum(bm.free_blocks_needed(seq, 1) for seq in seqs) > bm.num_free_blocks:
+        if not seqs or not bm.has_room_for_decodes(seqs):
             return None
         out = SchedulerOutput()
         for seq in seqs:  # prev's order: the order schedule() keeps (decodes, by arrival)
@@ -184,11 +184,9 @@ class Scheduler:
                 return seq
         raise AssertionError("no sequence left to preempt")
 
-    def _room_to_admit(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks) -> bool:
+    def _room_to_admit(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks | HybridBlocks) -> bool:
         """Admission keeps a watermark of free blocks for the running sequences' next tokens."""
-        bm = self.block_manager
-        keep = int(self.config.watermark * bm.num_blocks) if self.running else 0
-        return bm.num_free_blocks - bm.free_blocks_needed(seq, num_new_tokens, computed) >= keep
+        return self.block_manager.has_room(seq, num_new_tokens, computed, self.config.watermark if self.running else 0.0)
 
     @staticmethod
     def _add(out: SchedulerOutput, seq: Sequence, n: int, spec: list[int] | None = None) -> None:

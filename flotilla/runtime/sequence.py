@@ -49,6 +49,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
         self.block_table: list[int] = []  # logical block i -> physical block id (kept by the BlockManager)
+        self.group_tables: dict[int, list[int]] = {}  # a hybrid model's other groups of layers (HybridBlockManager)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, grown lazily
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (runtime/spec)
         self.num_preemptions = 0

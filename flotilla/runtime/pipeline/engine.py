@@ -167,7 +167,7 @@ class PipelineEngine(LLMEngine):
         self._early.clear()
         self.executor.reset()
         seqs = self.scheduler.preempt_all()
-        self.block_manager.pool.reset_prefix_cache()
+        self.block_manager.reset_prefix_cache()
         if self.spec is not None:
             for seq in seqs:
                 self.spec.forget_drafts(seq.request_id)

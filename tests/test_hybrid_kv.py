@@ -1,0 +1,175 @@
+"""The hybrid KV cache: a model whose layers are of two kinds (Gemma 2 and 3: sliding-window and global layers)
+keeps the sliding layers' keys and values in a pool of their own that holds only the window's blocks
+(runtime/block_manager.HybridBlockManager). Block tables against hand-worked cases, and the engine's tokens and
+logprobs against the same engine keeping every block for every layer (--disable-hybrid-kv-cache-manager)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flotilla.runtime.block_manager import HybridBlockManager
+from flotilla.runtime.sampling import SamplingParams
+from flotilla.runtime.sequence import Sequence
+
+from conftest import make_hf_model, save_byte_tokenizer, save_hf_model
+from test_gemma import gemma2_config, gemma3_config
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=64, ignore_eos=True), (), 256)
+
+
+def step(bm: HybridBlockManager, s: Sequence, n: int) -> None:
+    assert bm.allocate_slots(s, n) is not None
+    s.num_computed_tokens += n
+    bm.check_integrity()
+
+
+def test_the_sliding_group_gives_back_its_blocks_and_the_whole_context_group_keeps_them():
+    """One pool of 11 blocks, 4-token blocks, group 0 whole-context, group 1 in an 8-token window. After the step
+    that computes positions from 11 on, no sliding layer reads a key before position 4: group 1's block 0 goes
+    back (the null block takes its place), group 0's stays."""
+    bm = HybridBlockManager(num_blocks=12, windows=(0, 8), block_size=4)
+    s = seq("a", list(range(100, 111)))  # 11 prompt tokens
+    step(bm, s, 11)
+    assert len(s.block_table) == len(s.group_tables[1]) == 3 and bm.num_free_blocks == 11 - 6
+    assert not set(s.block_table) & set(s.group_tables[1])  # each group in blocks of its own
+    head = s.group_tables[1][0]
+    s.token_ids.append(7)
+    step(bm, s, 1)  # position 11: the window reaches back to 4
+    assert s.group_tables[1][0] == 0 and bm.num_free_blocks == 11 - 5 and bm.num_window_released == 1
+    assert bm.pool.blocks[head].ref_cnt == 0
+    for t in range(12, 20):  # positions 12..19: a block more in each group, group 1's blocks 1 and 2 go back
+        s.token_ids.append(t)
+        step(bm, s, 1)
+    assert len(s.block_table) == 5 and 0 not in s.block_table
+    assert s.group_tables[1][:3] == [0, 0, 0] and 0 not in s.group_tables[1][3:] and len(s.group_tables[1]) == 5
+    assert bm.num_free_blocks == 11 - 5 - 2
+    bm.free(s)
+    assert s.block_table == s.group_tables[1] == [] and bm.num_free_blocks == 11
+    bm.check_integrity()
+
+
+def test_an_allocation_short_for_any_group_changes_none():
+    bm = HybridBlockManager(num_blocks=8, windows=(0, 8), block_size=4)  # 7 usable blocks
+    a, b = seq("a", list(range(12))), seq("b", list(range(50, 58)))
+    step(bm, a, 12)  # 3 blocks in each group
+    assert not bm.has_room(b, 8) and bm.allocate_slots(b, 8) is None  # 2 + 2 needed, 1 free
+    assert not bm.holds(b) and b.block_table == [] and b.group_tables == {} and bm.num_free_blocks == 1
+    assert not bm.has_room_for_decodes([a])  # a's 13th token starts a block in each group
+    bm.check_integrity()
+
+
+def test_a_prefix_hit_is_the_longest_prefix_every_group_holds():
+    """A finished sequence's blocks stay cached, each group's under its own keys (the same tokens' keys and
+    values in other layers are other blocks). A second request with the same 20 tokens finds 4 blocks in group
+    0 (one token is left to compute), and in group 1 the blocks its next query (position 16) reads: from
+    position 9 on, blocks 2 and 3; its blocks 0 and 1, cached too, are not taken (they would go back at once)
+    and the null block stands for them. The hit is 16 tokens."""
+    bm = HybridBlockManager(num_blocks=16, windows=(0, 8), block_size=4)
+    prompt = list(range(200, 220))
+    a = seq("a", prompt)
+    step(bm, a, 20)
+    whole, sliding = list(a.block_table), list(a.group_tables[1])
+    assert len(whole) == len(sliding) == 5 and 0 not in sliding  # one step read every position: nothing went back
+    bm.free(a)
+    b = seq("b", prompt)
+    computed, tokens = bm.get_computed_blocks(b)
+    assert tokens == 16 and len(computed) == 4
+    assert bm.allocate_slots(b, 4, computed) is not None
+    assert b.block_table[:4] == whole[:4] and b.group_tables[1][:4] == [0, 0] + sliding[2:4]
+    assert bm.num_free_blocks == 15 - (4 + 1) - (2 + 1)
+    bm.check_integrity()
+
+
+def test_groups_of_equal_size_from_each_kind():
+    from flotilla.runtime.kv_cache import hybrid_groups
+
+    gemma3_1b = [0 if i % 6 == 5 else 512 for i in range(26)]  # 4 global layers, 22 sliding
+    groups, windows = hybrid_groups(tuple(range(26)), lambda i: gemma3_1b[i])
+    assert groups[0] == (5, 11, 17, 23) and windows == (0,) + (512,) * 6
+    assert groups[-1] == (24, 25, None, None) and all(len(g) == 4 for g in groups)
+    assert sorted(i for g in groups for i in g if i is not None) == list(range(26))
+    assert hybrid_groups((0, 1, 2), lambda i: 0) == ((), ()) and hybrid_groups((0, 1), lambda i: 8) == ((), ())
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+def _engine(path, hybrid: bool, graphs: bool = False, **kw):
+    from flotilla.runtime.cuda_graphs import DecodeGraphRunner
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+
+    args = EngineArgs(block_size=4, max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=not hybrid, **kw)
+    engine = build_engine(load_model(path, "cpu", "float32", progress=False), args)
+    assert (type(engine.block_manager) is HybridBlockManager) == hybrid
+    if graphs:  # the graph runner's static inputs, run eagerly on the CPU (as on CUDA, less the capture)
+        runner = engine.executor
+        runner.graphs = DecodeGraphRunner(runner.model, runner.cache, (1, 2, 4), 256, runner.scale, capture=False,
+                                          sampled=runner.sampled)
+    return engine
+
+
+def _run(engine, prompts, rounds, params):
+    """Each round's requests at once, to the end: {name: [(token, logprob)]}; integrity checked every step."""
+    got = {k: [] for k in prompts}
+    for names in rounds:
+        for name in names:
+            engine.add_request(name, prompts[name], params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += [(t, lp) for t, lp in zip(out.new_token_ids, out.logprobs or [0.0] * len(out.new_token_ids))]
+            engine.check_integrity()
+    return got
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "m"
+    hf = make_hf_model(gemma3_config() if request.param == "gemma3" else gemma2_config(), seed=11)
+    save_hf_model(hf, path)
+    save_byte_tokenizer(path)
+    return path
+
+
+PROMPTS = {"a": list(range(30, 57)), "b": list(range(90, 101)), "c": list(range(30, 57)) + [5, 6, 7],
+           "d": [3] * 40, "e": list(range(120, 126))}
+ROUNDS = [["a", "b", "d"], ["c", "e"], ["a"]]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-inputs"])
+def test_the_hybrid_cache_gives_the_same_tokens_and_logprobs(model, graphs):
+    """Prefills in 16-token chunks, decodes past the window, prefix hits (c extends a; a again), and the window
+    pool's blocks given back, with and without the decode graphs' static inputs."""
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=True)
+    want = _run(_engine(model, False), PROMPTS, ROUNDS, params)
+    engine = _engine(model, True, graphs)
+    got = _run(engine, PROMPTS, ROUNDS, params)
+    assert engine.block_manager.num_window_released > 0 and engine.stats().cached_tokens_total > 0
+    for name in PROMPTS:
+        assert [t for t, _ in got[name]] == [t for t, _ in want[name]], name
+        assert max(abs(x - y) for (_, x), (_, y) in zip(got[name], want[name])) < 1e-4, name
+
+
+def test_the_hybrid_cache_under_preemption_and_speculative_decoding(model):
+    """A full pool of few blocks (sequences preempted and recomputed) and n-gram drafts (rejected drafts' blocks
+    truncated in both groups): the same tokens as the plain cache in the same setting."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    kw = dict(kv_cache_memory="240KiB", speculative="ngram", num_speculative_tokens=3)
+    want = _run(_engine(model, False, **kw), PROMPTS, [list(PROMPTS)], params)
+    engine = _engine(model, True, **kw)
+    got = _run(engine, PROMPTS, [list(PROMPTS)], params)
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_window_released > 0
+    assert got == want
+
+
+def test_the_hybrid_cache_holds_more_tokens_in_the_same_memory(model):
+    """The same --kv-cache-memory: the whole-context group's share holds several times the tokens of sequences
+    longer than the window (Gemma 3 here: 1 global layer of 7; Gemma 2: 2 of 4), and the report says so."""
+    kw = dict(kv_cache_memory="1MiB")
+    plain, hybrid = _engine(model, False, **kw), _engine(model, True, **kw)
+    assert hybrid.config.context_len == plain.config.context_len == 256
+    spec = hybrid.executor.cache.spec
+    whole = sum(1 for w in spec.group_windows if not w)
+    assert (hybrid.block_manager.num_blocks // whole) >= 1.9 * plain.block_manager.num_blocks
+    assert "hybrid:" in hybrid.kv_cache_report and "hybrid" not in plain.kv_cache_report
+    assert hybrid.executor.cache.reserved_bytes <= plain.executor.cache.reserved_bytes

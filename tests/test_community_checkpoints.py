@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from flotilla.errors import FlotillaError
 from flotilla.kernels.reference import dequantize
 from flotilla.models.attention import DenseCausalAttention
 from flotilla.models.linear import Linear, QuantLinear
@@ -166,8 +167,10 @@ def test_awq_checkpoint_decodes_exactly(hf_model, tmp_path):
             assert torch.equal(dequantize(mod.gptq_weight()).t(), expected), name
 
 
-def test_gptq_v2_checkpoint_reads_zeros_as_stored(src, tmp_path):
-    """GPTQModel's gptq_v2 format: the same checkpoint with zeros stored without the -1 loads to the same model."""
+@pytest.mark.parametrize("key", ["checkpoint_format", "format"])
+def test_gptq_v2_checkpoint_reads_zeros_as_stored(src, tmp_path, key):
+    """GPTQModel's gptq_v2 format: the same checkpoint with zeros stored without the -1 loads to the same model
+    (said as `checkpoint_format`, or as `format`, the key of GPTQModel's early configs)."""
     from safetensors.torch import load_file, save_file
 
     from flotilla.kernels.gptq import pack_cols, unpack_cols
@@ -181,6 +184,29 @@ def test_gptq_v2_checkpoint_reads_zeros_as_stored(src, tmp_path):
         tensors[name] = pack_cols(unpack_cols(tensors[name], 4) + 1, 4)
     save_file(tensors, str(tmp_path / "v2" / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((tmp_path / "v1" / "config.json").read_text())
-    config["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    config["quantization_config"].pop("checkpoint_format")
+    config["quantization_config"][key] = "gptq_v2"
     (tmp_path / "v2" / "config.json").write_text(json.dumps(config))
     torch.testing.assert_close(flotilla_logits(tmp_path / "v2")[0], flotilla_logits(tmp_path / "v1")[0], rtol=0, atol=0)
+    config["quantization_config"].update(checkpoint_format="gptq_v2", format="gptq")  # two answers: refused
+    (tmp_path / "v2" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FlotillaError, match="checkpoint_format 'gptq_v2' and format 'gptq'"):
+        open_source(tmp_path / "v2")
+
+
+def test_an_autogptq_checkpoint_with_quantize_config_json_alone_loads(src, tmp_path):
+    """AutoGPTQ's older checkpoints say their quantization in quantize_config.json only (config.json has no
+    quantization_config), as AutoGPTQ, GPTQModel and vLLM read them: the same model as with it."""
+    import shutil
+
+    from flotilla.quantize import QuantizeOptions, quantize_model
+
+    quantize_model(src, tmp_path / "q", QuantizeOptions(method="rtn", group_size=64), progress=False)
+    shutil.copytree(tmp_path / "q", tmp_path / "old")
+    (tmp_path / "old" / "flotilla.json").unlink()
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    legacy = {k: qc[k] for k in ("bits", "group_size", "desc_act", "sym")}  # AutoGPTQ 0.4's keys, no quant_method
+    (tmp_path / "old" / "quantize_config.json").write_text(json.dumps({**legacy, "true_sequential": True}))
+    torch.testing.assert_close(flotilla_logits(tmp_path / "old")[0], flotilla_logits(tmp_path / "q")[0], rtol=0, atol=0)

@@ -169,7 +169,10 @@ class QuantConfig:
         if method != "gptq":
             raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; supported: gptq, "
                                 f"{', '.join(CONVERTED)}")
-        fmt = d.get("checkpoint_format", "gptq")
+        fmt = d.get("checkpoint_format", d.get("format", "gptq"))  # GPTQModel's early configs said `format`
+        if "format" in d and "checkpoint_format" in d and d["format"] != fmt:
+            raise FlotillaError(f"{where}: quantization_config says checkpoint_format {fmt!r} and format "
+                                f"{d['format']!r}; which layout the files hold is unclear: keep the right one")
         if fmt not in FORMATS:  # (a flotilla config of a converted layout says so here: pipeline probes)
             raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported "
                                 f"(expected one of {', '.join(FORMATS)})")
@@ -352,6 +355,16 @@ class ModelConfig:
             d = json.loads(cfg_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise FlotillaError(f"{cfg_file}: not valid JSON ({e})") from None
+        legacy = path / "quantize_config.json"  # AutoGPTQ's own file, where config.json says nothing of it
+        if isinstance(d, dict) and not d.get("quantization_config") and legacy.is_file():
+            try:
+                qc = json.loads(legacy.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise FlotillaError(f"{legacy}: not valid JSON ({e})") from None
+            if not isinstance(qc, dict):
+                raise FlotillaError(f"{legacy}: expected a JSON object")
+            d = {**d, "quantization_config": {"quant_method": "gptq", **qc}}
+            return cls.from_hf_dict(d, where=f"{cfg_file} (with {legacy.name})")
         return cls.from_hf_dict(d, where=str(cfg_file))
 
     @classmethod

@@ -132,3 +132,60 @@ def test_a_body_that_stalls_gets_408_and_the_server_answers_others():
     other, head = serve(FakeEngine(), go, body_timeout=0.5)
     assert other == 200
     assert head.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in head, head
+
+
+def test_a_connection_without_a_whole_request_is_closed_after_the_idle_timeout():
+    """Headers that never end, a connection that sends nothing, a kept-alive one between requests: each is closed
+    once idle_timeout passes (an audit held 20 000 such connections open until the server ran out of descriptors),
+    while a stream longer than that timeout runs to its end."""
+    async def go(server, s):
+        host, port = server.url.removeprefix("http://").split(":")
+        partial = await asyncio.open_connection(host, int(port))
+        partial[1].write(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: the headers never end
+        silent = await asyncio.open_connection(host, int(port))
+        kept = await asyncio.open_connection(host, int(port))
+        kept[1].write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        body = {**BODY, "max_tokens": 40, "stream": True}  # 40 tokens 10 ms apart: longer than the timeout
+        async with s.post(server.url + "/v1/chat/completions", json=body) as r:
+            streamed = (await r.text()).count("data: ")
+        closed = []
+        for reader, writer in (partial, silent, kept):
+            while await asyncio.wait_for(reader.read(4096), 5):  # the kept one's response first, then EOF
+                pass
+            closed.append(loop.time() - start)
+            writer.close()
+        return streamed, closed
+    streamed, closed = serve(FakeEngine(), go, idle_timeout=0.2)
+    assert streamed >= 41 and all(t < 4 for t in closed), (streamed, closed)
+
+
+def test_failing_accepts_are_reported_once_a_minute_with_their_count(capsys):
+    from flotilla.server.serve import quiet_accept_errors
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        others = []
+        loop.set_exception_handler(lambda loop, context: others.append(context["message"]))
+        quiet_accept_errors(loop, 60.0)
+        error = OSError(24, "Too many open files")
+        for _ in range(1000):
+            loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": error})
+        loop.call_exception_handler({"message": "something else"})
+        return others
+    assert asyncio.run(go()) == ["something else"]
+    err = capsys.readouterr().err
+    assert err.count("cannot accept connections (Too many open files; 1 times") == 1 and err.count("\n") == 1, err
+
+
+def test_a_quiet_websocket_outlives_the_idle_timeout():
+    async def go(server, s):
+        ws = await s.ws_connect(server.url + "/ws")
+        assert json.loads((await ws.receive()).data)["type"] == "ready"
+        await asyncio.sleep(0.6)  # three idle timeouts without a word
+        await ws.send_json({"type": "ping"})
+        reply = await asyncio.wait_for(ws.receive(), 5)
+        await ws.close()
+        return reply.type
+    assert serve(FakeEngine(), go, idle_timeout=0.2) == aiohttp.WSMsgType.TEXT

@@ -14,6 +14,9 @@ class ServerConfig:
     max_queue: int = 512  # sequences allowed to wait for a running slot; beyond it: 429
     max_body_bytes: int = 2 * 1024 * 1024  # request bodies and websocket frames
     body_timeout: float = 60.0  # seconds a request body may take to arrive once its headers have (then 408)
+    # seconds a connection may hold without a whole request's headers (a new one, or a kept-alive one between
+    # requests): then it is closed (nginx's client_header_timeout and keepalive_timeout alike)
+    idle_timeout: float = 60.0
     max_n: int = 8  # choices (n) one request may ask for per prompt (prompts x n: admission's bound)
     grace_period: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     retry_after: int = 1  # seconds, sent with 429

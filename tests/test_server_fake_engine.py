@@ -189,3 +189,17 @@ def test_a_quiet_websocket_outlives_the_idle_timeout():
         await ws.close()
         return reply.type
     assert serve(FakeEngine(), go, idle_timeout=0.2) == aiohttp.WSMsgType.TEXT
+
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized(monkeypatch):
+    """prompts x n past what the server holds at once is a 400 said before the prompts are tokenized (an audit's
+    450 000 one-letter prompts took 22 s of tokenizing to reach that answer)."""
+    encoded = []
+    engine = FakeEngine()
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a, **k: encoded.append(text) or [65])
+
+    async def go(server, s):
+        body = {"model": "fake", "prompt": ["a"] * 300, "n": 2, "max_tokens": 1}  # 600 > 2 slots + 512 queued
+        async with s.post(server.url + "/v1/completions", json=body) as r:
+            return r.status, (await r.json())["error"]["code"]
+    assert serve(engine, go) == (400, "too_many_sequences") and encoded == []

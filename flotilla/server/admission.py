@@ -35,13 +35,17 @@ class Admission:
             raise ApiError(503, "the server is shutting down and takes no new requests; retry on another replica "
                                 "or after it restarts", code="shutting_down")
 
-    @contextmanager
-    def admit(self, sequences: int) -> Iterator[None]:
-        self.check_open()
-        if sequences > self.limit:  # never fits, however idle the server: not a retry
+    def check_fits(self, sequences: int) -> None:
+        """A 400 where a request of this many sequences could never be admitted, however idle the server."""
+        if sequences > self.limit:  # not a retry
             raise ApiError(400, f"the request asks for {sequences} sequences (n x prompts) and this server holds at "
                                 f"most {self.limit} at once ({_slots(self.capacity)} + a queue of "
                                 f"{self.max_queue}); ask for fewer", code="too_many_sequences")
+
+    @contextmanager
+    def admit(self, sequences: int) -> Iterator[None]:
+        self.check_open()
+        self.check_fits(sequences)
         if self.in_flight + sequences > self.limit:
             raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, "
                                 f"{_slots(self.capacity)} + a queue of {self.max_queue}); retry after "

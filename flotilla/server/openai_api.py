@@ -65,6 +65,7 @@ class OpenAIRoutes:
 
     async def _parse(self, request: web.Request, parse) -> GenerationRequest:
         body = await self.state.read_json(request)
+        self.state.admission.check_fits(_sequences_asked(body))  # before tokenizing prompts that could never run
         args = (body, self.state.engine, self.state.config.max_n)
         if (request.content_length or 0) > LARGE_BODY:  # tokenizing it would stall every other stream
             return await asyncio.to_thread(parse, *args)
@@ -206,3 +207,12 @@ class OpenAIRoutes:
                                             "traceback)", code="internal_error").body())
             await stream.done()
         return stream.response
+
+
+def _sequences_asked(body) -> int:
+    """The sequences (prompts x n) a request body asks for, as far as its raw JSON tells (parsing checks it all)."""
+    if not isinstance(body, dict):
+        return 1
+    prompt, n = body.get("prompt"), body.get("n")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt) else 1
+    return prompts * (n if type(n) is int and n > 0 else 1)

@@ -250,3 +250,25 @@ def test_a_qwen3_model_quantizes_with_its_q_and_k_norms(tmp_path):
         model = load_stage(source)
         got = model.compute_logits(model(ids.flatten(), torch.arange(24).repeat(2), DenseCausalAttention(2, 24)))
     assert (got.view_as(ref) - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("tensor, said", [("model.norm.weight", "'model.norm.weight' holds NaN"),
+                                          ("model.layers.1.mlp.up_proj.weight", "layer 1's mlp.gate_up_proj.weight")])
+def test_a_source_with_nan_weights_is_refused_and_leaves_nothing(tiny_src, tmp_path, tensor, said):
+    """A corrupt source (bytes flipped into NaNs) is named, not quantized into a checkpoint that generates
+    nothing (an audit's finding)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from flotilla.errors import FlotillaError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_src, bad)
+    (shard,) = bad.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    tensors[tensor][..., :3] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(FlotillaError, match=said):
+        quantize_model(bad, tmp_path / "out", QuantizeOptions(method="rtn"), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -120,6 +120,7 @@ def quantize_model(src: str | Path, out: str | Path, options: QuantizeOptions, p
         bar = progress_bar(range(cfg.num_hidden_layers), desc=f"quantize {options.label}", unit="layer", disable=not progress)
         for i in bar:
             layer = load_layer(source, i, device, torch.float32)
+            _check_finite(layer, i, src)
             try:
                 result = quantize_layer(layer, i, options, quant, acts, advance=i + 1 < cfg.num_hidden_layers,
                                         fp_acts=fp_acts)
@@ -254,7 +255,19 @@ def _head_tensors(source, cfg: ModelConfig, options: QuantizeOptions, device: to
     return tensors
 
 
+def _check_finite(layer: DecoderLayer, index: int, src: Path) -> None:
+    """A layer's weights hold no NaN or infinity (a corrupt or badly converted source would be quantized into
+    a checkpoint that generates nothing)."""
+    for name, p in layer.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise FlotillaError(f"{src}: layer {index}'s {name} holds NaN or infinite values (a corrupt or badly "
+                                "converted source); quantize will not copy them into a checkpoint")
+
+
 def _fp16(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise FlotillaError(f"tensor {name!r} holds NaN or infinite values (a corrupt or badly converted source); "
+                            "quantize will not copy them into a checkpoint")
     if t.dtype != torch.float16 and t.numel() and max(-float(t.min()), float(t.max())) > FP16_MAX:
         raise FlotillaError(f"tensor {name!r} has values beyond fp16's range; it cannot be stored in fp16")
     return t.to(torch.float16)

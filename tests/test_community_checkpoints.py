@@ -210,3 +210,15 @@ def test_an_autogptq_checkpoint_with_quantize_config_json_alone_loads(src, tmp_p
     legacy = {k: qc[k] for k in ("bits", "group_size", "desc_act", "sym")}  # AutoGPTQ 0.4's keys, no quant_method
     (tmp_path / "old" / "quantize_config.json").write_text(json.dumps({**legacy, "true_sequential": True}))
     torch.testing.assert_close(flotilla_logits(tmp_path / "old")[0], flotilla_logits(tmp_path / "q")[0], rtol=0, atol=0)
+
+
+def test_a_gptq_config_says_what_it_holds_and_refuses_other_word_widths():
+    from flotilla.models.config import QuantConfig
+
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert QuantConfig.from_hf({**base, "desc_act": True, "sym": False}).describe() == "GPTQ INT4 g128 act-order asym"
+    assert QuantConfig.from_hf({**base, "pack_dtype": "torch.int32"}).describe() == "GPTQ INT4 g128"
+    with pytest.raises(FlotillaError, match="pack_dtype is 'int16'; flotilla reads int32-packed"):
+        QuantConfig.from_hf({**base, "pack_dtype": "int16"})
+    with pytest.raises(FlotillaError, match="checkpoint_format 'marlin' is not supported .expected gptq or gptq_v2"):
+        QuantConfig.from_hf({**base, "checkpoint_format": "marlin"})

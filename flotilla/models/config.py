@@ -138,6 +138,15 @@ class QuantConfig:
         vLLM resolve the module name `lm_head`), or None when the head is stored in fp16."""
         return self.for_module(["lm_head"]) if self.lm_head else None
 
+    def describe(self) -> str:
+        """What the files hold, for the load line: 'GPTQ INT4 g128 act-order', 'AutoAWQ GEMM INT4 g128 (repacked)'."""
+        layout = {"gptq": "GPTQ", "gptq_v2": "GPTQ v2", "awq": "AutoAWQ GEMM",
+                  "bitsandbytes": f"bitsandbytes {self.method.removeprefix('bitsandbytes-')}, read as"}
+        group = "per channel" if self.group_size == -1 else f"g{self.group_size}"
+        extra = "".join((" act-order" if self.desc_act else "", "" if self.sym else " asym",
+                         " (repacked)" if self.checkpoint_format == "awq" else "", ", mixed" if self.dynamic else ""))
+        return f"{layout.get(self.checkpoint_format, self.checkpoint_format)} INT{self.bits} {group}{extra}"
+
     @property
     def zero_offset(self) -> int:
         """What a reader adds to a stored zero field (kernels/gptq.py)."""
@@ -175,10 +184,15 @@ class QuantConfig:
                                 f"{d['format']!r}; which layout the files hold is unclear: keep the right one")
         if fmt not in FORMATS:  # (a flotilla config of a converted layout says so here: pipeline probes)
             raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported "
-                                f"(expected one of {', '.join(FORMATS)})")
+                                f"(expected gptq or gptq_v2; AutoAWQ's and bitsandbytes' checkpoints say theirs in "
+                                f"quant_method)")
         bits = d.get("bits")
         if bits not in (4, 8):
             raise FlotillaError(f"{where}: quantization_config.bits is {bits!r}; supported: 4, 8")
+        pack = str(d.get("pack_dtype", "int32")).removeprefix("torch.")
+        if pack != "int32":  # GPTQModel's option: qweight / qzeros words of another width
+            raise FlotillaError(f"{where}: quantization_config.pack_dtype is {d['pack_dtype']!r}; flotilla reads "
+                                "int32-packed GPTQ tensors (GPTQModel's default): re-save with pack_dtype int32")
         return cls(bits=bits, group_size=int(d.get("group_size", -1)), sym=bool(d.get("sym", True)),
                    desc_act=bool(d.get("desc_act", False)), damp_percent=float(d.get("damp_percent", 0.01)),
                    checkpoint_format=fmt, method=d.get("flotilla_method", "gptq"),

@@ -151,8 +151,10 @@ def load_with_progress(args: argparse.Namespace, say: Callable[[str], None]):
     with lean_cpu_load(parse_device(args.device)):  # a CLI process: its malloc settings are ours to set
         lm = load_model_parallel(args.model, args.device, args.dtype, tp=args.tp)
     dtype = str(lm.dtype).removeprefix("torch.")
+    quant = getattr(lm.config.quant, "describe", None)
     say(f"loaded {lm.path.name} in {time.perf_counter() - start:.1f} s ({lm.device}, {dtype}"
-        f"{f', {args.tp} ranks' if args.tp > 1 else ''}); building the engine")
+        f"{f', {quant()}' if quant is not None else ''}{f', {args.tp} ranks' if args.tp > 1 else ''}); "
+        "building the engine")
     return lm
 
 

@@ -303,3 +303,20 @@ def test_prompts_are_bounded_by_admission_not_max_n_and_scoring_may_fill_the_con
             parse_completion({"prompt": prompt}, StubModel(), 8)
     with pytest.raises(ApiError, match="'logprobs': N"):
         parse_completion({"prompt": "abc", "top_logprobs": 2}, StubModel(), 8)
+
+
+@pytest.mark.parametrize("body, param", [({"response_format": {}}, "response_format"),
+                                         ({"response_format": {"a": 1}}, "response_format"),
+                                         ({"tools": {}}, "tools"), ({"tools": [{"type": "function"}]}, "tools")])
+def test_a_tool_or_response_format_that_cannot_be_honoured_is_refused(body, param):
+    """A response_format without its type (OpenAI's requires one) and tools given as anything but an empty list
+    are 400s (an audit found them answered 200, their request run as if absent)."""
+    with pytest.raises(ApiError) as e:
+        chat(**body)
+    assert e.value.status == 400 and e.value.param == param
+    assert chat(tools=[]).ignored == () and chat(response_format={"type": "text"}).params
+
+
+def test_min_tokens_past_max_tokens_says_so():
+    with pytest.raises(ApiError, match="no more than max_tokens"):
+        chat(max_tokens=2, min_tokens=5)

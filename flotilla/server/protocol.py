@@ -285,7 +285,7 @@ def _logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
 
 def _reject_unsupported(f: Fields) -> None:
     for key in ("tools", "functions"):
-        if f.raw(key):
+        if f.raw(key) not in (None, []):  # an empty list asks for nothing
             raise bad_request(f"'{key}' is not supported by this server; leave it out", param=key)
     choice = f.raw("tool_choice", "none")
     if choice not in ("none", "auto"):
@@ -298,7 +298,7 @@ def _reject_unsupported(f: Fields) -> None:
         raise bad_request("'skip_special_tokens': false is not supported; the text never holds special tokens "
                           "(logprobs name them)", param="skip_special_tokens")
     fmt = f.obj("response_format")
-    if fmt is not None and fmt.raw("type", "text") != "text":
+    if fmt is not None and fmt.raw("type") != "text":  # OpenAI's requires its type
         raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
 
 
@@ -322,7 +322,9 @@ def _finish(f: Fields, kind: str, model: ModelInfo, prompts: list[list[int]], pr
     room = context - longest
     # max_tokens 0 with echo: the prompt scored, nothing generated (OpenAI's legacy API, vLLM)
     max_tokens = f.integer(max_tokens_key, None, 0 if echo else 1, None, hint=" (0 only with echo)" if kind == "completion" and not echo else "")
-    min_tokens = f.integer("min_tokens", 0, 0, max_tokens if max_tokens is not None else room)
+    min_tokens = f.integer("min_tokens", 0, 0, max_tokens if max_tokens is not None else room,
+                           hint=f" (no more than {max_tokens_key})" if max_tokens is not None else
+                           " (no more than the context leaves after the prompt)")
     if max_tokens is not None and max_tokens > room:
         raise bad_request(f"'{max_tokens_key}' is {max_tokens} but {longest} of the {context}-token context go to "
                           f"the {prompt_field}; ask for at most {room}", param=max_tokens_key,

@@ -91,10 +91,10 @@ class _Header:
             arr = _Array(item, count, self.f.tell())
             if item in _SCALARS:  # skipped now, read when asked for
                 n = count * struct.calcsize(_SCALARS[item])
-                self.room(n, f"{what}'s {count} values")
+                self.room(n, f"the {count} values of {what}")
                 self.f.seek(n, os.SEEK_CUR)
             else:  # strings (a length each, at least) or arrays (an item type and a count)
-                self.room(count * (8 if item == _STRING else 12), f"{what}'s {count} items")
+                self.room(count * (8 if item == _STRING else 12), f"the {count} items of {what}")
                 for i in range(count):
                     self.value(item, f"{what}[{i}]")
             return arr

@@ -173,3 +173,52 @@ def test_the_hybrid_cache_holds_more_tokens_in_the_same_memory(model):
     assert (hybrid.block_manager.num_blocks // whole) >= 1.9 * plain.block_manager.num_blocks
     assert "hybrid:" in hybrid.kv_cache_report and "hybrid" not in plain.kv_cache_report
     assert hybrid.executor.cache.reserved_bytes <= plain.executor.cache.reserved_bytes
+
+
+def test_no_group_takes_another_groups_prefix_hit_as_a_new_block():
+    """A review's finding: group 0 took its new blocks from the free queue before group 1 had taken its hit's
+    blocks out of it, so it could evict one of them and take it; group 1 then took the same block as its hit, and
+    the two groups' layers wrote one block. Every group's hit is taken first now; over many pool sizes and
+    histories, no block is in two groups' tables."""
+    bs = 4
+    for num_blocks in range(14, 40, 3):
+        for other in range(4, 60, 8):
+            for extra in range(1, 30, 4):
+                bm = HybridBlockManager(num_blocks + 1, (0, 8), block_size=bs)
+                a = seq("a", list(range(100, 116)) + [1, 2, 3, 4, 5, 6, 7, 8])
+                step(bm, a, 16)
+                for _ in range(8):
+                    step(bm, a, 1)
+                bm.free(a)
+                b = seq("b", list(range(900, 900 + other)))
+                if bm.has_room(b, other):
+                    step(bm, b, other)
+                    bm.free(b)
+                c = seq("c", list(range(100, 116)) + list(range(500, 500 + extra)))
+                computed, n = bm.get_computed_blocks(c)
+                if bm.allocate_slots(c, c.num_tokens - n, computed) is not None:
+                    bm.check_integrity()  # (a block in two groups' tables fails it)
+                    assert not set(c.block_table) & (set(c.group_tables[1]) - {0})
+
+
+def test_a_lone_prompt_as_long_as_the_plan_allows_is_prefilled_without_a_preemption():
+    """A review's finding: a sliding group holds, while a step's new blocks are taken, the blocks of the window
+    before that step's chunk too; the plan had not counted that chunk, so a prompt near the longest context the
+    plan allowed preempted itself at its last chunk and started again, for ever."""
+    import dataclasses
+
+    from flotilla.runtime.kv_cache import KVCachePlan, KVCacheSpec, hybrid_plan
+    from flotilla.runtime.scheduler import Scheduler, SchedulerConfig
+
+    bs, window, chunk = 16, 256, 512
+    spec = dataclasses.replace(KVCacheSpec((0, 1), 1, 8, torch.float32, bs), groups=((0,), (1,)), group_windows=(0, window))
+    for memory_blocks, max_len in [(10_000, 4096), (300, 4096), (200, 4096)]:  # the cap binds, then the memory
+        n, fit = hybrid_plan(spec, KVCachePlan(memory_blocks, ""), max_len, 1, chunk)
+        bm = HybridBlockManager(n, (0, window), bs, enable_caching=False)
+        sched = Scheduler(SchedulerConfig(1, chunk), bm)
+        s = Sequence("a", list(range(fit - 1)), SamplingParams(max_tokens=1), (), fit)
+        sched.add(s)
+        while s.num_computed_tokens < fit - 1:
+            out = sched.schedule()
+            assert not out.preempted and out.scheduled, (memory_blocks, fit, s.num_computed_tokens)
+            bm.check_integrity()

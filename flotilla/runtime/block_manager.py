@@ -156,12 +156,15 @@ class BlockManager(_OnePool):
         return need + sum(1 for b in computed.blocks if b.ref_cnt == 0)
 
     # ------------------------------------------------------------------ changes
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks()) -> KVBlocks | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: KVBlocks = KVBlocks(),
+                       touched: bool = False) -> KVBlocks | None:
         """Make room for `num_new_tokens` more tokens after the sequence's computed ones (plus
         the `computed` prefix hit, for a sequence being admitted). Returns the newly taken blocks,
         or None, changing nothing, when the pool cannot provide them. A decode that stays in its
         last block costs O(1): the table is replaced only when it grows (`seq.block_table` is
-        never changed in place, so a step may hold on to it)."""
+        never changed in place, so a step may hold on to it). `touched`: the caller has taken its
+        reference on the hit's blocks already (HybridBlockManager: every group's, before any group
+        takes new blocks, which could otherwise evict another group's hit from the free queue)."""
         table = self._tables.get(seq.request_id)
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         if table is not None and not computed and total <= len(table) * self.block_size:
@@ -169,10 +172,12 @@ class BlockManager(_OnePool):
         else:
             table = table or []
             num_new = max(0, self.blocks_for(total) - len(table) - len(computed))
-            if num_new + sum(1 for b in computed.blocks if b.ref_cnt == 0) > self.pool.num_free_blocks:
+            revived = 0 if touched else sum(1 for b in computed.blocks if b.ref_cnt == 0)
+            if num_new + revived > self.pool.num_free_blocks:
                 return None
             gone = sum(b is self.pool.null_block for b in computed.blocks)  # a window hit's head (_window_hit)
-            self.pool.touch(computed.blocks[gone:])
+            if not touched:
+                self.pool.touch(computed.blocks[gone:])
             new = KVBlocks(tuple(self.pool.take(num_new)))
             table = table + list(computed.blocks) + list(new.blocks)
             if gone:
@@ -331,7 +336,10 @@ class HybridBlockManager(_OnePool):
         Returns group 0's new blocks."""
         if not self.has_room(seq, num_new_tokens, computed):
             return None
-        news = [g.allocate_slots(seq, num_new_tokens, c) for g, c in zip(self.groups, _each(computed, self))]
+        hits = _each(computed, self)
+        for c in hits:  # every group's hit out of the free queue first: no group's new blocks may evict another's
+            self.pool.touch(b for b in c.blocks if b is not self.pool.null_block)
+        news = [g.allocate_slots(seq, num_new_tokens, c, touched=True) for g, c in zip(self.groups, hits)]
         assert all(new is not None for new in news)
         return news[0]
 
@@ -352,6 +360,13 @@ class HybridBlockManager(_OnePool):
             g._refs(refs)
         self.pool.check_integrity(refs)
         first = self.groups[0]._tables
+        owner: dict[int, int] = {}  # block id -> the group whose table holds it (one group only)
+        for g in self.groups:
+            for table in g._tables.values():
+                for b in table:
+                    if b is not self.pool.null_block:
+                        assert owner.setdefault(b.block_id, g.group) == g.group, \
+                            f"block {b.block_id} is in the tables of groups {owner[b.block_id]} and {g.group}"
         for g in self.groups[1:]:
             assert g._tables.keys() == first.keys(), f"group {g.group} holds other sequences than group 0"
             for rid, table in first.items():

@@ -156,11 +156,10 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     executor = lm.parallel.executor(runner) if lm.parallel else runner  # rank 0 sends each step to the others
     decoder = None
     if spec_config is not None:  # after the target's cache: a draft's pool matches its size
-        # a hybrid pool's blocks hold one group of layers: the draft's (one table a sequence) holds as many tokens
-        # as the target's whole-context groups can
-        whole = sum(1 for w in windows if not w) if groups else 1
-        decoder = build_spec_decoder(spec_config, lm, (num_blocks - 1) // whole + 1, args.block_size,
-                                     args.max_num_seqs, report,
+        # a hybrid pool's blocks hold one group of layers: the draft's (one table a sequence, every block of every
+        # layer) gets the plain plan's count, as without the hybrid cache; where the target's long sequences hold
+        # more, the draft's pool runs short first and those sequences go on without drafts (runtime/spec)
+        decoder = build_spec_decoder(spec_config, lm, plan.num_blocks, args.block_size, args.max_num_seqs, report,
                                      enforce_eager=args.enforce_eager or lm.parallel is not None,
                                      max_model_len=config.context_len)
     engine = LLMEngine(executor, config, lm.tokenizer, cfg.eos_token_ids, cfg.vocab_size, decoder)

@@ -236,10 +236,11 @@ class PagedAttentionBackend:
 
 
 def window_blocks(window: int, block_size: int, max_num_batched_tokens: int) -> int:
-    """The most blocks a sliding-window group holds for one sequence during a step: from its window's first token
-    to the step's last (a prefill chunk of up to max_num_batched_tokens), 2 more for the ends falling inside a
-    block, 1 more for the new blocks taken before the old ones go back (HybridBlockManager)."""
-    return -(-(window - 1 + max_num_batched_tokens) // block_size) + 3
+    """The most blocks a sliding-window group holds for one sequence during a step. A step's new blocks are taken
+    before the blocks behind its window go back (BlockManager.allocate_slots), so at that moment the group holds
+    those from the window of the step before (whose chunk was up to max_num_batched_tokens) to this step's last
+    token (another chunk): window + 2 chunks, and 3 blocks for the ends falling inside a block."""
+    return -(-(window - 1 + 2 * max_num_batched_tokens) // block_size) + 3
 
 
 def hybrid_plan(spec: KVCacheSpec, plain: KVCachePlan, max_model_len: int, max_num_seqs: int,

@@ -222,3 +222,50 @@ def test_a_lone_prompt_as_long_as_the_plan_allows_is_prefilled_without_a_preempt
             out = sched.schedule()
             assert not out.preempted and out.scheduled, (memory_blocks, fit, s.num_computed_tokens)
             bm.check_integrity()
+
+
+def test_graph_inputs_send_only_the_rows_that_changed_and_the_device_copy_stays_whole():
+    """The decode graphs' static inputs of 3 groups: after any run of steps (tables grown, replaced, rows
+    emptied, a verify step's rows), the device buffer equals the host twin; and a step that changes one row of
+    many sends that row, not every row before it."""
+    import random
+
+    from flotilla.runtime.cuda_graphs import DecodeInputs
+
+    rng = random.Random(3)
+    inputs = DecodeInputs(size=8, width=6, block_size=4, device=torch.device("cpu"), groups=3)
+    tables = [[[rng.randrange(1, 50)] for _ in range(8)] for _ in range(3)]
+    sent = []
+    real_copy = torch.Tensor.copy_
+    for step_no in range(60):
+        b = rng.randrange(8)
+        for g in range(3):  # one sequence's tables grow (new lists: the engine never changes one in place)
+            if len(tables[g][b]) < 6:
+                tables[g][b] = tables[g][b] + [rng.randrange(1, 50)]
+        n = rng.randrange(1, 9)
+        starts = [len(tables[0][i]) * 4 - 1 for i in range(n)]
+        sent.clear()
+        torch.Tensor.copy_ = lambda self, src, non_blocking=False: (sent.append(self.numel()),
+                                                                   real_copy(self, src, non_blocking))[1]
+        try:
+            if step_no % 7 == 6:  # a verify step: two tokens a sequence (the rows: tokens, at most 8)
+                n = min(n, 4)
+                inputs.fill([1] * 2 * n, [s - 1 for s in starts[:n]], [t[:] for t in tables[0][:n]], [2] * n,
+                            group_tables=[[t[:] for t in g[:n]] for g in tables[1:]])
+            else:
+                inputs.fill([1] * n, starts, tables[0][:n], group_tables=[g[:n] for g in tables[1:]])
+        finally:
+            torch.Tensor.copy_ = real_copy
+        assert torch.equal(inputs.device_buf, inputs.host_buf), step_no
+        assert len(inputs.group_metadata()) == 2
+    inputs.fill([1] * 8, [3] * 8, tables[0], group_tables=[g for g in tables[1:]])
+    tables[0][5] = tables[0][5] + [7] if len(tables[0][5]) < 6 else tables[0][5][:1]
+    sent.clear()
+    torch.Tensor.copy_ = lambda self, src, non_blocking=False: (sent.append(self.numel()),
+                                                               real_copy(self, src, non_blocking))[1]
+    try:
+        inputs.fill([1] * 8, [3] * 8, tables[0], group_tables=[g for g in tables[1:]])
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert sent == [(5 + 2) * 8, 3 * 6]  # the fields, then row 5 alone
+    assert torch.equal(inputs.device_buf, inputs.host_buf)

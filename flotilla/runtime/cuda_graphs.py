@@ -28,11 +28,10 @@ token_ids); a row whose token is still on the device (a decode launched before t
 step's ids were read) holds 0 in token_ids and the previous step's row in prev_rows.
 
 Only what changed is written and sent: a row's block table is rewritten when its list is a new
-object or a new length. Every caller keeps to that: the engine replaces a sequence's table when it
+object or a new length, and the rows rewritten are sent, a run of consecutive ones at a time. Every caller keeps to that: the engine replaces a sequence's table when it
 grows and never changes it in place; a pipeline worker's mirror (pipeline/step_codec.StageSequences)
 extends a table in place (a new length) and replaces it when it trims it, since a trim then an
-extend can give the same length with other blocks (a preempted sequence back with new blocks); and
-the copy covers the fields and the table rows up to the last one written.
+extend can give the same length with other blocks (a preempted sequence back with new blocks).
 
 Padding rows hold token 0 at position 0 with one token of context, and a block table of null
 blocks (block 0): their key and value land in slot 0 of the null block, which no real sequence
@@ -143,7 +142,7 @@ class DecodeInputs:
         tok, pos, slot, lens, prev = self._fields[:_FIELDS]
         tables = self._tables
         if query_lens is None or T == len(starts):  # one token per sequence: rows are sequences
-            last = self._write_tables(block_tables, group_tables or [])
+            changed = self._write_tables(block_tables, group_tables or [])
             pos[:T] = starts
         else:
             qlens = np.asarray(query_lens, dtype=np.int64)
@@ -157,7 +156,7 @@ class DecodeInputs:
                 for b, t in enumerate(group):
                     tables[b, g * W:g * W + len(t)] = t
             tables[:T] = tables[seq_of_row]  # sequence tables (rows < B) -> one per token; gather copies
-            last = max(T, self._used)
+            changed = list(range(max(T, self._used)))
             self._rows = [((_MIXED, 0),) * self.groups] * T + [None] * (self.size - T)  # rows hold no sequence's list now
             self._used = T
         tok[:T], tok[T:] = token_ids, 0
@@ -174,8 +173,22 @@ class DecodeInputs:
             gslot[:T] = tables[np.arange(T), g * W + s // bs] * bs + s % bs
             gslot[T:] = 0
         lens[:T], lens[T:] = s + 1, 1
-        end = self._nf * self.size + last * self._row  # the fields and the table rows written
-        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        self._send(changed)
+
+    def _send(self, rows: list[int]) -> None:
+        """Copy the fields and the table rows `rows` (ascending) to the device, a run of consecutive rows at a
+        time: a row is G * W ids (a hybrid cache's G groups, W up to 8192 blocks of a long context), so the rows
+        in between, unchanged, are not sent again."""
+        fields = self._nf * self.size
+        self.device_buf[:fields].copy_(self.host_buf[:fields], non_blocking=True)
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                j += 1
+            lo, hi = fields + rows[i] * self._row, fields + (rows[j - 1] + 1) * self._row
+            self.device_buf[lo:hi].copy_(self.host_buf[lo:hi], non_blocking=True)
+            i = j
         if self._copied is not None:
             self._copied.record()
 
@@ -196,11 +209,10 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def _write_tables(self, block_tables: list[list[int]], group_tables: list[list[list[int]]] = ()) -> int:
+    def _write_tables(self, block_tables: list[list[int]], group_tables: list[list[list[int]]] = ()) -> list[int]:
         """Write sequence b's tables into row b, zeros into the rows past them; a row that holds the
-        same lists (same objects, same lengths) is left as it is. Returns 1 + the last row written
-        (0: none)."""
-        tables, rows, last, W = self._tables, self._rows, 0, self.width
+        same lists (same objects, same lengths) is left as it is. Returns the rows written, ascending."""
+        tables, rows, changed, W = self._tables, self._rows, [], self.width
         for b, t in enumerate(block_tables):
             lists = (t, *(group[b] for group in group_tables))
             held = rows[b]
@@ -210,15 +222,15 @@ class DecodeInputs:
                 tables[b, g * W:g * W + len(x)] = x
                 tables[b, g * W + len(x):(g + 1) * W] = 0
             rows[b] = tuple((x, len(x)) for x in lists)
-            last = b + 1
+            changed.append(b)
         B = len(block_tables)
         for b in range(B, self._used):
             if rows[b] is not None:
                 tables[b] = 0
                 rows[b] = None
-                last = b + 1
+                changed.append(b)
         self._used = B
-        return last
+        return changed
 
     def metadata(self) -> PagedAttentionMetadata:
         """Attention metadata over the static buffers, as for contexts of up to W blocks."""

@@ -215,3 +215,19 @@ def test_serve_exits_when_a_rank_dies(models):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_gemma_under_tp2_keeps_the_hybrid_cache_and_gives_the_tp1_tokens(tmp_path):
+    """Gemma 3's sliding and global layers in groups of their own blocks on every rank (the setup message carries
+    the groups; each step's tables of every group reach the ranks): TP=2's greedy tokens are TP=1's, past the
+    8-token window."""
+    from conftest import save_byte_tokenizer
+    from test_gemma import gemma3_config
+
+    path = save_hf_model(make_hf_model(gemma3_config(), seed=8), tmp_path / "gemma3")
+    save_byte_tokenizer(path)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tp_helpers.py"), "2", str(path)], capture_output=True,
+                          text=True, env=cli_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = json.loads(proc.stdout.strip().splitlines()[-1])[str(path)]
+    assert tp2 == greedy_tokens(str(path), 1) and all(len(t) == 12 for t in tp2)

@@ -168,10 +168,9 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
 
 
 def use_hybrid(lm: LoadedModel, args: EngineArgs) -> bool:
-    """Whether this engine's cache is hybrid (HybridBlockManager): a model with both sliding-window and
-    whole-context layers, unless --disable-hybrid-kv-cache-manager, or tensor parallelism (its ranks step the
-    one table; they keep every block)."""
-    return not args.disable_hybrid_kv_cache_manager and lm.parallel is None
+    """Whether this engine's cache is hybrid (HybridBlockManager) where the model has both sliding-window and
+    whole-context layers: unless --disable-hybrid-kv-cache-manager (every --tp rank gets the same groups)."""
+    return not args.disable_hybrid_kv_cache_manager
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], params) -> list[list[int]]:

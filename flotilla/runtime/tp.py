@@ -260,7 +260,9 @@ class TPExecutor:
 
     def __init__(self, runner: ModelRunner, tp: TensorParallel):
         self.runner, self.tp = runner, tp
-        tp.send(_pack("setup", runner.cache.num_blocks, runner.block_size))  # the same pool on every rank
+        spec = runner.cache.spec  # the same pool on every rank, a hybrid cache's groups too
+        tp.send(_pack("setup", runner.cache.num_blocks, runner.block_size, [list(g) for g in spec.groups],
+                      list(spec.group_windows)))
 
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
         try:
@@ -384,10 +386,10 @@ def _run_steps(lm: LoadedModel, conn, group: TPGroup) -> None:
         msg = _unpack(conn.recv_bytes())
         if msg[0] == "stop":
             return
-        if msg[0] == "setup":  # an engine was built on rank 0: a cache of the same blocks here
-            _, num_blocks, block_size = msg
+        if msg[0] == "setup":  # an engine was built on rank 0: a cache of the same blocks (and groups) here
+            _, num_blocks, block_size, groups, windows = msg
             spec = KVCacheSpec(tuple(lm.model.stage.layers), lm.model.num_kv_heads, lm.config.head_dim, lm.dtype,
-                               block_size)
+                               block_size, tuple(tuple(g) for g in groups), tuple(windows))
             runner = None  # the old cache goes first
             runner = ModelRunner(lm.model, KVCache(spec, num_blocks, lm.device), sampler=_NoSampler())
             continue

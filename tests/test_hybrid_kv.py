@@ -269,3 +269,21 @@ def test_graph_inputs_send_only_the_rows_that_changed_and_the_device_copy_stays_
         torch.Tensor.copy_ = real_copy
     assert sent == [(5 + 2) * 8, 3 * 6]  # the fields, then row 5 alone
     assert torch.equal(inputs.device_buf, inputs.host_buf)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_a_context_cut_by_the_kv_memory_is_said_and_the_line_says_what_fits(model, hybrid):
+    """An audit's findings: a --max-model-len that the KV cache cannot hold was cut without a word, and the hybrid
+    line's 'room for' counted every block as a global layer's."""
+    from flotilla.runtime.engine_args import EngineArgs, build_engine
+    from flotilla.runtime.loader import load_model
+
+    lines = []
+    args = EngineArgs(block_size=4, max_num_batched_tokens=16, kv_cache_memory="100KiB", max_model_len=200,
+                      disable_hybrid_kv_cache_manager=not hybrid)
+    engine = build_engine(load_model(model, "cpu", "float32", progress=False), args, report=lines.append)
+    context = engine.config.context_len
+    assert context < 200 and any(f"holds contexts of up to {context} tokens, not the 200 of --max-model-len" in line
+                                 for line in lines), lines
+    if hybrid:
+        assert f"room for 1 sequence of {context} tokens" in lines[0] or f"sequences of {context} tokens" in lines[0]

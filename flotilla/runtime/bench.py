@@ -129,6 +129,18 @@ def run_batches(model: CausalLM, batches: list[int], prompt_len: int, tokens: in
             torch.cuda.empty_cache()
 
 
+def cache_kind(cfg, layers, hybrid: bool) -> str:
+    """What bench_engine's cache is for this model, in words (a --layers cut can leave one kind of layer)."""
+    windows = [cfg.layer_window(i) for i in layers]
+    if all(windows):
+        return f"every layer slides (window {max(windows)}): blocks behind the window go back"
+    if not any(windows):
+        return "every layer reads the whole context"
+    sliding = sum(1 for w in windows if w)
+    kinds = f"{len(windows) - sliding} whole-context and {sliding} sliding-window layers (window {max(windows)})"
+    return f"hybrid, {kinds}" if hybrid else f"plain (--disable-hybrid-kv-cache-manager), {kinds}"
+
+
 # ------------------------------------------------------------------------------------- the CLI
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -226,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     gib = weight_bytes(model) / 2**30
     if not args.json:
         print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {gib:.2f} GiB of weights read per step, "
-              f"prompt {args.prompt_len} + {args.tokens} tokens per stream", flush=True)
+              f"prompt {args.prompt_len} + {args.tokens} tokens per stream; KV cache: "
+              f"{cache_kind(model.config, model.stage.layers, not args.disable_hybrid_kv_cache_manager)}", flush=True)
         print(f"{'batch':>5} {'tok/s':>10} {'tok/s/stream':>13} {'ms/step':>8} {'graphs':>6} {'overlap':>7}", flush=True)
     overlap = False if args.no_overlap else None
     for r in run_batches(model, batches, args.prompt_len, args.tokens, graphs=not args.enforce_eager, overlap=overlap,

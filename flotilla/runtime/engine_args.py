@@ -132,17 +132,25 @@ def build_engine(lm: LoadedModel, args: EngineArgs = EngineArgs(), report=None) 
     shares = lm.parallel.memory_shares if lm.parallel else 1  # TP ranks on a CPU share its memory
     plan = plan_kv_cache(spec, lm.device, max_len, args.max_num_seqs, args.kv_cache_memory, args.kv_cache_fraction,
                          shares)
-    num_blocks = plan.num_blocks
+    num_blocks, wanted = plan.num_blocks, max_len
     groups, windows = hybrid_groups(spec.layers, cfg.layer_window) if use_hybrid(lm, args) else ((), ())
     if groups:
         spec = dataclasses.replace(spec, groups=groups, group_windows=windows)
         num_blocks, fit = hybrid_plan(spec, plan, max_len, args.max_num_seqs, args.max_num_batched_tokens)
         max_len = min(max_len, fit)
+    else:
+        max_len = min(max_len, (num_blocks - 1) * args.block_size)  # the whole pool (EngineConfig.context_len)
     cache = KVCache(spec, num_blocks, lm.device)
-    line = f"{spec.describe(num_blocks)} [{plan.reason}]"
-    log.info("%s", line)
-    if report is not None:
-        report(line)
+    lines = [f"{spec.describe(num_blocks, max_len)} [{plan.reason}]"]
+    if max_len < wanted:  # said, not a silent cut (a prompt past it gets a 400 that names the context)
+        lines.append(f"the KV cache holds contexts of up to {max_len} tokens, not the {wanted} of "
+                     f"{'--max-model-len' if args.max_model_len else 'the model'}: give it more memory "
+                     "(--kv-cache-memory) for longer ones")
+    for line in lines:
+        log.info("%s", line)
+        if report is not None:
+            report(line)
+    line = lines[0]
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_len,
                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
                           enable_prefix_caching=args.enable_prefix_caching, overlap=None if args.overlap else False,

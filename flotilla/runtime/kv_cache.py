@@ -72,7 +72,9 @@ class KVCacheSpec:
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
 
-    def describe(self, num_blocks: int) -> str:
+    def describe(self, num_blocks: int, context: int | None = None) -> str:
+        """The startup line; `context`: the longest context served (a hybrid cache's line says what one sequence
+        of it holds)."""
         mib = num_blocks * self.bytes_per_block / 2**20
         usable = num_blocks - 1  # block 0 is the null block (block_pool): padding, never holds a token
         if not self.groups:
@@ -80,11 +82,18 @@ class KVCacheSpec:
                     f"(+1 padding block), {mib:.1f} MiB ({self.bytes_per_block / 1024:.1f} KiB a block, "
                     f"{len(self.layers)} layers)")
         whole = sum(1 for w in self.group_windows if not w)
-        return (f"KV cache: {usable} blocks x {self.block_size} tokens (+1 padding block), {mib:.1f} MiB "
+        window = max(self.group_windows)
+        line = (f"KV cache: {usable} blocks x {self.block_size} tokens (+1 padding block), {mib:.1f} MiB "
                 f"({self.bytes_per_block / 1024:.1f} KiB a block of {self.layers_per_block} layers); hybrid: "
-                f"{whole} whole-context and {len(self.groups) - whole} sliding-window groups of layers "
-                f"(window {max(self.group_windows)}), room for about {usable // whole * self.block_size} tokens "
-                f"of sequences longer than the window")
+                f"{whole} whole-context and {len(self.groups) - whole} sliding-window groups of layers (window "
+                f"{window}): a decoding sequence of n tokens holds n / {self.block_size} blocks in each "
+                f"whole-context group and at most {-(-(window - 1) // self.block_size) + 2} in each sliding one")
+        if context:
+            k = -(-context // self.block_size)
+            per = sum(min(k, -(-(w - 1) // self.block_size) + 2) if w else k for w in self.group_windows)
+            fit = usable // per
+            line += f"; room for {fit} sequence{'' if fit == 1 else 's'} of {context} tokens"
+        return line
 
 
 def hybrid_groups(layers: tuple[int, ...], window_of) -> tuple[tuple[tuple[int | None, ...], ...], tuple[int, ...]]:

@@ -102,3 +102,19 @@ def test_an_out_that_appears_during_the_run_is_never_replaced(tmp_path):
             w.commit()
     assert (out2 / "notes.txt").exists() and stored(tmp_path / "out2.new") == 3.0
     assert leftovers(out) == [] and leftovers(out2) == []
+
+
+def test_a_dead_writers_leftover_of_another_name_is_named_not_removed(tmp_path, capsys):
+    """A quantize killed while writing OTHER leaves .OTHER.tmp-PID; writing OUT beside it names it (with its size)
+    on stderr and leaves it to the next writer of OTHER (an audit found gigabytes left unsaid)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    left = tmp_path / f".other.tmp-{dead}"
+    left.mkdir()
+    (left / "part").write_bytes(b"\0" * (3 << 20))
+    write(tmp_path / "ckpt", 1.0)
+    err = capsys.readouterr().err
+    assert f"note: {left} (3 MiB) is what a writer of {tmp_path / 'other'} that did not finish left" in err
+    assert left.exists()
+    write(tmp_path / "other", 2.0)  # the next writer of that name removes it
+    assert not left.exists()

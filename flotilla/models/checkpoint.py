@@ -23,6 +23,7 @@ import errno
 import hashlib
 import json
 import os
+import sys
 import re
 import shutil
 from dataclasses import dataclass
@@ -429,7 +430,9 @@ def _free_name(parent: Path, name: str) -> Path:
 def remove_stale_writes(out: Path) -> None:
     """What writers of `out` that died left: their temporary directories go; an OUT that a --force
     commit had moved aside (`.OUT.old-PID`) goes back to `out` where `out` is missing (the writer
-    died between its two renames), else it goes too."""
+    died between its two renames), else it goes too. Those that writers of other names beside it left
+    are named on stderr (with their size), not removed: that name is theirs to write again."""
+    _name_stale_writes(out)
     for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         try:
             pid = int(p.name.rsplit("-", 1)[1])
@@ -441,6 +444,23 @@ def remove_stale_writes(out: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         except (ValueError, PermissionError):
             pass
+
+
+def _name_stale_writes(out: Path) -> None:
+    for p in sorted(out.parent.glob(".*.tmp-*")):
+        name, _, pid = p.name[1:].rpartition(".tmp-")
+        if name == out.name or not pid.isdigit() or not p.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        print(f"note: {p} ({size / 2**20:.0f} MiB) is what a writer of {p.parent / name} that did not finish left; "
+              f"quantizing to {name} again removes it, or remove it yourself", file=sys.stderr)
 
 
 REPLACEABLE_SUBDIRS = (".cache", ".git", ".huggingface", "original")  # beside a model: a hub's or git's own, Llama's

@@ -71,6 +71,19 @@ def measure(memory: str, device: str, batch: int, prompt: int, tokens: int, laye
     return rows
 
 
+def emit(rows: list[dict], as_json: bool, title: str, header: str, cells) -> None:
+    """The rows as JSON objects, or as a markdown table under `title`."""
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(title)
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in cells(r)) + " |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--memory", default="8GiB", help="the KV cache's memory (default 8GiB)")
@@ -85,30 +98,17 @@ def main() -> int:
     args = p.parse_args()
     memory = parse_memory(args.memory)
     rows = [capacity(m, memory, 1 << 20, args.max_num_batched_tokens) for m in MODELS]
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-    else:
-        print(f"KV cache {args.memory} in bf16, 16-token blocks: longest context one sequence reaches (at most the "
-              f"model's), and sequences of 512 / 8192 / 32768 tokens decoding at once (plain / hybrid)")
-        print("| model | groups (whole+sliding x size) | longest, plain | longest, hybrid | 512 | 8192 | 32768 |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            cells = " | ".join(f"{r[f'plain_{n}']} / {r[f'hybrid_{n}']}" if r[f"plain_{n}"] is not None else "—"
-                               for n in LENGTHS)
-            print(f"| {r['model']} | {r['groups']} | {r['plain_longest']} | {r['hybrid_longest']} | {cells} |")
+    emit(rows, args.json, f"KV cache {args.memory} in bf16, 16-token blocks: longest context one sequence reaches (at "
+         f"most the model's), and sequences of 512 / 8192 / 32768 tokens decoding at once (plain / hybrid)",
+         "| model | groups (whole+sliding x size) | longest, plain | longest, hybrid | 512 | 8192 | 32768 |",
+         lambda r: [r["model"], r["groups"], r["plain_longest"], r["hybrid_longest"],
+                    *(f"{r[f'plain_{n}']} / {r[f'hybrid_{n}']}" if r[f"plain_{n}"] is not None else "—"
+                      for n in LENGTHS)])
     if args.measure:
         timed = measure(args.memory, args.device, args.batch, args.prompt, args.tokens, args.layers)
-        if args.json:
-            for r in timed:
-                print(json.dumps(r))
-        else:
-            print(f"\ndecode, random gemma-3-4b shape ({args.layers} layers, INT4) on {args.device}, batch {args.batch}, "
-                  f"prompt {args.prompt} + {args.tokens} tokens")
-            print("| cache | tok/s | ms/step |")
-            print("|---|---|---|")
-            for r in timed:
-                print(f"| {r['cache']} | {r['tok_s']} | {r['ms_per_step']} |")
+        emit(timed, args.json, f"\ndecode, random gemma-3-4b shape ({args.layers} layers, INT4) on {args.device}, "
+             f"batch {args.batch}, prompt {args.prompt} + {args.tokens} tokens", "| cache | tok/s | ms/step |",
+             lambda r: [r["cache"], r["tok_s"], r["ms_per_step"]])
     return 0
 
 

@@ -25,7 +25,8 @@
 # with FLOTILLA_GEMV_GROUP32 unset and =cores). group32on: round 23's default (those plans at 1 row) against
 # FLOTILLA_GEMV_GROUP32=0: test_gemv, the 8B as Q4_K_M, Q4_0 and Q8_0 at batch 1, 2, 4. phi3: Phi-3-mini's shape
 # INT4 at batch 1, 16, 64. gemma3: sliding-window attention and Gemma 3 on the GPU (tests/test_window_cuda.py), then
-# Gemma 3 4B's shape INT4 at batch 1, 16, 64.
+# Gemma 3 4B's shape INT4 at batch 1, 16, 64. hybrid: the hybrid KV cache's GPU tests, runtime bench with it and
+# without, and bench/hybrid_kv.py's decode past the window (hybrid against plain).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"pytest checks decode bench"}
@@ -210,6 +211,19 @@ if has gemma3; then  # the sliding window in the Triton decode and the prefill m
   mark "gemma3: runtime bench --random gemma-3-4b"
   timeout 200 python3 -m flotilla.server.cli bench --random gemma-3-4b --bits 4 --batch ${GEMMA3_BATCHES:-1,16,64} \
     2>&1 | tee "$OUT/gemma3_decode.log" | grep -vE "^\[|Writing"
+fi
+if has hybrid; then  # the hybrid KV cache on the GPU: its tests, runtime bench hybrid / plain, decode past the window
+  mark "hybrid: test_window_cuda -k hybrid"
+  timeout 150 python3 -m pytest -q -rf -p no:cacheprovider tests/test_window_cuda.py -k hybrid > "$OUT/hybrid_cuda.log" 2>&1
+  tail -5 "$OUT/hybrid_cuda.log"
+  for flag in "" --disable-hybrid-kv-cache-manager; do
+    mark "hybrid: runtime bench --random gemma-3-4b $flag"
+    timeout 150 python3 -m flotilla.server.cli bench --random gemma-3-4b --bits 4 --batch 1,16,64 $flag 2>&1 \
+      | tee -a "$OUT/hybrid_bench.log" | grep -vE "^\[|Writing"
+  done
+  mark "hybrid: bench/hybrid_kv.py --measure"
+  timeout 150 python3 -P bench/hybrid_kv.py --measure --device cuda --layers 34 --batch 16 --prompt 1100 --tokens 128 \
+    2>&1 | tee "$OUT/hybrid_measure.log" | tail -8
 fi
 if has features; then  # the features that had never run on a GPU (bench/gpu_features.py) and the Qwen3 decode
   mark "features: gpu_features"

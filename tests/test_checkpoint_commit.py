@@ -111,10 +111,14 @@ def test_a_dead_writers_leftover_of_another_name_is_named_not_removed(tmp_path, 
                           text=True).stdout.strip()
     left = tmp_path / f".other.tmp-{dead}"
     left.mkdir()
-    (left / "part").write_bytes(b"\0" * (3 << 20))
+    (left / "part-00000-00000.safetensors").write_bytes(b"\0" * (3 << 20))
+    (tmp_path / ".another-tool.tmp-12").mkdir()  # no shard parts: not ours to name
+    (tmp_path / ".odd.tmp-99999999999999999999").mkdir()  # a pid past any: skipped, not a crash
+    (tmp_path / ".ckpt.tmp-99999999999999999999").mkdir()
     write(tmp_path / "ckpt", 1.0)
     err = capsys.readouterr().err
     assert f"note: {left} (3 MiB) is what a writer of {tmp_path / 'other'} that did not finish left" in err
+    assert err.count("note:") == 1
     assert left.exists()
     write(tmp_path / "other", 2.0)  # the next writer of that name removes it
     assert not left.exists()

@@ -222,3 +222,7 @@ def test_a_gptq_config_says_what_it_holds_and_refuses_other_word_widths():
         QuantConfig.from_hf({**base, "pack_dtype": "int16"})
     with pytest.raises(FlotillaError, match="checkpoint_format 'marlin' is not supported .expected gptq or gptq_v2"):
         QuantConfig.from_hf({**base, "checkpoint_format": "marlin"})
+    with pytest.raises(FlotillaError, match=r"quantization_config\.format 'marlin' is not supported"):
+        QuantConfig.from_hf({**base, "format": "marlin"})
+    with pytest.raises(FlotillaError, match="is_marlin_format is set: AutoGPTQ's Marlin layout is not supported"):
+        QuantConfig.from_hf({**base, "is_marlin_format": True})

@@ -1,6 +1,6 @@
 """The hybrid KV cache: a model whose layers are of two kinds (Gemma 2 and 3: sliding-window and global layers)
-keeps the sliding layers' keys and values in a pool of their own that holds only the window's blocks
-(runtime/block_manager.HybridBlockManager). Block tables against hand-worked cases, and the engine's tokens and
+deals its layers into groups of one kind, each with its own table over one pool of group-sized blocks, the sliding
+groups keeping only the window's blocks (runtime/block_manager.HybridBlockManager). Block tables against hand-worked cases, and the engine's tokens and
 logprobs against the same engine keeping every block for every layer (--disable-hybrid-kv-cache-manager)."""
 from __future__ import annotations
 

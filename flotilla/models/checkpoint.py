@@ -442,21 +442,21 @@ def remove_stale_writes(out: Path) -> None:
                 os.replace(p, out)
             else:
                 shutil.rmtree(p, ignore_errors=True)
-        except (ValueError, PermissionError):
+        except (ValueError, PermissionError, OverflowError):
             pass
 
 
 def _name_stale_writes(out: Path) -> None:
     for p in sorted(out.parent.glob(".*.tmp-*")):
         name, _, pid = p.name[1:].rpartition(".tmp-")
-        if name == out.name or not pid.isdigit() or not p.is_dir():
-            continue
+        if name == out.name or not pid.isdigit() or not p.is_dir() or not any(p.glob("*.safetensors")):
+            continue  # (a writer's holds its shards' parts: another tool's folder is not named)
         try:
             os.kill(int(pid), 0)
             continue  # still running
         except ProcessLookupError:
             pass
-        except PermissionError:
+        except (PermissionError, OverflowError, ValueError):
             continue
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         print(f"note: {p} ({size / 2**20:.0f} MiB) is what a writer of {p.parent / name} that did not finish left; "

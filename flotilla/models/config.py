@@ -178,12 +178,16 @@ class QuantConfig:
         if method != "gptq":
             raise FlotillaError(f"{where}: quantization_config.quant_method is {method!r}; supported: gptq, "
                                 f"{', '.join(CONVERTED)}")
-        fmt = d.get("checkpoint_format", d.get("format", "gptq"))  # GPTQModel's early configs said `format`
+        key = "checkpoint_format" if "checkpoint_format" in d or "format" not in d else "format"
+        fmt = d.get(key, "gptq")  # GPTQModel's early configs said `format`
         if "format" in d and "checkpoint_format" in d and d["format"] != fmt:
             raise FlotillaError(f"{where}: quantization_config says checkpoint_format {fmt!r} and format "
                                 f"{d['format']!r}; which layout the files hold is unclear: keep the right one")
+        if d.get("is_marlin_format"):  # AutoGPTQ 0.6's repacked Marlin layout
+            raise FlotillaError(f"{where}: quantization_config.is_marlin_format is set: AutoGPTQ's Marlin layout "
+                                "is not supported; use the GPTQ checkpoint it was made from")
         if fmt not in FORMATS:  # (a flotilla config of a converted layout says so here: pipeline probes)
-            raise FlotillaError(f"{where}: quantization_config.checkpoint_format {fmt!r} is not supported "
+            raise FlotillaError(f"{where}: quantization_config.{key} {fmt!r} is not supported "
                                 f"(expected gptq or gptq_v2; AutoAWQ's and bitsandbytes' checkpoints say theirs in "
                                 f"quant_method)")
         bits = d.get("bits")

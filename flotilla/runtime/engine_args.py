@@ -90,7 +90,8 @@ class EngineArgs:
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="for a model with both sliding-window and global layers (Gemma 2 and 3): keep every "
                             "token's keys and values for every layer (default: the sliding-window layers keep "
-                            "only their window's, in a pool of their own, so more tokens fit the same memory)")
+                            "only their window's, in tables of their own over the one pool, so more tokens fit "
+                            "the same memory)")
         g.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a small model or a "
                             "lower-bit copy of the target, same tokenizer); the output distribution is the target's")

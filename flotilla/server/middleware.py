@@ -86,6 +86,8 @@ def make_middlewares(state: ServerState) -> list:
 
     @web.middleware
     async def errors(request: web.Request, handler):
+        if request.transport is not None:  # this connection brought a request (serve.Server's idle check)
+            state.requested.add(id(request.transport))
         status = 500
         try:
             response = await handler(request)

@@ -34,8 +34,9 @@ class Server:
     def __init__(self, state: ServerState, manage_engine: bool = True, sockets: list[socket.socket] | None = None):
         self.state = state
         self.app = build_app(state, manage_engine)
-        # keepalive_timeout: aiohttp closes a connection that has waited this long for a request's headers,
-        # from its start or since its last response (never one whose request is running: a stream, a websocket)
+        # keepalive_timeout: aiohttp closes a kept-alive connection that has waited this long for the next
+        # request's headers (never one whose request is running: a stream, a websocket); a new connection that
+        # brings none is closed by _close_if_idle (aiohttp does so itself only since late 2026)
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                                     keepalive_timeout=state.config.idle_timeout)
         self.sockets = sockets or []
@@ -48,6 +49,7 @@ class Server:
     async def start(self) -> None:
         cfg = self.state.config
         await self.runner.setup()
+        self._watch_first_requests()
         prepare_to_listen(self.sockets)
         sites = [web.SockSite(self.runner, sock) for sock in self.sockets] or [
             web.TCPSite(self.runner, cfg.host, cfg.port, reuse_address=True)]
@@ -58,6 +60,32 @@ class Server:
             await self.runner.cleanup()
             raise FlotillaError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
         self.port = self.runner.addresses[0][1]
+
+    def _watch_first_requests(self) -> None:
+        """Each new connection that has brought no request (its headers never ended, or it sent nothing) when
+        idle_timeout passes is closed: aiohttp's keepalive timer covers the time between requests, and only its
+        recent releases the time before the first."""
+        server, requested, idle = self.runner.server, self.state.requested, self.state.config.idle_timeout
+        made, lost = server.connection_made, server.connection_lost
+        loop = asyncio.get_running_loop()
+        open_: dict = {}  # handler -> its transport, while the connection is open
+
+        def close_if_idle(transport) -> None:
+            if id(transport) not in requested and not transport.is_closing():
+                transport.close()
+
+        def connection_made(handler, transport) -> None:
+            made(handler, transport)
+            open_[handler] = transport
+            loop.call_later(idle, close_if_idle, transport)
+
+        def connection_lost(handler, exc=None) -> None:
+            transport = open_.pop(handler, None)
+            if transport is not None:
+                requested.discard(id(transport))  # (an id may be reused once the transport is gone)
+            lost(handler, exc)
+
+        server.connection_made, server.connection_lost = connection_made, connection_lost
 
     async def drain(self) -> None:
         await self.stop_accepting()

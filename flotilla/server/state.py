@@ -23,6 +23,9 @@ class ServerState:
     admission: Admission | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     websockets: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    # the connections (their transports' ids) that brought a request: serve.Server closes the others once
+    # idle_timeout passes
+    requested: set = field(default_factory=set)
 
     def __post_init__(self):
         if self.admission is None:

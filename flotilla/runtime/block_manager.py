@@ -106,7 +106,6 @@ class BlockManager(_OnePool):
         self.num_window_released = 0  # blocks given back behind a window, since the start
 
     # ------------------------------------------------------------------ queries
-
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of the sequence's first num_blocks full blocks (computed once)."""
         hashes, bs = seq.block_hashes, self.block_size
@@ -301,7 +300,6 @@ class HybridBlockManager(_OnePool):
                        for g, w in enumerate(windows)]
 
     # ------------------------------------------------------------------ queries
-
     @property
     def num_window_released(self) -> int:
         return sum(g.num_window_released for g in self.groups)

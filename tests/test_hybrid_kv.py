@@ -287,3 +287,49 @@ def test_a_context_cut_by_the_kv_memory_is_said_and_the_line_says_what_fits(mode
                                  for line in lines), lines
     if hybrid:
         assert f"room for 1 sequence of {context} tokens" in lines[0] or f"sequences of {context} tokens" in lines[0]
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_every_read_finds_what_its_group_wrote_under_random_histories(seed):
+    """Random admissions (shared prefixes: prefix hits), chunks, decodes and frees over a small pool of 2 or 3
+    groups: every key a query reads (its window, or the whole context) is in a block its group wrote for that
+    very token history, and the manager's invariants hold after each change."""
+    import random
+
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4])
+    windows = rng.choice([(0, 5), (0, 8, 8), (0, 0, 6), (0, 3)])
+    bm = HybridBlockManager(rng.randint(8, 40), windows, bs)
+    written: dict[tuple[int, int], tuple[int, tuple]] = {}  # (block, slot) -> (group, the tokens up to it)
+    prefixes = [[rng.randint(0, 3) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    live = []
+
+    def compute(s: Sequence, start: int, n: int) -> None:
+        tables = [s.block_table] + [s.group_tables[g] for g in range(1, len(windows))]
+        for g, table in enumerate(tables):
+            for pos in range(start, start + n):
+                written[(table[pos // bs], pos % bs)] = (g, tuple(s.token_ids[:pos + 1]))
+            for pos in range(start, start + n):
+                for p in range(max(0, pos - windows[g] + 1) if windows[g] else 0, pos + 1):
+                    assert table[p // bs] != 0 and written[(table[p // bs], p % bs)] == (g, tuple(s.token_ids[:p + 1]))
+        s.num_computed_tokens = start + n
+
+    for i in range(250):
+        roll = rng.random()
+        if roll < 0.3 or not live:
+            s = seq(f"s{i}", rng.choice(prefixes) + [rng.randint(0, 3) for _ in range(rng.randint(1, 12))])
+            computed, cached = bm.get_computed_blocks(s)
+            n = min(s.num_tokens - cached, rng.randint(1, 8))
+            if bm.allocate_slots(s, n, computed) is not None:
+                compute(s, cached, n)
+                live.append(s)
+        elif roll < 0.8:
+            s = rng.choice(live)
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(rng.randint(0, 3))
+            n = rng.randint(1, min(8, s.num_tokens - s.num_computed_tokens))
+            if bm.allocate_slots(s, n) is not None:
+                compute(s, s.num_computed_tokens, n)
+        else:
+            bm.free(live.pop(rng.randrange(len(live))))
+        bm.check_integrity()

@@ -223,3 +223,22 @@ def test_a_sliding_window_model_through_a_lane_equals_pp1(ckpt, prompts, tmp_pat
     assert engine.scheduler.block_manager.num_window_released > 0
     assert [[[t for t, _ in s] for s in r] for r in ring] == [[[t for t, _ in s] for s in r] for r in plain]
     assert largest_gap(ring, plain) <= EXACT
+
+
+def test_a_context_the_pipelines_kv_memory_cannot_hold_is_said(ckpt, tmp_path):
+    """As a single process says it (build_engine): the context the stages' pools hold, not the one asked for."""
+    lines = []
+    workers = [ThreadWorker(tmp_path / f"cache{i}", ckpt) for i in range(2)]
+    try:
+        settings = PipelineSettings(tuple(w.address for w in workers), LinkSettings(TOKEN), (CUT, 1), dtype="float32")
+        engine = build_pipeline_engine(ckpt, dataclasses.replace(ARGS, kv_cache_memory="64KiB"), settings,
+                                       lines.append, with_tokenizer=False)
+        try:
+            context = engine.config.context_len
+            assert context < 256 and any(f"holds contexts of up to {context} tokens, not the 256 of --max-model-len"
+                                         in line for line in lines), lines
+        finally:
+            engine.close()
+    finally:
+        for w in workers:
+            w.stop()

@@ -46,6 +46,10 @@ def build_pipeline_engine(model: str | Path, args: EngineArgs, settings: Pipelin
                           enable_prefix_caching=args.enable_prefix_caching,
                           overlap=None if args.overlap else False,  # None: with one micro-batch in flight
                           sliding_window=cfg.kv_window)
+    if config.context_len < max_len and report is not None:  # said, as a single process says it (build_engine)
+        report(f"the KV cache holds contexts of up to {config.context_len} tokens, not the {max_len} of "
+               f"{'--max-model-len' if args.max_model_len else 'the model'}: give it more memory "
+               "(--kv-cache-memory) for longer ones")
     spec = None
     try:
         if args.speculative_config is not None:

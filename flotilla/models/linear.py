@@ -110,8 +110,10 @@ class QuantLinear(nn.Module, _Shards):
         if suffix == "g_idx":
             if self._g_idx_loaded:
                 if not torch.equal(self.g_idx, value.to(self.g_idx.device, torch.int32)):
-                    raise FlotillaError("the merged projections have different g_idx (act-order permutations); "
-                                        "this checkpoint cannot be loaded")
+                    raise FlotillaError("the merged projections (q/k/v, or gate/up) have different g_idx (act-order "
+                                        "permutations), which one merged linear cannot hold, as vLLM's cannot: "
+                                        "quantize them with one permutation (GPTQ's from their shared input, as "
+                                        "AutoGPTQ and GPTQModel do)")
                 return
             target = self.g_idx
             self._g_idx_loaded = True

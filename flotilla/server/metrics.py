@@ -156,7 +156,8 @@ class ServerMetrics:
         self.running = Gauge("flotilla_running_sequences", "Sequences the engine is running")
         self.kv_usage = Gauge("flotilla_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
         self.kv_free = Gauge("flotilla_kv_cache_free_blocks", "KV cache blocks free")
-        self.kv_total = Gauge("flotilla_kv_cache_total_blocks", "KV cache blocks in the pool")
+        self.kv_total = Gauge("flotilla_kv_cache_total_blocks", "KV cache blocks in the pool (a hybrid cache's: "
+                              "blocks of one group of layers each)")
         self.ttft = Histogram("flotilla_time_to_first_token_seconds", "Time from arrival to the first token",
                               TTFT_BUCKETS)
         self.itl = Histogram("flotilla_inter_token_latency_seconds", "Time between consecutive tokens of a sequence",

@@ -43,16 +43,12 @@ def capacity(name: str, memory: int, max_num_seqs: int, chunk: int) -> dict:
     spec = dataclasses.replace(plain, groups=groups, group_windows=group_windows)
     n, fit = hybrid_plan(spec, KVCachePlan(n_plain, ""), max_model_len, max_num_seqs, chunk)
 
-    def per_seq(tokens: int) -> int:  # a decoding sequence's blocks, every group
-        k = -(-tokens // BLOCK)
-        return sum(min(k, -(-(w - 1) // BLOCK) + 2) if w else k for w in group_windows)
-
     row = {"model": name, "memory_gib": round(memory / 2**30, 2), "layers": layers,
            "groups": f"{sum(1 for w in group_windows if not w)}+{sum(1 for w in group_windows if w)}x{len(groups[0])}",
            "plain_longest": min((n_plain - 1) * BLOCK, max_model_len), "hybrid_longest": fit}
     for length in LENGTHS:  # (None: past the model's context)
         row[f"plain_{length}"] = (n_plain - 1) // -(-length // BLOCK) if length <= max_model_len else None
-        row[f"hybrid_{length}"] = (n - 1) // per_seq(length) if length <= max_model_len else None
+        row[f"hybrid_{length}"] = (n - 1) // spec.blocks_per_sequence(length) if length <= max_model_len else None
     return row
 
 

@@ -27,7 +27,7 @@ from flotilla.models.llama import CausalLM
 
 from .cuda_graphs import BUCKETS, bucket_for
 from .engine import EngineConfig, LLMEngine
-from .kv_cache import KVCache, KVCacheSpec, hybrid_groups, window_blocks
+from .kv_cache import KVCache, KVCacheSpec, hybrid_groups
 from .model_runner import ModelRunner
 from .random_model import (BITS, GGUF_MIXES, SHAPES, build_random_gguf_model, build_random_model, gguf_mix,
                            weight_bytes)
@@ -74,12 +74,10 @@ def bench_engine(model: CausalLM, batch: int, context: int, prefill_tokens: int,
     dtype = model.model.embed_tokens.weight.dtype
     device = model.model.embed_tokens.weight.device
     spec = KVCacheSpec(tuple(model.stage.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, block_size)
-    per = -(-context // block_size)
     groups, windows = hybrid_groups(spec.layers, cfg.layer_window) if hybrid else ((), ())
-    if groups:  # each group's blocks: every one of a whole-context group, at most its window's of a sliding one
+    if groups:
         spec = dataclasses.replace(spec, groups=groups, group_windows=windows)
-        per = sum(min(per, window_blocks(w, block_size, max(prefill_tokens, batch))) if w else per for w in windows)
-    num_blocks = batch * per + 1  # + the null block
+    num_blocks = batch * spec.blocks_per_sequence(context, max(prefill_tokens, batch)) + 1  # + the null block
     cache = KVCache(spec, num_blocks, device)
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=context,
                           scheduler=SchedulerConfig(batch, max(prefill_tokens, batch)), enable_prefix_caching=False,

@@ -139,8 +139,8 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy from the host twin (long done: its step was sampled)
         T, bs, W = len(token_ids), self.block_size, self.width
-        tok, pos, slot, lens, prev = self._fields[:_FIELDS]
-        tables = self._tables
+        tok, pos, _, lens, prev = self._fields[:_FIELDS]
+        tables, every = self._tables, (block_tables, *(group_tables or ()))
         if query_lens is None or T == len(starts):  # one token per sequence: rows are sequences
             changed = self._write_tables(block_tables, group_tables or [])
             pos[:T] = starts
@@ -150,9 +150,7 @@ class DecodeInputs:
             first_row = np.cumsum(qlens) - qlens
             pos[:T] = np.asarray(starts, dtype=np.int64)[seq_of_row] + np.arange(T) - first_row[seq_of_row]
             tables.fill(0)
-            for b, t in enumerate(block_tables):
-                tables[b, :len(t)] = t
-            for g, group in enumerate(group_tables or (), 1):
+            for g, group in enumerate(every):
                 for b, t in enumerate(group):
                     tables[b, g * W:g * W + len(t)] = t
             tables[:T] = tables[seq_of_row]  # sequence tables (rows < B) -> one per token; gather copies
@@ -166,12 +164,10 @@ class DecodeInputs:
             prev[:T][prev[:T] < 0] = self.no_prev
         pos[T:] = 0
         s = pos[:T]
-        slot[:T] = tables[np.arange(T), s // bs] * bs + s % bs
-        slot[T:] = 0
-        for g in range(1, self.groups):
-            gslot = self._fields[_FIELDS + g - 1]
-            gslot[:T] = tables[np.arange(T), g * W + s // bs] * bs + s % bs
-            gslot[T:] = 0
+        for g in range(self.groups):  # group 0's slot mapping among the fields, the others' after prev_rows
+            slot = self._fields[2 if g == 0 else _FIELDS + g - 1]
+            slot[:T] = tables[np.arange(T), g * W + s // bs] * bs + s % bs
+            slot[T:] = 0
         lens[:T], lens[T:] = s + 1, 1
         self._send(changed)
 
@@ -232,10 +228,13 @@ class DecodeInputs:
         self._used = B
         return changed
 
-    def metadata(self) -> PagedAttentionMetadata:
-        """Attention metadata over the static buffers, as for contexts of up to W blocks."""
+    def metadata(self, slot_mapping: torch.Tensor | None = None,
+                 block_tables: torch.Tensor | None = None) -> PagedAttentionMetadata:
+        """Attention metadata over the static buffers, as for contexts of up to W blocks (group 0's slot
+        mapping and tables, unless others are given)."""
         return PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            slot_mapping=self.slot_mapping if slot_mapping is None else slot_mapping,
+            block_tables=self.block_tables if block_tables is None else block_tables, seq_lens=self.seq_lens,
             query_lens=self.query_lens, block_size=self.block_size, num_decodes=self.size,
             max_decode_seq_len=self.width * self.block_size, max_prefill_query_len=0, max_prefill_seq_len=0)
 
@@ -243,11 +242,7 @@ class DecodeInputs:
         """The same over the tables of groups 1.. (None for inputs of one group)."""
         if self.groups == 1:
             return None
-        return [PagedAttentionMetadata(
-            slot_mapping=slots, block_tables=tables, seq_lens=self.seq_lens, query_lens=self.query_lens,
-            block_size=self.block_size, num_decodes=self.size, max_decode_seq_len=self.width * self.block_size,
-            max_prefill_query_len=0, max_prefill_seq_len=0)
-            for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)]
+        return [self.metadata(slots, tables) for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)]
 
 
 class _Bucket:

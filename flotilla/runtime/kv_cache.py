@@ -72,6 +72,16 @@ class KVCacheSpec:
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
 
+    def blocks_per_sequence(self, tokens: int, chunk: int | None = None) -> int:
+        """The blocks one sequence of `tokens` tokens holds, every group's: while it decodes (a sliding group its
+        window's blocks and 2 at the ends), or with `chunk` at a step's peak (window_blocks: steps of up to
+        `chunk` tokens)."""
+        k = -(-tokens // self.block_size)
+        if not self.groups:
+            return k
+        return sum(min(k, window_blocks(w, self.block_size, chunk) if chunk is not None
+                       else -(-(w - 1) // self.block_size) + 2) if w else k for w in self.group_windows)
+
     def describe(self, num_blocks: int, context: int | None = None) -> str:
         """The startup line; `context`: the longest context served (a hybrid cache's line says what one sequence
         of it holds)."""
@@ -89,9 +99,7 @@ class KVCacheSpec:
                 f"{window}): a decoding sequence of n tokens holds n / {self.block_size} blocks in each "
                 f"whole-context group and at most {-(-(window - 1) // self.block_size) + 2} in each sliding one")
         if context:
-            k = -(-context // self.block_size)
-            per = sum(min(k, -(-(w - 1) // self.block_size) + 2) if w else k for w in self.group_windows)
-            fit = usable // per
+            fit = usable // self.blocks_per_sequence(context)
             line += f"; room for {fit} sequence{'' if fit == 1 else 's'} of {context} tokens"
         return line
 
@@ -259,21 +267,15 @@ def hybrid_plan(spec: KVCacheSpec, plain: KVCachePlan, max_model_len: int, max_n
     sequences of max_model_len tokens take; the longest context is what one sequence alone can reach."""
     whole = dataclasses.replace(spec, groups=(), group_windows=())
     budget = plain.num_blocks * whole.bytes_per_block
-    per = -(-max_model_len // spec.block_size)  # blocks of one whole-context group for one sequence
-    wide = [min(per, window_blocks(w, spec.block_size, max_num_batched_tokens)) for w in spec.group_windows if w]
-    nwhole = len(spec.groups) - len(wide)
-    cap = max_num_seqs * (nwhole * per + sum(wide)) + 1
-    n = max(2, min(cap, budget // spec.bytes_per_block))
-    usable = n - 1
-    if usable >= nwhole * per + sum(wide):
+    longest = spec.blocks_per_sequence(max_model_len, max_num_batched_tokens)
+    n = max(2, min(max_num_seqs * longest + 1, budget // spec.bytes_per_block))
+    if n - 1 >= longest:
         return n, max_model_len
-    k = 0  # blocks of a whole-context group for the longest sequence that fits alone
-    lo, hi = 0, per
+    lo, hi = 0, -(-max_model_len // spec.block_size)  # blocks of the longest sequence that fits alone
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if nwhole * mid + sum(min(mid, w) for w in wide) <= usable:
+        if spec.blocks_per_sequence(mid * spec.block_size, max_num_batched_tokens) <= n - 1:
             lo = mid
         else:
             hi = mid - 1
-    k = lo
-    return n, k * spec.block_size
+    return n, lo * spec.block_size

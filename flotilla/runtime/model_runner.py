@@ -316,33 +316,24 @@ def prepare_step(step: StepInput, block_size: int, device: torch.device
         first_row = np.cumsum(qlens) - qlens
         positions = starts[seq_of_token] + np.arange(T) - first_row[seq_of_token]
     seq_lens = starts + qlens
+    shared = dict(  # every group's metadata holds the same lengths: sent to the device once
+        seq_lens=_to(seq_lens, device), query_lens=_to(qlens, device), block_size=bs, num_decodes=nd,
+        max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
+        max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
+        max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
+        min_decode_pos=int(starts[:nd].min()) if nd else 0,
+        min_prefill_pos=int(starts[nd:].min()) if nd < B else 0)
 
     def metadata(block_tables: list[list[int]]) -> PagedAttentionMetadata:
         tables = np.zeros((B, max(len(t) for t in block_tables)), dtype=np.int64)  # [B, W], 0 = null block
         for b, t in enumerate(block_tables):
             tables[b, :len(t)] = t
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        return _metadata(block_tables, tables, slots, seq_lens, qlens, starts, bs, nd, B, device)
+        return PagedAttentionMetadata(slot_mapping=_to(slots, device), block_tables=_to(tables, device),
+                                      first_block=_first_if_consecutive(block_tables[0]) if B == 1 else -1, **shared)
 
     groups = [metadata(t) for t in step.group_tables] if step.group_tables is not None else None
     return _to(positions, device), metadata(step.block_tables), groups
-
-
-def _metadata(block_tables, tables, slots, seq_lens, qlens, starts, bs, nd, B, device) -> PagedAttentionMetadata:
-    return PagedAttentionMetadata(
-        slot_mapping=_to(slots, device),
-        block_tables=_to(tables, device),
-        seq_lens=_to(seq_lens, device),
-        query_lens=_to(qlens, device),
-        block_size=bs,
-        num_decodes=nd,
-        max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-        max_prefill_query_len=int(qlens[nd:].max()) if nd < B else 0,
-        max_prefill_seq_len=int(seq_lens[nd:].max()) if nd < B else 0,
-        first_block=_first_if_consecutive(block_tables[0]) if B == 1 else -1,
-        min_decode_pos=int(starts[:nd].min()) if nd else 0,
-        min_prefill_pos=int(starts[nd:].min()) if nd < B else 0,
-    )
 
 
 def _first_if_consecutive(table: list[int]) -> int:
